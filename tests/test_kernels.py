@@ -1,0 +1,171 @@
+"""kernels.py: the reference against SDPA, the Triton kernel against the reference, RaggedKV."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import RaggedKV, attention_reference, varlen_attention
+
+torch.set_num_threads(1)
+
+
+def assert_close(out, ref, atol, what=""):
+    """assert max |out - ref| <= atol, printing max and mean difference on failure."""
+    diff = (out.float() - ref.float()).abs()
+    assert torch.isfinite(out).all(), f"{what}: non-finite values in output"
+    assert diff.max() <= atol, f"{what}: max diff {diff.max():.3g} mean {diff.mean():.3g} (atol {atol})"
+
+
+def sdpa_dense(q, k, v, scale, causal, window):
+    """Dense oracle for one sequence: q (M, Hq, d), k/v (N, Hk, d), bottom-right mask built by hand."""
+    M, Hq, d = q.shape
+    N, Hk, _ = k.shape
+    G = Hq // Hk
+    diag = torch.arange(M)[:, None] + (N - M)
+    j = torch.arange(N)[None, :]
+    allowed = torch.ones(M, N, dtype=torch.bool)
+    if causal or window is not None:
+        allowed &= j <= diag
+    if window is not None:
+        allowed &= j > diag - window
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1).repeat_interleave(G, 0),
+        v.float().transpose(0, 1).repeat_interleave(G, 0), attn_mask=allowed, scale=scale)
+    return out.transpose(0, 1)
+
+
+def varlen_case(q_lens, k_lens, Hq, Hk, d, dtype=torch.float32, slack=0, seed=0):
+    """Random packed inputs; with slack > 0 every key region gets `slack` junk rows after its keys."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), Hq, d, generator=g).to(dtype)
+    regions = [n + slack for n in k_lens]
+    k = torch.randn(sum(regions), Hk, d, generator=g).to(dtype)
+    v = torch.randn(sum(regions), Hk, d, generator=g).to(dtype)
+    cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + regions, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    used = torch.tensor(k_lens, dtype=torch.int32) if slack else None
+    return q, k, v, cu_q, cu_k, used
+
+
+# -----------------------------------------------------------------------------------------------
+# reference vs SDPA
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 3)])
+@pytest.mark.parametrize("M,N", [(1, 1), (7, 7), (7, 40), (64, 64), (1, 300)])
+@pytest.mark.parametrize("G", [1, 4])
+def test_reference_matches_sdpa_dense(M, N, G, causal, window):
+    d, Hk = 64, 2
+    q, k, v, cu_q, cu_k, _ = varlen_case([M], [N], Hk * G, Hk, d, seed=M * N + G)
+    out = attention_reference(q, k, v, cu_q, cu_k, M, N, 0.1, causal, window)
+    assert_close(out, sdpa_dense(q, k, v, 0.1, causal, window), 1e-5, "reference vs sdpa")
+
+
+def test_reference_varlen_is_per_sequence_and_ignores_slack():
+    # several sequences, slack rows full of junk, one empty key set, one N < M (rows without keys)
+    q_lens, k_lens = [3, 1, 5, 4], [10, 0, 20, 2]
+    q, k, v, cu_q, cu_k, used = varlen_case(q_lens, k_lens, 8, 2, 32, slack=3)
+    for b, n in enumerate(k_lens):  # slack rows: huge values that would dominate if they leaked in
+        k[int(cu_k[b]) + n:int(cu_k[b + 1])] = 1e4
+    out = attention_reference(q, k, v, cu_q, cu_k, 5, 20, None, True, None, used)
+    for b in range(4):
+        q0, q1, k0 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b])
+        M, N = q_lens[b], k_lens[b]
+        if N == 0:
+            assert (out[q0:q1] == 0).all()
+            continue
+        ref = sdpa_dense(q[q0:q1], k[k0:k0 + N], v[k0:k0 + N], 32 ** -0.5, True, None)
+        ok = (torch.arange(M) + N - M >= 0)  # rows that see at least one key
+        assert_close(out[q0:q1][ok], ref[ok], 1e-5, f"sequence {b}")
+        assert (out[q0:q1][~ok] == 0).all()
+
+
+def test_backend_selection(monkeypatch):
+    q, k, v, cu_q, cu_k, _ = varlen_case([4], [9], 4, 2, 16)
+    ref = attention_reference(q, k, v, cu_q, cu_k, 4, 9)
+    monkeypatch.setenv("FASTKVZIP_ATTN_BACKEND", "torch")
+    assert torch.equal(varlen_attention(q, k, v, cu_q, cu_k, 4, 9), ref)
+    monkeypatch.delenv("FASTKVZIP_ATTN_BACKEND")
+    assert torch.equal(varlen_attention(q, k, v, cu_q, cu_k, 4, 9), ref)  # CPU tensors -> torch
+    with pytest.raises(ValueError):
+        varlen_attention(q, k, v, cu_q, cu_k, 4, 9, backend="nope")
+
+
+# -----------------------------------------------------------------------------------------------
+# RaggedKV
+
+def test_ragged_append_attend_matches_dense_causal():
+    H, G, d, T = 2, 3, 16, 11
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g), torch.randn(T, H, d, generator=g)
+    kv = RaggedKV(H, d, torch.float32, "cpu")
+    kv.append(k[:7], v[:7], torch.arange(7))              # a 7-token prefill ...
+    out_prefill = kv.attend(q[:7], 0.25)
+    outs = [out_prefill]
+    for t in range(7, T):                                 # ... then decode one token at a time
+        kv.append(k[t:t + 1], v[t:t + 1], torch.tensor([t]))
+        outs.append(kv.attend(q[t:t + 1], 0.25))
+    ref = sdpa_dense(q, k, v, 0.25, True, None)
+    assert_close(torch.cat(outs), ref, 1e-5, "ragged causal")
+    assert kv.n_rows == H * T and kv.lens.tolist() == [T] * H
+    assert torch.equal(kv.head_pos(1), torch.arange(T))
+    assert torch.isinf(kv.head_score(0)).all()
+
+
+def test_ragged_select_window_and_companions():
+    H, G, d, T = 3, 2, 16, 20
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(T, H, d, generator=g), torch.randn(T, H, d, generator=g)
+    score = torch.rand(H, T, generator=g)
+    kv = RaggedKV(H, d, torch.float32, "cpu")
+    kv.append(k, v, torch.arange(100, 100 + T), score)
+    keep = [score[h] > 0.5 for h in range(H)]
+    kv.select(keep)
+    for h in range(H):
+        assert torch.equal(kv.head_pos(h), torch.arange(100, 100 + T)[keep[h]])
+        assert torch.equal(kv.head_score(h), score[h][keep[h]])
+    assert kv.nbytes == kv.n_rows * 2 * d * 4, "select must free the evicted rows and the slack"
+    # attention over the kept rows equals dense attention over the same rows, head by head
+    q = torch.randn(1, H * G, d, generator=g)
+    out = kv.attend(q, 0.3)
+    for h in range(H):
+        kh, vh = k[:, h][keep[h]], v[:, h][keep[h]]
+        ref = sdpa_dense(q[:, h * G:(h + 1) * G], kh[:, None], vh[:, None], 0.3, True, None)
+        assert_close(out[:, h * G:(h + 1) * G], ref, 1e-5, f"head {h}")
+    kv.set_tail_scores(torch.zeros(H, 2))
+    assert all((kv.head_score(h)[-2:] == 0).all() for h in range(H))
+    lens = kv.lens.clone()
+    kv.truncate(1)
+    assert torch.equal(kv.lens, lens - 1) and kv.nbytes == kv.n_rows * 2 * d * 4
+    kv.keep_last(3)
+    assert kv.lens.tolist() == [3] * H and kv.nbytes == kv.n_rows * 2 * d * 4
+    assert torch.equal(kv.head_pos(0), torch.arange(100, 100 + T)[keep[0]][-4:-1])
+
+
+def test_ragged_window_attend():
+    H, G, d, T, W = 2, 2, 16, 12, 4
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g), torch.randn(T, H, d, generator=g)
+    kv = RaggedKV(H, d, torch.float32, "cpu")
+    kv.append(k, v, torch.arange(T))
+    assert_close(kv.attend(q, 0.25, window=W), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, "window")
+
+
+def test_ragged_append_into_slack_does_not_reallocate():
+    H, d = 4, 8
+    kv = RaggedKV(H, d, torch.float32, "cpu")
+    kv.append(torch.randn(100, H, d), torch.randn(100, H, d), torch.arange(100))
+    ptr, cap = kv.k.data_ptr(), kv.k.shape[0]
+    assert cap > H * 100, "append must leave slack"
+    n = 0
+    while H * (100 + n + 1) <= cap and (kv.caps - kv.lens).min() > 0:  # every head still has room
+        kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([100 + n]))
+        n += 1
+    assert n > 10 and kv.k.data_ptr() == ptr and kv.v.shape[0] == cap, "append into slack reallocated"
+    # growth is geometric: appending 10x more tokens reallocates only a handful of times
+    reallocs, last = 0, kv.k.data_ptr()
+    for i in range(1000):
+        kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([1000 + i]))
+        reallocs += kv.k.data_ptr() != last
+        last = kv.k.data_ptr()
+    assert reallocs <= 8, f"{reallocs} reallocations for 1000 appends"
+    assert kv.lens.tolist() == [1100 + n] * H and kv.n_rows == H * (1100 + n)
