@@ -1,0 +1,288 @@
+"""
+The KV cache: what is kept, and where.
+
+Two classes, one storage. Every layer keeps its keys and values in a `kernels.RaggedKV`: per KV head a
+region of rows (METHOD.md §8), so after eviction each head can hold a different number of tokens and
+the attention kernel reads exactly what is kept. Nothing is masked: evicted rows are gone from memory.
+
+- `KVCache` is the full cache. Gemma3's sliding-window layers keep only a rolling window of W tokens.
+- `EvictingCache` adds scores: every compressed layer asks a scorer (the gate, or a baseline, gate.py)
+  how important each new KV pair is, stores the score beside the row, and `evict()` drops the least
+  important rows of a segment of the context — one threshold over all compressed layers × heads by
+  default (the paper's non-uniform structure, METHOD.md §6), or per layer / per head as ablations.
+  During decoding it buffers the attention-input hidden states and runs the gate once every 128 tokens
+  (METHOD.md §7).
+
+The model only ever calls `cache.attend(layer, q, k, v, hidden, scale, window)` and `cache.advance(T)`.
+Eviction itself is an explicit call in the generation loop (generate.py), never a hidden hook.
+"""
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels import RaggedKV
+
+SLIDING_SLACK = 128  # sliding layers trim back to W-1 rows only once they are 128 rows over: amortised O(1)
+
+
+class KVCache:
+    """Full KV cache for one sequence (batch 1). Sliding-window layers keep their last W-1 tokens."""
+
+    def __init__(self, cfg, dtype=torch.float32, device="cpu"):
+        self.cfg = cfg
+        self.dtype, self.device = dtype, torch.device(device)
+        self.layers = [RaggedKV(cfg.num_key_value_heads, cfg.head_dim, dtype, self.device)
+                       for _ in range(cfg.num_hidden_layers)]
+        self.n_seen = 0  # absolute position of the next token (evicted tokens still count: RoPE positions)
+        self.peak_nbytes = 0
+
+    @property
+    def nbytes(self):
+        """Bytes of keys and values actually allocated, all layers (slack included)."""
+        return sum(kv.nbytes for kv in self.layers)
+
+    def positions(self, T):
+        return torch.arange(self.n_seen, self.n_seen + T, device=self.device)
+
+    def attend(self, layer, q, k, v, hidden, scale, window=None):
+        """Store the T new tokens' k/v of `layer`, then attend q over everything the layer keeps.
+        q (T, Hq, d), k/v (T, H, d) post-RoPE; hidden (T, D) is the attention input (unused here)."""
+        kv = self.layers[layer]
+        kv.append(k, v, self.positions(q.shape[0]))
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+        out = kv.attend(q, scale, window)  # (T, Hq, d)
+        if window is not None and int(kv.lens.max()) > window - 1 + SLIDING_SLACK:
+            kv.keep_last(window - 1)  # the next token sees W keys: W-1 old ones and itself
+        return out
+
+    def advance(self, T):
+        self.n_seen += T
+
+    # -- questions on a shared context: answer, then roll back (METHOD.md §8 slice) --
+    def checkpoint(self):
+        """State to roll back to after answering a question. Sliding layers drop old rows as new tokens
+        arrive, so they are copied (W rows each); other layers only need their lengths."""
+        sliding = {i: copy.deepcopy(kv) for i, kv in enumerate(self.layers) if self._is_sliding(i)}
+        return dict(n_seen=self.n_seen, lens=[kv.lens.clone() for kv in self.layers], sliding=sliding)
+
+    def rollback(self, state):
+        for i, kv in enumerate(self.layers):
+            if i in state["sliding"]:
+                self.layers[i] = copy.deepcopy(state["sliding"][i])
+            else:
+                extra = kv.lens - state["lens"][i]
+                assert bool((extra == extra[0]).all()) and int(extra[0]) >= 0, "rollback: heads diverged"
+                kv.truncate(int(extra[0]))
+        self.n_seen = state["n_seen"]
+
+    def _is_sliding(self, layer):
+        return self.cfg.layer_types[layer] == "sliding_attention"
+
+
+# -------------------------------------------------------------------------------------------------
+# Budget arithmetic (METHOD.md §6)
+
+@dataclass
+class PrefillPlan:
+    window: int        # trailing context tokens kept in full
+    segment_ratio: float  # r': fraction kept of every evicted segment, so that the total is r
+    chunk_size: int
+
+
+def plan_prefill(n_context, ratio, chunk_size=16384, window=4096):
+    """The window and per-segment ratio that keep a fraction `ratio` of the context, window included.
+
+    METHOD.md §6: contexts shorter than one chunk keep their last 2% instead of the window (the authors
+    compare with 16000 = their chunk size; we compare with --chunk-size); if the budget is smaller than
+    the window, only (a shorter) window survives."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"budget must be in (0, 1], got {ratio}")
+    if n_context < chunk_size:
+        window = int(0.02 * n_context)
+    window = min(window, n_context)
+    if ratio * n_context < window:
+        return PrefillPlan(int(ratio * n_context), 0.0, chunk_size)
+    if n_context == window:
+        return PrefillPlan(window, 1.0, chunk_size)
+    return PrefillPlan(window, (ratio * n_context - window) / (n_context - window), chunk_size)
+
+
+def top_k_mask(scores, k):
+    """Keep exactly the k highest scores; ties go to the earlier entry (stable sort): deterministic."""
+    keep = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+    if k > 0:
+        order = torch.sort(scores.flatten(), descending=True, stable=True).indices
+        keep[order[:k]] = True
+    return keep.view(scores.shape)
+
+
+# -------------------------------------------------------------------------------------------------
+
+LEVELS = ("global", "layer", "head")
+
+
+class EvictingCache(KVCache):
+    """A KV cache whose compressed layers score every new KV pair and evict on request.
+
+    scorer: gate.Scorer, called as scorer.score(l, hidden, q, k, pos) -> (H, T) for compressed layer l.
+    n_protected: the first n_protected positions (the system prompt) are never evicted (METHOD.md §4.4).
+    decode_budget: average kept tokens per compressed head during decoding (None = keep generated tokens).
+    """
+
+    def __init__(self, cfg, scorer, dtype=torch.float32, device="cpu", n_protected=0, level="global",
+                 decode_budget=None, decode_buffer=128, decode_window=128, decode_sinks=4):
+        super().__init__(cfg, dtype, device)
+        assert level in LEVELS, f"level must be one of {LEVELS}"
+        self.scorer, self.level, self.n_protected = scorer, level, n_protected
+        self.compressed = list(cfg.compressed_layers)
+        self.index = {layer: l for l, layer in enumerate(self.compressed)}  # model layer -> gate index
+        self.decode_budget, self.decode_buffer = decode_budget, decode_buffer
+        self.decode_window, self.decode_sinks = decode_window, decode_sinks
+        self.decoding = False  # True after prefill: new tokens are buffered, scored every 128 tokens
+        self.buffer = {layer: [] for layer in self.compressed}  # hidden states waiting to be scored
+        self.gate_seconds = 0.0
+
+    def attend(self, layer, q, k, v, hidden, scale, window=None):
+        if layer not in self.index:
+            return super().attend(layer, q, k, v, hidden, scale, window)
+        pos = self.positions(q.shape[0])
+        if self.decoding:
+            # score later, 128 tokens at a time (METHOD.md §7); +inf until then = not evictable
+            score = None
+            if self.decode_budget is not None:
+                self.buffer[layer].append(hidden)
+        else:
+            score = self._score(self.index[layer], hidden, q, k, pos)
+            score[:, pos < self.n_protected] = math.inf  # the system prompt is never evicted
+        kv = self.layers[layer]
+        kv.append(k, v, pos, score)
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+        return kv.attend(q, scale, window)
+
+    def _score(self, l, hidden, q, k, pos):
+        t0 = time.perf_counter()
+        score = self.scorer.score(l, hidden, q, k, pos).float()  # (H, T)
+        if score.is_cuda:
+            torch.cuda.synchronize()
+        self.gate_seconds += time.perf_counter() - t0
+        return score
+
+    # -- prefill: evict a segment of the context (METHOD.md §6) --
+    def evict(self, start, end, ratio, level=None):
+        """Keep exactly ⌊ratio·n⌋ of the n KV pairs whose positions lie in [start, end), over all
+        compressed layers and heads (level "global"), per layer ("layer") or per head ("head").
+
+        The authors keep int(n·r)−1 pairs (strict `>` against the sorted score at index int(n·r)−1,
+        METHOD.md §6); we keep exactly ⌊n·r⌋, ties going to the earlier layer, head and position."""
+        if end <= start:
+            return
+        level = level or self.level
+        in_seg = [[(kv.head_pos(h) >= start) & (kv.head_pos(h) < end) for h in range(kv.n_heads)]
+                  for kv in (self.layers[i] for i in self.compressed)]
+        # every head still holds every position of the segment (nothing there was evaluated yet)
+        scores = torch.stack([torch.stack([kv.head_score(h)[m] for h, m in enumerate(rows)])
+                              for kv, rows in zip((self.layers[i] for i in self.compressed), in_seg)])
+        L, H, s = scores.shape  # (compressed layers, heads, segment length)
+        if level == "global":
+            keep = top_k_mask(scores, int(ratio * L * H * s))
+        elif level == "layer":
+            keep = torch.stack([top_k_mask(x, int(ratio * H * s)) for x in scores])
+        else:
+            keep = torch.stack([torch.stack([top_k_mask(y, int(ratio * s)) for y in x]) for x in scores])
+        for li, layer in enumerate(self.compressed):
+            kv = self.layers[layer]
+            others = sum(int(((kv.head_pos(h) >= self.n_protected) & ~m).sum()) for h, m in enumerate(in_seg[li]))
+            if others == 0 and not keep[li].any() and keep.any():
+                keep = _move_one(scores, keep, li)
+        for li, layer in enumerate(self.compressed):
+            masks = []
+            for h, m in enumerate(in_seg[li]):
+                mask = ~m
+                mask[m] = keep[li, h]
+                masks.append(mask)
+            self.layers[layer].select(masks)
+
+    # -- decoding: score the buffer every 128 tokens, evict back to the budget (METHOD.md §7) --
+    def start_decoding(self):
+        self.decoding = True
+
+    def after_step(self):
+        """Call after every decode forward. Every `decode_buffer` buffered tokens the gate scores them in
+        one call; then, if the compressed layers hold more than decode_budget·L·H pairs, the least
+        important are evicted, always keeping the last `decode_window` tokens and the first 4."""
+        if self.decode_budget is None:
+            return
+        first = self.compressed[0]
+        if sum(h.shape[0] for h in self.buffer[first]) < self.decode_buffer:
+            return
+        for layer in self.compressed:
+            hidden = torch.cat(self.buffer[layer])
+            self.buffer[layer] = []
+            t = hidden.shape[0]
+            score = self._score(self.index[layer], hidden, None, None, torch.arange(self.n_seen - t, self.n_seen, device=self.device))
+            self.layers[layer].set_tail_scores(score)
+        self._evict_to_budget()
+
+    def _evict_to_budget(self):
+        budget = self.decode_budget * len(self.compressed) * self.cfg.num_key_value_heads
+        total = sum(int(self.layers[layer].n_rows) for layer in self.compressed)
+        if total <= budget:
+            return
+        recent, sinks = self.n_seen - self.decode_window, self.decode_sinks
+        scores, shapes = [], []
+        for layer in self.compressed:
+            kv = self.layers[layer]
+            for h in range(kv.n_heads):
+                s = kv.head_score(h).clone()
+                p = kv.head_pos(h)
+                s[(p >= recent) | (p < sinks)] = math.inf  # local window and attention sinks stay
+                scores.append(s)
+                shapes.append(s.numel())
+        keep = top_k_mask(torch.cat(scores), int(budget)).split(shapes)
+        i = 0
+        for layer in self.compressed:
+            kv = self.layers[layer]
+            kv.select(list(keep[i:i + kv.n_heads]))
+            i += kv.n_heads
+
+    def checkpoint(self):
+        state = super().checkpoint()
+        if self.decode_budget is not None:  # decode-time eviction may touch the context: copy everything
+            state["all"] = [copy.deepcopy(kv) for kv in self.layers]
+        return state
+
+    def rollback(self, state):
+        if "all" in state:
+            self.layers = [copy.deepcopy(kv) for kv in state["all"]]
+            self.n_seen = state["n_seen"]
+        else:
+            super().rollback(state)
+        self.buffer = {layer: [] for layer in self.compressed}
+
+    # -- what was kept --
+    def kept_fraction_per_layer(self, start, end):
+        """Fraction of the context positions [start, end) still held, per compressed layer."""
+        out = []
+        for layer in self.compressed:
+            kv = self.layers[layer]
+            held = sum(int(((kv.head_pos(h) >= start) & (kv.head_pos(h) < end)).sum()) for h in range(kv.n_heads))
+            out.append(held / max(1, (end - start) * kv.n_heads))
+        return out
+
+    def retention(self, start, end):
+        """(compressed layers, heads) fraction of the context [start, end) kept by each head."""
+        return torch.tensor([[float(((kv.head_pos(h) >= start) & (kv.head_pos(h) < end)).sum()) / max(1, end - start)
+                              for h in range(kv.n_heads)] for kv in (self.layers[i] for i in self.compressed)])
+
+
+def _move_one(scores, keep, li):
+    """Never let a whole layer lose every context token without being asked: give layer li its best
+    pair of the segment in place of the weakest pair kept elsewhere (the total stays the same)."""
+    keep = keep.clone()
+    weakest = torch.where(keep, scores, torch.full_like(scores, math.inf)).flatten().argmin()
+    keep.view(-1)[weakest] = False
+    keep[li].view(-1)[scores[li].flatten().argmax()] = True
+    return keep

@@ -1,0 +1,286 @@
+"""
+Generate with a compressed KV cache.
+
+The context is prefilled in chunks; after every chunk the tokens that left the local window are scored
+and the least important KV pairs are evicted (METHOD.md §6). Questions are then answered one by one from
+the same compressed cache, each rolled back afterwards (METHOD.md §11's query-agnostic setting).
+
+CPU example (the offline Gemma 3 270M, converted from PyPI on first use):
+    python generate.py --prompt "Water boils at" --max-new-tokens 20
+    python generate.py --context-file book.txt --question "Who is Emma?" --budget 0.3 --show-retention
+Full-size example (GPU, a released gate is fetched from the hub):
+    python generate.py --model qwen3-8b --context-file doc.txt --question "..." --budget 0.3
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from cache import EvictingCache, KVCache, LEVELS, plan_prefill
+
+METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
+DEFAULT_MODEL = "gemma3-270m-gguf"
+
+
+# -------------------------------------------------------------------------------------------------
+# sampling (small pure functions, as gpt-fast)
+
+def logits_to_probs(logits, temperature=1.0, top_p=1.0):
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:  # nucleus: keep the smallest set of tokens whose mass reaches top_p
+        sorted_probs, idx = torch.sort(probs, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_probs)
+        probs /= probs.sum()
+    return probs
+
+
+def sample(logits, temperature=0.0, top_p=1.0, generator=None):
+    """Next token id from (vocab,) logits; temperature 0 is greedy."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = logits_to_probs(logits, temperature, top_p)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+# -------------------------------------------------------------------------------------------------
+# prefill, one decode step, answering
+
+def prefill(model, cache, ids, n_protected, budget=1.0, chunk_size=16384, window=4096, on_chunk=None):
+    """Feed ids (system prompt ⊕ context) in chunks, evicting after each chunk (METHOD.md §6).
+
+    Returns the last position's logits. With a full KVCache nothing is evicted."""
+    n_context = len(ids) - n_protected
+    evicting = isinstance(cache, EvictingCache) and n_context > 0
+    plan = plan_prefill(n_context, budget, chunk_size, window) if evicting else None
+    start = n_protected  # first position not evaluated yet
+    for i in range(0, len(ids), chunk_size):
+        chunk = torch.tensor(ids[i:i + chunk_size], device=cache.device)
+        logits = model(chunk, cache, num_logits=1)[-1]
+        if evicting:  # evict what just left the window: the explicit step of the method
+            end = cache.n_seen - plan.window  # tokens older than the window are evaluated now
+            if end > start:
+                cache.evict(start, end, plan.segment_ratio)
+                start = end
+        if on_chunk:
+            on_chunk(cache.n_seen, len(ids))
+    return logits
+
+
+def decode_one(model, cache, token):
+    logits = model(torch.tensor([token], device=cache.device), cache)[-1]
+    if isinstance(cache, EvictingCache):
+        cache.after_step()  # every 128 tokens: gate the buffer, evict back to --decode-budget
+    return logits
+
+
+def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0, top_p=1.0,
+           generator=None, on_token=None):
+    """Append the question, generate until a stop id; returns (output ids, decode seconds)."""
+    if isinstance(cache, EvictingCache):
+        cache.start_decoding()  # from here on new tokens are buffered and gated 128 at a time
+    logits = model(torch.tensor(question_ids, device=cache.device), cache, num_logits=1)[-1]
+    out, t0 = [], time.perf_counter()
+    for _ in range(max_new_tokens):
+        token = sample(logits, temperature, top_p, generator)
+        if token in stop_ids:
+            break
+        out.append(token)
+        if on_token:
+            on_token(token)
+        if len(out) == max_new_tokens:
+            break
+        logits = decode_one(model, cache, token)
+    return out, time.perf_counter() - t0
+
+
+# -------------------------------------------------------------------------------------------------
+# wiring: model, cache, scorer
+
+def make_cache(method, model, cfg, n_protected, args, model_name):
+    dtype, device = model.dtype, model.device
+    if method == "full":
+        return KVCache(cfg, dtype, device)
+    import gate
+    if method == "fastkvzip":
+        scorer = gate.GateScorer(gate.resolve_gate(args.gate, cfg, model_name).to(device))
+    elif method == "streaming":
+        scorer = gate.StreamingScorer()
+    elif method == "snapkv":
+        scorer = gate.SnapKVScorer()
+    elif method == "random":
+        scorer = gate.RandomScorer(args.seed)
+    else:
+        raise UsageError(f"--method {method} is not available yet")
+    level = args.level or ("global" if method in ("fastkvzip", "kvzip") else "head")
+    return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected, level=level,
+                         decode_budget=args.decode_budget)
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit code 2."""
+
+
+def build_inputs(tok, fmt, args):
+    """(prefill ids, number of protected system-prompt ids, list of (question text, question ids))."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False).ids
+    if args.context_file:
+        try:
+            context = open(args.context_file, encoding="utf-8").read()
+        except OSError as e:
+            raise UsageError(f"cannot read --context-file {args.context_file}: {e.strerror}")
+        questions = args.question or [""]
+    elif args.prompt is not None:
+        context, questions = args.prompt, args.question or [""]
+    else:
+        raise UsageError("nothing to do: pass --prompt TEXT, or --context-file FILE with --question")
+    system = enc(fmt.system)
+    qs = [(q, enc(("\n\n" + q if q else "") + fmt.postfix)) for q in questions]
+    return system + enc(context), len(system), qs
+
+
+def run(args):
+    import model as M
+    if args.budget is not None and not 0 < args.budget <= 1:
+        raise UsageError(f"--budget must be in (0, 1] (the fraction of context KV pairs kept), got {args.budget}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             None: torch.bfloat16 if device.type == "cuda" else torch.float32}[args.dtype]
+    folder = M.resolve_model(args.model)
+    model = M.load_model(folder, device, dtype)
+    cfg, tok = model.config, M.load_tokenizer(folder)
+    chat = args.chat if args.chat is not None else args.model != DEFAULT_MODEL  # the offline model is a base model
+    fmt = M.prompt_format(cfg, args.model, chat=chat, thinking=args.thinking)
+    ids, n_protected, questions = build_inputs(tok, fmt, args)
+    longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens
+    if longest > cfg.max_position_embeddings:
+        raise UsageError(f"context + question + --max-new-tokens = {longest} tokens exceeds the model's maximum "
+                         f"of {cfg.max_position_embeddings}; shorten the context or lower --max-new-tokens")
+    budget = 1.0 if args.budget is None else args.budget
+    method = "full" if args.method == "full" else args.method
+    cache = make_cache(method, model, cfg, n_protected, args, args.model)
+
+    generator = torch.Generator().manual_seed(args.seed)
+    stop_ids = set(cfg.eos_token_ids)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        prefill(model, cache, ids, n_protected, budget, args.chunk_size, args.window)
+        prefill_s = time.perf_counter() - t0
+        kv_bytes, peak = cache.nbytes, cache.peak_nbytes
+        answers, decode_s, n_decoded = [], 0.0, 0
+        for text, q_ids in questions:
+            state = cache.checkpoint()
+            stream = None if args.json else (lambda t: print(tok.decode([t]), end="", flush=True))
+            if not args.json and text:
+                print(f"\nQ: {text}\nA:", end="", flush=True)
+            out, secs = answer(model, cache, q_ids, args.max_new_tokens, stop_ids, args.temperature,
+                               args.top_p, generator, stream)
+            decode_s, n_decoded = decode_s + secs, n_decoded + len(out)
+            answers.append({"question": text, "output_ids": out, "text": tok.decode(out)})
+            cache.rollback(state)
+            if not args.json:
+                print(flush=True)
+    stats = dict(method=args.method, budget=budget, prompt_tokens=len(ids), prefill_seconds=prefill_s,
+                 prefill_tokens_per_s=len(ids) / prefill_s,
+                 decode_tokens_per_s=n_decoded / decode_s if decode_s > 0 else None,
+                 kv_bytes=kv_bytes, kv_bytes_full=full_cache_bytes(cache, len(ids)), peak_kv_bytes=peak,
+                 gate_seconds=getattr(cache, "gate_seconds", 0.0))
+    if isinstance(cache, EvictingCache):
+        per_layer = cache.kept_fraction_per_layer(n_protected, len(ids))
+        stats.update(kept_fraction=sum(per_layer) / len(per_layer), kept_fraction_per_layer=per_layer)
+    else:
+        stats.update(kept_fraction=1.0, kept_fraction_per_layer=[1.0] * len(cfg.compressed_layers))
+    if args.json:
+        print(json.dumps({"prompt_ids": ids, "answers": answers, "stats": stats}))
+    else:
+        if args.show_retention and isinstance(cache, EvictingCache):
+            print(retention_map(cache.retention(n_protected, len(ids)), cache.compressed), file=sys.stderr)
+        print(summary_line(stats), file=sys.stderr)
+
+
+def full_cache_bytes(cache, n_tokens):
+    """What a full cache would hold after prefilling n_tokens: every token in every full-attention
+    layer, and the same rolling window as ours in sliding layers."""
+    total = 0
+    for i, kv in enumerate(cache.layers):
+        if cache._is_sliding(i):
+            total += kv.nbytes
+        else:
+            total += n_tokens * kv.n_heads * 2 * kv.head_dim * kv.k.element_size()
+    return total
+
+
+def summary_line(s):
+    kept = f"kept {s['kept_fraction']:.1%} of the context KV" if s["method"] != "full" else "full cache"
+    dec = f", decode {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] else ""
+    return (f"[{s['method']}] {s['prompt_tokens']} prompt tokens, prefill {s['prefill_seconds']:.2f} s "
+            f"({s['prefill_tokens_per_s']:.0f} tok/s){dec}; {kept}; KV held {s['kv_bytes'] / 2**20:.1f} MiB "
+            f"of {s['kv_bytes_full'] / 2**20:.1f} MiB full, peak {s['peak_kv_bytes'] / 2**20:.1f} MiB")
+
+
+SHADES = " ░▒▓█"
+
+
+def retention_map(ret, layers):
+    """Layer × head retention in shaded cells (paper Figure 12): blank < 5%, █ ≥ 90%."""
+    lines = ["retention per head (rows: compressed layers; ' ' <5%  ░ <30%  ▒ <60%  ▓ <90%  █ ≥90%)"]
+    for layer, row in zip(layers, ret.tolist()):
+        cells = "".join(SHADES[0 if r < 0.05 else 1 if r < 0.3 else 2 if r < 0.6 else 3 if r < 0.9 else 4] * 2
+                        for r in row)
+        lines.append(f"layer {layer:3d} |{cells}| {sum(row) / len(row):5.1%}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="local folder, HF repo id, or alias (qwen3-8b, "
+                   f"gemma3-12b, ...); default: {DEFAULT_MODEL}, Gemma 3 270M converted offline from PyPI")
+    p.add_argument("--prompt", help="text to continue (it is the context that gets compressed)")
+    p.add_argument("--context-file", help="a text file to prefill and compress before any question")
+    p.add_argument("--question", action="append", help="a question about the context (repeatable; "
+                   "each is answered from the same compressed cache)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap in the model's chat template (default: on, except for the base offline model)")
+    p.add_argument("--thinking", action="store_true", help="Qwen3: leave thinking on (default off, as the paper)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per answer")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling and the random baseline")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: bfloat16 on GPU, float32 on CPU, whose bf16 is ~60x slower)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (ids, answers, stats)")
+    p.add_argument("--method", choices=METHODS, default="fastkvzip", help="what scores the KV pairs")
+    p.add_argument("--budget", type=float, default=None,
+                   help="fraction r of the context's KV pairs kept in the compressed layers, window included "
+                        "(default 1.0: no eviction)")
+    p.add_argument("--gate", help="gate file (default: the bundled gate, or the authors' released gate)")
+    p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (the authors use 16000)")
+    p.add_argument("--window", type=int, default=4096,
+                   help="recent context tokens always kept (contexts shorter than one chunk keep their last 2%%)")
+    p.add_argument("--decode-budget", type=int, default=None,
+                   help="during decoding, evict back to this many tokens per compressed head on average "
+                        "every 128 tokens (default: keep generated tokens)")
+    p.add_argument("--level", choices=LEVELS, default=None,
+                   help="eviction structure: one global threshold over layers x heads (fastkvzip default), "
+                        "uniform per layer, or uniform per head (baselines' default)")
+    p.add_argument("--show-retention", action="store_true", help="print the layer x head retention map")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import model as M
+    import gate
+    try:
+        run(args)
+    except (UsageError, M.ModelError, gate.GateError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
