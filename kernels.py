@@ -28,6 +28,7 @@ Swapping in for flash-attn: varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, 
 window=W) equals flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
 causal=True, window_size=(W - 1, 0)); window=None is window_size=(-1, -1).
 """
+import functools
 import os
 
 import torch
@@ -93,8 +94,169 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     raise ValueError(f"unknown attention backend {backend!r} (expected 'triton' or 'torch')")
 
 
-def triton_varlen_attention(*args, **kwargs):
-    raise NotImplementedError("the Triton kernel is not written yet; use backend='torch'")
+# -----------------------------------------------------------------------------------------------
+# The Triton kernel. Triton is optional: without it the module imports and the torch path works.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _varlen_attn_kernel(
+            Q, K, V, O, LSE, cu_q, cu_k, used_k, qk_scale, window, group, n_splits,
+            s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_os, s_ot, s_oh, s_ls, s_lt,
+            BOUNDED: tl.constexpr, WINDOWED: tl.constexpr, HAS_USED: tl.constexpr,
+            SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program = BLOCK_M packed (query row, query head) pairs of one KV head of one sequence,
+        over one split of the keys. Packing the G query heads of a KV head into the rows ("pack
+        GQA") makes decode (1 query row) read each key block once for all G heads."""
+        pid_m, kv_head, pid_bs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        seq, split = pid_bs // n_splits, pid_bs % n_splits
+        q_start = tl.load(cu_q + seq)
+        M = tl.load(cu_q + seq + 1) - q_start
+        if pid_m * BLOCK_M >= M * group:
+            return
+        k_start = tl.load(cu_k + seq)
+        if HAS_USED:
+            N = tl.load(used_k + seq)  # rows past seqused_k are slack
+        else:
+            N = tl.load(cu_k + seq + 1) - k_start
+
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed row: query row r // G, head r % G
+        row, head = r // group, kv_head * group + r % group
+        row_ok = r < M * group
+        diag = row + (N - M)  # bottom-right alignment: last key this row may see
+        d = tl.arange(0, D)
+        q_off = (q_start + row).to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + d[None, :]
+        q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+        if UPCAST:  # the interpreter multiplies bf16 bit patterns in tl.dot (toolchain.md §2)
+            q = q.to(tl.float32)
+
+        # key range of this block: [lo, hi), trimmed by the causal diagonal and the window
+        lo, hi = 0, N
+        if BOUNDED:
+            hi = tl.minimum(N, (pid_m * BLOCK_M + BLOCK_M - 1) // group + (N - M) + 1)
+        if WINDOWED:
+            lo = tl.maximum((pid_m * BLOCK_M) // group + (N - M) - window + 1, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        # this split's share, whole blocks (flash-decoding: more programs when there are few rows)
+        per_split = ((tl.maximum(hi - lo, 0) + n_splits - 1) // n_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        lo = lo + split * per_split
+        hi = tl.minimum(hi, lo + per_split)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
+        l_i = tl.zeros([BLOCK_M], tl.float32)                # running softmax denominator
+        acc = tl.zeros([BLOCK_M, D], tl.float32)             # running unnormalised output
+        for n0 in range(lo, hi, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            key_row = (k_start + n).to(tl.int64)[:, None]
+            k = tl.load(K + key_row * s_kt + kv_head * s_kh + d[None, :], mask=(n < hi)[:, None], other=0.0)
+            v = tl.load(V + key_row * s_vt + kv_head * s_vh + d[None, :], mask=(n < hi)[:, None], other=0.0)
+            if UPCAST:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            # -- scores, in log2 units so that exp2 can be used --
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            ok = (n < hi)[None, :]
+            if BOUNDED:
+                ok = ok & (n[None, :] <= diag[:, None])
+            if WINDOWED:
+                ok = ok & (n[None, :] > diag[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+            # -- update the running max; a row with nothing seen yet keeps -inf, shift by 0 then --
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_shift[:, None])
+            alpha = tl.math.exp2(m_i - m_shift)  # rescales what was accumulated under the old max
+            # -- update the normaliser and the output accumulator --
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p_v = p.to(V.dtype.element_ty)  # P @ V in the input dtype, as FlashAttention does
+            if UPCAST:
+                p_v = p_v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PRECISION)
+            m_i = m_new
+
+        # -- normalise; rows that saw no key have l_i == 0 and acc == 0 -> zeros, not NaN --
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_off = split.to(tl.int64) * s_os + (q_start + row).to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+        if SPLIT:  # partial result + its log2-sum-exp, merged by _merge_splits
+            tl.store(O + o_off, out, mask=row_ok[:, None])
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+            l_off = split.to(tl.int64) * s_ls + (q_start + row).to(tl.int64) * s_lt + head
+            tl.store(LSE + l_off, lse, mask=row_ok)
+        else:
+            tl.store(O + o_off, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _merge_splits(o, lse):
+    """o (S, T, H, d) fp32 partial outputs, lse (S, T, H) log2-sum-exp of each -> (T, H, d)."""
+    top = lse.amax(0)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # all splits empty -> weights 0
+    w = torch.exp2(lse - top)                                        # (S, T, H)
+    return (w[..., None] * o).sum(0) / w.sum(0).clamp_min(1e-30)[..., None]
+
+
+@functools.lru_cache(maxsize=None)
+def _n_sms(device_index):  # asked at the first call, never at import time
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            softmax_scale=None, causal=True, window=None, seqused_k=None,
+                            block_m=None, block_n=None, num_splits=None):
+    """The Triton backend of varlen_attention (same contract). block_m / block_n / num_splits
+    override the fixed configs below (tests use them to cover the split path on CPU)."""
+    if triton is None:
+        raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
+    total_q, Hq, d = q.shape
+    Hk = k.shape[1]
+    assert Hq % Hk == 0, "Hq must be a multiple of Hk (GQA)"
+    assert d in (16, 32, 64, 128, 256), "head_dim must be a power of two in [16, 256]"
+    group, n_seqs = Hq // Hk, cu_seqlens_q.numel() - 1
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    rows = max_seqlen_q * group  # packed (query row, head) pairs per sequence and KV head
+    # Two fixed configs. Decode (<= 16 packed rows): BLOCK_M = 16, the smallest tl.dot tile, and long
+    # key blocks to stream the cache. Prefill: 128 x 64, the Triton tutorial's choice for d <= 128.
+    # d = 256 halves the key block so K and V tiles still fit shared memory with 2-3 stages.
+    if rows <= 16:
+        bm, bn, warps, stages = 16, 128 if d <= 128 else 64, 4, 3
+    else:
+        bm, bn, warps, stages = 128, 64 if d <= 128 else 32, 8, 2 if d > 128 else 3
+    if interpret:  # the interpreter's cost is per program step, not per FLOP: use big blocks
+        bm, bn = (16 if rows <= 16 else 128), 256
+    bm, bn = block_m or bm, block_n or bn
+    grid_m = triton.cdiv(rows, bm)
+    if num_splits is None:  # flash-decoding: split the keys when there are too few programs
+        num_splits = 1
+        if q.is_cuda and not interpret:
+            programs, sms = grid_m * Hk * n_seqs, _n_sms(q.device.index or 0)
+            if programs < sms:  # >= 512 keys per split keeps the merge cheap
+                num_splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_seqlen_k, 512), 64))
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    if num_splits > 1:
+        o = torch.zeros(num_splits, total_q, Hq, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((num_splits, total_q, Hq), float("-inf"), device=q.device)
+    else:
+        o, lse = torch.zeros(1, total_q, Hq, d, dtype=q.dtype, device=q.device), None
+    used = seqused_k if seqused_k is not None else cu_seqlens_k  # dummy pointer when unused
+    _varlen_attn_kernel[(grid_m, Hk, n_seqs * num_splits)](
+        q, k, v, o, lse if lse is not None else o, cu_seqlens_q, cu_seqlens_k, used,
+        scale * 1.4426950408889634, window or 0, group, num_splits,  # 1.44.. = log2(e): exp -> exp2
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0) if lse is not None else 0,
+        lse.stride(1) if lse is not None else 0,
+        BOUNDED=causal or window is not None, WINDOWED=window is not None,
+        HAS_USED=seqused_k is not None, SPLIT=num_splits > 1, UPCAST=interpret and q.dtype == torch.bfloat16,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 inputs: no TF32 rounding
+        D=d, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    if num_splits > 1:
+        return _merge_splits(o, lse).to(q.dtype)
+    return o[0]
 
 
 # -----------------------------------------------------------------------------------------------

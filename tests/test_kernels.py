@@ -9,11 +9,14 @@ from kernels import RaggedKV, attention_reference, varlen_attention
 torch.set_num_threads(1)
 
 
-def assert_close(out, ref, atol, what=""):
-    """assert max |out - ref| <= atol, printing max and mean difference on failure."""
-    diff = (out.float() - ref.float()).abs()
+def assert_close(out, ref, atol, what="", rtol=0.0):
+    """assert |out - ref| <= atol + rtol |ref|, printing max and mean difference on failure."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     assert torch.isfinite(out).all(), f"{what}: non-finite values in output"
-    assert diff.max() <= atol, f"{what}: max diff {diff.max():.3g} mean {diff.mean():.3g} (atol {atol})"
+    diff = (out.float() - ref.float()).abs()
+    bad = diff > atol + rtol * ref.float().abs()
+    assert not bad.any(), (f"{what}: max diff {diff.max():.3g} mean {diff.mean():.3g}, "
+                           f"{int(bad.sum())} elements over atol {atol} + rtol {rtol}")
 
 
 def sdpa_dense(q, k, v, scale, causal, window):
@@ -169,3 +172,81 @@ def test_ragged_append_into_slack_does_not_reallocate():
         last = kv.k.data_ptr()
     assert reallocs <= 8, f"{reallocs} reallocations for 1000 appends"
     assert kv.lens.tolist() == [1100 + n] * H and kv.n_rows == H * (1100 + n)
+
+
+# -----------------------------------------------------------------------------------------------
+# Triton kernel vs the reference (on CPU through TRITON_INTERPRET=1, set in conftest.py)
+
+triton = pytest.importorskip("triton")
+# output rounding dominates: fp16 has 11 mantissa bits, bf16 8 (and P is rounded before P @ V)
+TOL = {torch.float32: (1e-5, 0.0), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+MODES = [(True, None), (False, None), (True, 37)]  # causal, window
+
+
+@pytest.mark.parametrize("q_len,G,d,dtype,k_lens", [
+    (1, 4, 128, torch.bfloat16, [0, 1, 3000, 513]),   # decode, Qwen3-8B head shape
+    (1, 8, 64, torch.float32, [2100, 0, 1, 64]),
+    (7, 2, 256, torch.float16, [0, 1, 7, 1800]),      # Gemma3 head_dim
+    (64, 1, 64, torch.float32, [64, 0, 1, 1100]),
+    (300, 4, 64, torch.bfloat16, [300, 1, 0, 700]),   # chunked prefill, rows without keys (N < M)
+])
+def test_triton_matches_reference_ragged(q_len, G, d, dtype, k_lens):
+    # Hk = 2 KV heads per sequence (GQA through the head axis), slack rows after every key region
+    q, k, v, cu_q, cu_k, used = varlen_case([q_len] * len(k_lens), k_lens, 2 * G, 2, d, dtype, slack=5)
+    atol, rtol = TOL[dtype]
+    for causal, window in MODES:
+        args = (q, k, v, cu_q, cu_k, q_len, max(k_lens), 0.1, causal, window, used)
+        out = varlen_attention(*args, backend="triton")
+        assert out.dtype == dtype
+        assert_close(out, attention_reference(*args), atol, f"causal={causal} window={window}", rtol)
+
+
+@pytest.mark.parametrize("q_len,num_splits", [(1, 4), (7, 3)])
+def test_triton_split_keys_matches_reference(q_len, num_splits):
+    # flash-decoding path: each split writes a partial output + log-sum-exp, merged afterwards;
+    # with 4 splits of whole 256-key blocks the short sequences leave some splits empty
+    q, k, v, cu_q, cu_k, used = varlen_case([q_len] * 4, [1500, 0, 1, 300], 8, 2, 64, slack=2)
+    for causal, window in MODES:
+        args = (q, k, v, cu_q, cu_k, q_len, 1500, None, causal, window, used)
+        out = kernels.triton_varlen_attention(*args, num_splits=num_splits)
+        assert_close(out, attention_reference(*args), 1e-5, f"splits causal={causal} window={window}")
+
+
+@pytest.mark.parametrize("G,d", [(2, 128), (8, 256)])
+def test_triton_dense_matches_sdpa(G, d):
+    q, k, v, cu_q, cu_k, _ = varlen_case([33], [90], 2 * G, 2, d)
+    for causal, window in [(True, None), (False, None), (True, 16)]:
+        out = varlen_attention(q, k, v, cu_q, cu_k, 33, 90, None, causal, window, backend="triton")
+        assert_close(out, sdpa_dense(q, k, v, d ** -0.5, causal, window), 1e-5, f"causal={causal}")
+
+
+def test_ragged_attend_triton_backend_and_env(monkeypatch):
+    H, G, d = 2, 4, 64
+    kv = RaggedKV(H, d, torch.float32, "cpu")
+    kv.append(torch.randn(40, H, d), torch.randn(40, H, d), torch.arange(40))
+    kv.select([torch.rand(40) > 0.3, torch.rand(40) > 0.7])
+    kv.append(torch.randn(3, H, d), torch.randn(3, H, d), torch.arange(40, 43))  # into fresh slack
+    q = torch.randn(3, H * G, d)
+    ref = kv.attend(q, 0.2, window=9, backend="torch")
+    monkeypatch.setenv("FASTKVZIP_ATTN_BACKEND", "triton")
+    assert_close(kv.attend(q, 0.2, window=9), ref, 1e-5, "RaggedKV.attend on triton")
+
+
+# -----------------------------------------------------------------------------------------------
+# GPU only: the compiled kernel (not the interpreter) on realistic sizes
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("q_len,d", [(1, 128), (1, 256), (300, 128), (1000, 256)])
+def test_triton_gpu_matches_reference(q_len, d, dtype):
+    g = torch.Generator().manual_seed(q_len + d)
+    k_lens = [0, 1, 20000, q_len, 4097, 333, 70000, 5]
+    q, k, v, cu_q, cu_k, used = (x.cuda() if x is not None else None for x in
+                                 varlen_case([q_len] * 8, k_lens, 8, 2, d, dtype, slack=7, seed=q_len))
+    atol, rtol = TOL[dtype]
+    for causal, window in MODES + [(True, 1024)]:
+        args = (q, k, v, cu_q, cu_k, q_len, max(k_lens), None, causal, window, used)
+        assert_close(varlen_attention(*args), attention_reference(*args), atol, f"{causal} {window}", rtol)
