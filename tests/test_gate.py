@@ -1,0 +1,338 @@
+"""gate.py against oracles: the literal formula of METHOD.md §1.4, the authors' file layout (§1.2, §2),
+a naive SnapKV (§10). Tiny random configs, CPU fp32 (bf16 where the authors' files use it)."""
+import math
+import os
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import gate
+from gate import (GateError, Gates, GateScorer, RandomScorer, SnapKVScorer, StreamingScorer, load_gate,
+                  resolve_gate, save_gate)
+
+
+def assert_close(got, want, atol=1e-6, what=""):
+    diff = (got.double() - want.double()).abs()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert diff.max() <= atol, f"{what}: max |diff| {diff.max():.3g}, mean {diff.mean():.3g} (atol {atol})"
+
+
+def make_cfg(n_layers=3, hidden=32, H=2, G=3, layers=None, n_hidden_layers=None):
+    """The fields of model.ModelConfig that gate.py reads."""
+    layers = list(range(n_layers)) if layers is None else layers
+    return SimpleNamespace(hidden_size=hidden, num_key_value_heads=H, num_attention_heads=H * G, group_size=G,
+                           compressed_layers=layers, num_hidden_layers=n_hidden_layers or len(layers))
+
+
+def random_gates(L=3, D=32, H=2, G=3, dim=8, sinks=5, dtype=torch.float32, seed=0, **kw):
+    """Gates with every parameter random, including the ones that start at zero/one (k_base, b, norms)."""
+    torch.manual_seed(seed)
+    g = Gates(L, D, H, G, dim=dim, sinks=sinks, dtype=dtype, **kw)
+    with torch.no_grad():
+        g.k_base.normal_()
+        g.b.copy_(torch.randn(L, H, G))
+        g.q_norm.uniform_(0.5, 1.5), g.k_norm.uniform_(0.5, 1.5)
+        g.q_bias.mul_(3)  # make the bias matter
+    return g
+
+
+def literal_gate(sd, hidden, bias_multiplier=1):
+    """METHOD.md §1.4 written naively for one layer from the authors' state dict: projections in the
+    stored dtype (nn.Linear), Qwen3RMSNorm (§1.3), then per head, token and group
+    score_g = 1 / (1 + Σ_r exp(logit_base_r − logit)), logit = k·q/√D' + b, and the mean over G."""
+    Wq, bq, Wk = sd["q_proj.weight"], sd["q_proj.bias"], sd["k_proj.weight"]
+    H, _, G = sd["b"].shape
+    S, Dp = sd["k_base"].shape[2:]
+    N = hidden.shape[0]
+    x = hidden.to(Wq.dtype)
+    qa = nn.functional.linear(x, Wq, bq)  # (N, H·G·D')
+    ka = nn.functional.linear(x, Wk)      # (N, H·D')
+
+    def qwen3_rms_norm(v, w):
+        vf = v.to(torch.float32)
+        vf = vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * vf.to(v.dtype)
+
+    out = torch.zeros(H, N, dtype=torch.float64)
+    for n in range(N):
+        for h in range(H):
+            k = qwen3_rms_norm(ka[n, h * Dp:(h + 1) * Dp], sd["k_norm.weight"])
+            total = 0.0
+            for g in range(G):
+                c = (h * G + g) * Dp  # head-major q_proj rows
+                q = qwen3_rms_norm(qa[n, c:c + Dp], sd["q_norm.weight"])
+                logit = float(k @ q) / math.sqrt(Dp) + bias_multiplier * float(sd["b"][h, 0, g])
+                base = [float(sd["k_base"][h, 0, r] @ q) / math.sqrt(Dp) for r in range(S)]
+                total += 1 / (1 + sum(math.exp(t - logit) for t in base))
+            out[h, n] = total / G
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# 1. the gate's math
+# -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gates_equal_literal_formula(dtype):
+    g = random_gates(dtype=dtype)
+    hidden = torch.randn(g.n_layers, 7, g.hidden)
+    batched = g(hidden)
+    assert batched.shape == (3, 2, 7) and batched.dtype == torch.float32
+    for l in range(g.n_layers):
+        want = literal_gate(g.layer_state_dict(l), hidden[l])
+        assert_close(g.score_layer(l, hidden[l]), want, what=f"score_layer({l}) {dtype}")
+        assert_close(batched[l], want, what=f"forward[{l}] {dtype}")
+        assert_close(batched[l], g.score_layer(l, hidden[l]), what=f"batched vs per-layer {l}")
+
+
+def test_init_matches_nn_linear_default():
+    """Per-layer nn.Linear default init in the authors' module order; k_base, b zeros; norms ones."""
+    L, D, H, G, Dp = 2, 20, 2, 3, 4
+    torch.manual_seed(0)
+    g = Gates(L, D, H, G, dim=Dp, sinks=5)
+    torch.manual_seed(0)
+    for l in range(L):
+        q_proj, k_proj = nn.Linear(D, H * G * Dp), nn.Linear(D, H * Dp, bias=False)
+        assert torch.equal(g.q_weight[l], q_proj.weight) and torch.equal(g.q_bias[l], q_proj.bias)
+        assert torch.equal(g.k_weight[l], k_proj.weight)
+    assert not g.k_base.any() and not g.b.any() and (g.q_norm == 1).all() and (g.k_norm == 1).all()
+    assert g.k_base.dtype == g.q_norm.dtype == torch.float32
+    # at init the sinks are zeros: score = mean_g 1/(1 + S·exp(−q·k/√D'))  (METHOD.md §1.4)
+    s = g.score_layer(0, torch.randn(5, D))
+    assert ((s > 0) & (s < 1)).all()
+
+
+def test_train_bias_multiplier_is_saved_in_one_b_form(tmp_path):
+    g = random_gates(train_bias_multiplier=2)
+    hidden = torch.randn(g.n_layers, 6, g.hidden)
+    trained = g(hidden)
+    sd = {**g.layer_state_dict(1), "b": g.b[1].detach().unsqueeze(1)}  # the raw parameter
+    assert_close(trained[1], literal_gate(sd, hidden[1], bias_multiplier=2), what="2b forward")
+    save_gate(tmp_path / "g.safetensors", g, {})
+    loaded = load_gate(tmp_path / "g.safetensors", make_cfg())
+    assert loaded.train_bias_multiplier == 1 and loaded.meta["trained_bias_multiplier"] == 2
+    assert torch.equal(loaded(hidden), trained)
+
+
+# -------------------------------------------------------------------------------------------------
+# 2-3. the authors' released .pt files
+# -------------------------------------------------------------------------------------------------
+
+def authors_state_dict(D, H, G, Dp=16, S=16, seed=0):
+    """One layer exactly as the authors' `Weight.state_dict()` (METHOD.md §1.2): bf16 projections and b,
+    fp32 norms and k_base, in their registration order."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=gen)
+    return OrderedDict([
+        ("k_base", r(H, 1, S, Dp)),
+        ("b", r(H, 1, G).bfloat16()),
+        ("q_proj.weight", (r(H * G * Dp, D) / math.sqrt(D)).bfloat16()),
+        ("q_proj.bias", (r(H * G * Dp) * 0.3).bfloat16()),
+        ("k_proj.weight", (r(H * Dp, D) / math.sqrt(D)).bfloat16()),
+        ("q_norm.weight", 1 + 0.2 * r(Dp)),
+        ("k_norm.weight", 1 + 0.2 * r(Dp)),
+    ])
+
+
+def save_authors_file(path, module, legacy=False):
+    L = len(module)
+    torch.save({"module": module, "loss": np.random.rand(4, L), "acc": np.random.rand(4, L).astype(np.float32),
+                "loss_train": np.random.rand(4, L), "acc_train": np.random.rand(4, L)},
+               path, _use_new_zipfile_serialization=not legacy)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_authors_file_loads_and_scores_like_the_state_dict(tmp_path, legacy):
+    D, H, G = 48, 2, 4
+    module = [authors_state_dict(D, H, G, seed=i) for i in range(3)]
+    path = tmp_path / "q4_dim16_sink16.pt"
+    save_authors_file(path, module, legacy)
+    g = load_gate(path, make_cfg(3, D, H, G))
+    assert (g.n_layers, g.hidden, g.n_kv_heads, g.group, g.dim, g.sinks) == (3, D, H, G, 16, 16)
+    assert g.dtype == torch.bfloat16 and g.k_base.dtype == g.q_norm.dtype == torch.float32
+    assert g.meta["format"] == "authors-pt" and len(g.meta["val_acc_final"]) == 3
+    hidden = torch.randn(9, D)
+    for l in range(3):
+        assert_close(g.score_layer(l, hidden), literal_gate(module[l], hidden), what=f"layer {l}")
+        for key, t in g.layer_state_dict(l).items():  # the file round-trips exactly, dtypes included
+            assert torch.equal(t, module[l][key]) and t.dtype == module[l][key].dtype, key
+
+
+def test_gemma3_file_maps_to_global_layers(tmp_path):
+    """Gemma3 gates exist for the global layers only, indexed by global-layer order (METHOD.md §2, §9)."""
+    D, H, G = 64, 1, 4
+    cfg = make_cfg(hidden=D, H=H, G=G, layers=[5, 11, 17], n_hidden_layers=18)
+    module = [authors_state_dict(D, H, G, seed=i) for i in range(3)]
+    save_authors_file(tmp_path / "q4_dim16_sink16.pt", module)
+    g = load_gate(tmp_path / "q4_dim16_sink16.pt", cfg)
+    hidden = torch.randn(5, D)
+    for i in range(3):  # gate i belongs to model layer cfg.compressed_layers[i]
+        assert_close(g.score_layer(i, hidden), literal_gate(module[i], hidden), what=f"global layer {i}")
+    # one gate per model layer (18) does not fit a model with 3 compressed layers
+    save_authors_file(tmp_path / "all.pt", [authors_state_dict(D, H, G, seed=i) for i in range(18)])
+    with pytest.raises(GateError, match="18 layers.*3 layers"):
+        load_gate(tmp_path / "all.pt", cfg)
+
+
+def test_pickle_that_runs_code_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "q4_dim16_sink16.pt"
+    torch.save({"module": [authors_state_dict(32, 2, 3)], "loss": Payload()}, path)
+    with pytest.raises(GateError, match=r"refusing.*system") as err:
+        load_gate(path, make_cfg(1, 32, 2, 3))
+    assert "\n" not in str(err.value)
+    assert not marker.exists(), "the payload ran"
+    # the payload is real: an unsafe load would have run it
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+# -------------------------------------------------------------------------------------------------
+# 4. our format, fit checks, resolution
+# -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_safetensors_round_trip(tmp_path, dtype):
+    g = random_gates(dtype=dtype)
+    meta = {"model": "gemma3-270m-gguf", "layers": [0, 1, 2], "training": {"steps": 10, "val_acc": [0.9, 0.8, 0.7]}}
+    path = tmp_path / "sub" / "gate.safetensors"
+    save_gate(path, g, meta)
+    assert os.listdir(path.parent) == ["gate.safetensors"]  # atomic: no temporary left behind
+    h = load_gate(path, make_cfg())
+    for name, p in g.named_parameters():
+        q = getattr(h, name)
+        assert q.dtype == p.dtype and torch.equal(q, p), name
+    assert h.meta["training"] == meta["training"] and h.meta["model"] == "gemma3-270m-gguf"
+    assert (h.meta["dim"], h.meta["sinks"], h.meta["group"], h.meta["n_kv_heads"], h.meta["hidden_size"]) == (8, 5, 3, 2, 32)
+    x = torch.randn(3, 4, 32)
+    assert torch.equal(g(x), h(x))
+    assert load_gate(path, make_cfg(), dtype=torch.float32).dtype == torch.float32
+
+
+def test_gate_that_does_not_fit_is_refused(tmp_path):
+    save_gate(tmp_path / "g.safetensors", random_gates(), {"layers": [0, 1, 2]})
+    with pytest.raises(GateError) as err:
+        load_gate(tmp_path / "g.safetensors", make_cfg(hidden=48))
+    msg = str(err.value)
+    assert "hidden 32" in msg and "hidden 48" in msg and "\n" not in msg
+    with pytest.raises(GateError, match="G=3.*G=4"):
+        load_gate(tmp_path / "g.safetensors", make_cfg(G=4))
+    with pytest.raises(GateError, match=r"layers \[0, 1, 2\].*\[3, 4, 5\]"):
+        load_gate(tmp_path / "g.safetensors", make_cfg(layers=[3, 4, 5]))
+    save_authors_file(tmp_path / "q4_dim16_sink8.pt", [authors_state_dict(32, 2, 3)])
+    with pytest.raises(GateError, match="sink8"):
+        load_gate(tmp_path / "q4_dim16_sink8.pt", make_cfg(1, 32, 2, 3))
+    (tmp_path / "junk.safetensors").write_bytes(b"not a gate at all")
+    with pytest.raises(GateError):
+        load_gate(tmp_path / "junk.safetensors", make_cfg())
+    with pytest.raises(GateError, match="not found"):
+        load_gate(tmp_path / "missing.safetensors", make_cfg())
+
+
+def test_resolve_gate(tmp_path, monkeypatch):
+    cfg = make_cfg(1, 32, 2, 4)
+    monkeypatch.setattr(gate, "GATES_DIR", tmp_path / "gates")
+    # explicit path
+    save_gate(tmp_path / "mine.safetensors", random_gates(1, G=4), {})
+    assert resolve_gate(tmp_path / "mine.safetensors", cfg, "whatever").n_layers == 1
+    # bundled gate for the default model, found from its folder name
+    save_gate(tmp_path / "gates" / "gemma3-270m-gguf.safetensors", random_gates(1, G=4), {})
+    assert resolve_gate(None, cfg, "/root/.cache/fastkvzip/gemma3-270m-gguf").meta["source"].endswith("gemma3-270m-gguf.safetensors")
+    # a released model: downloaded from the authors' repo under their file name
+    asked = []
+
+    def fake_download(repo_id, filename, repo_type):
+        asked.append((repo_id, filename))
+        path = tmp_path / "q4_dim16_sink16.pt"
+        save_authors_file(path, [authors_state_dict(32, 2, 4)])
+        return str(path)
+
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    assert resolve_gate("", cfg, "Qwen/Qwen3-8B").dtype == torch.bfloat16
+    assert asked == [("Jang-Hyun/Fast-KVzip", "qwen3-8b/q4_dim16_sink16.pt")]
+
+    def offline(**kw):
+        raise OSError("no network\nsecond line")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(GateError, match="train_gate.py --model Qwen/Qwen3-8B") as err:
+        resolve_gate(None, cfg, "Qwen/Qwen3-8B")
+    assert "\n" not in str(err.value)
+    with pytest.raises(GateError, match="train_gate.py --model my/model.*--gate"):
+        resolve_gate(None, cfg, "my/model")
+
+
+# -------------------------------------------------------------------------------------------------
+# 5. scorers
+# -------------------------------------------------------------------------------------------------
+
+def chunk(T=40, H=2, G=3, d=8, D=32, start=0, seed=0):
+    torch.manual_seed(seed)
+    return (torch.randn(T, D), torch.randn(T, H * G, d), torch.randn(T, H, d), torch.arange(start, start + T))
+
+
+def naive_snapkv(q, k, sinks, w, scale):
+    """METHOD.md §10 one number at a time: group-max logits, softmax over [sinks ⊕ chunk keys], mean over
+    the last w queries, drop sinks, max over a ±3 neighbourhood; the window gets the head's max + 1."""
+    T, Hq, _ = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    keys = torch.cat([sinks, k])
+    ns, K = sinks.shape[0], keys.shape[0]
+    out = torch.zeros(H, T, dtype=torch.float64)
+    for h in range(H):
+        acc = [0.0] * K
+        for i in range(T - w, T):
+            logits = [max(float(q[i, h * G + g] @ keys[j, h]) * scale for g in range(G)) for j in range(K)]
+            z = sum(math.exp(x - max(logits)) for x in logits)
+            for j in range(K):
+                acc[j] += math.exp(logits[j] - max(logits)) / z / w
+        acc = acc[ns:]
+        for t in range(T):
+            out[h, t] = max(acc[max(0, t - 3):t + 4])
+        out[h, T - w:] = out[h].max() + 1
+    return out
+
+
+def test_snapkv_matches_naive():
+    s = SnapKVScorer()
+    hidden, q, k, pos = chunk(T=40)  # first chunk, sequence < 1000 tokens: window 16, no sinks
+    got = s.score(0, hidden, q, k, pos)
+    assert got.shape == (2, 40) and got.dtype == torch.float32
+    assert_close(got, naive_snapkv(q, k, k[:0], 16, 1 / math.sqrt(8)), atol=1e-5, what="first chunk")
+    first_keys = k[:4].clone()
+    hidden, q, k, pos = chunk(T=40, start=1200, seed=1)  # later chunk: sink keys, window 32
+    got = s.score(0, hidden, q, k, pos)
+    assert_close(got, naive_snapkv(q, k, first_keys, 32, 1 / math.sqrt(8)), atol=1e-5, what="later chunk")
+    got = SnapKVScorer(scale=0.1).score(3, hidden, q, k, pos)  # no first chunk seen for layer 3: no sinks
+    assert_close(got, naive_snapkv(q, k, k[:0], 32, 0.1), atol=1e-5, what="custom scale")
+    with pytest.raises(GateError):
+        s.score(0, hidden, None, None, pos)
+
+
+def test_scorer_shapes_and_orders():
+    hidden, q, k, pos = chunk(T=12, start=100)
+    g = random_gates(L=2, D=32, H=2, G=3)
+    gs = GateScorer(g).score(1, hidden, q, k, pos)
+    assert gs.shape == (2, 12) and gs.dtype == torch.float32 and torch.equal(gs, g.score_layer(1, hidden).detach())
+    assert torch.equal(GateScorer(g).score(1, hidden, None, None, pos), gs)  # decoding: no q/k
+    st = StreamingScorer().score(0, hidden, q, k, pos)
+    assert st.shape == (2, 12) and st.dtype == torch.float32
+    assert (st.diff(dim=-1) > 0).all()  # later = more important: the most recent survive
+    assert torch.equal(StreamingScorer(n_kv_heads=2).score(0, hidden, None, None, pos), st)
+    r1 = RandomScorer(seed=1).score(0, hidden, q, k, pos)
+    assert r1.shape == (2, 12) and r1.dtype == torch.float32 and ((r1 >= 0) & (r1 < 1)).all()
+    assert torch.equal(r1, RandomScorer(seed=1).score(0, hidden, q, k, pos))
+    assert not torch.equal(r1, RandomScorer(seed=2).score(0, hidden, q, k, pos))
+    for scorer in (GateScorer(g), StreamingScorer(), RandomScorer(), SnapKVScorer()):
+        assert scorer.level in ("global", "layer", "head")
