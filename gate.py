@@ -121,7 +121,13 @@ class Gates(nn.Module):
 
     @property
     def dtype(self):
+        """The projections' dtype. (Module.to(dtype) would also cast the fp32 norms and sinks: to change
+        it, reload with load_gate(..., dtype=...) instead.)"""
         return self.q_weight.dtype
+
+    def extra_repr(self):
+        return (f"layers={self.n_layers}, hidden={self.hidden}, H={self.n_kv_heads}, G={self.group}, "
+                f"D'={self.dim}, S={self.sinks}, dtype={self.dtype}")
 
     def _params(self, layers=slice(None)):
         return (self.q_weight[layers], self.q_bias[layers], self.k_weight[layers], self.q_norm[layers],
@@ -195,6 +201,8 @@ def infer_dims(layers):
     sd = layers[0]
     if not isinstance(sd, dict) or any(key not in sd or not torch.is_tensor(sd[key]) for key in LAYER_KEYS):
         raise GateError(f"gate layer 0 must be a state dict with tensors {', '.join(LAYER_KEYS)}")
+    if sd["k_proj.weight"].dim() != 2 or sd["q_norm.weight"].dim() != 1 or sd["k_proj.weight"].shape[0] == 0:
+        raise GateError("gate layer 0: k_proj.weight must be (H·D', D) and q_norm.weight (D',)")
     Dp = sd["q_norm.weight"].shape[-1]
     HDp, D = sd["k_proj.weight"].shape
     H, G = HDp // Dp, sd["q_proj.weight"].shape[0] // HDp

@@ -231,6 +231,11 @@ def test_gate_that_does_not_fit_is_refused(tmp_path):
     save_authors_file(tmp_path / "q4_dim16_sink8.pt", [authors_state_dict(32, 2, 3)])
     with pytest.raises(GateError, match="sink8"):
         load_gate(tmp_path / "q4_dim16_sink8.pt", make_cfg(1, 32, 2, 3))
+    bad = authors_state_dict(32, 2, 3)
+    bad["k_proj.weight"] = bad["k_proj.weight"].flatten()
+    save_authors_file(tmp_path / "bad.pt", [bad])
+    with pytest.raises(GateError, match="k_proj.weight"):
+        load_gate(tmp_path / "bad.pt", make_cfg(1, 32, 2, 3))
     (tmp_path / "junk.safetensors").write_bytes(b"not a gate at all")
     with pytest.raises(GateError):
         load_gate(tmp_path / "junk.safetensors", make_cfg())
