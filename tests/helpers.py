@@ -1,0 +1,89 @@
+"""Shared test utilities: tiny random checkpoints written by transformers, and a verbose assert_close.
+
+transformers is a test-only oracle: import it lazily (costs seconds), never at collection time.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-5, rtol: float = 0.0,
+                 name: str = "tensor") -> None:
+    """Like torch.testing.assert_close, but always states the max and mean |difference|."""
+    actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    diff = (actual - expected).abs()
+    if diff.numel() == 0:
+        return
+    bound = atol + rtol * expected.abs()
+    bad = diff > bound
+    assert not bad.any(), (f"{name}: max |diff| {diff.max().item():.3e}, mean {diff.mean().item():.3e}, "
+                           f"{bad.sum().item()} of {diff.numel()} beyond atol {atol:g} rtol {rtol:g}")
+
+
+# Tiny shapes: every matmul stays small so a forward takes milliseconds with one CPU thread.
+QWEN3_TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+GEMMA3_TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                   query_pre_attn_scalar=24, sliding_window=8,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                   tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Overwrite every weight with well-spread random values (transformers' init leaves Gemma norms at 0
+    and gives nearly flat logits, which would hide bugs and make greedy ties likely)."""
+    g = torch.Generator().manual_seed(seed)
+    gemma = "gemma" in type(model).__name__.lower()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norm weights: Gemma stores w of (1 + w), Qwen3 stores w
+                p.copy_(0.3 * torch.randn(p.shape, generator=g) + (0.0 if gemma else 1.0))
+            elif "embed_tokens" in name:  # small, or a tied lm_head just echoes the input token;
+                # Gemma multiplies embeddings by sqrt(hidden) (8 here)
+                p.copy_((0.05 if gemma else 0.1) * torch.randn(p.shape, generator=g))
+            else:  # fan-in scaled: activations stay O(1) through the layers
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+
+
+def tiny_checkpoint(arch: str, folder: str | Path, seed: int = 0, max_shard_size: str | None = None,
+                    **overrides) -> Path:
+    """save_pretrained a random tiny Qwen3 or Gemma3 (fp32) into `folder`; overrides go to the config.
+    Returns the folder (config.json, generation_config.json, model.safetensors or shards)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    folder = Path(folder)
+    if arch == "qwen3":
+        config, cls = Qwen3Config(**{**QWEN3_TINY, **overrides}), Qwen3ForCausalLM
+    elif arch == "gemma3":
+        config, cls = Gemma3TextConfig(**{**GEMMA3_TINY, **overrides}), Gemma3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(config).float()
+    randomize_(model, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def hf_model(folder: str | Path):
+    """The transformers oracle for a checkpoint folder: fp32, eager attention, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def edit_config(folder: str | Path, fn) -> dict:
+    """Rewrite folder/config.json with fn(dict) -> dict; returns the new dict."""
+    path = Path(folder) / "config.json"
+    d = fn(json.loads(path.read_text()))
+    path.write_text(json.dumps(d, indent=2))
+    return d

@@ -1,0 +1,271 @@
+"""model.py against transformers 5.24 (the test-only oracle) on tiny random checkpoints it wrote itself,
+plus hand-built folders in the formats of released checkpoints (legacy config keys, multimodal Gemma3)."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import model as M
+from cache import KVCache
+from tests.helpers import assert_close, edit_config, hf_model, tiny_checkpoint
+
+VOCAB = 384  # helpers.QWEN3_TINY / GEMMA3_TINY
+GEMMA_RoPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 200_000.0},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 5_000.0}}
+QWEN_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10_000.0}
+
+# checkpoints transformers writes: name -> (arch, config overrides, save_pretrained kwargs)
+SAVED = {
+    "qwen3-gqa2-tied": ("qwen3", {}, {}),
+    "qwen3-gqa4-untied-sharded": ("qwen3", dict(num_attention_heads=8, tie_word_embeddings=False),
+                                  dict(max_shard_size="100KB")),
+    "qwen3-mqa-yarn": ("qwen3", dict(num_key_value_heads=1, rope_parameters=QWEN_YARN, max_position_embeddings=64),
+                       {}),
+    "gemma3-mixed-softcap": ("gemma3", dict(final_logit_softcapping=5.0, rope_parameters=GEMMA_RoPE), {}),
+    "gemma3-mqa-untied": ("gemma3", dict(num_key_value_heads=1, tie_word_embeddings=False, num_hidden_layers=3,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                          {}),
+}
+# folders built by hand from a saved one: name -> (source, builder); the oracle is noted per builder
+BUILT = ["qwen3-legacy-yarn", "gemma3-legacy", "gemma3-multimodal-old", "gemma3-multimodal-new"]
+ALL = list(SAVED) + BUILT
+
+
+def _legacy_qwen(d):  # the key layout of released Qwen3 configs (transformers 4.51), YaRN as the authors run it
+    for k in ("rope_parameters", "layer_types"):
+        d.pop(k)
+    return {**d, "rope_theta": 10_000.0, "rope_scaling": {k: v for k, v in QWEN_YARN.items() if k != "rope_theta"}}
+
+
+def _legacy_gemma(d):  # released Gemma3 configs: no layer_types, a pattern, two RoPE keys, rope_scaling
+    for k in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
+        d.pop(k)
+    return {**d, "sliding_window_pattern": 3, "rope_theta": 200_000.0, "rope_local_base_freq": 5_000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+
+
+def _multimodal(src: Path, dst: Path, new_names: bool) -> None:
+    """A Gemma3ForConditionalGeneration-style folder holding src's text decoder and a fake vision tower."""
+    dst.mkdir()
+    text = json.loads((src / "config.json").read_text())
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+           "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": [1, 106]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    prefix = "model.language_model." if new_names else "language_model.model."
+    tensors = {prefix + k[len("model."):] if k.startswith("model.") else "language_model." + k: v
+               for k, v in load_file(src / "model.safetensors").items()}
+    vision = "model.vision_tower." if new_names else "vision_tower."
+    tensors[vision + "vision_model.post_layernorm.weight"] = torch.ones(8)  # must be skipped
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """name -> (folder our model loads, folder the transformers oracle loads). Built on first use."""
+    root, made = tmp_path_factory.mktemp("ckpt"), {}
+
+    def get(name):
+        if name in made:
+            return made[name]
+        if name in SAVED:
+            arch, overrides, save = SAVED[name]
+            folder = tiny_checkpoint(arch, root / name, seed=list(SAVED).index(name), **save, **overrides)
+            made[name] = (folder, folder)
+        elif name.endswith("legacy-yarn") or name.endswith("legacy"):  # oracle: transformers on the same folder
+            src = get("qwen3-mqa-yarn" if name.startswith("qwen3") else "gemma3-mixed-softcap")[0]
+            shutil.copytree(src, root / name)
+            edit_config(root / name, _legacy_qwen if name.startswith("qwen3") else _legacy_gemma)
+            made[name] = (root / name, root / name)
+        else:  # multimodal: oracle = transformers' text model on the source checkpoint
+            src = get("gemma3-mixed-softcap")[0]
+            _multimodal(src, root / name, new_names=name.endswith("new"))
+            made[name] = (root / name, src)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def oracle():
+    models = {}
+
+    def get(folder):
+        if folder not in models:
+            models[folder] = hf_model(folder)
+        return models[folder]
+
+    return get
+
+
+def prompt(n, seed=0):
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# -- 1. logits parity ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL)
+def test_logits_match_transformers(name, checkpoints, oracle):
+    ours_dir, ref_dir = checkpoints(name)
+    model = M.load_model(ours_dir, "cpu", torch.float32)
+    ids = prompt(40)  # > 2 x the sliding window (8), > the YaRN original length (16)
+    with torch.no_grad():
+        expected = oracle(ref_dir)(ids[None]).logits[0]
+        assert_close(model(ids), expected, atol=1e-4, name=f"{name} logits")
+        # chunked prefill through one cache (positions from n_seen) = one pass; num_logits keeps the tail
+        cache = KVCache(model.config, torch.float32, "cpu")
+        first = model(ids[:13], cache)
+        tail = model(ids[13:], cache, num_logits=5)
+    assert cache.n_seen == 40 and tail.shape == (5, VOCAB) and tail.dtype == torch.float32
+    assert_close(torch.cat([first, tail]), torch.cat([expected[:13], expected[-5:]]), atol=1e-4,
+                 name=f"{name} chunked")
+
+
+def test_sharded_checkpoint_really_is_sharded(checkpoints):
+    folder = checkpoints("qwen3-gqa4-untied-sharded")[0]
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+    assert "lm_head.weight" in index["weight_map"]  # untied: its own matrix
+
+
+def test_configs_parsed_as_intended(checkpoints):
+    """The legacy mappings are checked against transformers above; here, against the intent itself."""
+    legacy = M.load_config(checkpoints("gemma3-legacy")[0])
+    assert legacy.layer_types == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    assert legacy.rope["full_attention"] == {"rope_type": "linear", "factor": 4.0, "rope_theta": 200_000.0}
+    assert legacy.rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 5_000.0}
+    assert legacy.compressed_layers == [2] and legacy.window(0) == 8 and legacy.window(2) is None
+    assert legacy.attn_scale(0) == 24 ** -0.5 and legacy.final_logit_softcapping == 5.0
+    mm = M.load_config(checkpoints("gemma3-multimodal-old")[0])
+    assert mm.arch == "gemma3" and mm.eos_token_ids == [1, 106] and mm.tie_word_embeddings
+    yarn = M.load_config(checkpoints("qwen3-legacy-yarn")[0])
+    assert yarn.rope["full_attention"]["rope_type"] == "yarn" and yarn.compressed_layers == [0, 1]
+    assert yarn.group_size == 4 and yarn.attn_scale(0) == 16 ** -0.5
+
+
+def test_released_config_layouts():
+    """Key layouts of published configs (values as on the Hub), no weights needed."""
+    gemma4b = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+               "eos_token_id": [1, 106], "text_config": {
+                   "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                   "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                   "sliding_window": 1024}}
+    cfg = M.ModelConfig.from_dict(gemma4b)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 256, 262208)
+    assert cfg.compressed_layers == list(range(5, 34, 6))  # METHOD.md §9: range(pattern-1, L, pattern)
+    assert cfg.rope["full_attention"] == {"factor": 8.0, "rope_type": "linear", "rope_theta": 1e6}
+    assert cfg.rope["sliding_attention"]["rope_theta"] == 1e4 and cfg.eos_token_ids == [1, 106]
+    qwen8b = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "bos_token_id": 151643,
+              "eos_token_id": 151645, "head_dim": 128, "hidden_size": 4096, "intermediate_size": 12288,
+              "max_position_embeddings": 40960, "num_attention_heads": 32, "num_hidden_layers": 36,
+              "num_key_value_heads": 8, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+              "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936}
+    cfg = M.ModelConfig.from_dict(qwen8b, {"eos_token_id": [151645, 151643]})
+    assert cfg.layer_types == ["full_attention"] * 36 and cfg.window(0) is None and cfg.group_size == 4
+    assert cfg.rope["full_attention"] == {"rope_type": "default", "rope_theta": 1000000}
+    assert cfg.eos_token_ids == [151643, 151645] and len(cfg.compressed_layers) == 36
+
+
+def test_yarn_frequencies_match_transformers_at_qwen3_8b_size():
+    """The authors' setting (factor 4 over 32768, METHOD.md §9) at the real head_dim and base."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    hf = Qwen3Config(head_dim=128, max_position_embeddings=131072, rope_parameters=dict(yarn))
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = M.ModelConfig.from_dict({"model_type": "qwen3", "head_dim": 128, "max_position_embeddings": 131072,
+                                   "rope_theta": 1e6, "rope_scaling": {k: v for k, v in yarn.items()
+                                                                       if k != "rope_theta"}})
+    inv_freq, factor = M.rope_inv_freq(cfg.rope["full_attention"], 128)
+    assert_close(inv_freq, expected, atol=0, name="yarn inv_freq")
+    assert factor == pytest.approx(expected_factor, abs=1e-12) and factor > 1.13  # 0.1 ln 4 + 1
+
+
+# -- 2. cached decoding -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(SAVED))
+def test_greedy_decoding_matches_generate(name, checkpoints, oracle):
+    folder = checkpoints(name)[0]
+    model, hf = M.load_model(folder, "cpu", torch.float32), oracle(folder)
+    ids = prompt(20, seed=1)  # longer than the window: decoding slides from the first step
+    hf.generation_config.eos_token_id = None  # 32 tokens, no early stop
+    with torch.no_grad():
+        expected = hf.generate(ids[None], max_new_tokens=32, do_sample=False, pad_token_id=0)[0, 20:]
+        cache = KVCache(model.config, torch.float32, "cpu")
+        token = model(ids, cache, num_logits=1)[-1].argmax()
+        out = [int(token)]
+        for _ in range(31):
+            token = model(token[None], cache, num_logits=1)[-1].argmax()
+            out.append(int(token))
+    assert out == expected.tolist()
+    assert len(set(out)) > 4, "degenerate oracle output: the test would prove little"
+
+
+# -- 5. bad input -------------------------------------------------------------------------------------
+
+def _one_line_error(fn, *needles):
+    with pytest.raises(M.ModelError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg and all(n in msg for n in needles), msg
+
+
+def test_bad_folders(tmp_path):
+    _one_line_error(lambda: M.load_model(tmp_path / "nope", "cpu"), "not found")
+    _one_line_error(lambda: M.resolve_model(str(tmp_path / "nope")), "not found")
+    _one_line_error(lambda: M.load_model(tmp_path, "cpu"), "no config.json")
+    _one_line_error(lambda: M.resolve_model(tmp_path), "no config.json")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}))
+    _one_line_error(lambda: M.load_model(tmp_path, "cpu"), "unsupported model_type 'llama'")
+    _one_line_error(lambda: M.load_tokenizer(tmp_path), "no tokenizer.json")
+
+
+def test_bad_weights(checkpoints, tmp_path):
+    good = checkpoints("qwen3-gqa2-tied")[0]
+    shutil.copytree(good, tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # an interrupted download
+    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "model.safetensors", "truncated or corrupt")
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "truncated or corrupt")
+    weights.unlink()
+    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "no *.safetensors")
+    shutil.copy(good / "model.safetensors", weights)  # weights of a 2-layer model, config says 3
+    edit_config(tmp_path / "m", lambda d: {**d, "num_hidden_layers": 3, "layer_types": None})
+    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "lacks")
+
+
+def test_unreachable_hub_is_a_one_line_error(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never touch the network
+    _one_line_error(lambda: M.resolve_model("nobody-here/no-such-model-xyz"), "nobody-here/no-such-model-xyz")
+    _one_line_error(lambda: M.resolve_model("not a repo id"), "not found")
+
+
+# -- tokenizer / prompt helpers -----------------------------------------------------------------------
+
+def test_prompt_formats_are_method_4_1():
+    qwen = M.ModelConfig.from_dict({"model_type": "qwen3"})
+    gemma = M.ModelConfig.from_dict({"model_type": "gemma3_text"})
+    task = "Given the context, answer to the following question or request without explanation.\n\n"
+    f = M.prompt_format(qwen, "qwen3-8b")
+    assert f.system == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" + task
+    assert f.postfix == "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert M.prompt_format(qwen, "Qwen/Qwen3-8B", thinking=True).postfix == "<|im_end|>\n<|im_start|>assistant\n"
+    assert M.prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507").postfix == "<|im_end|>\n<|im_start|>assistant\n"
+    g = M.prompt_format(gemma, "gemma3-12b", task="gsm8k")
+    assert g.system == ("<bos><start_of_turn>user\nYou are a helpful assistant.\n\n"
+                        "Given the context, answer to the following reasoning question.\n\n")
+    assert g.postfix == "<end_of_turn>\n<start_of_turn>model\n"
+    assert M.question_text(g, "Who?") == "\n\nQ: Who?<end_of_turn>\n<start_of_turn>model\n"
+    assert M.question_text(g, "Who?", evaluation=False) == "Who?<end_of_turn>\n<start_of_turn>model\n"
+    assert M.prompt_format(gemma, "x", chat=False) == M.PromptFormat("<bos>", "")
+    assert M.prompt_format(qwen, "x", chat=False) == M.PromptFormat("", "")
+    assert 106 in gemma.eos_token_ids and 151645 in qwen.eos_token_ids  # end-of-turn stops chat models
+    assert M.ALIASES["qwen3-0.6b"] == "Qwen/Qwen3-0.6B" and M.ALIASES["gemma3-270m"] == "google/gemma-3-270m-it"
