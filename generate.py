@@ -78,11 +78,14 @@ def decode_one(model, cache, token):
 
 
 def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0, top_p=1.0,
-           generator=None, on_token=None):
-    """Append the question, generate until a stop id; returns (output ids, decode seconds)."""
+           generator=None, on_token=None, last_logits=None):
+    """Append the question, generate until a stop id; returns (output ids, decode seconds).
+    With no question ids, generation continues the prefill (whose last logits are last_logits)."""
     if isinstance(cache, EvictingCache):
         cache.start_decoding()  # from here on new tokens are buffered and gated 128 at a time
-    logits = model(torch.tensor(question_ids, device=cache.device), cache, num_logits=1)[-1]
+    logits = last_logits
+    if question_ids:
+        logits = model(torch.tensor(question_ids, device=cache.device), cache, num_logits=1)[-1]
     out, t0 = [], time.perf_counter()
     for _ in range(max_new_tokens):
         token = sample(logits, temperature, top_p, generator)
@@ -101,21 +104,25 @@ def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0
 # wiring: model, cache, scorer
 
 def make_cache(method, model, cfg, n_protected, args, model_name):
-    dtype, device = model.dtype, model.device
+    weight = model.model.embed_tokens.weight
+    dtype, device = weight.dtype, weight.device
     if method == "full":
         return KVCache(cfg, dtype, device)
     import gate
+    H = cfg.num_key_value_heads
     if method == "fastkvzip":
-        scorer = gate.GateScorer(gate.resolve_gate(args.gate, cfg, model_name).to(device))
+        scorer = gate.GateScorer(gate.resolve_gate(args.gate, cfg, model_name, device=device))
     elif method == "streaming":
-        scorer = gate.StreamingScorer()
+        scorer = gate.StreamingScorer(n_kv_heads=H)
     elif method == "snapkv":
-        scorer = gate.SnapKVScorer()
+        if args.decode_budget is not None:
+            raise UsageError("--method snapkv scores prefill chunks only; drop --decode-budget")
+        scorer = gate.SnapKVScorer(scale=cfg.attn_scale(cfg.compressed_layers[0]))
     elif method == "random":
-        scorer = gate.RandomScorer(args.seed)
+        scorer = gate.RandomScorer(args.seed, n_kv_heads=H)
     else:
         raise UsageError(f"--method {method} is not available yet")
-    level = args.level or ("global" if method in ("fastkvzip", "kvzip") else "head")
+    level = args.level or scorer.level  # the authors run the baselines per head, the gate globally
     return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected, level=level,
                          decode_budget=args.decode_budget)
 
@@ -125,6 +132,7 @@ class UsageError(Exception):
 
 
 def build_inputs(tok, fmt, args):
+    import model as M
     """(prefill ids, number of protected system-prompt ids, list of (question text, question ids))."""
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     if args.context_file:
@@ -138,7 +146,8 @@ def build_inputs(tok, fmt, args):
     else:
         raise UsageError("nothing to do: pass --prompt TEXT, or --context-file FILE with --question")
     system = enc(fmt.system)
-    qs = [(q, enc(("\n\n" + q if q else "") + fmt.postfix)) for q in questions]
+    # a question about a context in the evaluation format (METHOD.md §11); a bare prompt just ends its turn
+    qs = [(q, enc(M.question_text(fmt, q) if q else fmt.postfix)) for q in questions]
     return system + enc(context), len(system), qs
 
 
@@ -167,7 +176,7 @@ def run(args):
     stop_ids = set(cfg.eos_token_ids)
     t0 = time.perf_counter()
     with torch.no_grad():
-        prefill(model, cache, ids, n_protected, budget, args.chunk_size, args.window)
+        last = prefill(model, cache, ids, n_protected, budget, args.chunk_size, args.window)
         prefill_s = time.perf_counter() - t0
         kv_bytes, peak = cache.nbytes, cache.peak_nbytes
         answers, decode_s, n_decoded = [], 0.0, 0
@@ -177,7 +186,7 @@ def run(args):
             if not args.json and text:
                 print(f"\nQ: {text}\nA:", end="", flush=True)
             out, secs = answer(model, cache, q_ids, args.max_new_tokens, stop_ids, args.temperature,
-                               args.top_p, generator, stream)
+                               args.top_p, generator, stream, last_logits=last)
             decode_s, n_decoded = decode_s + secs, n_decoded + len(out)
             answers.append({"question": text, "output_ids": out, "text": tok.decode(out)})
             cache.rollback(state)

@@ -1,0 +1,191 @@
+"""The evicting cache against independent oracles: a dense full cache with exactly the evicted
+positions masked out, the full cache itself at budget 1.0, and the budget rule's exact counts."""
+import math
+
+import pytest
+import torch
+
+import model as M
+from cache import EvictingCache, KVCache, plan_prefill
+from gate import Gates, GateScorer
+from generate import answer, prefill
+from tests.helpers import assert_close, tiny_checkpoint
+
+
+class DenseMaskedCache:
+    """Oracle: keeps every token of every layer and masks the positions the evicting cache dropped.
+    Plain dense attention, no RaggedKV, no varlen kernel."""
+
+    def __init__(self, cfg):
+        self.cfg, self.n_seen = cfg, 0
+        self.k = [None] * cfg.num_hidden_layers
+        self.v = [None] * cfg.num_hidden_layers
+        self.dropped = [torch.zeros(cfg.num_key_value_heads, 0, dtype=torch.bool)
+                        for _ in range(cfg.num_hidden_layers)]
+
+    def attend(self, layer, q, k, v, hidden, scale, window=None):
+        T, Hq, d = q.shape
+        H = k.shape[1]
+        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k])
+        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v])
+        self.dropped[layer] = torch.cat([self.dropped[layer], torch.zeros(H, T, dtype=torch.bool)], 1)
+        n = self.k[layer].shape[0]
+        qpos = torch.arange(n - T, n)[:, None]
+        kpos = torch.arange(n)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= kpos > qpos - window
+        out = torch.empty_like(q)
+        for j in range(Hq):
+            h = j // (Hq // H)
+            logits = (q[:, j] @ self.k[layer][:, h].T) * scale
+            mask = allowed & ~self.dropped[layer][h][None, :]
+            p = torch.softmax(logits.masked_fill(~mask, -math.inf), -1)
+            out[:, j] = p @ self.v[layer][:, h]
+        return out
+
+    def advance(self, T):
+        self.n_seen += T
+
+    def sync(self, ev):
+        """Mask everything the evicting cache no longer holds in its compressed layers."""
+        for layer in ev.compressed:
+            kv = ev.layers[layer]
+            for h in range(kv.n_heads):
+                held = torch.zeros(self.n_seen, dtype=torch.bool)
+                held[kv.head_pos(h).cpu()] = True
+                self.dropped[layer][h] = ~held
+
+
+def random_gate_scorer(cfg, seed=0):
+    torch.manual_seed(seed)
+    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size)
+    with torch.no_grad():  # move away from the all-zero init so scores are spread out
+        gates.b.normal_()
+        gates.k_base.normal_()
+    return GateScorer(gates)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def tiny(request, tmp_path_factory):
+    folder = tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    return M.load_model(folder, "cpu", torch.float32)
+
+
+def test_eviction_equals_masked_dense_attention(tiny):
+    """Prefill in several chunks with eviction after each, then decode with evictions: every logit
+    equals a full dense computation in which exactly the evicted positions are masked out."""
+    cfg = tiny.config
+    torch.manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (90,))
+    n_protected, chunk, window, budget = 5, 32, 8, 0.4
+    ev = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected, decode_budget=24,
+                       decode_buffer=8, decode_window=6)
+    dense = DenseMaskedCache(cfg)
+    plan = plan_prefill(len(ids) - n_protected, budget, chunk_size=chunk, window=window)
+    start = n_protected
+    with torch.no_grad():
+        for i in range(0, len(ids), chunk):
+            assert_close(tiny(ids[i:i + chunk], ev), tiny(ids[i:i + chunk], dense), atol=1e-4)
+            end = ev.n_seen - plan.window
+            if end > start:
+                ev.evict(start, end, plan.segment_ratio)
+                start = end
+            dense.sync(ev)
+        assert ev.kept_fraction_per_layer(n_protected, len(ids)) != [1.0] * len(ev.compressed)
+        ev.start_decoding()
+        token = 7
+        for step in range(40):  # several 8-token buffers: scoring and eviction during decoding
+            a, b = tiny(torch.tensor([token]), ev), tiny(torch.tensor([token]), dense)
+            assert_close(a, b, atol=1e-4)
+            ev.after_step()
+            dense.sync(ev)
+            token = int(a[-1].argmax())
+
+
+@pytest.mark.parametrize("level", ["global", "layer", "head", "calibrated"])
+def test_budget_rule_counts_and_invariants(tiny, level):
+    cfg = tiny.config
+    torch.manual_seed(2)
+    n_protected, budget = 4, 0.3
+    ids = torch.randint(0, cfg.vocab_size, (120,)).tolist()
+    cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected, level=level)
+    with torch.no_grad():
+        prefill(tiny, cache, ids, n_protected, budget, chunk_size=40, window=10)
+    n_ctx = len(ids) - n_protected
+    plan = plan_prefill(n_ctx, budget, 40, 10)
+    L, H = len(cache.compressed), cfg.num_key_value_heads
+    # exact count: ⌊r'·n⌋ of each evicted segment (segments are known from the chunk boundaries)
+    expected, start = 0, n_protected
+    for seen in range(40, len(ids) + 40, 40):
+        end = min(seen, len(ids)) - plan.window
+        if end > start:
+            s = end - start
+            expected += (int(plan.segment_ratio * L * H * s) if level in ("global", "calibrated") else
+                         L * int(plan.segment_ratio * H * s) if level == "layer" else L * H * int(plan.segment_ratio * s))
+            start = end
+    held = 0
+    for layer in cache.compressed:
+        kv = cache.layers[layer]
+        for h in range(H):
+            p = kv.head_pos(h)
+            assert torch.equal(p, torch.sort(p).values), "rows stay in position order"
+            assert set(range(n_protected)) <= set(p.tolist()), "the system prompt is never evicted"
+            assert set(range(len(ids) - plan.window, len(ids))) <= set(p.tolist()), "the window is kept"
+            held += int(((p >= n_protected) & (p < len(ids) - plan.window)).sum())
+        assert int(kv.lens.sum()) == kv.n_rows
+        # no hidden full copy: the bytes held are exactly the kept rows
+        assert kv.nbytes == kv.n_rows * 2 * cfg.head_dim * kv.k.element_size()
+    assert held == expected
+    total = sum(cache.kept_fraction_per_layer(n_protected, len(ids))) / L
+    assert abs(total - budget) < 0.05, total
+
+
+def test_budget_one_matches_full_cache_and_chunking_is_exact(tiny):
+    cfg = tiny.config
+    torch.manual_seed(3)
+    ids = torch.randint(0, cfg.vocab_size, (70,)).tolist()
+    stop = set()
+    outs = []
+    with torch.no_grad():
+        for cache, chunk in [(KVCache(cfg), 10_000), (KVCache(cfg), 16),
+                             (EvictingCache(cfg, random_gate_scorer(cfg), n_protected=3), 16)]:
+            prefill(tiny, cache, ids, 3, 1.0, chunk_size=chunk, window=8)
+            outs.append(answer(tiny, cache, [5, 6], 24, stop)[0])
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_decode_budget_and_sliding_window_bounds(tiny):
+    """During decoding the compressed layers never hold more than the budget plus one buffer, and
+    sliding-window layers never more than W-1 tokens between forwards."""
+    cfg = tiny.config
+    torch.manual_seed(4)
+    ids = torch.randint(0, cfg.vocab_size, (80,)).tolist()
+    B, buf = 20, 8
+    cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=2, decode_budget=B, decode_buffer=buf,
+                          decode_window=6)
+    L, H = len(cache.compressed), cfg.num_key_value_heads
+    with torch.no_grad():
+        prefill(tiny, cache, ids, 2, 0.5, chunk_size=32, window=8)
+        cache.start_decoding()
+        sinks = [set(p for p in cache.layers[i].head_pos(h).tolist() if p < 4)
+                 for i in cache.compressed for h in range(cfg.num_key_value_heads)]
+        token, evicted = 3, False
+        for step in range(60):
+            logits = tiny(torch.tensor([token]), cache)
+            cache.after_step()
+            token = int(logits[-1].argmax())
+            held = sum(cache.layers[i].n_rows for i in cache.compressed)
+            if step >= buf - 1:  # from the first full buffer on (prefill may leave more than the budget)
+                assert held <= (B + buf) * L * H
+            evicted |= held <= B * L * H < cache.n_seen * L * H
+            for i, kv in enumerate(cache.layers):
+                if cfg.layer_types[i] == "sliding_attention":
+                    assert int(kv.lens.max()) <= cfg.sliding_window - 1
+                    assert kv.nbytes == kv.n_rows * 2 * cfg.head_dim * kv.k.element_size()
+                    assert int(kv.head_pos(0).min()) == cache.n_seen - kv.n_rows // kv.n_heads
+        assert evicted, "the decode budget was never enforced"
+        heads = [(layer, h) for layer in cache.compressed for h in range(H)]
+        for (layer, h), sink in zip(heads, sinks):  # what the first 4 positions kept, and the decode window, survive
+            held = set(cache.layers[layer].head_pos(h).tolist())
+            assert sink <= held and set(range(cache.n_seen - 6, cache.n_seen)) <= held
