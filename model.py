@@ -187,11 +187,14 @@ def _rope_parameters(arch: str, d: dict) -> dict[str, dict]:
         p = dict(p or {})
         p["rope_type"] = p.get("rope_type") or p.pop("type", None) or "default"
         p.setdefault("rope_theta", theta)
-        if p["rope_type"] == "yarn":  # pre-training length; Phi-3 style top-level key wins (transformers)
-            p["original_max_position_embeddings"] = d.get("original_max_position_embeddings") or \
-                p.get("original_max_position_embeddings") or d["max_position_embeddings"]
         if p["rope_type"] not in _ROPE_TYPES:
             raise ModelError(f"unsupported rope_type {p['rope_type']!r}: implemented {', '.join(_ROPE_TYPES)}")
+        if p["rope_type"] == "yarn":  # pre-training length; a Phi-3 style top-level key wins (transformers)
+            orig = p["original_max_position_embeddings"] = d.get("original_max_position_embeddings") or \
+                p.get("original_max_position_embeddings") or d["max_position_embeddings"]
+            p["factor"] = p.get("factor") or d["max_position_embeddings"] / orig
+        if p["rope_type"] == "linear" and not p.get("factor"):
+            raise ModelError("rope_type 'linear' without a factor in config.json")
         return p
 
     rp = d.get("rope_parameters")
@@ -237,8 +240,7 @@ def rope_inv_freq(p: dict, head_dim: int) -> tuple[torch.Tensor, float]:
     if p["rope_type"] == "linear":  # position interpolation: positions / factor
         return 1.0 / (base ** exps) / p["factor"], 1.0
     # yarn (arXiv 2309.00071): interpolate low frequencies, keep high ones, blend on a linear ramp
-    orig = p["original_max_position_embeddings"]
-    factor = p.get("factor") or p.get("max_position_embeddings", orig) / orig
+    orig, factor = p["original_max_position_embeddings"], p["factor"]  # factor: context extension
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

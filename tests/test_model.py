@@ -248,6 +248,19 @@ def test_unreachable_hub_is_a_one_line_error(monkeypatch):
     _one_line_error(lambda: M.resolve_model("not a repo id"), "not found")
 
 
+def test_resolve_model_routes(checkpoints, monkeypatch, tmp_path):
+    import sys
+    import types
+
+    folder = checkpoints("qwen3-gqa2-tied")[0]
+    assert M.resolve_model(str(folder)) == folder
+    fake = types.SimpleNamespace(ensure_offline_model=lambda: tmp_path)  # offline.py converts the GGUF
+    monkeypatch.setitem(sys.modules, "offline", fake)
+    assert M.resolve_model("gemma3-270m-gguf") == tmp_path
+    (tmp_path / "weights.bin").write_text("x")
+    _one_line_error(lambda: M.resolve_model(tmp_path / "weights.bin"), "is a file")
+
+
 # -- tokenizer / prompt helpers -----------------------------------------------------------------------
 
 def test_prompt_formats_are_method_4_1():
@@ -269,3 +282,17 @@ def test_prompt_formats_are_method_4_1():
     assert M.prompt_format(qwen, "x", chat=False) == M.PromptFormat("", "")
     assert 106 in gemma.eos_token_ids and 151645 in qwen.eos_token_ids  # end-of-turn stops chat models
     assert M.ALIASES["qwen3-0.6b"] == "Qwen/Qwen3-0.6B" and M.ALIASES["gemma3-270m"] == "google/gemma-3-270m-it"
+
+
+def test_prompt_pieces_tokenize_to_the_special_tokens():
+    """With the published tokenizers, the written-out templates hit the real special-token ids."""
+    from tools.fetch_assets import require_for_test
+
+    pieces = {"gemma3": ("gemma3_text", "gemma3-1b", [2, 105], [106, 107, 105, 4368, 107]),  # <bos><start_of_turn>
+              "qwen3": ("qwen3", "qwen3-8b", [151644], [151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271])}
+    for name, (model_type, alias, head, postfix) in pieces.items():
+        tok = M.load_tokenizer(require_for_test("tokenizers", name))
+        fmt = M.prompt_format(M.ModelConfig.from_dict({"model_type": model_type}), alias)
+        assert tok.encode(fmt.system, add_special_tokens=False).ids[:len(head)] == head
+        assert tok.encode(fmt.postfix, add_special_tokens=False).ids == postfix
+        assert tok.encode(M.question_text(fmt, "Who?"), add_special_tokens=False).ids[-len(postfix):] == postfix
