@@ -1,0 +1,584 @@
+"""
+Teach the gates: one command from raw text to a trained gate file (METHOD.md §4-5).
+
+Three steps, each visible below in the order they run:
+  1. data      pick documents (METHOD.md §5.1): 10K-30K-token documents plus ~100K-token
+               concatenations of the same documents, ~1M tokens in all.
+  2. features  for every document, prefill system prompt + context with a full cache, score every
+               context KV pair with the KVzip teacher (teacher.py, METHOD.md §4) and record the
+               attention-input hidden states of the compressed layers. One shard file per document,
+               written atomically under --out/features, so an interrupted run resumes where it stopped.
+  3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft targets,
+               every 100th token held out, SGD momentum 0.9, lr 0.2 with the authors' piecewise
+               schedule, 5,000 steps of 1,000 tokens, all layers batched through gate.Gates.
+
+Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors (gate.save_gate,
+with a training summary in its metadata), metrics.json (per-layer train/validation loss and accuracy
+over steps), curves.png with --plot, and a per-layer table on stdout.
+
+Small CPU example (the offline Gemma 3 270M on the Python docs, a few minutes):
+    python train_gate.py --data ~/.cache/fastkvzip/assets/pydoc --tokens 20000 \\
+        --min-doc-tokens 2000 --max-doc-tokens 6000 --long-doc-tokens 0 --steps 300 --batch-tokens 200
+Full size (the paper's recipe for Qwen3-8B; one GPU, or N GPUs for the feature step):
+    python train_gate.py --model qwen3-8b
+    torchrun --nproc_per_node 8 train_gate.py --model qwen3-8b
+"""
+import argparse
+import datetime
+import glob
+import hashlib
+import json
+import math
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass, asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
+FINEWEB_FILE = "sample/10BT/000_00000.parquet"   # first shard of the sample-10BT config
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".parquet")
+DEFAULT_MODEL = "gemma3-270m-gguf"               # the offline default, as generate.py
+VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
+EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
+ACC_THRESHOLD = 0.05  # accuracy: both sides of 0.05 agree (METHOD.md §5.3)
+BASE_LR, MOMENTUM = 0.2, 0.9  # METHOD.md §5.4
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit code 2."""
+
+
+# -------------------------------------------------------------------------------------------------
+# 1. data (METHOD.md §5.1)
+
+@dataclass
+class Doc:
+    name: str   # where it came from: a file path, "path:line", or "fineweb-edu row N"
+    text: str
+    n: int      # token count used for selection (FineWeb: its GPT-2 `token_count`, else our tokenizer)
+
+
+def iter_fineweb(tokenizer):
+    """Documents of the authors' FineWeb-Edu shard, in file order, with the dataset's token counts."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UsageError("--data fineweb-edu reads parquet: pip install pyarrow (or pass --data PATH)")
+    from huggingface_hub import hf_hub_download
+    try:
+        path = hf_hub_download(FINEWEB_REPO, FINEWEB_FILE, repo_type="dataset")
+    except Exception as e:  # offline, gated, proxy: all end the same way
+        raise UsageError(f"cannot download {FINEWEB_REPO}/{FINEWEB_FILE} ({type(e).__name__}); offline? "
+                         f"pass local text with --data PATH, e.g. --data ~/.cache/fastkvzip/assets/pydoc")
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(columns=["text", "token_count"], batch_size=4096):
+        for text, n in zip(batch.column("text").to_pylist(), batch.column("token_count").to_pylist()):
+            yield Doc(f"fineweb-edu row {row}", text.strip(), int(n))
+            row += 1
+
+
+def list_files(spec):
+    """Files named by a folder (searched recursively), a glob, or a single file; sorted."""
+    if any(c in spec for c in "*?["):
+        files = glob.glob(os.path.expanduser(spec), recursive=True)
+    else:
+        p = Path(spec).expanduser()
+        if not p.exists():
+            raise UsageError(f"--data {spec}: no such file or folder")
+        files = [str(p)] if p.is_file() else [str(f) for f in p.rglob("*") if f.is_file()]
+    files = sorted(f for f in files if f.lower().endswith(TEXT_SUFFIXES))
+    if not files:
+        raise UsageError(f"--data {spec}: no {'/'.join(TEXT_SUFFIXES)} files there")
+    return files
+
+
+def iter_files(spec, tokenizer):
+    """Documents of local files: one per .txt/.md/.rst file, per .jsonl line, per .parquet row
+    ("text" field). Token counts with the model's own tokenizer."""
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+    for f in list_files(spec):
+        if f.endswith(".jsonl"):
+            for i, line in enumerate(open(f, encoding="utf-8")):
+                if line.strip():
+                    text = json.loads(line).get("text")
+                    if not isinstance(text, str):
+                        raise UsageError(f"{f}:{i + 1}: a .jsonl line needs a \"text\" string field")
+                    yield Doc(f"{f}:{i + 1}", text.strip(), count(text.strip()))
+        elif f.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise UsageError(f"{f}: reading .parquet needs pyarrow (pip install pyarrow)")
+            table = pq.read_table(f)
+            if "text" not in table.column_names:
+                raise UsageError(f"{f}: a .parquet file needs a \"text\" column")
+            for i, text in enumerate(table.column("text").to_pylist()):
+                yield Doc(f"{f}:{i}", text.strip(), count(text.strip()))
+        else:
+            text = open(f, encoding="utf-8", errors="replace").read().strip()
+            yield Doc(f, text, count(text))
+
+
+def select_documents(docs, tokens, min_tokens, max_tokens, long_tokens):
+    """METHOD.md §5.1, with the authors' fixed counts (29 + 5) turned into token budgets:
+    half of `tokens` in single documents of min <= n < max tokens, taken in order; the other half in
+    concatenations that walk the same documents again from the start, joining them with "\\n\\n" while
+    the running count is below `long_tokens`; the document that arrives once the count is reached
+    closes the sample and is dropped (as the authors' loader does). long_tokens 0: single documents only.
+    Returns (selected docs, stats for the error message)."""
+    short_budget = tokens // 2 if long_tokens > 0 else tokens
+    long_budget = tokens - short_budget
+    short, long, acc = [], [], []
+    short_n = long_n = acc_n = seen = longest = 0
+    for d in docs:
+        seen, longest = seen + 1, max(longest, d.n)
+        if not (min_tokens <= d.n < max_tokens):
+            continue
+        if short_n < short_budget:
+            short.append(d)
+            short_n += d.n
+        if long_n < long_budget:
+            if acc_n < long_tokens:
+                acc.append(d)
+                acc_n += d.n
+            else:  # this document closes the sample and is dropped
+                long.append(_join(acc, len(long)))
+                long_n += acc_n
+                acc, acc_n = [], 0
+        if short_n >= short_budget and long_n >= long_budget:
+            break
+    if acc and acc_n >= long_tokens and long_n < long_budget:  # the data ended right after a full sample
+        long.append(_join(acc, len(long)))
+    return short + long, dict(seen=seen, longest=longest)
+
+
+def _join(docs, i):
+    return Doc(f"concatenation {i} ({len(docs)} docs from {docs[0].name})", "\n\n".join(d.text for d in docs),
+               sum(d.n for d in docs))
+
+
+def load_documents(args, tokenizer, max_context):
+    """The selected documents as (name, context ids), each cut to max_context tokens."""
+    long_tokens = args.long_doc_tokens
+    if long_tokens > max_context:
+        print(f"note: --long-doc-tokens {long_tokens} is more than the model holds; concatenations are cut "
+              f"to {max_context} context tokens", file=sys.stderr)
+        long_tokens = max_context
+    docs = iter_fineweb(tokenizer) if args.data == "fineweb-edu" else iter_files(args.data, tokenizer)
+    chosen, stats = select_documents(docs, args.tokens, args.min_doc_tokens, args.max_doc_tokens, long_tokens)
+    if not chosen:
+        raise UsageError(f"--data {args.data}: none of its {stats['seen']} documents has between "
+                         f"{args.min_doc_tokens} and {args.max_doc_tokens} tokens (longest: {stats['longest']}); "
+                         f"lower --min-doc-tokens or raise --max-doc-tokens")
+    out = []
+    for d in chosen:
+        ids = tokenizer.encode(d.text, add_special_tokens=False).ids[:max_context]
+        out.append((d.name, ids))
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# 2. features: one shard per document, a manifest, resume, torchrun
+
+def doc_key(name, ids):
+    """Identity of a document's context: its token ids (and name), so a resume never mixes data."""
+    h = hashlib.sha1(np.asarray(ids, dtype=np.int64).tobytes())
+    h.update(name.encode())
+    return h.hexdigest()[:16]
+
+
+def shard_path(out, i):
+    return Path(out) / "features" / f"doc{i:05d}.safetensors"
+
+
+def write_shard(path, hidden, scores, meta):
+    """Atomically: write to a temporary name, then rename (a killed run never leaves half a shard)."""
+    from safetensors.torch import save_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    # one metadata entry: safetensors writes several in no fixed order, and a resumed run must
+    # produce byte-identical files
+    save_file({"hidden": hidden.contiguous(), "scores": scores.contiguous()}, str(tmp),
+              metadata={"document": json.dumps(meta, sort_keys=True)})
+    os.chmod(tmp, 0o644)  # safetensors writes 0600
+    os.replace(tmp, path)
+
+
+def make_manifest(args, model_name, cfg, dtype, docs):
+    return dict(
+        format=1, model=model_name, compressed_layers=list(cfg.compressed_layers),
+        n_kv_heads=cfg.num_key_value_heads, group=cfg.group_size, hidden_size=cfg.hidden_size,
+        dtype=str(dtype).replace("torch.", ""),
+        teacher=dict(chunk=args.teacher_chunk, prefill_chunk=args.prefill_chunk,
+                     softmax_dtype=args.teacher_softmax, chat=args.chat),
+        documents=[dict(name=n, tokens=len(ids), key=doc_key(n, ids), shard=shard_path("", i).as_posix())
+                   for i, (n, ids) in enumerate(docs)])
+
+
+def check_manifest(out, manifest):
+    """A resume must continue the same run: same model, teacher settings and documents."""
+    path = Path(out) / "manifest.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != manifest:
+            diff = [k for k in manifest if old.get(k) != manifest[k]]
+            raise UsageError(f"--out {out} holds features of a different run ({', '.join(diff)} differ); "
+                             f"pass another --out or delete {out}/features and {path}")
+
+
+def write_json(path, obj):
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenizer, rank=0, world=1):
+    """Score and record every document of this rank (documents rank, rank+world, ...) that has no
+    shard yet. The model is loaded only if there is work left."""
+    todo = [i for i in range(rank, len(docs), world) if not shard_path(args.out, i).exists()]
+    if not todo:
+        return
+    import model as M
+    from teacher import KVzipTeacher
+    model = M.load_model(model_folder, device, dtype)
+    teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=args.teacher_chunk,
+                           prefill_chunk=args.prefill_chunk, softmax_dtype=args.teacher_softmax)
+    from tqdm import tqdm
+    total = sum(len(docs[i][1]) for i in todo)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"features rank {rank}" if world > 1 else "features",
+               position=rank, disable=args.quiet, dynamic_ncols=True)
+    for i in todo:
+        name, ids = docs[i]
+        with torch.no_grad():
+            scores, hidden = teacher(ids, capture_hidden=True, on_chunk=bar.update)
+        write_shard(shard_path(args.out, i), hidden, scores,
+                    dict(name=name, tokens=len(ids), key=doc_key(name, ids)))
+    bar.close()
+
+
+def init_distributed():
+    """torchrun sets WORLD_SIZE/RANK. The processes only meet at a barrier after the feature step, so
+    the gloo backend serves CPU and GPU alike; the long timeout covers uneven document lengths."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
+    return dist.get_rank(), world
+
+
+# -------------------------------------------------------------------------------------------------
+# 3. training (METHOD.md §5.2-5.4)
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _mmap_tensor(path, name):
+    """A tensor of a safetensors file, memory-mapped (not read): features of an 8B model over 1M
+    tokens are ~300 GB, so training reads only the rows of each batch."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        info = json.loads(f.read(n))[name]
+    begin, end = info["data_offsets"]
+    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + n + begin, shape=(end - begin,))
+    return torch.from_numpy(raw).view(_ST_DTYPES[info["dtype"]]).view(info["shape"])
+
+
+class FeatureStore:
+    """All shards of a run, in manifest order, as one token axis: hidden (L, N, D) memory-mapped per
+    shard, scores (L, H, N) float32 in memory (METHOD.md §5.1 concatenates along the token axis)."""
+
+    def __init__(self, out, manifest):
+        paths = [Path(out) / d["shard"] for d in manifest["documents"]]
+        missing = [str(p) for p in paths if not p.exists()]
+        assert not missing, f"missing feature shards: {missing[:3]}"
+        self.hidden = [_mmap_tensor(p, "hidden") for p in paths]
+        from safetensors.torch import load_file
+        self.scores = torch.cat([load_file(str(p))["scores"].float() for p in paths], dim=-1)  # (L, H, N)
+        lens = torch.tensor([h.shape[1] for h in self.hidden])
+        self.starts = torch.cumsum(lens, 0) - lens
+        self.n_layers, self.n_tokens, self.hidden_size = self.hidden[0].shape[0], int(lens.sum()), self.hidden[0].shape[2]
+
+    def gather(self, idx):
+        """idx (B,) token indices -> hidden (L, B, D) in the stored dtype, targets (L, H, B)."""
+        shard = torch.searchsorted(self.starts, idx, right=True) - 1
+        x = torch.empty(self.n_layers, len(idx), self.hidden_size, dtype=self.hidden[0].dtype)
+        for s in shard.unique().tolist():
+            at = (shard == s).nonzero().squeeze(1)
+            x[:, at] = self.hidden[s][:, idx[at] - self.starts[s]]
+        return x, self.scores[:, :, idx]
+
+
+def lr_multiplier(step, max_steps):
+    """The authors' schedule (METHOD.md §5.4, utils.py:lr_schedule): 0.01·step during the first 1% of
+    steps (it jumps from 0.49 to 1 at step 50 of 5000, and step 0 has lr 0), then 1, 0.5 from half-way,
+    0.25 from three quarters."""
+    if step < 0.01 * max_steps:
+        return 0.01 * step
+    if step < 0.5 * max_steps:
+        return 1.0
+    if step < 0.75 * max_steps:
+        return 0.5
+    return 0.25
+
+
+def bce_per_layer(pred, target):
+    """(L, H, B) -> (L,): BCE against the soft targets, mean over tokens, sum over heads (METHOD.md §5.3)."""
+    return F.binary_cross_entropy(pred, target.to(pred.dtype), reduction="none").mean(-1).sum(-1)
+
+
+def acc_per_layer(pred, target):
+    """(L, H, B) -> (L,): agreement of pred >= 0.05 and target >= 0.05 over heads and tokens."""
+    return ((pred >= ACC_THRESHOLD) == (target >= ACC_THRESHOLD)).float().mean(dim=(1, 2))
+
+
+def evaluate(gates, x, y, device, block=8192):
+    """Validation loss and accuracy per layer over the whole held-out set, in blocks of tokens."""
+    loss = torch.zeros(x.shape[0], dtype=torch.float64)
+    acc = torch.zeros(x.shape[0], dtype=torch.float64)
+    with torch.no_grad():
+        for s in range(0, x.shape[1], block):
+            xb, yb = x[:, s:s + block].to(device), y[:, :, s:s + block].to(device)
+            pred = gates(xb)
+            w = xb.shape[1] / x.shape[1]
+            loss += bce_per_layer(pred, yb).double().cpu() * w
+            acc += acc_per_layer(pred, yb).double().cpu() * w
+    return loss.tolist(), acc.tolist()
+
+
+def floor_bce(y):
+    """BCE of the perfect predictor (pred = target): the soft targets' own entropy, the loss no gate can
+    go below. (BCE − floor) is the KL divergence the training actually reduces."""
+    return bce_per_layer(y.clamp(1e-7, 1 - 1e-7), y).tolist()
+
+
+def constant_bce(y):
+    """The best constant predictor's BCE per layer: each head predicts its own mean target (the
+    minimiser of mean BCE over constants). A trained gate must beat this to have learned anything."""
+    c = y.mean(-1, keepdim=True).clamp(1e-7, 1 - 1e-7).expand_as(y)
+    return bce_per_layer(c, y).tolist()
+
+
+@torch.no_grad()
+def sgd_step(params, momentum, lr):
+    """torch.optim.SGD(momentum=0.9) exactly (no dampening, no Nesterov, no weight decay): the buffer
+    starts as the first gradient, then buf = 0.9·buf + grad; p -= lr·buf. Written out because importing
+    torch.optim pulls in torch._dynamo (~9 s on this CPU). Each parameter keeps its own dtype (METHOD.md §5.4)."""
+    for j, p in enumerate(params):
+        g = p.grad
+        momentum[j] = g.clone() if momentum[j] is None else momentum[j].mul_(MOMENTUM).add_(g)
+        p.add_(momentum[j], alpha=-lr)
+        p.grad = None
+
+
+def make_gates(cfg, dtype, device):
+    from gate import Gates
+    # projections and b in the features' dtype, norms and sink keys in fp32 (METHOD.md §1.2)
+    return Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
+                 dtype=dtype, device=device)
+
+
+def train(store, cfg, args, device, log=print):
+    """METHOD.md §5.2-5.4. Returns (gates, metrics dict)."""
+    N = store.n_tokens
+    is_val = (torch.arange(N) + 1) % VAL_EVERY == 0  # every 100th token, 1-based (load_data.py:split_fn)
+    train_idx, val_idx = (~is_val).nonzero().squeeze(1), is_val.nonzero().squeeze(1)
+    n_train, B = len(train_idx), args.batch_tokens
+    if n_train < B:
+        raise UsageError(f"only {n_train} training tokens for --batch-tokens {B}; add data (--tokens) or lower it")
+    if len(val_idx) == 0:
+        raise UsageError(f"only {N} tokens: need at least {VAL_EVERY} for one validation token; raise --tokens")
+    dtype = store.hidden[0].dtype  # the gates train in the features' (= the model's) dtype (METHOD.md §5.4)
+    x_val, y_val = store.gather(val_idx)
+    torch.manual_seed(args.seed)
+    gates = make_gates(cfg, dtype, device)
+    params = list(gates.parameters())
+    momentum = [None] * len(params)
+    n_split = n_train // B  # epoch-style sampling: a fresh permutation every n_split steps
+    L = store.n_layers
+    metrics = dict(step=[], train_loss=[], train_acc=[], val_loss=[], val_acc=[], layers=list(cfg.compressed_layers),
+                   const_val_loss=constant_bce(y_val), floor_val_loss=floor_bce(y_val), n_train=n_train, n_val=len(val_idx))
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        if i % n_split == 0:
+            perm = torch.randperm(n_train)
+        idx = train_idx[perm[(i % n_split) * B:(i % n_split + 1) * B]]
+        x, y = store.gather(idx)
+        x, y = x.to(device), y.to(device)
+        pred = gates(x)                         # (L, H, B): all layers in one batched call
+        per_layer = bce_per_layer(pred, y)      # (L,)
+        per_layer.sum().backward()              # sum over layers: disjoint parameters, shared batch
+        lr = BASE_LR * lr_multiplier(i, args.steps)
+        sgd_step(params, momentum, lr)
+        if i % EVAL_EVERY == 0 or i == args.steps - 1:
+            # as the authors: this batch's loss (before its update), validation after the update
+            val_loss, val_acc = evaluate(gates, x_val, y_val, device)
+            metrics["step"].append(i)
+            metrics["train_loss"].append(per_layer.tolist())
+            metrics["train_acc"].append(acc_per_layer(pred.detach(), y).tolist())
+            metrics["val_loss"].append(val_loss)
+            metrics["val_acc"].append(val_acc)
+            log(f"step {i:5d}  lr {lr:.3f}  train BCE {sum(per_layer.tolist()) / L:.4f}  "
+                f"val BCE {sum(val_loss) / L:.4f}  val acc {100 * sum(val_acc) / L:.1f}%  "
+                f"({time.perf_counter() - t0:.0f} s)")
+    metrics["seconds"] = time.perf_counter() - t0
+    metrics["steps_per_s"] = args.steps / max(metrics["seconds"], 1e-9)
+    return gates, metrics
+
+
+# -------------------------------------------------------------------------------------------------
+# outputs
+
+def summary_table(m):
+    """Per layer: final validation BCE against the best constant, accuracies, last train BCE."""
+    rows = [f"{'layer':>5}  {'val BCE':>8}  {'const BCE':>9}  {'val acc':>7}  {'train BCE':>9}  {'train acc':>9}"]
+    for j, layer in enumerate(m["layers"]):
+        rows.append(f"{layer:>5}  {m['val_loss'][-1][j]:8.4f}  {m['const_val_loss'][j]:9.4f}  "
+                    f"{100 * m['val_acc'][-1][j]:6.1f}%  {m['train_loss'][-1][j]:9.4f}  {100 * m['train_acc'][-1][j]:8.1f}%")
+    return "\n".join(rows)
+
+
+def plot_curves(m, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: --plot needs matplotlib (pip install matplotlib); no plot written", file=sys.stderr)
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in ((axes[0], "loss", "BCE (sum over heads)"), (axes[1], "acc", "accuracy at 0.05")):
+        for j, layer in enumerate(m["layers"]):
+            line, = ax.plot(m["step"], [v[j] for v in m[f"val_{key}"]], label=f"layer {layer}")
+            ax.plot(m["step"], [v[j] for v in m[f"train_{key}"]], ":", color=line.get_color(), alpha=0.6)
+        ax.set_title(f"{title}: validation (solid), train batch (dotted)")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# -------------------------------------------------------------------------------------------------
+# main
+
+def run(args):
+    import model as M
+    rank, world = init_distributed()
+    device = torch.device(args.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+                                          if torch.cuda.is_available() else "cpu"))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             None: torch.bfloat16 if device.type == "cuda" else torch.float32}[args.dtype]
+    folder = M.resolve_model(args.model)
+    cfg = M.load_config(folder)
+    tokenizer = M.load_tokenizer(folder)
+    model_name = Path(args.model).name.lower() if args.model else DEFAULT_MODEL
+    args.out = args.out or str(Path("out") / model_name)
+    if args.chat is None:
+        args.chat = args.model != DEFAULT_MODEL  # the offline model is a base model, as generate.py
+    fmt = M.prompt_format(cfg, args.model, chat=args.chat)
+    system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
+    # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
+    max_context = cfg.max_position_embeddings - len(system) - args.teacher_chunk - 64
+    docs = load_documents(args, tokenizer, max_context)
+    manifest = make_manifest(args, model_name, cfg, dtype, docs)
+    check_manifest(args.out, manifest)
+    if rank == 0:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        write_json(Path(args.out) / "manifest.json", manifest)
+        n_tok = sum(len(ids) for _, ids in docs)
+        print(f"{len(docs)} documents, {n_tok} context tokens -> {args.out}/features", file=sys.stderr)
+    t0 = time.perf_counter()
+    extract_features(args, folder, cfg, dtype, device, docs, fmt, tokenizer, rank, world)
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()  # every rank's shards are written before rank 0 trains
+        dist.destroy_process_group()
+        if rank != 0:
+            return
+    print(f"features ready ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    if args.steps == 0:
+        return
+    store = FeatureStore(args.out, manifest)
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
+    gates, metrics = train(store, cfg, args, device, log)
+    metrics["command"] = " ".join(sys.argv)
+    from gate import save_gate
+    summary = dict(command=metrics["command"], data=args.data, documents=len(docs), tokens=store.n_tokens,
+                   steps=args.steps, batch_tokens=args.batch_tokens, lr=BASE_LR, momentum=MOMENTUM, seed=args.seed,
+                   val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
+                   const_val_loss=metrics["const_val_loss"], teacher=manifest["teacher"])
+    gate_path = Path(args.out) / "gate.safetensors"
+    save_gate(str(gate_path), gates, dict(model=model_name, layers=metrics["layers"], training=summary))
+    write_json(Path(args.out) / "metrics.json", metrics)
+    print(summary_table(metrics))
+    if args.plot:
+        plot_curves(metrics, Path(args.out) / "curves.png")
+    L = len(metrics["layers"])
+    print(f"trained {args.steps} steps on {store.n_tokens} tokens in {metrics['seconds']:.0f} s "
+          f"({metrics['steps_per_s']:.1f} steps/s); val BCE {sum(metrics['val_loss'][-1]) / L:.4f} "
+          f"(constant {sum(metrics['const_val_loss']) / L:.4f}); gate -> {gate_path}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="local folder, HF repo id, or alias (qwen3-8b, ...); "
+                   f"default: {DEFAULT_MODEL}, Gemma 3 270M converted offline from PyPI")
+    p.add_argument("--data", default="fineweb-edu", help="'fineweb-edu' (the paper's data, downloaded with "
+                   "huggingface-hub; needs pyarrow) or a folder / glob / file of .txt .md .rst .jsonl .parquet")
+    p.add_argument("--tokens", type=int, default=1_000_000, help="total context tokens to select: half in "
+                   "single documents, half in long concatenations (METHOD.md §5.1)")
+    p.add_argument("--min-doc-tokens", type=int, default=10_000, help="shortest document used")
+    p.add_argument("--max-doc-tokens", type=int, default=30_000, help="documents must be shorter than this")
+    p.add_argument("--long-doc-tokens", type=int, default=100_000, help="length of the concatenated long "
+                   "samples (capped to the model's context); 0 = single documents only")
+    p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>)")
+    p.add_argument("--steps", type=int, default=5000, help="SGD steps (0 = compute features only)")
+    p.add_argument("--batch-tokens", type=int, default=1000, help="tokens per step, shared by all layers")
+    p.add_argument("--seed", type=int, default=0, help="seed of the gate init and the batch order")
+    p.add_argument("--teacher-chunk", type=int, default=2000, help="context tokens scored per repeat "
+                   "query (METHOD.md §4.2)")
+    p.add_argument("--prefill-chunk", type=int, default=16000, help="tokens per prefill forward of the teacher")
+    p.add_argument("--teacher-softmax", choices=("float32", "model"), default="float32",
+                   help="dtype of the teacher's logits and softmax: float32 (default: the targets do not "
+                   "depend on the model dtype, at a negligible cost) or the model dtype as the authors (bf16)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap in the model's chat template (default: on, except for the base offline model)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; the local rank's GPU "
+                   "under torchrun)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="model and feature dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--plot", action="store_true", help="also write curves.png (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or step log")
+    args = p.parse_args(argv)
+    for flag in ("tokens", "min_doc_tokens", "max_doc_tokens", "batch_tokens", "teacher_chunk", "prefill_chunk"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.steps < 0 or args.long_doc_tokens < 0:
+        p.error("--steps and --long-doc-tokens must be >= 0")
+    if args.min_doc_tokens >= args.max_doc_tokens:
+        p.error("--min-doc-tokens must be below --max-doc-tokens")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import model as M
+    try:
+        run(args)
+    except (UsageError, M.ModelError) as e:
+        print(f"train_gate.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
