@@ -151,12 +151,12 @@ class EvictingCache(KVCache):
         if layer not in self.index:
             return super().attend(layer, q, k, v, hidden, scale, window)
         pos = self.positions(q.shape[0])
+        score = None
         if self.decoding:
             # score later, 128 tokens at a time (METHOD.md §7); +inf until then = not evictable
-            score = None
             if self.decode_budget is not None:
                 self.buffer[layer].append(hidden)
-        else:
+        elif self.scorer is not None:  # None: scores arrive later (KVzip scores the whole context at once)
             score = self._score(self.index[layer], hidden, q, k, pos)
             score[:, pos < self.n_protected] = math.inf  # the system prompt is never evicted
         kv = self.layers[layer]

@@ -70,6 +70,24 @@ def prefill(model, cache, ids, n_protected, budget=1.0, chunk_size=16384, window
     return logits
 
 
+def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=1.0, chunk_size=16384, window=4096):
+    """KVzip as an inference method (METHOD.md §6 "non-chunked variant"): prefill the whole context with
+    nothing evicted, score it with the reconstruction teacher (about a second prefill), then evict once,
+    with the same budget rule as the gate. Peak memory is the full context: the cost the gate removes."""
+    full = teacher.new_cache()
+    teacher.prefill(full, ids[:-1])
+    last = model(torch.tensor(ids[-1:], device=full.device), full, num_logits=1)[-1]
+    scores = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context)
+    cache.layers, cache.n_seen, cache.peak_nbytes = full.layers, full.n_seen, full.peak_nbytes
+    for l, layer in enumerate(cache.compressed):
+        kv = cache.layers[layer]
+        context = torch.cat([torch.full((kv.n_heads, n_protected), float("inf")), scores[l]], dim=1)
+        kv.set_tail_scores(context.to(kv.score.device))  # the cache holds exactly system ⊕ context
+    plan = plan_prefill(len(ids) - n_protected, budget, chunk_size, window)
+    cache.evict(n_protected, len(ids) - plan.window, plan.segment_ratio)
+    return last
+
+
 def decode_one(model, cache, token):
     logits = model(torch.tensor([token], device=cache.device), cache)[-1]
     if isinstance(cache, EvictingCache):
@@ -120,9 +138,12 @@ def make_cache(method, model, cfg, n_protected, args, model_name):
         scorer = gate.SnapKVScorer(scale=cfg.attn_scale(cfg.compressed_layers[0]))
     elif method == "random":
         scorer = gate.RandomScorer(args.seed, n_kv_heads=H)
-    else:
-        raise UsageError(f"--method {method} is not available yet")
-    level = args.level or scorer.level  # the authors run the baselines per head, the gate globally
+    elif method == "kvzip":
+        if args.decode_budget is not None:
+            raise UsageError("--method kvzip scores the context once; drop --decode-budget")
+        scorer = None  # the teacher scores the whole context after prefill (prefill_kvzip)
+    # the authors run the baselines per head, the gate and KVzip with one global threshold
+    level = args.level or (scorer.level if scorer else "global")
     return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected, level=level,
                          decode_budget=args.decode_budget)
 
@@ -176,7 +197,12 @@ def run(args):
     stop_ids = set(cfg.eos_token_ids)
     t0 = time.perf_counter()
     with torch.no_grad():
-        last = prefill(model, cache, ids, n_protected, budget, args.chunk_size, args.window)
+        if method == "kvzip":
+            from teacher import KVzipTeacher
+            teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
+            last = prefill_kvzip(model, teacher, cache, ids, n_protected, budget, args.chunk_size, args.window)
+        else:
+            last = prefill(model, cache, ids, n_protected, budget, args.chunk_size, args.window)
         prefill_s = time.perf_counter() - t0
         kv_bytes, peak = cache.nbytes, cache.peak_nbytes
         answers, decode_s, n_decoded = [], 0.0, 0
@@ -276,6 +302,9 @@ def parse_args(argv=None):
     p.add_argument("--level", choices=LEVELS, default=None,
                    help="eviction structure: one global threshold over layers x heads (fastkvzip default), "
                         "uniform per layer, or uniform per head (baselines' default)")
+    p.add_argument("--kvzip-softmax", choices=["float32", "model"], default="float32",
+                   help="--method kvzip: softmax dtype of the teacher (the authors use the model dtype, bf16; "
+                        "fp32 avoids rounding ties among small probabilities)")
     p.add_argument("--show-retention", action="store_true", help="print the layer x head retention map")
     return p.parse_args(argv)
 
