@@ -210,3 +210,33 @@ def test_greedy_continuation_knows_water_boils_at_100(folder):
     text = tok.decode(out)
     assert cache.n_seen == len(ids) + len(out)
     assert "100" in text, text
+
+
+# ------------------------------------------------------------------------------------ the text assets
+
+def test_text_assets():
+    """Austen: 6 novels, paragraphs unwrapped, parts <= 90K chars that re-join to the novel; pydoc:
+    412 pages >= 2 KB without includes/ or distutils/; MANIFEST lists every file with its size."""
+    import tools.fetch_assets as A
+
+    root = require_for_test("MANIFEST.txt").parent
+    novels = {p.stem: p.read_text(encoding="utf-8") for p in text_docs("austen")}
+    assert sorted(novels) == ["emma", "mansfield_park", "northanger_abbey", "persuasion",
+                              "pride_and_prejudice", "sense_and_sensibility"]
+    assert novels["emma"].startswith("EMMA\n\nBy Jane Austen\n\nVOLUME I\n\nCHAPTER I\n\nEmma Woodhouse, handsome")
+    for slug, text in novels.items():
+        assert all("\n" not in para for para in text.strip().split("\n\n")), slug
+        parts = [p.read_text(encoding="utf-8") for p in text_docs("austen_parts") if p.stem.rsplit("_", 1)[0] == slug]
+        assert len(parts) >= 4 and all(len(p) <= A.PART_MAX_CHARS for p in parts), slug
+        assert "\n\n".join(p.strip() for p in parts) == text.strip(), slug
+        assert all(A.CHAPTER.match(p.split("\n\n")[0]) for p in parts[1:]), slug  # cut at chapter headings
+    pages = text_docs("pydoc")
+    assert len(pages) == 412 and min(p.stat().st_size for p in pages) >= A.PYDOC_MIN_BYTES
+    assert not [p for p in pages if A.PYDOC_DROP & set(p.relative_to(root / "pydoc").parts)]
+    listed = {}
+    for line in (root / "MANIFEST.txt").read_text().splitlines()[1:]:
+        path, size, sha = line.split("\t")
+        listed[path] = int(size)
+    on_disk = {str(p.relative_to(root)): p.stat().st_size for part in A.PARTS for p in (root / part).rglob("*")
+               if p.is_file()}
+    assert listed == on_disk
