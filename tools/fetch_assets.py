@@ -109,7 +109,8 @@ class StepFailed(RuntimeError):
 
 def run(cmd: list[str], cwd: Path) -> None:
     if shutil.which(cmd[0]) is None:
-        raise StepFailed(f"`{cmd[0]}` not found: it is needed for `{' '.join(cmd)}`")
+        hint = "install it: apt-get install npm" if cmd[0] == "npm" else "this needs a Debian-based system"
+        raise StepFailed(f"`{cmd[0]}` not found ({hint}); it runs `{' '.join(cmd)}`")
     res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if res.returncode != 0:
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
