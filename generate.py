@@ -190,7 +190,8 @@ def run(args):
         raise UsageError(f"context + question + --max-new-tokens = {longest} tokens exceeds the model's maximum "
                          f"of {cfg.max_position_embeddings}; shorten the context or lower --max-new-tokens")
     budget = 1.0 if args.budget is None else args.budget
-    method = "full" if args.method == "full" else args.method
+    # budget 1.0 without decode-time eviction keeps every pair: no scorer (and no gate file) is needed
+    method = "full" if budget == 1.0 and args.decode_budget is None else args.method
     cache = make_cache(method, model, cfg, n_protected, args, args.model)
 
     generator = torch.Generator().manual_seed(args.seed)
@@ -218,7 +219,7 @@ def run(args):
             cache.rollback(state)
             if not args.json:
                 print(flush=True)
-    stats = dict(method=args.method, budget=budget, prompt_tokens=len(ids), prefill_seconds=prefill_s,
+    stats = dict(method=method, budget=budget, prompt_tokens=len(ids), prefill_seconds=prefill_s,
                  prefill_tokens_per_s=len(ids) / prefill_s,
                  decode_tokens_per_s=n_decoded / decode_s if decode_s > 0 else None,
                  kv_bytes=kv_bytes, kv_bytes_full=full_cache_bytes(cache, len(ids)), peak_kv_bytes=peak,

@@ -561,7 +561,10 @@ def resolve_model(name_or_path: str | Path) -> Path:
     name = str(name_or_path)
     if name.lower() == OFFLINE_DEFAULT:
         import offline  # lazy: only this path needs gguf and the PyPI weight packages
-        return Path(offline.ensure_offline_model())
+        try:
+            return Path(offline.ensure_offline_model())
+        except offline.OfflineModelError as e:
+            raise ModelError(str(e)) from None
     repo = ALIASES.get(name.lower(), name)
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or name.startswith((".", "/", "~")):
         raise ModelError(f"model folder not found: {name} (pass a folder, a repo id like Qwen/Qwen3-8B, "
