@@ -8,8 +8,14 @@ FlashAttention-varlen call in which the G query heads of a KV head are the heads
 This file holds, top to bottom:
   attention_reference  the plain-PyTorch spec (and the CPU path): a loop over sequences with
                        explicit masks, fp32 softmax.
-  varlen_attention     the single entry point; picks the backend.
+  varlen_attention     the single entry point; backend= "triton" | "torch", or the environment
+                       variable FASTKVZIP_ATTN_BACKEND, else Triton on CUDA tensors, torch otherwise.
+  the Triton kernel    FlashAttention-style forward: online softmax in fp32, the G query heads of a
+                       KV head packed into the rows of one tile (each key block is read once for
+                       all of them), keys split across programs for decode (flash-decoding).
+                       Triton is optional: without it this module imports and the torch path works.
   RaggedKV             one layer's storage: per-head regions with slack, append / select / attend.
+  a benchmark          python kernels.py (full sizes on CUDA; the reference on small shapes on CPU).
 
 The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's seqused_k):
   q (total_q, Hq, d), k and v (total_k, Hk, d), Hq % Hk == 0; query head j reads KV head
@@ -26,7 +32,8 @@ The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's 
 
 Swapping in for flash-attn: varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True,
 window=W) equals flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
-causal=True, window_size=(W - 1, 0)); window=None is window_size=(-1, -1).
+causal=True, window_size=(W - 1, 0)); window=None is window_size=(-1, -1). seqused_k exists only in
+FlashAttention-3; with flash-attn 2 pass a RaggedKV right after select() (no slack: cu_seqlens_k exact).
 """
 import functools
 import os
@@ -205,6 +212,21 @@ def _n_sms(device_index):  # asked at the first call, never at import time
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _block_config(rows, d, itemsize, interpret=False):
+    """-> BLOCK_M, BLOCK_N, num_warps, num_stages. Fixed configs, no autotuning:
+    decode (<= 16 packed query rows): BLOCK_M = 16, the smallest tl.dot tile, and long key blocks
+    to stream the cache; prefill: 128 x 64 with 8 warps, the Triton tutorial's choice for d <= 128;
+    d = 256 halves the key block so the pipelined K/V tiles fit shared memory. Compiled for sm_90
+    (tests/test_kernels.py): fp16/bf16 use <= 160 KB of the 227 KB of shared memory, no spills.
+    fp32 inputs (a correctness path, not a fast one) get small tiles, else they do not fit."""
+    if interpret:  # the interpreter's cost is per program step, not per FLOP: use big blocks
+        return (16 if rows <= 16 else 128), 256, 4, 1
+    if itemsize == 4:
+        return (16, 32, 4, 2) if rows <= 16 else (64, 32 if d <= 128 else 16, 4, 2)
+    bm, bn, warps, stages = (16, 128, 4, 3) if rows <= 16 else (128, 64, 8, 3)
+    return bm, (bn if d <= 128 else bn // 2), warps, stages
+
+
 def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale=None, causal=True, window=None, seqused_k=None,
                             block_m=None, block_n=None, num_splits=None):
@@ -220,15 +242,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     rows = max_seqlen_q * group  # packed (query row, head) pairs per sequence and KV head
-    # Two fixed configs. Decode (<= 16 packed rows): BLOCK_M = 16, the smallest tl.dot tile, and long
-    # key blocks to stream the cache. Prefill: 128 x 64, the Triton tutorial's choice for d <= 128.
-    # d = 256 halves the key block so K and V tiles still fit shared memory with 2-3 stages.
-    if rows <= 16:
-        bm, bn, warps, stages = 16, 128 if d <= 128 else 64, 4, 3
-    else:
-        bm, bn, warps, stages = 128, 64 if d <= 128 else 32, 8, 2 if d > 128 else 3
-    if interpret:  # the interpreter's cost is per program step, not per FLOP: use big blocks
-        bm, bn = (16 if rows <= 16 else 128), 256
+    bm, bn, warps, stages = _block_config(rows, d, q.element_size(), interpret)
     bm, bn = block_m or bm, block_n or bn
     grid_m = triton.cdiv(rows, bm)
     if num_splits is None:  # flash-decoding: split the keys when there are too few programs
@@ -252,7 +266,9 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         lse.stride(1) if lse is not None else 0,
         BOUNDED=causal or window is not None, WINDOWED=window is not None,
         HAS_USED=seqused_k is not None, SPLIT=num_splits > 1, UPCAST=interpret and q.dtype == torch.bfloat16,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 inputs: no TF32 rounding
+        # fp32 inputs: 3xTF32 keeps ~fp32 accuracy on tensor cores (plain TF32 errs ~1e-3; "ieee"
+        # lowers to FMAs that spill registers); the default for 16-bit inputs
+        PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
         D=d, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     if num_splits > 1:
         return _merge_splits(o, lse).to(q.dtype)
@@ -381,3 +397,134 @@ class RaggedKV:
         H, t = score.shape
         rows = ((self.starts + self.lens - t)[:, None] + torch.arange(t)).reshape(-1).to(self.device)
         self.score[rows] = score.to(self.device, torch.float32).reshape(-1)
+
+
+# -----------------------------------------------------------------------------------------------
+# Benchmark: python kernels.py (CUDA: full sizes against SDPA / flash-attn; CPU: reference, small)
+
+def _timeit(fn, cuda):
+    """Seconds per call: triton's do_bench on CUDA, a plain loop of at least 0.3 s on CPU."""
+    if cuda:
+        return triton.testing.do_bench(fn, warmup=10, rep=50) / 1e3
+    import time
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - t0 < 0.3:
+        fn()
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
+def _ragged_cache(lens, d, dtype, device):
+    """A compacted RaggedKV whose head h holds lens[h] random keys (what eviction leaves)."""
+    H, n = len(lens), max(lens)
+    kv = RaggedKV(H, d, dtype, device)
+    kv.append(torch.randn(n, H, d, dtype=dtype, device=device),
+              torch.randn(n, H, d, dtype=dtype, device=device), torch.arange(n))
+    kv.select([torch.arange(n) >= n - l for l in lens])  # keep each head's last lens[h] rows, no slack
+    return kv
+
+
+def _bench_attend(name, kv, t, G, cuda):
+    """Time RaggedKV.attend for t new queries per head against SDPA (dense, padded to the longest
+    head, masked) and flash-attn varlen on the same ragged layout; print time, GB/s, TFLOP/s."""
+    H, d, dtype, device = kv.n_heads, kv.head_dim, kv.dtype, kv.device
+    q = torch.randn(t, H * G, d, dtype=dtype, device=device)
+    scale = d ** -0.5
+    lens = kv.lens.tolist()
+    # work actually needed: bytes of the kept K and V + q and out; 4 d FLOPs per visible (query, key)
+    nbytes = (sum(lens) * 2 + 2 * t * H * G) * d * q.element_size()
+    pairs = sum(G * sum(min(max(i + n - t + 1, 0), n) for i in range(t)) for n in lens)
+    flops = 4 * d * pairs
+    L = max(lens)
+    print(f"{name}: keys per head {min(lens)}..{L} (sum {sum(lens)}), {t} queries x {H * G} heads, "
+          f"d={d}, {str(dtype).split('.')[-1]}")
+    k_pad = torch.zeros(1, H, L, d, dtype=dtype, device=device)   # the dense padded equivalent
+    v_pad = torch.zeros_like(k_pad)
+    for h, n in enumerate(lens):
+        k_pad[0, h, :n], v_pad[0, h, :n] = kv.k[int(kv.starts[h]):][:n], kv.v[int(kv.starts[h]):][:n]
+    if min(lens) == L:  # equal heads: bottom-right causal without materialising a (t, L) mask
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(t, L)
+    else:  # padding + bottom-right causal per head, (1, H*G, t, L) in GQA order h*G+g
+        n_h = torch.tensor(lens, device=device)[:, None, None]
+        mask = torch.arange(L, device=device) <= torch.arange(t, device=device)[:, None] + n_h - t
+        mask = mask.repeat_interleave(G, 0)[None]
+    qd = q.view(t, H * G, d).transpose(0, 1)[None]                 # (1, H*G, t, d)
+    cands = {"ours (" + ("triton" if cuda else "torch reference") + ")": lambda: kv.attend(q, scale),
+             "sdpa dense padded": lambda: F.scaled_dot_product_attention(
+                 qd, k_pad, v_pad, attn_mask=mask, scale=scale, enable_gqa=True)}
+    try:
+        from flash_attn import flash_attn_varlen_func
+        k, v, cu_k, _, max_len = kv.keys_values()                  # compacted: cu_k is exact
+        qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)
+        cu_q = torch.arange(H + 1, dtype=torch.int32, device=device) * t
+        cands["flash-attn varlen"] = lambda: flash_attn_varlen_func(
+            qv, k, v, cu_q, cu_k, t, max_len, softmax_scale=scale, causal=True)
+    except ImportError:
+        print("  (flash-attn not importable: skipped)")
+    for label, fn in cands.items():
+        try:
+            s = _timeit(fn, cuda)
+            print(f"  {label:28s} {s * 1e3:9.3f} ms  {nbytes / s / 1e9:8.1f} GB/s  {flops / s / 1e12:7.2f} TFLOP/s")
+        except Exception as e:  # a baseline that does not run here must not stop the others
+            print(f"  {label:28s} failed: {type(e).__name__}: {str(e)[:100]}")
+        del fn
+    del k_pad, v_pad, mask
+
+
+def _bench_append(sizes, H, d, dtype, device, cuda, n_appends=100):
+    """Cost of appending one decode token vs cache size. Into slack it must be flat; a regrow
+    copies the cache (O(n)) but leaves n/2 rows of slack per head, so its amortised share is flat too."""
+    import time
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    print(f"RaggedKV.append of 1 token, H={H}, d={d}:")
+    for n in sizes:
+        kv = _ragged_cache([n] * H, d, dtype, device)  # compacted: the first append has to regrow
+        k1, pos = torch.randn(1, H, d, dtype=dtype, device=device), torch.tensor([n])
+        sync()
+        t0 = time.perf_counter()
+        kv.append(k1, k1, pos)
+        sync()
+        regrow = time.perf_counter() - t0
+        slack = int((kv.caps - kv.lens).min())
+        ptr = kv.k.data_ptr()
+        t0 = time.perf_counter()
+        for _ in range(n_appends):
+            kv.append(k1, k1, pos)
+        sync()
+        into_slack = (time.perf_counter() - t0) / n_appends
+        assert kv.k.data_ptr() == ptr, "append into slack reallocated"
+        print(f"  {n:7d} rows/head: into slack {into_slack * 1e6:7.1f} us | regrow {regrow * 1e3:8.2f} ms "
+              f"once per {slack} appends = {regrow / slack * 1e6:6.1f} us amortised")
+
+
+if __name__ == "__main__":
+    import torch.nn.functional as F
+    cuda = torch.cuda.is_available()
+    if triton is None and cuda:
+        raise SystemExit("the CUDA benchmark needs triton (pip install triton)")
+    torch.manual_seed(0)
+    H, G, d = 8, 4, 128  # Qwen3-8B: 32 query heads, 8 KV heads, head_dim 128
+    if cuda:
+        dev, dtype = "cuda", torch.bfloat16
+        print(f"CUDA: {torch.cuda.get_device_name()}, Qwen3-8B attention shapes, bf16")
+        for total in (32768, 65536, 131072):  # kept keys per layer, 30% of a context of total / 0.3
+            lens = (torch.rand(H) + 0.5)                        # per-head retention varies 3x
+            lens = (lens / lens.sum() * total).long().clamp(min=1).tolist()
+            _bench_attend(f"decode, {total // 1024}K kept keys/layer (30% of {total / 0.3 / H / 1024:.0f}K tokens)",
+                          _ragged_cache(lens, d, dtype, dev), 1, G, cuda)
+        _bench_attend("chunked prefill, 16K chunk against a 64K-key cache",
+                      _ragged_cache([65536 + 16384] * H, d, dtype, dev), 16384, G, cuda)
+        _bench_append([1024, 8192, 65536, 524288], H, d, dtype, dev, cuda)
+    else:
+        print("No CUDA: timing the plain-PyTorch reference on SMALL shapes (fp32, 1 thread). These numbers\n"
+              "describe the CPU fallback, not the Triton kernel (the interpreter is for tests, not speed).")
+        torch.set_num_threads(1)
+        for total in (2048, 8192):
+            lens = (torch.rand(H) + 0.5)
+            lens = (lens / lens.sum() * total).long().clamp(min=1).tolist()
+            _bench_attend(f"decode, {total} kept keys/layer", _ragged_cache(lens, d, torch.float32, "cpu"), 1, G, cuda)
+        _bench_attend("chunked prefill, 256-token chunk against a 2K-key cache",
+                      _ragged_cache([2048 + 256] * H, d, torch.float32, "cpu"), 256, G, cuda)
+        _bench_append([1024, 8192, 65536], H, d, torch.float32, "cpu", cuda)

@@ -1,4 +1,10 @@
 """kernels.py: the reference against SDPA, the Triton kernel against the reference, RaggedKV."""
+import functools
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,7 +194,7 @@ MODES = [(True, None), (False, None), (True, 37)]  # causal, window
     (1, 8, 64, torch.float32, [2100, 0, 1, 64]),
     (7, 2, 256, torch.float16, [0, 1, 7, 1800]),      # Gemma3 head_dim
     (64, 1, 64, torch.float32, [64, 0, 1, 1100]),
-    (300, 4, 64, torch.bfloat16, [300, 1, 0, 700]),   # chunked prefill, rows without keys (N < M)
+    (300, 2, 64, torch.float32, [300, 1, 0, 700]),    # chunked prefill, rows without keys (N < M)
 ])
 def test_triton_matches_reference_ragged(q_len, G, d, dtype, k_lens):
     # Hk = 2 KV heads per sequence (GQA through the head axis), slack rows after every key region
@@ -242,11 +248,81 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("q_len,d", [(1, 128), (1, 256), (300, 128), (1000, 256)])
 def test_triton_gpu_matches_reference(q_len, d, dtype):
-    g = torch.Generator().manual_seed(q_len + d)
     k_lens = [0, 1, 20000, q_len, 4097, 333, 70000, 5]
     q, k, v, cu_q, cu_k, used = (x.cuda() if x is not None else None for x in
                                  varlen_case([q_len] * 8, k_lens, 8, 2, d, dtype, slack=7, seed=q_len))
-    atol, rtol = TOL[dtype]
+    # fp32 runs as 3xTF32 on tensor cores (kernels.py): close to, not exactly, IEEE fp32
+    atol, rtol = (5e-5, 5e-5) if dtype == torch.float32 else TOL[dtype]
     for causal, window in MODES + [(True, 1024)]:
         args = (q, k, v, cu_q, cu_k, q_len, max(k_lens), None, causal, window, used)
         assert_close(varlen_attention(*args), attention_reference(*args), atol, f"{causal} {window}", rtol)
+
+
+# -----------------------------------------------------------------------------------------------
+# No GPU needed: compile the real kernel (not the interpreter) for sm_90 (H100/H200) with the
+# configs triton_varlen_attention uses, and check that it fits: shared memory <= 227 KB, and no
+# register spills for the 16-bit inputs that matter (read from ptxas -v).
+
+SM90_CASES = [(dtype, d, rows) for dtype, d in [("bfloat16", 128), ("bfloat16", 256), ("float32", 256)]
+              for rows in (4, 1024)]  # rows = packed query rows: 4 is decode (split path), 1024 prefill
+
+
+def compile_for_sm90(dtype, d, rows):
+    """-> (shared memory bytes, spilled bytes or None). Needs the JIT kernel, not the interpreted
+    one: run it in a process without TRITON_INTERPRET (see sm90_report)."""
+    import os
+    import re
+    import subprocess
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    dtype = getattr(torch, dtype)
+    fn = kernels._varlen_attn_kernel
+    names = fn.arg_names
+    bm, bn, warps, stages = kernels._block_config(rows, d, dtype.itemsize)
+    split = rows <= 16  # decode uses the split-keys path, prefill the direct one
+    elem = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    sig = {n: "constexpr" for n in names}
+    sig.update({n: elem for n in ("Q", "K", "V")}, O="*fp32" if split else elem, LSE="*fp32",
+               cu_q="*i32", cu_k="*i32", used_k="*i32", qk_scale="fp32", window="i32", group="i32",
+               n_splits="i32", **{n: "i32" for n in names if n.startswith("s_")})
+    consts = dict(BOUNDED=True, WINDOWED=not split, HAS_USED=True, SPLIT=split, UPCAST=False,
+                  PRECISION="tf32x3" if dtype == torch.float32 else "tf32", D=d, BLOCK_M=bm, BLOCK_N=bn)
+    # what the JIT infers at launch: 16-byte aligned tensors, row/head strides multiple of 16
+    aligned = [n for n in names if sig[n].startswith("*") or n in
+               ("s_qt", "s_qh", "s_kt", "s_kh", "s_vt", "s_vh", "s_os", "s_ot", "s_oh")]
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    spills = None
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if os.path.exists(ptxas):
+        ptx = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fastkvzip_attn_{os.getpid()}.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+                              capture_output=True, text=True).stderr
+        os.remove(ptx)
+        spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info))
+    return compiled.metadata.shared, spills
+
+
+@functools.lru_cache(maxsize=None)
+def sm90_report():
+    """Compile every SM90_CASES config in one child process (TRITON_INTERPRET unset)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import json, sys; sys.path[:0] = [{!r}, {!r}]; import test_kernels as t; "
+            "print(json.dumps([t.compile_for_sm90(*c) for c in t.SM90_CASES]))").format(
+                here, os.path.dirname(here))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return dict(zip(SM90_CASES, json.loads(res.stdout.splitlines()[-1])))
+
+
+@pytest.mark.parametrize("case", SM90_CASES, ids=[f"{t}-d{d}-rows{r}" for t, d, r in SM90_CASES])
+def test_kernel_compiles_for_sm90(case):
+    shared, spills = sm90_report()[case]
+    assert shared <= 227 * 1024, f"{case}: {shared} bytes of shared memory, the launch would fail on sm_90"
+    if case[0] != "float32" and spills is not None:  # fp32 is the slow correctness path
+        assert spills == 0, f"{case}: {spills} bytes of register spills"
