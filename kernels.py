@@ -427,15 +427,17 @@ def _ragged_cache(lens, d, dtype, device):
 
 def _bench_attend(name, kv, t, G, cuda):
     """Time RaggedKV.attend for t new queries per head against SDPA (dense, padded to the longest
-    head, masked) and flash-attn varlen on the same ragged layout; print time, GB/s, TFLOP/s."""
+    head, masked) and flash-attn varlen on the same ragged layout. GB/s and TFLOP/s count the work
+    actually needed (kept K/V bytes, visible query-key pairs), the same for every row; the last
+    column is each output's max difference from ours (a parity check on the first GPU run)."""
+    import torch.nn.functional as F
     H, d, dtype, device = kv.n_heads, kv.head_dim, kv.dtype, kv.device
     q = torch.randn(t, H * G, d, dtype=dtype, device=device)
     scale = d ** -0.5
     lens = kv.lens.tolist()
-    # work actually needed: bytes of the kept K and V + q and out; 4 d FLOPs per visible (query, key)
-    nbytes = (sum(lens) * 2 + 2 * t * H * G) * d * q.element_size()
+    nbytes = (sum(lens) * 2 + 2 * t * H * G) * d * q.element_size()  # K, V read; q read, out written
     pairs = sum(G * sum(min(max(i + n - t + 1, 0), n) for i in range(t)) for n in lens)
-    flops = 4 * d * pairs
+    flops = 4 * d * pairs  # QK^T and PV: 2 d multiply-adds per visible (query, key) pair
     L = max(lens)
     print(f"{name}: keys per head {min(lens)}..{L} (sum {sum(lens)}), {t} queries x {H * G} heads, "
           f"d={d}, {str(dtype).split('.')[-1]}")
@@ -451,26 +453,37 @@ def _bench_attend(name, kv, t, G, cuda):
         mask = torch.arange(L, device=device) <= torch.arange(t, device=device)[:, None] + n_h - t
         mask = mask.repeat_interleave(G, 0)[None]
     qd = q.view(t, H * G, d).transpose(0, 1)[None]                 # (1, H*G, t, d)
+
+    def sdpa(k_, v_, gqa):
+        return F.scaled_dot_product_attention(qd, k_, v_, attn_mask=mask, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
     cands = {"ours (" + ("triton" if cuda else "torch reference") + ")": lambda: kv.attend(q, scale),
-             "sdpa dense padded": lambda: F.scaled_dot_product_attention(
-                 qd, k_pad, v_pad, attn_mask=mask, scale=scale, enable_gqa=True)}
+             "sdpa dense padded": lambda: sdpa(k_pad, v_pad, True)}
+    try:
+        sdpa(k_pad, v_pad, True)
+    except RuntimeError:  # some SDPA backends refuse GQA with this mask: repeat K/V as HF's repeat_kv
+        k_rep, v_rep = k_pad.repeat_interleave(G, 1), v_pad.repeat_interleave(G, 1)
+        cands["sdpa dense padded"] = lambda: sdpa(k_rep, v_rep, False)
     try:
         from flash_attn import flash_attn_varlen_func
         k, v, cu_k, _, max_len = kv.keys_values()                  # compacted: cu_k is exact
         qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)
         cu_q = torch.arange(H + 1, dtype=torch.int32, device=device) * t
         cands["flash-attn varlen"] = lambda: flash_attn_varlen_func(
-            qv, k, v, cu_q, cu_k, t, max_len, softmax_scale=scale, causal=True)
+            qv, k, v, cu_q, cu_k, t, max_len, softmax_scale=scale, causal=True
+        ).view(H, t, G, d).transpose(0, 1).reshape(t, H * G, d)
     except ImportError:
         print("  (flash-attn not importable: skipped)")
+    ours = None
     for label, fn in cands.items():
         try:
+            out = fn().float()
+            ours = out if ours is None else ours
             s = _timeit(fn, cuda)
-            print(f"  {label:28s} {s * 1e3:9.3f} ms  {nbytes / s / 1e9:8.1f} GB/s  {flops / s / 1e12:7.2f} TFLOP/s")
+            print(f"  {label:26s} {s * 1e3:9.3f} ms {nbytes / s / 1e9:8.1f} GB/s {flops / s / 1e12:7.2f} TFLOP/s"
+                  f"   max|diff| {(out - ours).abs().max().item():.2e}")
         except Exception as e:  # a baseline that does not run here must not stop the others
-            print(f"  {label:28s} failed: {type(e).__name__}: {str(e)[:100]}")
+            print(f"  {label:26s} failed: {type(e).__name__}: {str(e)[:100]}")
         del fn
-    del k_pad, v_pad, mask
 
 
 def _bench_append(sizes, H, d, dtype, device, cuda, n_appends=100):
@@ -500,7 +513,6 @@ def _bench_append(sizes, H, d, dtype, device, cuda, n_appends=100):
 
 
 if __name__ == "__main__":
-    import torch.nn.functional as F
     cuda = torch.cuda.is_available()
     if triton is None and cuda:
         raise SystemExit("the CUDA benchmark needs triton (pip install triton)")

@@ -180,6 +180,17 @@ def test_ragged_append_into_slack_does_not_reallocate():
     assert kv.lens.tolist() == [1100 + n] * H and kv.n_rows == H * (1100 + n)
 
 
+def test_imports_and_runs_without_triton():
+    # triton is a test/GPU extra: the module must import and the torch path work without it
+    code = ("import sys; sys.modules['triton'] = None; import torch, kernels; "
+            "kv = kernels.RaggedKV(2, 16, torch.float32, 'cpu'); "
+            "kv.append(torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.arange(3)); "
+            "assert kv.attend(torch.randn(3, 4, 16), 0.25).shape == (3, 4, 16); print('ok')")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
 # -----------------------------------------------------------------------------------------------
 # Triton kernel vs the reference (on CPU through TRITON_INTERPRET=1, set in conftest.py)
 
