@@ -43,6 +43,9 @@ import torch
 # -----------------------------------------------------------------------------------------------
 # The reference: the readable spec of the varlen contract above.
 
+QUERY_BLOCK = 1024  # query rows per step of the reference: memory (Hq, 1024, N) instead of (Hq, M, N)
+
+
 def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         softmax_scale=None, causal=True, window=None, seqused_k=None):
     """Plain-PyTorch varlen attention; see the module docstring for the contract.
@@ -61,26 +64,28 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         M, N = q1 - q0, k1 - k0
         if M == 0 or N == 0:
             continue  # no keys -> the rows stay zero
-        qb = q[q0:q1].float().transpose(0, 1)                                 # (Hq, M, d)
         kb = k[k0:k1].float().transpose(0, 1).repeat_interleave(group, 0)     # (Hq, N, d)
         vb = v[k0:k1].float().transpose(0, 1).repeat_interleave(group, 0)     # (Hq, N, d)
-        s = (qb @ kb.transpose(1, 2)) * scale                                 # (Hq, M, N)
-        i = torch.arange(M, device=q.device)[:, None]
         j = torch.arange(N, device=q.device)[None, :]
-        diag = i + (N - M)  # bottom-right alignment: the last query row sees the last key
-        allowed = torch.ones(M, N, dtype=torch.bool, device=q.device)
-        if causal or window is not None:
-            allowed &= j <= diag
-        if window is not None:
-            allowed &= j > diag - window  # W keys, the diagonal one included
-        s = s.masked_fill(~allowed, float("-inf"))
-        # softmax written out so that a row with no allowed key gives 0 instead of NaN
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        p = torch.exp(s - m)
-        den = p.sum(-1, keepdim=True)
-        ob = (p @ vb) / torch.where(den == 0, torch.ones_like(den), den)      # (Hq, M, d)
-        out[q0:q1] = ob.transpose(0, 1)
+        for r0 in range(0, M, QUERY_BLOCK):  # query blocks bound memory: a 16K prefill is not (Hq, 16K, 16K)
+            r1 = min(M, r0 + QUERY_BLOCK)
+            qb = q[q0 + r0:q0 + r1].float().transpose(0, 1)                   # (Hq, m, d)
+            s = (qb @ kb.transpose(1, 2)) * scale                             # (Hq, m, N)
+            i = torch.arange(r0, r1, device=q.device)[:, None]
+            diag = i + (N - M)  # bottom-right alignment: the last query row sees the last key
+            allowed = torch.ones(r1 - r0, N, dtype=torch.bool, device=q.device)
+            if causal or window is not None:
+                allowed &= j <= diag
+            if window is not None:
+                allowed &= j > diag - window  # W keys, the diagonal one included
+            s = s.masked_fill(~allowed, float("-inf"))
+            # softmax written out so that a row with no allowed key gives 0 instead of NaN
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            p = torch.exp(s - m)
+            den = p.sum(-1, keepdim=True)
+            ob = (p @ vb) / torch.where(den == 0, torch.ones_like(den), den)  # (Hq, m, d)
+            out[q0 + r0:q0 + r1] = ob.transpose(0, 1)
     return out.to(q.dtype)
 
 

@@ -69,6 +69,15 @@ def test_reference_matches_sdpa_dense(M, N, G, causal, window):
     assert_close(out, sdpa_dense(q, k, v, 0.1, causal, window), 1e-5, "reference vs sdpa")
 
 
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 9), (False, None)])
+def test_reference_query_blocks(monkeypatch, causal, window):
+    """The reference walks long query runs in blocks; block edges must not change the result."""
+    monkeypatch.setattr(kernels, "QUERY_BLOCK", 16)
+    q, k, v, cu_q, cu_k, _ = varlen_case([50], [70], 4, 2, 64, seed=3)
+    out = attention_reference(q, k, v, cu_q, cu_k, 50, 70, 0.1, causal, window)
+    assert_close(out, sdpa_dense(q, k, v, 0.1, causal, window), 1e-5, "blocked reference vs sdpa")
+
+
 def test_reference_varlen_is_per_sequence_and_ignores_slack():
     # several sequences, slack rows full of junk, one empty key set, one N < M (rows without keys)
     q_lens, k_lens = [3, 1, 5, 4], [10, 0, 20, 2]
