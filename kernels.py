@@ -66,14 +66,19 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             continue  # no keys -> the rows stay zero
         kb = k[k0:k1].float().transpose(0, 1).repeat_interleave(group, 0)     # (Hq, N, d)
         vb = v[k0:k1].float().transpose(0, 1).repeat_interleave(group, 0)     # (Hq, N, d)
-        j = torch.arange(N, device=q.device)[None, :]
         for r0 in range(0, M, QUERY_BLOCK):  # query blocks bound memory: a 16K prefill is not (Hq, 16K, 16K)
             r1 = min(M, r0 + QUERY_BLOCK)
+            # keys this block can see at all: up to its last diagonal, and from its first window start
+            j0 = max(0, r0 + N - M - window + 1) if window is not None else 0
+            j1 = min(N, r1 + N - M) if causal or window is not None else N
+            if j1 <= j0:
+                continue  # this block sees no key at all: its rows stay zero
             qb = q[q0 + r0:q0 + r1].float().transpose(0, 1)                   # (Hq, m, d)
-            s = (qb @ kb.transpose(1, 2)) * scale                             # (Hq, m, N)
+            s = (qb @ kb[:, j0:j1].transpose(1, 2)) * scale                   # (Hq, m, n)
             i = torch.arange(r0, r1, device=q.device)[:, None]
+            j = torch.arange(j0, j1, device=q.device)[None, :]
             diag = i + (N - M)  # bottom-right alignment: the last query row sees the last key
-            allowed = torch.ones(r1 - r0, N, dtype=torch.bool, device=q.device)
+            allowed = torch.ones(r1 - r0, j.shape[1], dtype=torch.bool, device=q.device)
             if causal or window is not None:
                 allowed &= j <= diag
             if window is not None:
@@ -84,7 +89,7 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
             p = torch.exp(s - m)
             den = p.sum(-1, keepdim=True)
-            ob = (p @ vb) / torch.where(den == 0, torch.ones_like(den), den)  # (Hq, m, d)
+            ob = (p @ vb[:, j0:j1]) / torch.where(den == 0, torch.ones_like(den), den)  # (Hq, m, d)
             out[q0 + r0:q0 + r1] = ob.transpose(0, 1)
     return out.to(q.dtype)
 

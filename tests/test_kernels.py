@@ -73,9 +73,11 @@ def test_reference_matches_sdpa_dense(M, N, G, causal, window):
 def test_reference_query_blocks(monkeypatch, causal, window):
     """The reference walks long query runs in blocks; block edges must not change the result."""
     monkeypatch.setattr(kernels, "QUERY_BLOCK", 16)
-    q, k, v, cu_q, cu_k, _ = varlen_case([50], [70], 4, 2, 64, seed=3)
-    out = attention_reference(q, k, v, cu_q, cu_k, 50, 70, 0.1, causal, window)
-    assert_close(out, sdpa_dense(q, k, v, 0.1, causal, window), 1e-5, "blocked reference vs sdpa")
+    for M, N in [(50, 70), (50, 20)]:  # (50, 20): the first blocks see no key under causal alignment
+        q, k, v, cu_q, cu_k, _ = varlen_case([M], [N], 4, 2, 64, seed=3)
+        out = attention_reference(q, k, v, cu_q, cu_k, M, N, 0.1, causal, window)
+        expected = sdpa_dense(q, k, v, 0.1, causal, window).nan_to_num()  # SDPA: NaN rows where we give 0
+        assert_close(out, expected, 1e-5, "blocked reference vs sdpa")
 
 
 def test_reference_varlen_is_per_sequence_and_ignores_slack():
