@@ -1,0 +1,837 @@
+"""
+Measure every method side by side: how much quality it loses, how much time and memory it saves.
+
+Quality (METHOD.md §11's query-agnostic setting, scaled to a CPU). Contexts are cut from Jane Austen's
+novels, which the gate never saw in training (it learns on Python docs), with needles inserted at many
+depths. The context is compressed before any question is seen; then every question is answered from
+the same compressed cache, rolled back after each answer. Tasks:
+    passkey     pass keys hidden at many depths; accuracy = the greedy answer contains the key
+    kv          a JSON object of random key-value pairs (SCBench.KV style); accuracy as above
+    nll_next    teacher-forced NLL of the document's next tokens (context fidelity)
+    nll_repeat  NLL of a passage of the context repeated back (what KVzip's teacher measures)
+    agreement   fraction of greedy answers identical, token for token, to the full cache's
+relative = score / full-cache score; for NLL, exp(NLL_full - NLL) = ppl_full / ppl, so 1.0 means
+lossless and higher is better everywhere. Task "average" = the mean relative over passkey, kv,
+nll_next and nll_repeat, as the paper's Figure 10 averages datasets. Intervals: 95% percentile
+bootstrap over contexts (questions of one context are not independent).
+
+Why it fits a CPU: a context shorter than one prefill chunk is prefilled in one forward and evicted
+once (generate.prefill). So each context is prefilled ONCE into a full cache that also captures every
+compressed layer's attention input, q and k; each method scores those (KVzip from one teacher pass on
+the same cache), and each (method, level, budget) cache is made by `Replay`ing that forward through
+generate.prefill: the same plan and the same evict call, a bit-identical cache (tests/test_bench.py).
+Speed and memory go through the real path instead (generate.prefill and answer on fresh caches).
+
+CPU examples:
+    python bench.py --quick                    # smoke run: about 2 minutes, all methods, 2 budgets
+    python bench.py --gate gates/mine.safetensors --plot      # full run: about 3 h on 2 cores
+GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
+    python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
+Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md, relative.png.
+"""
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import gate as G
+import generate
+from cache import LEVELS, EvictingCache, KVCache, plan_prefill
+
+try:  # the teacher may live in gate.py (its final home) or in teacher.py
+    from gate import KVzipTeacher, TeacherCache
+except ImportError:
+    from teacher import KVzipTeacher, TeacherCache
+
+ROOT = Path(__file__).resolve().parent
+METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
+BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
+AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
+TASKS = AVERAGED + ("agreement",)
+ROOMS = ("red", "blue", "green", "yellow", "white", "black", "silver", "golden", "north", "south",
+         "east", "west", "upper", "lower", "corner", "garden")
+
+
+def log(msg):
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# =================================================================================================
+# 1. Samples: a context with needles, its questions, and its fidelity probes
+# =================================================================================================
+
+@dataclass
+class Question:
+    task: str          # "passkey" | "kv" | "continue" (the last only counts for agreement)
+    prompt: list       # ids appended after the compressed context
+    answer: str        # the string a correct greedy answer contains ("" = no correctness, agreement only)
+    max_new: int
+    depth: float = -1  # where the needle sits in the context, 0 = start, 1 = end
+
+
+@dataclass
+class Sample:
+    ids: list          # system prompt ⊕ context
+    n_protected: int   # system-prompt length (never evicted)
+    questions: list
+    probes: dict = field(default_factory=dict)  # nll task -> (prompt ids, target ids)
+    doc: str = ""
+
+
+class SampleMaker:
+    """Builds contexts of n tokens from held-out documents (token ids), with needles at chosen depths.
+
+    Needles are inserted at sentence ends, so the text around them stays natural. The context ends where
+    the document goes on: the document's next tokens are the nll_next target."""
+
+    def __init__(self, tok, fmt, docs, seed, n_passkeys=3, n_pairs=8, n_kv_questions=3, n_probe=64,
+                 n_continue=16, n_cue=16):
+        self.tok, self.fmt, self.docs = tok, fmt, docs  # docs: list of (name, ids)
+        self.rng = random.Random(seed)
+        self.n_passkeys, self.n_pairs, self.n_kv_questions = n_passkeys, n_pairs, n_kv_questions
+        self.n_probe = n_probe
+        self.n_continue, self.n_cue = n_continue, n_cue
+        self.system = self.enc(fmt.system)
+        self.next_doc = 0
+
+    def enc(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids  # every piece alone (METHOD.md §4.1)
+
+    def question(self, text, cue):
+        """The question turn (METHOD.md §11's "\\n\\nQ: ..." + postfix), then the start of the answer,
+        so that even a base model answers in a checkable form."""
+        import model as M
+        turn = M.question_text(self.fmt, text)
+        return self.enc(turn + ("\nA: " if not self.fmt.postfix else "") + cue)
+
+    def sentence_end(self, hay, i):
+        for j in range(i, min(len(hay), i + 200)):  # the next sentence end, or i itself
+            if self.tok.decode(hay[j - 1:j]).rstrip().endswith((".", "!", "?", '"')):
+                return j
+        return i
+
+    def make(self, n, depth_offset=0.0):
+        rng, enc = self.rng, self.enc
+        # -- needles: pass keys at stratified depths, one JSON block of key-value pairs --
+        rooms = rng.sample(ROOMS, self.n_passkeys)
+        needles, questions = [], []
+        for i, room in enumerate(rooms):
+            depth = ((i + rng.random() + depth_offset) / self.n_passkeys) % 1.0
+            key = "".join(rng.choice("0123456789") for _ in range(5))
+            text = f" The pass key of the {room} room is {key}. Remember it: {key} is the pass key of the {room} room."
+            needles.append([depth, enc(text)])
+            q = self.question(f"What is the pass key of the {room} room?", f"The pass key of the {room} room is")
+            questions.append(Question("passkey", q, key, 7, depth))  # "▁", 5 digits, "."
+        pairs = [("".join(rng.choice("0123456789abcdef") for _ in range(8)),
+                  "".join(rng.choice("0123456789abcdef") for _ in range(8))) for _ in range(self.n_pairs)]
+        block = "\n\nJSON data:\n{" + ", ".join(f'"{k}": "{v}"' for k, v in pairs) + "}\n\n"
+        depth = rng.random()
+        needles.append([depth, enc(block)])
+        for k, v in rng.sample(pairs, self.n_kv_questions):
+            q = self.question(f'In the JSON data above, what is the value of the key "{k}"?',
+                              f'The value of the key "{k}" is "')
+            questions.append(Question("kv", q, v, 10, depth))  # up to 8 hex tokens, '"' 
+        # -- the hay: a window of the next document that leaves room for needles and the continuation --
+        name, doc = self.docs[self.next_doc % len(self.docs)]
+        self.next_doc += 1
+        n_hay = n - sum(len(x[1]) for x in needles)
+        assert len(doc) >= n_hay + self.n_probe, f"{name}: {len(doc)} tokens, need {n_hay + self.n_probe}"
+        off = rng.randrange(0, len(doc) - n_hay - self.n_probe + 1)
+        hay, after = doc[off:off + n_hay], doc[off + n_hay:off + n_hay + self.n_probe]
+        ctx, last = [], 0
+        for depth, ids in sorted(needles, key=lambda x: x[0]):
+            at = max(last, self.sentence_end(hay, max(1, int(depth * len(hay)))))
+            ctx += hay[last:at] + ids
+            last = at
+        ctx += hay[last:]
+        # -- probes: the document's continuation; a passage of the context repeated back --
+        start = rng.randrange(int(0.05 * len(ctx)), int(0.9 * len(ctx)) - self.n_probe)
+        passage = ctx[start:start + self.n_probe]
+        cue = enc("\n\nHere is a passage copied word for word from the text above:\n") + passage[:self.n_cue]
+        probes = {"nll_next": (after[:1], after[1:]), "nll_repeat": (cue, passage[self.n_cue:])}
+        if self.n_continue:  # agreement on free continuation of the document
+            questions.append(Question("continue", after[:8], "", self.n_continue))
+        return Sample(self.system + ctx, len(self.system), questions, probes, name)
+
+
+def load_docs(tok, corpus="austen_parts"):
+    """Held-out documents (Austen, cut at chapters: 10K-20K tokens each) as token ids."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import fetch_assets
+    return [(p.stem, tok.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids)
+            for p in fetch_assets.text_docs(corpus)]
+
+
+# =================================================================================================
+# 2. The fast path: one captured full prefill, replayed into every method's evicting cache
+# =================================================================================================
+
+class CaptureCache(TeacherCache):
+    """A full cache (it can also run the KVzip teacher) that keeps, for each compressed layer, the
+    attention input, q and k of the forward it sees while `capturing` — all a scorer reads."""
+
+    def __init__(self, cfg, dtype, device):
+        super().__init__(cfg, dtype, device)
+        self.capturing, self.captured = True, {}
+
+    def attend(self, layer, q, k, v, hidden, scale, window=None):
+        if self.capturing and layer in self.index:
+            assert layer not in self.captured, "capture covers one prefill forward (one chunk)"
+            self.captured[layer] = (hidden, q, k, self.positions(q.shape[0]))
+        return super().attend(layer, q, k, v, hidden, scale, window)
+
+
+class Replay:
+    """Stands in for the model inside generate.prefill. Its one forward installs the captured full
+    prefill (every layer's KV, the last logits) into the evicting cache and asks the cache's own scorer
+    for the scores, exactly as EvictingCache.attend would have; generate.prefill then evicts as usual."""
+
+    def __init__(self, full, logits):
+        self.full, self.logits = full, logits
+
+    def __call__(self, chunk, cache, num_logits=None):
+        assert chunk.shape[0] == self.full.n_seen and cache.n_seen == 0, \
+            "Replay covers a prompt prefilled in one chunk (context < --chunk-size)"
+        cache.layers = [copy.deepcopy(kv) for kv in self.full.layers]
+        for layer in cache.compressed:
+            hidden, q, k, pos = self.full.captured[layer]
+            score = cache._score(cache.index[layer], hidden, q, k, pos)  # (H, T), timed as gate_seconds
+            score[:, pos < cache.n_protected] = math.inf  # the system prompt is never evicted
+            cache.layers[layer].set_tail_scores(score)
+        cache.n_seen = self.full.n_seen
+        cache.peak_nbytes = self.full.peak_nbytes
+        return self.logits
+
+
+class Precomputed(G.Scorer):
+    """Scores computed beforehand for the whole prompt (KVzip's teacher): (L_g, H, n) indexed by position."""
+    level = "global"
+
+    def __init__(self, scores):
+        super().__init__(scores.shape[1])
+        self.scores = scores
+
+    def score(self, l, hidden, q, k, pos):
+        return self.scores[l][:, pos.cpu()].to(pos.device)
+
+
+# each method's eviction structure when none is asked for: its scorer's (the authors' choices, METHOD.md §6, §10)
+DEFAULT_LEVEL = dict(fastkvzip=G.GateScorer.level, kvzip=Precomputed.level, snapkv=G.SnapKVScorer.level,
+                     streaming=G.StreamingScorer.level, random=G.RandomScorer.level)
+
+
+def method_cache(model, method, level, n_protected, args, seed, teacher_scores=None):
+    """An empty evicting cache for one method, built by generate.make_cache as `generate.py --method`
+    would (KVzip, which needs the whole context first, from the teacher's precomputed scores)."""
+    cfg, dtype, device = model_info(model)
+    if method == "kvzip":
+        return EvictingCache(cfg, Precomputed(teacher_scores), dtype, device, n_protected=n_protected, level=level)
+    ns = argparse.Namespace(gate=args.gate, seed=seed, level=level, decode_budget=None)
+    return generate.make_cache(method, model, cfg, n_protected, ns, args.model)
+
+
+def capture_prefill(model, ids, chunk_size, teacher=None, n_protected=0):
+    """Prefill ids once into a full CaptureCache -> (cache, last logits, teacher scores (L_g, H, n) with
+    +inf on the system prompt, or None). The cache then serves as the full-cache reference."""
+    cfg, dtype, device = model_info(model)
+    assert len(ids) <= chunk_size, f"quality contexts must fit one prefill chunk ({len(ids)} > {chunk_size})"
+    full = CaptureCache(cfg, dtype, device)
+    logits = generate.prefill(model, full, ids, n_protected, 1.0, chunk_size)
+    full.capturing = False
+    scores = None
+    if teacher is not None:
+        s = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context); cache unchanged
+        scores = torch.cat([torch.full(s.shape[:2] + (n_protected,), math.inf), s.cpu()], dim=-1)
+    return full, logits, scores
+
+
+def evicted(cache, full, logits, ids, n_protected, budget, chunk_size, window):
+    """Fill an empty evicting cache as generate.prefill would for this budget — from the replay."""
+    generate.prefill(Replay(full, logits), cache, ids, n_protected, budget, chunk_size, window)
+    return cache
+
+
+def model_info(model):
+    p = next(model.parameters())
+    return getattr(model, "config", None) or model.cfg, p.dtype, p.device
+
+
+# =================================================================================================
+# 3. Answering from one cache: greedy answers and teacher-forced NLL, each rolled back
+# =================================================================================================
+
+@torch.no_grad()
+def evaluate(model, tok, cache, sample, stop_ids):
+    """-> dict: outputs (list of id lists), correct (list of 0/1 or None), nll {task: (sum, n)},
+    decode (tokens, seconds)."""
+    res = dict(outputs=[], correct=[], nll={}, decode=[0, 0.0])
+    for q in sample.questions:
+        state = cache.checkpoint()
+        out, secs = generate.answer(model, cache, q.prompt, q.max_new, stop_ids)
+        cache.rollback(state)
+        text = tok.decode(out) if out else ""
+        res["outputs"].append(out)
+        res["correct"].append(int(q.answer in text) if q.answer else None)
+        res["decode"][0] += max(0, len(out) - 1)  # answer() times the steps after the first token
+        res["decode"][1] += secs
+    for task, (prompt, target) in sample.probes.items():
+        state = cache.checkpoint()
+        if isinstance(cache, EvictingCache):
+            cache.start_decoding()  # appended tokens are the query side: never scored, never evicted
+        logits = model(torch.tensor(prompt + target[:-1], device=cache.device), cache, num_logits=len(target))
+        cache.rollback(state)
+        nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(target, device=logits.device),
+                                                reduction="sum")
+        res["nll"][task] = (float(nll), len(target))
+    return res
+
+
+# =================================================================================================
+# 4. Scores, relative performance, bootstrap intervals
+# =================================================================================================
+
+def wilson(k, n, z=1.96):
+    """Binomial 95% interval (Wilson): sound even at 0 or n successes."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p, d = k / n, 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+class Tally:
+    """Per-context sums for one (config, task): num/den arrays over contexts, so that the bootstrap can
+    resample contexts. accuracy/agreement: num = correct, den = questions; nll: num = NLL sum, den = tokens."""
+
+    def __init__(self):
+        self.num, self.den = [], []
+
+    def add(self, num, den):
+        self.num.append(float(num)), self.den.append(float(den))
+
+    def value(self, idx=None):
+        num, den = np.array(self.num), np.array(self.den)
+        if idx is None:
+            return num.sum() / den.sum() if den.sum() else float("nan")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return num[idx].sum(-1) / den[idx].sum(-1)
+
+
+def relative(task, score, full):
+    """Relative performance (higher is better, 1 = lossless): score / full for accuracies,
+    exp(full - score) = ppl_full / ppl for NLLs, the agreement itself (the full cache agrees with itself)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if task.startswith("nll"):
+            return np.exp(full - score)
+        if task == "agreement":
+            return score
+        return np.where(full > 0, score / np.where(full > 0, full, 1), np.nan)
+
+
+def ci(samples):
+    s = np.asarray(samples, dtype=float)
+    s = s[np.isfinite(s)]
+    return [float(np.percentile(s, 2.5)), float(np.percentile(s, 97.5))] if len(s) else None
+
+
+def finite_or_none(x):
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def summarize(tallies, extras, n_boot, seed):
+    """tallies[(config, budget)][task] -> Tally; extras[(config, budget)] -> kept fractions, bytes, speed.
+    Returns the result rows (one per task, config, budget, plus the "average" task)."""
+    full = tallies[("full", 1.0)]
+    n_ctx = len(full["nll_next"].num)
+    idx = np.random.default_rng(seed).integers(0, n_ctx, size=(n_boot, n_ctx))  # shared: paired bootstrap
+    rows = []
+    for (config, budget), tasks in tallies.items():
+        method, _, level = config.partition("/")
+        level = level or ("full" if method == "full" else DEFAULT_LEVEL[method])
+        rel_boot = []
+        for task in TASKS:
+            t = tasks[task]
+            score, boot = t.value(), t.value(idx)
+            f, f_boot = (1.0, 1.0) if task == "agreement" else (full[task].value(), full[task].value(idx))
+            rel, rb = relative(task, score, f), relative(task, boot, f_boot)
+            if task in AVERAGED:
+                rel_boot.append(rb)
+            row = dict(task=task, method=method, level=level, budget=budget, score=finite_or_none(score),
+                       relative=finite_or_none(rel), n=int(sum(t.den)), n_contexts=n_ctx,
+                       score_ci=ci(boot) if task.startswith("nll") else list(wilson(sum(t.num), sum(t.den))),
+                       ci=ci(rb))
+            if task.startswith("nll"):
+                row["increase"] = finite_or_none(score - f)
+            rows.append({**row, **extras[(config, budget)]})
+        # tasks the full cache scores 0 on have no relative score: left out of the mean
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            avg = np.nanmean([relative(task, tasks[task].value(), full[task].value()) for task in AVERAGED])
+            avg_boot = np.nanmean(np.stack(rel_boot), axis=0)
+        rows.append(dict(task="average", method=method, level=level, budget=budget, score=finite_or_none(avg),
+                         relative=finite_or_none(avg), n=n_ctx, n_contexts=n_ctx, score_ci=ci(avg_boot),
+                         ci=ci(avg_boot), **extras[(config, budget)]))
+    return rows
+
+
+# =================================================================================================
+# 5. The quality run
+# =================================================================================================
+
+def quality(model, tok, fmt, args):
+    cfg, _, _ = model_info(model)
+    methods = [m for m in args.methods if m != "full"]
+    configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
+    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in args.extra_levels]
+    teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
+    stop_ids = set(cfg.eos_token_ids) | {i for s in ("\n", "\n\n") for i in tok.encode(s, add_special_tokens=False).ids}
+    docs = load_docs(tok)
+    random.Random(args.seed).shuffle(docs)
+    maker = SampleMaker(tok, fmt, docs, args.seed, args.passkeys, args.kv_pairs, args.kv_questions,
+                        args.probe_tokens, args.continue_tokens)
+    lengths = [n for n in args.lengths for _ in range(args.contexts)]
+    tallies, extras, answers = {}, {}, []
+    t_start = time.perf_counter()
+    for c, n in enumerate(lengths):
+        t0 = time.perf_counter()
+        sample = maker.make(n, depth_offset=c / len(lengths))
+        with torch.no_grad():
+            full, logits, tscores = capture_prefill(model, sample.ids, args.chunk_size, teacher, sample.n_protected)
+            t_prefill = time.perf_counter() - t0
+            ref = evaluate(model, tok, full, sample, stop_ids)
+            record(tallies, extras, ("full", 1.0), sample, ref, ref, None, full.nbytes)
+            for method, level in configs:
+                config = method if level == DEFAULT_LEVEL[method] else f"{method}/{level}"
+                for budget in args.budgets:
+                    cache = method_cache(model, method, level, sample.n_protected, args, args.seed + c, tscores)
+                    evicted(cache, full, logits, sample.ids, sample.n_protected, budget, args.chunk_size, args.window)
+                    kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
+                    # nothing evicted -> the cache is the full cache, row for row: reuse its answers
+                    res = ref if min(kept) == 1.0 else evaluate(model, tok, cache, sample, stop_ids)
+                    record(tallies, extras, (config, budget), sample, res, ref, kept, cache.nbytes)
+                    del cache
+        answers.append(dict(doc=sample.doc, n_tokens=len(sample.ids),
+                            full=[tok.decode(o) for o in ref["outputs"]],
+                            expected=[q.answer for q in sample.questions]))
+        done = time.perf_counter() - t_start
+        log(f"quality {c + 1}/{len(lengths)}: {n} tokens ({sample.doc}), prefill+teacher {t_prefill:.0f} s, "
+            f"all methods {time.perf_counter() - t0 - t_prefill:.0f} s; eta {done / (c + 1) * (len(lengths) - c - 1) / 60:.0f} min")
+        if args.partial:
+            args.partial(tallies, extras)
+    return tallies, extras, answers
+
+
+def record(tallies, extras, key, sample, res, ref, kept, nbytes):
+    tasks = tallies.setdefault(key, {t: Tally() for t in TASKS})
+    for task in ("passkey", "kv"):
+        marks = [c for q, c in zip(sample.questions, res["correct"]) if q.task == task]
+        tasks[task].add(sum(marks), len(marks))
+    for task, (s, n) in res["nll"].items():
+        tasks[task].add(s, n)
+    same = [a == b for a, b in zip(res["outputs"], ref["outputs"])]
+    tasks["agreement"].add(sum(same), len(same))
+    e = extras.setdefault(key, dict(_kept=[], _bytes=[], _dec=[0, 0.0]))
+    e["_kept"].append(kept if kept is not None else None)
+    e["_bytes"].append(nbytes)
+    e["_dec"][0] += res["decode"][0]
+    e["_dec"][1] += res["decode"][1]
+
+
+def finish_extras(extras):
+    """Means over contexts: kept fraction per compressed layer, KV bytes, decode tokens/s."""
+    out = {}
+    full_bytes = np.mean(extras[("full", 1.0)]["_bytes"])
+    for key, e in extras.items():
+        kept = [k for k in e["_kept"] if k is not None]
+        per_layer = [float(x) for x in np.mean(kept, axis=0)] if kept else None
+        out[key] = dict(kept_fraction=float(np.mean(per_layer)) if per_layer else 1.0,
+                        kept_fraction_per_layer=per_layer,
+                        kv_bytes=float(np.mean(e["_bytes"])), kv_fraction=float(np.mean(e["_bytes"]) / full_bytes),
+                        decode_tok_s=e["_dec"][0] / e["_dec"][1] if e["_dec"][1] > 0 else None)
+    return out
+
+
+# =================================================================================================
+# 6. Speed and memory through the real path (generate.prefill and answer on fresh caches)
+# =================================================================================================
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def timed_run(model, method, ids, n_protected, teacher, args):
+    """Prefill ids with one method as generate.py does, then decode; -> one speed row."""
+    cfg, dtype, device = model_info(model)
+    budget = 1.0 if method == "full" else args.speed_budget
+    if method != "kvzip":  # made (and the gate loaded) before the clock starts
+        cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
+            model, method, DEFAULT_LEVEL[method], n_protected, args, args.seed)
+    sync(device)
+    t0 = time.perf_counter()
+    if method != "kvzip":
+        generate.prefill(model, cache, ids, n_protected, budget, args.speed_chunk, args.speed_window)
+        score_s = getattr(cache, "gate_seconds", 0.0)
+    else:
+        cache, score_s = kvzip_cache(model, teacher, ids, n_protected, budget, args.speed_chunk, args.speed_window)
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    kv_bytes, peak = cache.nbytes, cache.peak_nbytes
+    out, decode_s = generate.answer(model, cache, [ids[-1]] * 4, args.speed_decode, stop_ids=set())
+    return dict(context=len(ids) - n_protected, method=method, budget=budget, prefill_s=prefill_s,
+                prefill_tok_s=len(ids) / prefill_s, score_s=score_s, score_fraction=score_s / prefill_s,
+                kv_bytes=kv_bytes, kv_bytes_full=generate.full_cache_bytes(cache, len(ids)), peak_kv_bytes=peak,
+                decode_tok_s=(len(out) - 1) / decode_s if decode_s > 0 else None, device=device.type)
+
+
+def kvzip_cache(model, teacher, ids, n_protected, budget, chunk_size, window):
+    """KVzip as the authors run it (non-chunked, METHOD.md §6): a full prefill, the teacher's repeat pass
+    over the whole context, then one eviction that keeps the fraction `budget`, trailing window included.
+    -> (evicting cache, seconds spent in the teacher's pass)."""
+    cfg, dtype, device = model_info(model)
+    full = teacher.new_cache()
+    generate.prefill(model, full, ids, n_protected, 1.0, chunk_size, window)
+    sync(device)
+    t0 = time.perf_counter()
+    scores = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context)
+    sync(device)
+    score_s = time.perf_counter() - t0
+    cache = EvictingCache(cfg, None, dtype, device, n_protected=n_protected, level="global")
+    cache.layers, cache.n_seen, cache.peak_nbytes = full.layers, full.n_seen, full.peak_nbytes
+    for l, layer in enumerate(cache.compressed):  # the system prompt is never evicted
+        system = torch.full((scores.shape[1], n_protected), math.inf, device=scores.device)
+        cache.layers[layer].set_tail_scores(torch.cat([system, scores[l]], dim=-1))
+    plan = plan_prefill(len(ids) - n_protected, budget, chunk_size, window)
+    cache.evict(n_protected, cache.n_seen - plan.window, plan.segment_ratio)
+    return cache, score_s
+
+
+def speed(model, teacher, lengths, ids_for, args, tag="cpu"):
+    rows = []
+    for n in lengths:
+        ids, n_protected = ids_for(n)
+        for method in ("full", "fastkvzip", "kvzip"):
+            if method == "kvzip" and teacher is None:
+                continue
+            row = timed_run(model, method, ids, n_protected, teacher, args)
+            rows.append(row)
+            log(f"speed[{tag}] {n} tokens {method}: prefill {row['prefill_s']:.1f} s, KV {row['kv_bytes'] / 2**20:.1f} "
+                f"MiB (peak {row['peak_kv_bytes'] / 2**20:.1f}), decode {row['decode_tok_s'] or 0:.1f} tok/s")
+    for r in rows:  # ratios against the full cache at the same length
+        f = next(x for x in rows if x["context"] == r["context"] and x["method"] == "full")
+        r.update(prefill_vs_full=r["prefill_s"] / f["prefill_s"], kv_vs_full=r["kv_bytes"] / f["kv_bytes"],
+                 peak_vs_full=r["peak_kv_bytes"] / f["peak_kv_bytes"])
+    return rows
+
+
+# Qwen3-8B's published shape (HF config), with the YaRN scaling the authors use for long contexts (§9)
+QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=131072, rope_theta=1e6,
+                rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768),
+                tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
+
+
+def random_model(shape, device, dtype, seed=0):
+    """A model of the given config dict with random weights (speed and memory only: no real 8B weights
+    exist offline). Norm weights 1, matrices N(0, 1/fan_in): activations stay finite through the layers."""
+    import model as M
+    cfg = M.ModelConfig.from_dict(shape)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        model = M.Transformer(cfg).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, p.shape[-1] ** -0.5, generator=g)
+    model.config = getattr(model, "config", cfg)
+    return model.eval().requires_grad_(False)
+
+
+def gpu_section(args, shape=QWEN3_8B, device="cuda"):
+    """Speed and memory of full / fastkvzip / kvzip on a random-weight model of `shape`."""
+    import model as M
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(shape, device, dtype, args.seed)
+    cfg = model_info(model)[0]
+    gates = G.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
+                    dtype=dtype, device=device)
+    gargs = copy.copy(args)
+    gargs.gate = str(Path(args.out_dir) / "random-gate.safetensors")  # a random gate: timing only
+    G.save_gate(gargs.gate, gates, {"note": "random weights, for timing only"})
+    teacher = None
+    try:
+        sys.path.insert(0, str(ROOT / "tools"))
+        import fetch_assets
+        tok = M.load_tokenizer(fetch_assets.tokenizer_file("qwen3").parent)
+        teacher = KVzipTeacher(model, tok, M.prompt_format(cfg, "qwen3-8b"))
+    except Exception as e:  # no tokenizer asset: KVzip's repeat prompt cannot be written
+        log(f"gpu: no KVzip timing ({e})")
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def ids_for(n):
+        return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist(), 0
+    gargs.speed_chunk, gargs.speed_window = 16000, 4096  # the paper's own settings at this scale (§6)
+    return speed(model, teacher, args.gpu_lengths, ids_for, gargs, tag=device.type)
+
+
+# =================================================================================================
+# 7. Output: config.json, results.json, results.md, relative.png — each written atomically
+# =================================================================================================
+
+def write_atomic(path, text):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def run_config(args, folder, gates):
+    import tokenizers
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix in (".json", ".safetensors"))
+    flags = {k: v for k, v in vars(args).items() if k != "partial"}
+    return dict(flags=flags, command=" ".join(sys.argv),
+                started=time.strftime("%Y-%m-%dT%H:%M:%S"), git_commit=git("rev-parse", "HEAD"),
+                git_dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
+                versions=dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
+                              tokenizers=tokenizers.__version__),
+                machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
+                             torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available()),
+                model=dict(folder=str(folder), sha256={p.name: sha256(p) for p in files}),
+                gate=dict(source=gates.meta.get("source"), meta=gates.meta,
+                          sha256=sha256(gates.meta["source"]) if gates.meta.get("source") else None),
+                levels=list(LEVELS))
+
+
+def fmt_ci(x, c):
+    if x is None:
+        return "n/a"
+    return f"{x:.2f} [{c[0]:.2f}, {c[1]:.2f}]" if c else f"{x:.2f}"
+
+
+def label(r):
+    return r["method"] if r["level"] in ("full", DEFAULT_LEVEL.get(r["method"])) else f"{r['method']} ({r['level']})"
+
+
+def markdown(results):
+    rows, cfg = results["rows"], results["config"]
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, reverse=True)
+    configs = list(dict.fromkeys(label(r) for r in rows if r["method"] != "full"))
+    get = lambda task, c, b: next((r for r in rows if r["task"] == task and label(r) == c and r["budget"] == b), None)
+    grid = lambda task, cell: ["| method | " + " | ".join(f"{b:g}" for b in budgets) + " |",
+                               "|---|" + "---|" * len(budgets)] + [
+        f"| {c} | " + " | ".join(cell(get(task, c, b)) if get(task, c, b) else "" for b in budgets) + " |"
+        for c in configs]
+    f = cfg["flags"]
+    out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
+           f"Model `{f['model']}`, gate `{cfg['gate']['source']}` (sha256 {str(cfg['gate']['sha256'])[:12]}), "
+           f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
+           f"{results.get('n_contexts', 0)} Austen contexts of {f['lengths']} tokens, {f['passkeys']} pass keys and "
+           f"{f['kv_questions']} of {f['kv_pairs']} JSON pairs asked per context; chunk {f['chunk_size']}, "
+           f"seed {f['seed']}. Run time {results.get('seconds', 0) / 60:.1f} min.", ""]
+    if rows:
+        out += ["## Relative performance (mean of passkey, kv, nll_next, nll_repeat; 1 = full cache)", "",
+                "Cells: relative [95% bootstrap interval over contexts]. Budget = fraction of the context's KV "
+                "pairs kept in the compressed layers.", ""]
+        out += grid("average", lambda r: fmt_ci(r["relative"], r["ci"]))
+        out += ["", "## Kept fraction per compressed layer", "",
+                "Layers " + ", ".join(str(x) for x in results.get("compressed_layers", [])) +
+                ", mean over contexts (the trailing 2% window included).", ""]
+        out += grid("average", lambda r: "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"] or []))
+        titles = dict(passkey="Pass-key accuracy", kv="Key-value retrieval accuracy (SCBench.KV style)",
+                      nll_next="NLL of the document's next tokens (nats/token; relative = ppl_full/ppl)",
+                      nll_repeat="NLL of a repeated passage (nats/token; relative = ppl_full/ppl)",
+                      agreement="Agreement of greedy answers with the full cache's")
+        for task in TASKS:
+            full = next(r for r in rows if r["task"] == task and r["method"] == "full")
+            out += ["", f"## {titles[task]}", "", f"Full cache: {fmt_ci(full['score'], full['score_ci'])} "
+                    f"(n = {full['n']}). Cells: score (relative [95% interval]); kept per layer beside it.", "",
+                    "| method | budget | score [95% CI] | relative [95% CI] | kept per layer | KV held |",
+                    "|---|---|---|---|---|---|"]
+            for c in configs:
+                for b in budgets:
+                    r = get(task, c, b)
+                    if r:
+                        kept = "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"] or [])
+                        out.append(f"| {c} | {b:g} | {fmt_ci(r['score'], r['score_ci'])} | "
+                                   f"{fmt_ci(r['relative'], r['ci'])} | {kept} | {r['kv_fraction']:.0%} |")
+        out += ["", "## Decode speed per budget (greedy answers of the quality run, tokens/s)", ""]
+        out += grid("average", lambda r: f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "")
+    for key, title in (("speed", "CPU"), ("gpu", "GPU, random weights in Qwen3-8B's shape")):
+        if results.get(key):
+            out += ["", f"## Speed and memory: {title} (real path: generate.prefill + answer)", "",
+                    "| context | method | budget | prefill s | × full | gate/teacher share | KV after prefill | "
+                    "peak KV in prefill | decode tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+            for r in results[key]:
+                out.append(f"| {r['context']} | {r['method']} | {r['budget']:g} | {r['prefill_s']:.2f} | "
+                           f"{r['prefill_vs_full']:.2f} | {r['score_fraction']:.1%} | {r['kv_bytes'] / 2**20:.1f} MiB "
+                           f"({r['kv_vs_full']:.0%}) | {r['peak_kv_bytes'] / 2**20:.1f} MiB ({r['peak_vs_full']:.0%}) | "
+                           f"{r['decode_tok_s'] or 0:.1f} |")
+    out += ["", results.get("gpu_note", "")]
+    return "\n".join(out) + "\n"
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("--plot: matplotlib is not installed; no PNG")
+        return
+    rows = [r for r in results["rows"] if r["task"] == "average" and r["method"] != "full"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for c in dict.fromkeys(label(r) for r in rows):
+        rs = sorted((r for r in rows if label(r) == c), key=lambda r: r["budget"])
+        y = [r["relative"] if r["relative"] is not None else float("nan") for r in rs]
+        err = [[v - r["ci"][0] if r["ci"] else 0 for v, r in zip(y, rs)], [r["ci"][1] - v if r["ci"] else 0 for v, r in zip(y, rs)]]
+        ax.errorbar([r["budget"] for r in rs], y, yerr=err, marker="o", capsize=2, label=c)
+    ax.set(xlabel="KV budget (fraction of context kept)", ylabel="relative performance (1 = full cache)")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+# =================================================================================================
+# 8. Command line
+# =================================================================================================
+
+def floats(s):
+    return [float(x) for x in s.split(",") if x]
+
+
+def ints(s):
+    return [int(x) for x in s.split(",") if x and int(x) > 0]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run (< 3 min on 2 CPU cores): 2 contexts of 512 "
+                   "tokens, 2 questions each, budgets 0.5 and 0.2, every method at its own level; speed at 512 tokens")
+    p.add_argument("--model", default=generate.DEFAULT_MODEL, help="model folder, repo id or alias")
+    p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
+    p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS), help="comma list of " + ",".join(METHODS))
+    p.add_argument("--budgets", type=floats, default=list(BUDGETS), help="fractions of the context kept")
+    p.add_argument("--extra-levels", type=lambda s: [x for x in s.split(",") if x], default=["calibrated"],
+                   help="eviction levels run beside the paper's for fastkvzip and kvzip (cache.LEVELS; '' = none)")
+    p.add_argument("--lengths", type=ints, default=[2048, 4096, 8192], help="context lengths in tokens (quality)")
+    p.add_argument("--contexts", type=int, default=8, help="contexts per length (each from another Austen part)")
+    p.add_argument("--passkeys", type=int, default=3, help="pass keys hidden per context, at stratified depths")
+    p.add_argument("--kv-pairs", type=int, default=8, help="key-value pairs in each context's JSON block")
+    p.add_argument("--kv-questions", type=int, default=3, help="of those, how many are asked")
+    p.add_argument("--probe-tokens", type=int, default=64, help="tokens scored by each NLL probe")
+    p.add_argument("--continue-tokens", type=int, default=16, help="greedy tokens of free continuation "
+                   "(agreement only)")
+    p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (quality contexts must fit in one)")
+    p.add_argument("--window", type=int, default=4096, help="recent tokens always kept (short contexts: 2%%)")
+    p.add_argument("--speed-lengths", type=ints, default=[2048, 8192, 16384], help="CPU speed contexts ('0' = none)")
+    p.add_argument("--speed-budget", type=float, default=0.3, help="budget of the speed runs (paper Fig. 1b: 30%%)")
+    p.add_argument("--speed-chunk", type=int, default=2048, help="prefill chunk of the CPU speed runs: the "
+                   "paper's 16K chunk over 170K contexts, scaled to 16K contexts")
+    p.add_argument("--speed-window", type=int, default=512, help="local window of the CPU speed runs (scaled 4096)")
+    p.add_argument("--speed-decode", type=int, default=32, help="tokens decoded per speed run")
+    p.add_argument("--gpu-lengths", type=ints, default=[8192, 32768, 131072], help="GPU speed contexts")
+    p.add_argument("--no-quality", action="store_true", help="skip the quality section")
+    p.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
+    p.add_argument("--seed", type=int, default=0, help="seed for contexts, needles, random scores, bootstrap")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--out", help="output folder (default results/<timestamp>/)")
+    p.add_argument("--plot", action="store_true", help="also draw relative.png (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.lengths, args.contexts, args.budgets, args.speed_lengths = [512], 2, [0.5, 0.2], [256]
+        args.passkeys, args.kv_questions, args.probe_tokens, args.continue_tokens = 1, 1, 32, 0
+        args.speed_decode, args.bootstrap, args.extra_levels = 4, 200, []
+        args.gpu_lengths = [8192]
+    bad = [m for m in args.methods if m not in METHODS] + [lv for lv in args.extra_levels if lv not in LEVELS]
+    if bad or not all(0 < b <= 1 for b in args.budgets):
+        p.error(f"unknown method/level {bad}, or a budget outside (0, 1]")
+    if "full" not in args.methods:
+        args.methods = ["full"] + args.methods  # every relative score needs the full cache
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import model as M
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    args.out_dir = str(out)
+    folder = M.resolve_model(args.model)
+    model = M.load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower here)
+    cfg, tok = model_info(model)[0], M.load_tokenizer(folder)
+    fmt = M.prompt_format(cfg, args.model, chat=args.model != generate.DEFAULT_MODEL)  # the default is a base model
+    gates = G.resolve_gate(args.gate, cfg, args.model)
+    config = run_config(args, folder, gates)
+    write_atomic(out / "config.json", json.dumps(config, indent=1))
+    results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[], complete=False)
+
+    def save(rows=None):
+        results["seconds"] = time.perf_counter() - t_start
+        write_atomic(out / "results.json", json.dumps(results, indent=1))
+        write_atomic(out / "results.md", markdown(results))
+
+    def partial(tallies, extras):
+        results["rows"] = summarize(tallies, finish_extras(extras), args.bootstrap, args.seed)
+        results["n_contexts"] = len(tallies[("full", 1.0)]["nll_next"].num)
+        save()
+    args.partial = partial
+    log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}")
+    if not args.no_quality:
+        tallies, extras, answers = quality(model, tok, fmt, args)
+        partial(tallies, extras)
+        results["answers"] = answers
+    teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
+    system = tok.encode(fmt.system, add_special_tokens=False).ids
+    stream = [t for _, d in load_docs(tok) for t in d] if args.speed_lengths else []
+    results["speed"] = speed(model, teacher, args.speed_lengths,
+                             lambda n: (system + stream[:n], len(system)), args)
+    if torch.cuda.is_available() and not args.no_gpu:
+        results["gpu"] = gpu_section(args)
+    else:
+        results["gpu_note"] = ("GPU section (random-weight Qwen3-8B shape up to 128K tokens) not run: "
+                               + ("--no-gpu." if args.no_gpu else "no CUDA device on this machine."))
+    results["complete"] = True
+    save()
+    if args.plot:
+        plot(results, out / "relative.png")
+    avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"] if r["task"] == "average"}
+    head = ", ".join(f"{c}@{b:g} {v:.2f}" for (c, b), v in avg.items() if v is not None and b == min(args.budgets))
+    log(f"done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md; relative at the lowest budget: {head}")
+
+
+if __name__ == "__main__":
+    main()
