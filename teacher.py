@@ -21,6 +21,13 @@ Output: (compressed layers, KV heads, context length) in [0, 1]. Memory beyond t
 forward: one chunk's score matrix (Hq, repeat length, system + chunk + repeat length), never the
 whole context's. Compressed layers: all for Qwen3, only the global ones for Gemma3 (METHOD.md §9).
 
+Softmax dtype: fp32 by default. The authors compute the logits and the softmax in the model dtype
+(bf16, METHOD.md §4.3, §13.10): a bf16 logit of ~20 is only known to ±0.06, i.e. ±6% on its
+probability, and the max over ~2,000 queries picks the rounding errors that went up. In fp32 the
+targets depend only on the model, not on the device (CPU fp32 and GPU bf16 runs agree up to the
+model's own rounding), at the cost of one fp32 (Hq, 2K, 4K) matrix per layer — small next to the
+forward pass. softmax_dtype="model" reproduces the authors.
+
 Cost: one prefill plus one forward of (context + ~1.1% prompt tokens) on top of the full cache, i.e.
 about two prefills (the cost Fast KVzip's gate removes at inference).
 

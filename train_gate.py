@@ -16,9 +16,26 @@ Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safete
 with a training summary in its metadata), metrics.json (per-layer train/validation loss and accuracy
 over steps), curves.png with --plot, and a per-layer table on stdout.
 
-Small CPU example (the offline Gemma 3 270M on the Python docs, a few minutes):
-    python train_gate.py --data ~/.cache/fastkvzip/assets/pydoc --tokens 20000 \\
-        --min-doc-tokens 2000 --max-doc-tokens 6000 --long-doc-tokens 0 --steps 300 --batch-tokens 200
+Cost of the default run (~1M tokens), Qwen3-8B on one 80 GB GPU (estimates; the paper reports 0.59
+H100-hours for the whole phase, METHOD.md §5.5):
+  features  two passes over every context token (prefill, then the repeat inputs: +~1% prompt tokens)
+            ≈ 2·2·8e9·1M = 3e16 FLOPs, plus attention, quadratic in document length: 4·L·Hq·d_h·n²/2
+            per pass = 3e15 for one 100K-token sample, ≈ 3.5e16 for the whole set. 6.5e16 FLOPs: a few
+            minutes of H100 at 40% of peak; budget 10-20 min with our kernels.
+            GPU memory: weights 16.4 GB + the full cache of a 100K-token sample 14.7 GB (+ up to 50%
+            growth slack) + one scoring matrix (Hq·2K·4K fp32 ≈ 1 GB) — well inside 80 GB. Hidden states
+            go to host RAM as they are produced: L·D·2 bytes = 295 KB per token (~30 GB for a 100K sample,
+            twice that while its shard is written).
+  disk      the same 295 KB per token: ≈ 295 GB of features for 1M tokens (Gemma3 270M, fp32: 7.7 KB).
+  training  5000 steps × 1000 tokens read from the memory-mapped shards (295 MB per step for Qwen3-8B;
+            the gate math itself is tiny): I/O bound, ~0.05-0.1 s per step from page cache / NVMe, 5-10 min.
+  scaling   features ∝ tokens × parameters + Σ n² × layers × heads × head_dim; disk and training reads
+            ∝ tokens × compressed layers × hidden size; more GPUs (torchrun) divide the feature step.
+
+Small CPU example (the offline Gemma 3 270M on the Python docs, ~3 minutes on 2 cores; measured there:
+features 75 tok/s for 2K-token documents, 54 at 8K, 41 at 16K; training 36 steps/s with --threads 1):
+    python train_gate.py --data ~/.cache/fastkvzip/assets/pydoc --tokens 10000 --threads 1 \\
+        --min-doc-tokens 2000 --max-doc-tokens 6000 --long-doc-tokens 0 --steps 300
 Full size (the paper's recipe for Qwen3-8B; one GPU, or N GPUs for the feature step):
     python train_gate.py --model qwen3-8b
     torchrun --nproc_per_node 8 train_gate.py --model qwen3-8b
@@ -33,7 +50,7 @@ import os
 import struct
 import sys
 import time
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -215,8 +232,7 @@ def make_manifest(args, model_name, cfg, dtype, docs):
         format=1, model=model_name, compressed_layers=list(cfg.compressed_layers),
         n_kv_heads=cfg.num_key_value_heads, group=cfg.group_size, hidden_size=cfg.hidden_size,
         dtype=str(dtype).replace("torch.", ""),
-        teacher=dict(chunk=args.teacher_chunk, prefill_chunk=args.prefill_chunk,
-                     softmax_dtype=args.teacher_softmax, chat=args.chat),
+        teacher=dict(chunk=args.teacher_chunk, softmax_dtype=args.teacher_softmax, chat=args.chat),
         documents=[dict(name=n, tokens=len(ids), key=doc_key(n, ids), shard=shard_path("", i).as_posix())
                    for i, (n, ids) in enumerate(docs)])
 
@@ -238,10 +254,21 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
+def assign_ranks(lengths, world):
+    """Rank of each document: longest first, each to the least-loaded rank (so the ~100K-token
+    concatenations spread over the GPUs). Deterministic: every rank computes the same plan."""
+    load, rank_of = [0] * world, [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        rank_of[i], load[r] = r, load[r] + lengths[i]
+    return rank_of
+
+
 def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenizer, rank=0, world=1):
-    """Score and record every document of this rank (documents rank, rank+world, ...) that has no
-    shard yet. The model is loaded only if there is work left."""
-    todo = [i for i in range(rank, len(docs), world) if not shard_path(args.out, i).exists()]
+    """Score and record every document of this rank that has no shard yet. The model is loaded only if
+    there is work left."""
+    rank_of = assign_ranks([len(ids) for _, ids in docs], world)
+    todo = [i for i in range(len(docs)) if rank_of[i] == rank and not shard_path(args.out, i).exists()]
     if not todo:
         return
     import model as M
@@ -270,7 +297,14 @@ def init_distributed():
         return 0, 1
     import torch.distributed as dist
     dist.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), world
+
+
+def barrier():
+    import torch.distributed as dist
+    dist.barrier()
 
 
 # -------------------------------------------------------------------------------------------------
@@ -473,16 +507,24 @@ def plot_curves(m, path):
 
 def run(args):
     import model as M
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rank, world = init_distributed()
     device = torch.device(args.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
                                           if torch.cuda.is_available() else "cpu"))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              None: torch.bfloat16 if device.type == "cuda" else torch.float32}[args.dtype]
+    if rank > 0:
+        barrier()  # rank 0 downloads / converts the model first, alone
     folder = M.resolve_model(args.model)
+    if rank == 0 and world > 1:
+        barrier()
     cfg = M.load_config(folder)
     tokenizer = M.load_tokenizer(folder)
     model_name = Path(args.model).name.lower() if args.model else DEFAULT_MODEL
     args.out = args.out or str(Path("out") / model_name)
+    if args.prefill_chunk is None:
+        args.prefill_chunk = 16000 if device.type == "cuda" else 4000
     if args.chat is None:
         args.chat = args.model != DEFAULT_MODEL  # the offline model is a base model, as generate.py
     fmt = M.prompt_format(cfg, args.model, chat=args.chat)
@@ -547,7 +589,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the gate init and the batch order")
     p.add_argument("--teacher-chunk", type=int, default=2000, help="context tokens scored per repeat "
                    "query (METHOD.md §4.2)")
-    p.add_argument("--prefill-chunk", type=int, default=16000, help="tokens per prefill forward of the teacher")
+    p.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward of the teacher (default 16000 "
+                   "as the authors on GPU; 4000 on CPU, whose reference attention holds a chunk x context "
+                   "matrix). The scores do not depend on it: the cache is full")
     p.add_argument("--teacher-softmax", choices=("float32", "model"), default="float32",
                    help="dtype of the teacher's logits and softmax: float32 (default: the targets do not "
                    "depend on the model dtype, at a negligible cost) or the model dtype as the authors (bf16)")
@@ -557,11 +601,13 @@ def parse_args(argv=None):
                    "under torchrun)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="model and feature dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). On small or "
+                   "shared CPUs 1 is often much faster: the gate's small ops pay for every thread hand-off")
     p.add_argument("--plot", action="store_true", help="also write curves.png (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or step log")
     args = p.parse_args(argv)
     for flag in ("tokens", "min_doc_tokens", "max_doc_tokens", "batch_tokens", "teacher_chunk", "prefill_chunk"):
-        if getattr(args, flag) <= 0:
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.steps < 0 or args.long_doc_tokens < 0:
         p.error("--steps and --long-doc-tokens must be >= 0")

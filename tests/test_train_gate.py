@@ -218,3 +218,9 @@ def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "train_gate.py", "--data", str(tmp_path / "empty"), "--model",
                         str(tmp_path / "nothing")], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_documents_spread_over_ranks_by_length():
+    """Longest first to the least-loaded rank: the long concatenations land on different GPUs."""
+    assert TG.assign_ranks([100, 30, 100, 50, 20, 40], 2) == [0, 1, 1, 0, 0, 1]  # loads 170 and 170
+    assert TG.assign_ranks([5, 7], 1) == [0, 0]
