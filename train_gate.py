@@ -47,6 +47,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 import struct
 import sys
 import time
@@ -87,12 +88,21 @@ def iter_fineweb(tokenizer):
         import pyarrow.parquet as pq
     except ImportError:
         raise UsageError("--data fineweb-edu reads parquet: pip install pyarrow (or pass --data PATH)")
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
+    offline = (f"cannot download {FINEWEB_REPO}/{FINEWEB_FILE} ({{}}); offline? pass local text with "
+               f"--data PATH, e.g. --data ~/.cache/fastkvzip/assets/pydoc")
     try:
-        path = hf_hub_download(FINEWEB_REPO, FINEWEB_FILE, repo_type="dataset")
-    except Exception as e:  # offline, gated, proxy: all end the same way
-        raise UsageError(f"cannot download {FINEWEB_REPO}/{FINEWEB_FILE} ({type(e).__name__}); offline? "
-                         f"pass local text with --data PATH, e.g. --data ~/.cache/fastkvzip/assets/pydoc")
+        path = hf_hub_download(FINEWEB_REPO, FINEWEB_FILE, repo_type="dataset", local_files_only=True)
+    except Exception:  # not cached yet: download, unless the hub is plainly unreachable
+        host = constants.ENDPOINT.split("://")[-1].split("/")[0]
+        try:  # fail in a second instead of huggingface-hub's ~30 s of retries and warnings
+            socket.create_connection((host.split(":")[0], 443), timeout=5).close()
+        except OSError as e:
+            raise UsageError(offline.format(f"{host} unreachable: {e.strerror or e}"))
+        try:
+            path = hf_hub_download(FINEWEB_REPO, FINEWEB_FILE, repo_type="dataset")
+        except Exception as e:  # gated, proxy, disk full: all end the same way
+            raise UsageError(offline.format(type(e).__name__))
     row = 0
     for batch in pq.ParquetFile(path).iter_batches(columns=["text", "token_count"], batch_size=4096):
         for text, n in zip(batch.column("text").to_pylist(), batch.column("token_count").to_pylist()):
@@ -182,17 +192,16 @@ def _join(docs, i):
 
 def load_documents(args, tokenizer, max_context):
     """The selected documents as (name, context ids), each cut to max_context tokens."""
-    long_tokens = args.long_doc_tokens
-    if long_tokens > max_context:
-        print(f"note: --long-doc-tokens {long_tokens} is more than the model holds; concatenations are cut "
-              f"to {max_context} context tokens", file=sys.stderr)
-        long_tokens = max_context
+    long_tokens = min(args.long_doc_tokens, max_context)  # concatenations are cut to what the model holds
     docs = iter_fineweb(tokenizer) if args.data == "fineweb-edu" else iter_files(args.data, tokenizer)
     chosen, stats = select_documents(docs, args.tokens, args.min_doc_tokens, args.max_doc_tokens, long_tokens)
     if not chosen:
         raise UsageError(f"--data {args.data}: none of its {stats['seen']} documents has between "
                          f"{args.min_doc_tokens} and {args.max_doc_tokens} tokens (longest: {stats['longest']}); "
                          f"lower --min-doc-tokens or raise --max-doc-tokens")
+    if long_tokens < args.long_doc_tokens and any(d.name.startswith("concatenation") for d in chosen):
+        print(f"note: the model holds {max_context} context tokens, so the long samples have about {long_tokens} "
+              f"instead of --long-doc-tokens {args.long_doc_tokens}", file=sys.stderr)
     out = []
     for d in chosen:
         ids = tokenizer.encode(d.text, add_special_tokens=False).ids[:max_context]

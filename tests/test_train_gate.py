@@ -224,3 +224,26 @@ def test_documents_spread_over_ranks_by_length():
     """Longest first to the least-loaded rank: the long concatenations land on different GPUs."""
     assert TG.assign_ranks([100, 30, 100, 50, 20, 40], 2) == [0, 1, 1, 0, 0, 1]  # loads 170 and 170
     assert TG.assign_ranks([5, 7], 1) == [0, 0]
+
+
+def test_fineweb_selection_uses_the_dataset_token_counts(tmp_path, monkeypatch):
+    """--data fineweb-edu reads the authors' shard through huggingface-hub and selects with its GPT-2
+    `token_count` column (METHOD.md §5.1); here the download is a local stand-in."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    import huggingface_hub
+    texts = [f" doc {i} " for i in range(6)]
+    counts = [50, 200, 250, 120, 40000, 180]
+    pq.write_table(pa.table({"text": texts, "token_count": counts}), str(tmp_path / "shard.parquet"))
+    asked = []
+
+    def fake_download(repo, filename, repo_type=None, **kw):
+        asked.append((repo, filename, repo_type))
+        return str(tmp_path / "shard.parquet")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    docs = list(TG.iter_fineweb(tokenizer=None))
+    assert asked[0] == ("HuggingFaceFW/fineweb-edu", "sample/10BT/000_00000.parquet", "dataset")
+    assert [(d.name, d.text, d.n) for d in docs[:2]] == [("fineweb-edu row 0", "doc 0", 50), ("fineweb-edu row 1", "doc 1", 200)]
+    chosen, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=300)
+    assert [d.n for d in chosen] == [200, 250, 450]  # rows 1, 2; then rows 1+2 concatenated, row 3 drops
