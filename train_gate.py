@@ -479,10 +479,12 @@ def train(store, cfg, args, device, log=print):
 # outputs
 
 def summary_table(m):
-    """Per layer: final validation BCE against the best constant, accuracies, last train BCE."""
-    rows = [f"{'layer':>5}  {'val BCE':>8}  {'const BCE':>9}  {'val acc':>7}  {'train BCE':>9}  {'train acc':>9}"]
+    """Per layer: final validation BCE beside the best constant predictor's and the floor (the targets'
+    own entropy: BCE − floor is what is left to learn), accuracies, the last train batch."""
+    rows = [f"{'layer':>5}  {'val BCE':>8}  {'const BCE':>9}  {'floor':>6}  {'val acc':>7}  {'train BCE':>9}  "
+            f"{'train acc':>9}"]
     for j, layer in enumerate(m["layers"]):
-        rows.append(f"{layer:>5}  {m['val_loss'][-1][j]:8.4f}  {m['const_val_loss'][j]:9.4f}  "
+        rows.append(f"{layer:>5}  {m['val_loss'][-1][j]:8.4f}  {m['const_val_loss'][j]:9.4f}  {m['floor_val_loss'][j]:6.4f}  "
                     f"{100 * m['val_acc'][-1][j]:6.1f}%  {m['train_loss'][-1][j]:9.4f}  {100 * m['train_acc'][-1][j]:8.1f}%")
     return "\n".join(rows)
 
