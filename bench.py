@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,17 +61,17 @@ METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
 BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
 AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
 TASKS = AVERAGED + ("agreement",)
-ROOMS = ("red", "blue", "green", "yellow", "white", "black", "silver", "golden", "north", "south",
-         "east", "west", "upper", "lower", "corner", "garden")
+# owners of the pass keys: names that occur in no Austen novel. A name right before "'s pass key is" lets even
+# the 270M base model tell needles apart (with "the pass key of the red/blue room" it repeats the last one)
+OWNERS = ("Colonel Brandt", "Mrs. Hollis", "Doctor Fenwick", "Lady Marsh", "Captain Orme", "Miss Quarles",
+          "Mr. Tresham", "Professor Lindqvist", "Madame Roux", "Father Keane", "Judge Albery", "Nurse Pryce")
 
 
 def log(msg):
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-# =================================================================================================
-# 1. Samples: a context with needles, its questions, and its fidelity probes
-# =================================================================================================
+# ---- 1. Samples: a context with needles, its questions, and its fidelity probes ---------------------
 
 @dataclass
 class Question:
@@ -87,8 +87,8 @@ class Sample:
     ids: list          # system prompt ⊕ context
     n_protected: int   # system-prompt length (never evicted)
     questions: list
-    probes: dict = field(default_factory=dict)  # nll task -> (prompt ids, target ids)
-    doc: str = ""
+    probes: dict       # nll task -> (prompt ids, target ids)
+    doc: str           # the document the context was cut from
 
 
 class SampleMaker:
@@ -102,8 +102,7 @@ class SampleMaker:
         self.tok, self.fmt, self.docs = tok, fmt, docs  # docs: list of (name, ids)
         self.rng = random.Random(seed)
         self.n_passkeys, self.n_pairs, self.n_kv_questions = n_passkeys, n_pairs, n_kv_questions
-        self.n_probe = n_probe
-        self.n_continue, self.n_cue = n_continue, n_cue
+        self.n_probe, self.n_continue, self.n_cue = n_probe, n_continue, n_cue
         self.system = self.enc(fmt.system)
         self.next_doc = 0
 
@@ -123,17 +122,15 @@ class SampleMaker:
                 return j
         return i
 
-    def make(self, n, depth_offset=0.0):
+    def make(self, n):
         rng, enc = self.rng, self.enc
         # -- needles: pass keys at stratified depths, one JSON block of key-value pairs --
-        rooms = rng.sample(ROOMS, self.n_passkeys)
         needles, questions = [], []
-        for i, room in enumerate(rooms):
-            depth = ((i + rng.random() + depth_offset) / self.n_passkeys) % 1.0
+        for i, who in enumerate(rng.sample(OWNERS, self.n_passkeys)):
+            depth = (i + rng.random()) / self.n_passkeys  # stratified over depth
             key = "".join(rng.choice("0123456789") for _ in range(5))
-            text = f" The pass key of the {room} room is {key}. Remember it: {key} is the pass key of the {room} room."
-            needles.append([depth, enc(text)])
-            q = self.question(f"What is the pass key of the {room} room?", f"The pass key of the {room} room is")
+            needles.append([depth, enc(f" {who}'s pass key is {key}. Remember it: {who}'s pass key is {key}.")])
+            q = self.question(f"What is {who}'s pass key?", f"{who}'s pass key is")
             questions.append(Question("passkey", q, key, 7, depth))  # "▁", 5 digits, "."
         pairs = [("".join(rng.choice("0123456789abcdef") for _ in range(8)),
                   "".join(rng.choice("0123456789abcdef") for _ in range(8))) for _ in range(self.n_pairs)]
@@ -141,14 +138,15 @@ class SampleMaker:
         depth = rng.random()
         needles.append([depth, enc(block)])
         for k, v in rng.sample(pairs, self.n_kv_questions):
-            q = self.question(f'In the JSON data above, what is the value of the key "{k}"?',
-                              f'The value of the key "{k}" is "')
+            # the answer starts as the JSON does, so the model can copy (an English cue: 0 of 9 right at full cache)
+            q = self.question(f'In the JSON data above, what is the value of the key "{k}"?', f'"{k}": "')
             questions.append(Question("kv", q, v, 10, depth))  # up to 8 hex tokens, '"' 
         # -- the hay: a window of the next document that leaves room for needles and the continuation --
-        name, doc = self.docs[self.next_doc % len(self.docs)]
-        self.next_doc += 1
         n_hay = n - sum(len(x[1]) for x in needles)
-        assert len(doc) >= n_hay + self.n_probe, f"{name}: {len(doc)} tokens, need {n_hay + self.n_probe}"
+        long_enough = [d for d in self.docs if len(d[1]) >= n_hay + self.n_probe]
+        assert long_enough, f"no document has the {n_hay + self.n_probe} tokens a context of {n} needs"
+        name, doc = long_enough[self.next_doc % len(long_enough)]  # a different document each time
+        self.next_doc += 1
         off = rng.randrange(0, len(doc) - n_hay - self.n_probe + 1)
         hay, after = doc[off:off + n_hay], doc[off + n_hay:off + n_hay + self.n_probe]
         ctx, last = [], 0
@@ -167,17 +165,17 @@ class SampleMaker:
         return Sample(self.system + ctx, len(self.system), questions, probes, name)
 
 
-def load_docs(tok, corpus="austen_parts"):
-    """Held-out documents (Austen, cut at chapters: 10K-20K tokens each) as token ids."""
+def load_docs(tok, corpus="austen_parts", _memo={}):
+    """Held-out documents (Austen, cut at chapters: 5K-20K tokens each) as (name, token ids)."""
     sys.path.insert(0, str(ROOT / "tools"))
     import fetch_assets
-    return [(p.stem, tok.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids)
-            for p in fetch_assets.text_docs(corpus)]
+    if (id(tok), corpus) not in _memo:
+        _memo[id(tok), corpus] = [(p.stem, tok.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids)
+                                  for p in fetch_assets.text_docs(corpus)]
+    return list(_memo[id(tok), corpus])
 
 
-# =================================================================================================
-# 2. The fast path: one captured full prefill, replayed into every method's evicting cache
-# =================================================================================================
+# ---- 2. The fast path: one captured full prefill, replayed into every method's evicting cache -------
 
 class CaptureCache(TeacherCache):
     """A full cache (it can also run the KVzip teacher) that keeps, for each compressed layer, the
@@ -234,13 +232,13 @@ DEFAULT_LEVEL = dict(fastkvzip=G.GateScorer.level, kvzip=Precomputed.level, snap
 
 
 def method_cache(model, method, level, n_protected, args, seed, teacher_scores=None):
-    """An empty evicting cache for one method, built by generate.make_cache as `generate.py --method`
-    would (KVzip, which needs the whole context first, from the teacher's precomputed scores)."""
-    cfg, dtype, device = model_info(model)
-    if method == "kvzip":
-        return EvictingCache(cfg, Precomputed(teacher_scores), dtype, device, n_protected=n_protected, level=level)
+    """An empty evicting cache for one method, made by generate.make_cache as `generate.py --method`
+    makes it. KVzip's scores arrive after prefill; for the replay they come precomputed."""
     ns = argparse.Namespace(gate=args.gate, seed=seed, level=level, decode_budget=None)
-    return generate.make_cache(method, model, cfg, n_protected, ns, args.model)
+    cache = generate.make_cache(method, model, model_info(model)[0], n_protected, ns, args.model)
+    if teacher_scores is not None:
+        cache.scorer = Precomputed(teacher_scores)
+    return cache
 
 
 def capture_prefill(model, ids, chunk_size, teacher=None, n_protected=0):
@@ -269,9 +267,7 @@ def model_info(model):
     return getattr(model, "config", None) or model.cfg, p.dtype, p.device
 
 
-# =================================================================================================
-# 3. Answering from one cache: greedy answers and teacher-forced NLL, each rolled back
-# =================================================================================================
+# ---- 3. Answering from one cache: greedy answers and teacher-forced NLL, each rolled back -----------
 
 @torch.no_grad()
 def evaluate(model, tok, cache, sample, stop_ids):
@@ -299,9 +295,7 @@ def evaluate(model, tok, cache, sample, stop_ids):
     return res
 
 
-# =================================================================================================
-# 4. Scores, relative performance, bootstrap intervals
-# =================================================================================================
+# ---- 4. Scores, relative performance, bootstrap intervals -------------------------------------------
 
 def wilson(k, n, z=1.96):
     """Binomial 95% interval (Wilson): sound even at 0 or n successes."""
@@ -388,9 +382,7 @@ def summarize(tallies, extras, n_boot, seed):
     return rows
 
 
-# =================================================================================================
-# 5. The quality run
-# =================================================================================================
+# ---- 5. The quality run -----------------------------------------------------------------------------
 
 def quality(model, tok, fmt, args):
     cfg, _, _ = model_info(model)
@@ -408,7 +400,7 @@ def quality(model, tok, fmt, args):
     t_start = time.perf_counter()
     for c, n in enumerate(lengths):
         t0 = time.perf_counter()
-        sample = maker.make(n, depth_offset=c / len(lengths))
+        sample = maker.make(n)
         with torch.no_grad():
             full, logits, tscores = capture_prefill(model, sample.ids, args.chunk_size, teacher, sample.n_protected)
             t_prefill = time.perf_counter() - t0
@@ -424,12 +416,13 @@ def quality(model, tok, fmt, args):
                     res = ref if min(kept) == 1.0 else evaluate(model, tok, cache, sample, stop_ids)
                     record(tallies, extras, (config, budget), sample, res, ref, kept, cache.nbytes)
                     del cache
-        answers.append(dict(doc=sample.doc, n_tokens=len(sample.ids),
-                            full=[tok.decode(o) for o in ref["outputs"]],
-                            expected=[q.answer for q in sample.questions]))
+        answers.append(dict(doc=sample.doc, n_tokens=len(sample.ids), questions=[
+            dict(task=q.task, depth=round(q.depth, 3), expected=q.answer, full=tok.decode(o))
+            for q, o in zip(sample.questions, ref["outputs"])]))
         done = time.perf_counter() - t_start
+        eta = done / (c + 1) * (len(lengths) - c - 1) / 60
         log(f"quality {c + 1}/{len(lengths)}: {n} tokens ({sample.doc}), prefill+teacher {t_prefill:.0f} s, "
-            f"all methods {time.perf_counter() - t0 - t_prefill:.0f} s; eta {done / (c + 1) * (len(lengths) - c - 1) / 60:.0f} min")
+            f"all methods {time.perf_counter() - t0 - t_prefill:.0f} s; eta {eta:.0f} min")
         if args.partial:
             args.partial(tallies, extras)
     return tallies, extras, answers
@@ -445,7 +438,7 @@ def record(tallies, extras, key, sample, res, ref, kept, nbytes):
     same = [a == b for a, b in zip(res["outputs"], ref["outputs"])]
     tasks["agreement"].add(sum(same), len(same))
     e = extras.setdefault(key, dict(_kept=[], _bytes=[], _dec=[0, 0.0]))
-    e["_kept"].append(kept if kept is not None else None)
+    e["_kept"].append(kept)
     e["_bytes"].append(nbytes)
     e["_dec"][0] += res["decode"][0]
     e["_dec"][1] += res["decode"][1]
@@ -465,9 +458,7 @@ def finish_extras(extras):
     return out
 
 
-# =================================================================================================
-# 6. Speed and memory through the real path (generate.prefill and answer on fresh caches)
-# =================================================================================================
+# ---- 6. Speed and memory through the real path (generate.prefill and answer on fresh caches) --------
 
 def sync(device):
     if device.type == "cuda":
@@ -479,16 +470,18 @@ def timed_run(model, method, ids, n_protected, teacher, args):
     """Prefill ids with one method as generate.py does, then decode; -> one speed row."""
     cfg, dtype, device = model_info(model)
     budget = 1.0 if method == "full" else args.speed_budget
-    if method != "kvzip":  # made (and the gate loaded) before the clock starts
-        cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
-            model, method, DEFAULT_LEVEL[method], n_protected, args, args.seed)
+    # the cache is made (and the gate loaded) before the clock starts
+    cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
+        model, method, DEFAULT_LEVEL[method], n_protected, args, args.seed)
+    teacher = TimedTeacher(teacher) if method == "kvzip" else None
     sync(device)
     t0 = time.perf_counter()
-    if method != "kvzip":
+    if method == "kvzip":  # full prefill, the teacher's repeat pass, one eviction (METHOD.md §6)
+        generate.prefill_kvzip(model, teacher, cache, ids, n_protected, budget, args.speed_chunk, args.speed_window)
+        score_s = teacher.seconds
+    else:
         generate.prefill(model, cache, ids, n_protected, budget, args.speed_chunk, args.speed_window)
         score_s = getattr(cache, "gate_seconds", 0.0)
-    else:
-        cache, score_s = kvzip_cache(model, teacher, ids, n_protected, budget, args.speed_chunk, args.speed_window)
     sync(device)
     prefill_s = time.perf_counter() - t0
     kv_bytes, peak = cache.nbytes, cache.peak_nbytes
@@ -499,26 +492,21 @@ def timed_run(model, method, ids, n_protected, teacher, args):
                 decode_tok_s=(len(out) - 1) / decode_s if decode_s > 0 else None, device=device.type)
 
 
-def kvzip_cache(model, teacher, ids, n_protected, budget, chunk_size, window):
-    """KVzip as the authors run it (non-chunked, METHOD.md §6): a full prefill, the teacher's repeat pass
-    over the whole context, then one eviction that keeps the fraction `budget`, trailing window included.
-    -> (evicting cache, seconds spent in the teacher's pass)."""
-    cfg, dtype, device = model_info(model)
-    full = teacher.new_cache()
-    generate.prefill(model, full, ids, n_protected, 1.0, chunk_size, window)
-    sync(device)
-    t0 = time.perf_counter()
-    scores = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context)
-    sync(device)
-    score_s = time.perf_counter() - t0
-    cache = EvictingCache(cfg, None, dtype, device, n_protected=n_protected, level="global")
-    cache.layers, cache.n_seen, cache.peak_nbytes = full.layers, full.n_seen, full.peak_nbytes
-    for l, layer in enumerate(cache.compressed):  # the system prompt is never evicted
-        system = torch.full((scores.shape[1], n_protected), math.inf, device=scores.device)
-        cache.layers[layer].set_tail_scores(torch.cat([system, scores[l]], dim=-1))
-    plan = plan_prefill(len(ids) - n_protected, budget, chunk_size, window)
-    cache.evict(n_protected, cache.n_seen - plan.window, plan.segment_ratio)
-    return cache, score_s
+class TimedTeacher:
+    """The KVzip teacher, with the seconds its repeat pass takes (the part the gate replaces)."""
+
+    def __init__(self, teacher):
+        self.teacher, self.seconds = teacher, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.teacher, name)
+
+    def score(self, *a, **kw):
+        t0 = time.perf_counter()
+        out = self.teacher.score(*a, **kw)
+        sync(out.device)
+        self.seconds += time.perf_counter() - t0
+        return out
 
 
 def speed(model, teacher, lengths, ids_for, args, tag="cpu"):
@@ -554,14 +542,11 @@ def random_model(shape, device, dtype, seed=0):
     cfg = M.ModelConfig.from_dict(shape)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
-        model = M.Transformer(cfg).to(dtype)
+        model = M.Transformer(cfg)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0, p.shape[-1] ** -0.5, generator=g)
-    model.config = getattr(model, "config", cfg)
+        for p in model.parameters():  # parameters only: the RoPE buffers stay fp32
+            p.data = torch.ones_like(p, dtype=dtype) if p.dim() == 1 else \
+                torch.randn(p.shape, generator=g, device=device, dtype=dtype) * p.shape[-1] ** -0.5
     return model.eval().requires_grad_(False)
 
 
@@ -593,9 +578,7 @@ def gpu_section(args, shape=QWEN3_8B, device="cuda"):
     return speed(model, teacher, args.gpu_lengths, ids_for, gargs, tag=device.type)
 
 
-# =================================================================================================
-# 7. Output: config.json, results.json, results.md, relative.png — each written atomically
-# =================================================================================================
+# ---- 7. Output: config.json, results.json, results.md, relative.png — each written atomically -------
 
 def write_atomic(path, text):
     tmp = path.with_name(path.name + ".tmp")
@@ -658,7 +641,8 @@ def markdown(results):
     if rows:
         out += ["## Relative performance (mean of passkey, kv, nll_next, nll_repeat; 1 = full cache)", "",
                 "Cells: relative [95% bootstrap interval over contexts]. Budget = fraction of the context's KV "
-                "pairs kept in the compressed layers.", ""]
+                "pairs kept in the compressed layers. At budget 1.0 nothing is evicted (checked per context: every "
+                "layer keeps everything), the cache is the full cache and its answers are reused.", ""]
         out += grid("average", lambda r: fmt_ci(r["relative"], r["ci"]))
         out += ["", "## Kept fraction per compressed layer", "",
                 "Layers " + ", ".join(str(x) for x in results.get("compressed_layers", [])) +
@@ -683,15 +667,21 @@ def markdown(results):
                                    f"{fmt_ci(r['relative'], r['ci'])} | {kept} | {r['kv_fraction']:.0%} |")
         out += ["", "## Decode speed per budget (greedy answers of the quality run, tokens/s)", ""]
         out += grid("average", lambda r: f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "")
+    mib = lambda x, ratio: f"{x / 2**20:.1f} MiB ({ratio:.0%})"
     for key, title in (("speed", "CPU"), ("gpu", "GPU, random weights in Qwen3-8B's shape")):
         if results.get(key):
-            out += ["", f"## Speed and memory: {title} (real path: generate.prefill + answer)", "",
+            chunk, window = (f["speed_chunk"], f["speed_window"]) if key == "speed" else (16000, 4096)
+            out += ["", f"## Speed and memory: {title}", "", f"Real path (generate.prefill / prefill_kvzip, then "
+                    f"answer); prefill chunk {chunk}, window {window}. KV bytes count every layer (Gemma3's sliding "
+                    "layers hold their window whatever the budget); peak = the most held during prefill. The paper's "
+                    "anchors (Figure 1b, Table 5): gate ≈ 1% of prefill; compression ≈ 5× faster than KVzip at 170K "
+                    "tokens; prefill peak ≈ 3× lower than full at a 30% budget.", "",
                     "| context | method | budget | prefill s | × full | gate/teacher share | KV after prefill | "
                     "peak KV in prefill | decode tok/s |", "|---|---|---|---|---|---|---|---|---|"]
             for r in results[key]:
                 out.append(f"| {r['context']} | {r['method']} | {r['budget']:g} | {r['prefill_s']:.2f} | "
-                           f"{r['prefill_vs_full']:.2f} | {r['score_fraction']:.1%} | {r['kv_bytes'] / 2**20:.1f} MiB "
-                           f"({r['kv_vs_full']:.0%}) | {r['peak_kv_bytes'] / 2**20:.1f} MiB ({r['peak_vs_full']:.0%}) | "
+                           f"{r['prefill_vs_full']:.2f} | {r['score_fraction']:.1%} | "
+                           f"{mib(r['kv_bytes'], r['kv_vs_full'])} | {mib(r['peak_kv_bytes'], r['peak_vs_full'])} | "
                            f"{r['decode_tok_s'] or 0:.1f} |")
     out += ["", results.get("gpu_note", "")]
     return "\n".join(out) + "\n"
@@ -710,7 +700,7 @@ def plot(results, path):
     for c in dict.fromkeys(label(r) for r in rows):
         rs = sorted((r for r in rows if label(r) == c), key=lambda r: r["budget"])
         y = [r["relative"] if r["relative"] is not None else float("nan") for r in rs]
-        err = [[v - r["ci"][0] if r["ci"] else 0 for v, r in zip(y, rs)], [r["ci"][1] - v if r["ci"] else 0 for v, r in zip(y, rs)]]
+        err = [[abs(v - r["ci"][i]) if r["ci"] else 0 for v, r in zip(y, rs)] for i in (0, 1)]
         ax.errorbar([r["budget"] for r in rs], y, yerr=err, marker="o", capsize=2, label=c)
     ax.set(xlabel="KV budget (fraction of context kept)", ylabel="relative performance (1 = full cache)")
     ax.axhline(1.0, color="grey", lw=0.5)
@@ -721,16 +711,10 @@ def plot(results, path):
     os.replace(tmp, path)
 
 
-# =================================================================================================
-# 8. Command line
-# =================================================================================================
+# ---- 8. Command line --------------------------------------------------------------------------------
 
-def floats(s):
-    return [float(x) for x in s.split(",") if x]
-
-
-def ints(s):
-    return [int(x) for x in s.split(",") if x and int(x) > 0]
+floats = lambda s: [float(x) for x in s.split(",") if x]
+ints = lambda s: [int(x) for x in s.split(",") if x and int(x) > 0]
 
 
 def parse_args(argv=None):
@@ -739,7 +723,8 @@ def parse_args(argv=None):
                    "tokens, 2 questions each, budgets 0.5 and 0.2, every method at its own level; speed at 512 tokens")
     p.add_argument("--model", default=generate.DEFAULT_MODEL, help="model folder, repo id or alias")
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
-    p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS), help="comma list of " + ",".join(METHODS))
+    p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
+                   help="comma list of " + ",".join(METHODS))
     p.add_argument("--budgets", type=floats, default=list(BUDGETS), help="fractions of the context kept")
     p.add_argument("--extra-levels", type=lambda s: [x for x in s.split(",") if x], default=["calibrated"],
                    help="eviction levels run beside the paper's for fastkvzip and kvzip (cache.LEVELS; '' = none)")
@@ -764,7 +749,8 @@ def parse_args(argv=None):
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
     p.add_argument("--seed", type=int, default=0, help="seed for contexts, needles, random scores, bootstrap")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default). 1: on the "
+                   "2-core dev VM, 2 threads made the whole run 5x slower (small decode ops, other load)")
     p.add_argument("--out", help="output folder (default results/<timestamp>/)")
     p.add_argument("--plot", action="store_true", help="also draw relative.png (needs matplotlib)")
     args = p.parse_args(argv)
@@ -799,7 +785,7 @@ def main(argv=None):
     write_atomic(out / "config.json", json.dumps(config, indent=1))
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[], complete=False)
 
-    def save(rows=None):
+    def save():
         results["seconds"] = time.perf_counter() - t_start
         write_atomic(out / "results.json", json.dumps(results, indent=1))
         write_atomic(out / "results.md", markdown(results))
@@ -830,7 +816,8 @@ def main(argv=None):
         plot(results, out / "relative.png")
     avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"] if r["task"] == "average"}
     head = ", ".join(f"{c}@{b:g} {v:.2f}" for (c, b), v in avg.items() if v is not None and b == min(args.budgets))
-    log(f"done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md; relative at the lowest budget: {head}")
+    log(f"done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md; "
+        f"relative at the lowest budget: {head}")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench  # noqa: E402
+from helpers import assert_close  # noqa: E402
 import gate as G  # noqa: E402
 import generate  # noqa: E402
 
@@ -116,23 +118,28 @@ def real(tmp_path_factory):
     return dict(model=model, tok=tok, fmt=fmt, gate=str(gate_path), docs=bench.load_docs(tok)[:4])
 
 
-def same_cache(a, b):
+def same_cache(a, b, exact=True):
+    """Same kept positions in every layer and head; keys and values equal bit for bit (exact) or to 1e-4."""
     assert a.n_seen == b.n_seen
     for i, (x, y) in enumerate(zip(a.layers, b.layers)):
         assert torch.equal(x.lens, y.lens), f"layer {i}: kept lengths differ"
         for h in range(x.n_heads):
             assert torch.equal(x.head_pos(h), y.head_pos(h)), f"layer {i} head {h}: kept positions differ"
-        kx, vx, *_ = x.keys_values()
-        ky, vy, *_ = y.keys_values()
+    for i, (x, y) in enumerate(zip(a.layers, b.layers)):
         rows = lambda kv: torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(kv.starts, kv.lens)])
-        assert torch.equal(kx[rows(x)], ky[rows(y)]) and torch.equal(vx[rows(x)], vy[rows(y)]), f"layer {i}: k/v differ"
+        for j, name in ((0, "keys"), (1, "values")):
+            u, w = x.keys_values()[j][rows(x)], y.keys_values()[j][rows(y)]
+            if exact:
+                assert torch.equal(u, w), f"layer {i}: {name} differ, max |diff| {(u - w).abs().max():.3e}"
+            else:
+                assert_close(u, w, atol=1e-4, name=f"layer {i} {name}")
 
 
 @pytest.mark.parametrize("method,level,budget", [("fastkvzip", "global", 0.3), ("fastkvzip", "calibrated", 0.2),
                                                  ("snapkv", "head", 0.5), ("kvzip", "global", 0.3)])
 def test_fast_path_equals_generate_prefill(real, method, level, budget):
     """The replayed cache keeps exactly the positions, keys and values that generate.prefill keeps on a real
-    evicting cache (KVzip: bench's non-chunked real path), and gives bit-identical logits afterwards."""
+    evicting cache (KVzip: generate.prefill_kvzip), and gives bit-identical logits afterwards."""
     model, tok = real["model"], real["tok"]
     args = bench.parse_args(["--gate", real["gate"]])
     maker = bench.SampleMaker(tok, real["fmt"], real["docs"], seed=1, n_passkeys=2, n_kv_questions=1, n_probe=16)
@@ -142,18 +149,23 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget):
         full, logits, tscores = bench.capture_prefill(model, s.ids, args.chunk_size, teacher, s.n_protected)
         fast = bench.method_cache(model, method, level, s.n_protected, args, 7, tscores)
         bench.evicted(fast, full, logits, s.ids, s.n_protected, budget, args.chunk_size, args.window)
+        real_cache = bench.method_cache(model, method, level, s.n_protected, args, 7)
         if method == "kvzip":
-            real_cache, _ = bench.kvzip_cache(model, teacher, s.ids, s.n_protected, budget, args.chunk_size, args.window)
+            generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
         else:
-            real_cache = bench.method_cache(model, method, level, s.n_protected, args, 7)
             generate.prefill(model, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
-        same_cache(fast, real_cache)
+        # generate.prefill_kvzip feeds the last token in a second forward (for its logits): its keys and
+        # values match the one-forward replay to rounding only, so KVzip is held to positions + 1e-4
+        same_cache(fast, real_cache, exact=method != "kvzip")
         kept = fast.kept_fraction_per_layer(s.n_protected, len(s.ids))
         assert abs(np.mean(kept) - budget) < 0.01 and min(kept) < 1.0
         q = s.questions[0].prompt
         fast.start_decoding(), real_cache.start_decoding()  # as generate.answer does
         a, b = model(torch.tensor(q), fast), model(torch.tensor(q), real_cache)
-        assert torch.equal(a, b), f"logits differ: max |diff| {(a - b).abs().max():.3e}"
+        if method == "kvzip":
+            assert_close(a, b, atol=1e-3, name="logits")
+        else:
+            assert torch.equal(a, b), f"logits differ: max |diff| {(a - b).abs().max():.3e}"
 
 
 def test_needles_and_probes_are_where_they_claim(real):
@@ -195,3 +207,20 @@ def test_quick_smoke(real, tmp_path):
         for k in ("prefill_s", "kv_bytes", "peak_kv_bytes", "decode_tok_s", "score_fraction"):
             assert math.isfinite(r[k]) and r[k] >= 0, (k, r)
     assert {r["method"] for r in res["speed"]} == {"full", "fastkvzip", "kvzip"}
+
+
+def test_gpu_section_code_path_on_cpu(tmp_path):
+    """The GPU section (random weights in Qwen3-8B's shape) on a tiny Qwen3 shape, on the CPU: it runs,
+    and memory is accounted as on the real model (evicting keeps less than full)."""
+    from helpers import QWEN3_TINY
+    fetch = pytest.importorskip("fetch_assets")
+    fetch.require_for_test("tokenizers", "qwen3")
+    args = bench.parse_args(["--gpu-lengths", "96", "--speed-decode", "3"])
+    args.out_dir = str(tmp_path)
+    shape = dict(QWEN3_TINY, model_type="qwen3", vocab_size=151936, max_position_embeddings=4096)
+    rows = bench.gpu_section(args, shape=shape, device="cpu")
+    assert [r["method"] for r in rows] == ["full", "fastkvzip", "kvzip"]
+    full, fast, kvzip = rows
+    assert fast["kv_bytes"] < full["kv_bytes"] and kvzip["kv_bytes"] < full["kv_bytes"]
+    assert kvzip["peak_kv_bytes"] > full["peak_kv_bytes"]  # the teacher's repeat pass sits on a full cache
+    assert all(math.isfinite(r["prefill_s"]) and r["decode_tok_s"] > 0 for r in rows)
