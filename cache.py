@@ -198,11 +198,13 @@ class EvictingCache(KVCache):
             keep = torch.stack([top_k_mask(x, int(ratio * H * s)) for x in scores])
         else:
             keep = torch.stack([torch.stack([top_k_mask(y, int(ratio * s)) for y in x]) for x in scores])
-        for li, layer in enumerate(self.compressed):
-            kv = self.layers[layer]
-            others = sum(int(((kv.head_pos(h) >= self.n_protected) & ~m).sum()) for h, m in enumerate(in_seg[li]))
-            if others == 0 and not keep[li].any() and keep.any():
-                keep = _move_one(scores, keep, li)
+        # context pairs each layer holds outside this segment (older kept ones, and the window)
+        others = torch.tensor([sum(int(((kv.head_pos(h) >= self.n_protected) & ~m).sum()) for h, m in enumerate(rows))
+                               for kv, rows in zip((self.layers[i] for i in self.compressed), in_seg)],
+                              device=scores.device)
+        for li in range(L):
+            if others[li] == 0 and not keep[li].any():
+                keep = _move_one(scores, keep, li, others)
         for li, layer in enumerate(self.compressed):
             masks = []
             for h, m in enumerate(in_seg[li]):
@@ -286,11 +288,16 @@ class EvictingCache(KVCache):
                               for h in range(kv.n_heads)] for kv in (self.layers[i] for i in self.compressed)])
 
 
-def _move_one(scores, keep, li):
+def _move_one(scores, keep, li, others):
     """Never let a whole layer lose every context token without being asked: give layer li its best
-    pair of the segment in place of the weakest pair kept elsewhere (the total stays the same)."""
+    pair of the segment in place of the weakest pair kept in a layer that holds at least two (the
+    total stays the same; with fewer kept pairs than layers some layer must stay empty)."""
+    held = keep.flatten(1).sum(1) + others  # (L,) context pairs each layer would hold
+    donor = keep & (held >= 2)[:, None, None]
+    if not donor.any():
+        return keep
     keep = keep.clone()
-    weakest = torch.where(keep, scores, torch.full_like(scores, math.inf)).flatten().argmin()
+    weakest = torch.where(donor, scores, torch.full_like(scores, math.inf)).flatten().argmin()
     keep.view(-1)[weakest] = False
     keep[li].view(-1)[scores[li].flatten().argmax()] = True
     return keep

@@ -290,9 +290,9 @@ def parse_args(argv=None):
                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU, whose bf16 is ~60x slower)")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, answers, stats)")
     p.add_argument("--method", choices=METHODS, default="fastkvzip", help="what scores the KV pairs")
-    p.add_argument("--budget", type=float, default=None,
+    p.add_argument("--budget", type=float, default=0.3,
                    help="fraction r of the context's KV pairs kept in the compressed layers, window included "
-                        "(default 1.0: no eviction)")
+                        "(default 0.3; 1.0 = no eviction)")
     p.add_argument("--gate", help="gate file (default: the bundled gate, or the authors' released gate)")
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (the authors use 16000)")
     p.add_argument("--window", type=int, default=4096,

@@ -189,3 +189,27 @@ def test_decode_budget_and_sliding_window_bounds(tiny):
         for (layer, h), sink in zip(heads, sinks):  # what the first 4 positions kept, and the decode window, survive
             held = set(cache.layers[layer].head_pos(h).tolist())
             assert sink <= held and set(range(cache.n_seen - 6, cache.n_seen)) <= held
+
+
+class LayerBiasedScorer:
+    """Layer 0 scores everything higher than any later layer: a global threshold would starve them."""
+    level = "global"
+
+    def score(self, l, hidden, q, k, pos):
+        return torch.rand(k.shape[1], len(pos)) + 10.0 * (l == 0)
+
+
+def test_no_layer_loses_every_context_token(tiny):
+    cfg = tiny.config
+    if len(cfg.compressed_layers) < 2:
+        pytest.skip("needs two compressed layers")
+    torch.manual_seed(5)
+    ids = torch.randint(0, cfg.vocab_size, (30,)).tolist()
+    cache = EvictingCache(cfg, LayerBiasedScorer(), n_protected=1)
+    with torch.no_grad():  # 29 context tokens: no 2% window, so layer 1 would keep nothing
+        prefill(tiny, cache, ids, 1, 0.2, chunk_size=64, window=0)
+    kept = cache.kept_fraction_per_layer(1, len(ids))
+    L, H = len(cache.compressed), cfg.num_key_value_heads
+    assert all(k > 0 for k in kept), kept
+    total = round(sum(kept) * 29 * H)
+    assert total == int(0.2 * 29 * L * H), "the floor moves a pair, it does not add one"
