@@ -43,6 +43,7 @@ import torch
 # -----------------------------------------------------------------------------------------------
 # The reference: the readable spec of the varlen contract above.
 
+APPEND_EXACT = 64   # appends of at least this many tokens per head (prefill chunks) get no slack
 QUERY_BLOCK = 1024  # query rows per step of the reference: memory (Hq, 1024, N) instead of (Hq, M, N)
 
 
@@ -355,8 +356,11 @@ class RaggedKV:
         assert H == self.n_heads and d == self.head_dim, f"expected (t, {self.n_heads}, {self.head_dim})"
         need = self.lens + t
         if bool((need > self.caps).any()):
-            # grow by 1.5x (+16 rows): amortised O(1) copies per row, at most ~50% slack in nbytes
-            caps = torch.maximum(self.caps, need + torch.clamp(need // 2, min=16))
+            # token-by-token appends (decoding) grow by 1.5x (+16 rows): amortised O(1) copies per row.
+            # A prefill chunk is allocated exactly: it comes once per chunk, and slack there would be
+            # counted as KV held after prefill (up to 50% more than the kept rows).
+            slack = torch.clamp(need // 2, min=16) if t < APPEND_EXACT else torch.zeros_like(need)
+            caps = torch.maximum(self.caps, need + slack)
             self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
         # write only the t new rows of each head, into its slack
         rows = ((self.starts + self.lens)[:, None] + torch.arange(t)).reshape(-1).to(self.device)

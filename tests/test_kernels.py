@@ -173,9 +173,11 @@ def test_ragged_window_attend():
 def test_ragged_append_into_slack_does_not_reallocate():
     H, d = 4, 8
     kv = RaggedKV(H, d, torch.float32, "cpu")
-    kv.append(torch.randn(100, H, d), torch.randn(100, H, d), torch.arange(100))
+    kv.append(torch.randn(99, H, d), torch.randn(99, H, d), torch.arange(99))
+    assert kv.k.shape[0] == H * 99, "a prefill-sized append is allocated exactly"
+    kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([99]))
     ptr, cap = kv.k.data_ptr(), kv.k.shape[0]
-    assert cap > H * 100, "append must leave slack"
+    assert cap > H * 100, "a token-by-token append must leave slack"
     n = 0
     while H * (100 + n + 1) <= cap and (kv.caps - kv.lens).min() > 0:  # every head still has room
         kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([100 + n]))
