@@ -12,15 +12,17 @@ the same compressed cache, rolled back after each answer. Tasks:
     agreement   fraction of greedy answers identical, token for token, to the full cache's
 relative = score / full-cache score; for NLL, exp(NLL_full - NLL) = ppl_full / ppl, so 1.0 means
 lossless and higher is better everywhere. Task "average" = the mean relative over passkey, kv,
-nll_next and nll_repeat, as the paper's Figure 10 averages datasets. Intervals: 95% percentile
-bootstrap over contexts (questions of one context are not independent).
+nll_next and nll_repeat (those the full cache scores above 0), as the paper's Figure 10 averages
+datasets. Intervals (95%): `ci` of relative scores is a percentile bootstrap over contexts (questions of
+one context are not independent); `score_ci` is Wilson's for accuracies, the bootstrap for NLLs.
 
 Why it fits a CPU: a context shorter than one prefill chunk is prefilled in one forward and evicted
 once (generate.prefill). So each context is prefilled ONCE into a full cache that also captures every
 compressed layer's attention input, q and k; each method scores those (KVzip from one teacher pass on
 the same cache), and each (method, level, budget) cache is made by `Replay`ing that forward through
-generate.prefill: the same plan and the same evict call, a bit-identical cache (tests/test_bench.py).
-Speed and memory go through the real path instead (generate.prefill and answer on fresh caches).
+generate.prefill: the same plan, the same evict call, a bit-identical cache (tests/test_bench.py; for
+KVzip the same kept positions as generate.prefill_kvzip, whose separate last-token forward changes
+keys and values by rounding only). Speed and memory go through the real path instead.
 
 CPU examples:
     python bench.py --quick                    # smoke run: about 2 minutes, all methods, 2 budgets
@@ -40,7 +42,6 @@ import random
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +99,7 @@ class SampleMaker:
     the document goes on: the document's next tokens are the nll_next target."""
 
     def __init__(self, tok, fmt, docs, seed, n_passkeys=3, n_pairs=8, n_kv_questions=3, n_probe=64,
-                 n_continue=16, n_cue=16):
+                 n_continue=12, n_cue=16):
         self.tok, self.fmt, self.docs = tok, fmt, docs  # docs: list of (name, ids)
         self.rng = random.Random(seed)
         self.n_passkeys, self.n_pairs, self.n_kv_questions = n_passkeys, n_pairs, n_kv_questions
@@ -131,7 +132,7 @@ class SampleMaker:
             key = "".join(rng.choice("0123456789") for _ in range(5))
             needles.append([depth, enc(f" {who}'s pass key is {key}. Remember it: {who}'s pass key is {key}.")])
             q = self.question(f"What is {who}'s pass key?", f"{who}'s pass key is")
-            questions.append(Question("passkey", q, key, 7, depth))  # "▁", 5 digits, "."
+            questions.append(Question("passkey", q, key, 6, depth))  # "▁" and 5 digits
         pairs = [("".join(rng.choice("0123456789abcdef") for _ in range(8)),
                   "".join(rng.choice("0123456789abcdef") for _ in range(8))) for _ in range(self.n_pairs)]
         block = "\n\nJSON data:\n{" + ", ".join(f'"{k}": "{v}"' for k, v in pairs) + "}\n\n"
@@ -140,7 +141,7 @@ class SampleMaker:
         for k, v in rng.sample(pairs, self.n_kv_questions):
             # the answer starts as the JSON does, so the model can copy (an English cue: 0 of 9 right at full cache)
             q = self.question(f'In the JSON data above, what is the value of the key "{k}"?', f'"{k}": "')
-            questions.append(Question("kv", q, v, 10, depth))  # up to 8 hex tokens, '"' 
+            questions.append(Question("kv", q, v, 9, depth))  # up to 8 hex tokens and '"'
         # -- the hay: a window of the next document that leaves room for needles and the continuation --
         n_hay = n - sum(len(x[1]) for x in needles)
         long_enough = [d for d in self.docs if len(d[1]) >= n_hay + self.n_probe]
@@ -256,15 +257,9 @@ def capture_prefill(model, ids, chunk_size, teacher=None, n_protected=0):
     return full, logits, scores
 
 
-def evicted(cache, full, logits, ids, n_protected, budget, chunk_size, window):
-    """Fill an empty evicting cache as generate.prefill would for this budget — from the replay."""
-    generate.prefill(Replay(full, logits), cache, ids, n_protected, budget, chunk_size, window)
-    return cache
-
-
 def model_info(model):
     p = next(model.parameters())
-    return getattr(model, "config", None) or model.cfg, p.dtype, p.device
+    return model.config, p.dtype, p.device
 
 
 # ---- 3. Answering from one cache: greedy answers and teacher-forced NLL, each rolled back -----------
@@ -356,14 +351,14 @@ def summarize(tallies, extras, n_boot, seed):
     for (config, budget), tasks in tallies.items():
         method, _, level = config.partition("/")
         level = level or ("full" if method == "full" else DEFAULT_LEVEL[method])
-        rel_boot = []
+        rel_point, rel_boot = [], []
         for task in TASKS:
             t = tasks[task]
             score, boot = t.value(), t.value(idx)
             f, f_boot = (1.0, 1.0) if task == "agreement" else (full[task].value(), full[task].value(idx))
             rel, rb = relative(task, score, f), relative(task, boot, f_boot)
-            if task in AVERAGED:
-                rel_boot.append(rb)
+            if task in AVERAGED and np.isfinite(rel):  # tasks the full cache scores 0 on have no relative
+                rel_point.append(rel), rel_boot.append(rb)
             row = dict(task=task, method=method, level=level, budget=budget, score=finite_or_none(score),
                        relative=finite_or_none(rel), n=int(sum(t.den)), n_contexts=n_ctx,
                        score_ci=ci(boot) if task.startswith("nll") else list(wilson(sum(t.num), sum(t.den))),
@@ -371,11 +366,8 @@ def summarize(tallies, extras, n_boot, seed):
             if task.startswith("nll"):
                 row["increase"] = finite_or_none(score - f)
             rows.append({**row, **extras[(config, budget)]})
-        # tasks the full cache scores 0 on have no relative score: left out of the mean
-        with np.errstate(invalid="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            avg = np.nanmean([relative(task, tasks[task].value(), full[task].value()) for task in AVERAGED])
-            avg_boot = np.nanmean(np.stack(rel_boot), axis=0)
+        avg = np.mean(rel_point) if rel_point else float("nan")
+        avg_boot = np.mean(rel_boot, axis=0) if rel_boot else np.full(n_boot, np.nan)  # NaN resamples: dropped
         rows.append(dict(task="average", method=method, level=level, budget=budget, score=finite_or_none(avg),
                          relative=finite_or_none(avg), n=n_ctx, n_contexts=n_ctx, score_ci=ci(avg_boot),
                          ci=ci(avg_boot), **extras[(config, budget)]))
@@ -384,7 +376,8 @@ def summarize(tallies, extras, n_boot, seed):
 
 # ---- 5. The quality run -----------------------------------------------------------------------------
 
-def quality(model, tok, fmt, args):
+def quality(model, tok, fmt, args, on_context=None):
+    """Every configuration on every context; on_context(tallies, extras) after each (partial results)."""
     cfg, _, _ = model_info(model)
     methods = [m for m in args.methods if m != "full"]
     configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
@@ -404,13 +397,16 @@ def quality(model, tok, fmt, args):
         with torch.no_grad():
             full, logits, tscores = capture_prefill(model, sample.ids, args.chunk_size, teacher, sample.n_protected)
             t_prefill = time.perf_counter() - t0
+            log(f"quality {c + 1}/{len(lengths)}: {n} tokens prefilled and scored by the teacher in {t_prefill:.0f} s; "
+                f"answering from {1 + len(configs) * len(args.budgets)} caches")
             ref = evaluate(model, tok, full, sample, stop_ids)
-            record(tallies, extras, ("full", 1.0), sample, ref, ref, None, full.nbytes)
+            record(tallies, extras, ("full", 1.0), sample, ref, ref, [1.0] * len(cfg.compressed_layers), full.nbytes)
             for method, level in configs:
                 config = method if level == DEFAULT_LEVEL[method] else f"{method}/{level}"
                 for budget in args.budgets:
                     cache = method_cache(model, method, level, sample.n_protected, args, args.seed + c, tscores)
-                    evicted(cache, full, logits, sample.ids, sample.n_protected, budget, args.chunk_size, args.window)
+                    generate.prefill(Replay(full, logits), cache, sample.ids, sample.n_protected, budget,
+                                     args.chunk_size, args.window)  # evicts exactly as on the real path
                     kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
                     # nothing evicted -> the cache is the full cache, row for row: reuse its answers
                     res = ref if min(kept) == 1.0 else evaluate(model, tok, cache, sample, stop_ids)
@@ -421,10 +417,10 @@ def quality(model, tok, fmt, args):
             for q, o in zip(sample.questions, ref["outputs"])]))
         done = time.perf_counter() - t_start
         eta = done / (c + 1) * (len(lengths) - c - 1) / 60
-        log(f"quality {c + 1}/{len(lengths)}: {n} tokens ({sample.doc}), prefill+teacher {t_prefill:.0f} s, "
-            f"all methods {time.perf_counter() - t0 - t_prefill:.0f} s; eta {eta:.0f} min")
-        if args.partial:
-            args.partial(tallies, extras)
+        log(f"quality {c + 1}/{len(lengths)}: done ({sample.doc}); answering took "
+            f"{time.perf_counter() - t0 - t_prefill:.0f} s; eta {eta:.0f} min")
+        if on_context:
+            on_context(tallies, extras)
     return tallies, extras, answers
 
 
@@ -449,10 +445,8 @@ def finish_extras(extras):
     out = {}
     full_bytes = np.mean(extras[("full", 1.0)]["_bytes"])
     for key, e in extras.items():
-        kept = [k for k in e["_kept"] if k is not None]
-        per_layer = [float(x) for x in np.mean(kept, axis=0)] if kept else None
-        out[key] = dict(kept_fraction=float(np.mean(per_layer)) if per_layer else 1.0,
-                        kept_fraction_per_layer=per_layer,
+        per_layer = [float(x) for x in np.mean(e["_kept"], axis=0)]
+        out[key] = dict(kept_fraction=float(np.mean(per_layer)), kept_fraction_per_layer=per_layer,
                         kv_bytes=float(np.mean(e["_bytes"])), kv_fraction=float(np.mean(e["_bytes"]) / full_bytes),
                         decode_tok_s=e["_dec"][0] / e["_dec"][1] if e["_dec"][1] > 0 else None)
     return out
@@ -466,10 +460,9 @@ def sync(device):
 
 
 @torch.no_grad()
-def timed_run(model, method, ids, n_protected, teacher, args):
+def timed_run(model, method, budget, ids, n_protected, teacher, args):
     """Prefill ids with one method as generate.py does, then decode; -> one speed row."""
     cfg, dtype, device = model_info(model)
-    budget = 1.0 if method == "full" else args.speed_budget
     # the cache is made (and the gate loaded) before the clock starts
     cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
         model, method, DEFAULT_LEVEL[method], n_protected, args, args.seed)
@@ -513,12 +506,13 @@ def speed(model, teacher, lengths, ids_for, args, tag="cpu"):
     rows = []
     for n in lengths:
         ids, n_protected = ids_for(n)
-        for method in ("full", "fastkvzip", "kvzip"):
-            if method == "kvzip" and teacher is None:
-                continue
-            row = timed_run(model, method, ids, n_protected, teacher, args)
+        runs = [("full", 1.0), ("fastkvzip", args.speed_budget)] + [("kvzip", args.speed_budget)] * bool(teacher)
+        if n == lengths[0]:  # decode speed at every budget, on the shortest context (one prefill each)
+            runs += [("fastkvzip", b) for b in args.budgets if b not in (1.0, args.speed_budget)]
+        for method, budget in runs:
+            row = timed_run(model, method, budget, ids, n_protected, teacher, args)
             rows.append(row)
-            log(f"speed[{tag}] {n} tokens {method}: prefill {row['prefill_s']:.1f} s, KV {row['kv_bytes'] / 2**20:.1f} "
+            log(f"speed[{tag}] {n} tokens {method} at {budget:g}: prefill {row['prefill_s']:.1f} s, KV {row['kv_bytes'] / 2**20:.1f} "
                 f"MiB (peak {row['peak_kv_bytes'] / 2**20:.1f}), decode {row['decode_tok_s'] or 0:.1f} tok/s")
     for r in rows:  # ratios against the full cache at the same length
         f = next(x for x in rows if x["context"] == r["context"] and x["method"] == "full")
@@ -550,8 +544,9 @@ def random_model(shape, device, dtype, seed=0):
     return model.eval().requires_grad_(False)
 
 
-def gpu_section(args, shape=QWEN3_8B, device="cuda"):
-    """Speed and memory of full / fastkvzip / kvzip on a random-weight model of `shape`."""
+def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
+    """Speed and memory of full / fastkvzip / kvzip on a random-weight model of `shape`, with the paper's own
+    prefill chunk and window (METHOD.md §6)."""
     import model as M
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -574,7 +569,7 @@ def gpu_section(args, shape=QWEN3_8B, device="cuda"):
 
     def ids_for(n):
         return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist(), 0
-    gargs.speed_chunk, gargs.speed_window = 16000, 4096  # the paper's own settings at this scale (§6)
+    gargs.speed_chunk, gargs.speed_window = chunk, window
     return speed(model, teacher, args.gpu_lengths, ids_for, gargs, tag=device.type)
 
 
@@ -598,8 +593,7 @@ def run_config(args, folder, gates):
     import tokenizers
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     files = sorted(p for p in Path(folder).iterdir() if p.suffix in (".json", ".safetensors"))
-    flags = {k: v for k, v in vars(args).items() if k != "partial"}
-    return dict(flags=flags, command=" ".join(sys.argv),
+    return dict(flags=vars(args), command=" ".join(sys.argv),
                 started=time.strftime("%Y-%m-%dT%H:%M:%S"), git_commit=git("rev-parse", "HEAD"),
                 git_dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
                 versions=dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
@@ -647,7 +641,7 @@ def markdown(results):
         out += ["", "## Kept fraction per compressed layer", "",
                 "Layers " + ", ".join(str(x) for x in results.get("compressed_layers", [])) +
                 ", mean over contexts (the trailing 2% window included).", ""]
-        out += grid("average", lambda r: "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"] or []))
+        out += grid("average", lambda r: "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"]))
         titles = dict(passkey="Pass-key accuracy", kv="Key-value retrieval accuracy (SCBench.KV style)",
                       nll_next="NLL of the document's next tokens (nats/token; relative = ppl_full/ppl)",
                       nll_repeat="NLL of a repeated passage (nats/token; relative = ppl_full/ppl)",
@@ -662,7 +656,7 @@ def markdown(results):
                 for b in budgets:
                     r = get(task, c, b)
                     if r:
-                        kept = "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"] or [])
+                        kept = "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"])
                         out.append(f"| {c} | {b:g} | {fmt_ci(r['score'], r['score_ci'])} | "
                                    f"{fmt_ci(r['relative'], r['ci'])} | {kept} | {r['kv_fraction']:.0%} |")
         out += ["", "## Decode speed per budget (greedy answers of the quality run, tokens/s)", ""]
@@ -729,12 +723,12 @@ def parse_args(argv=None):
     p.add_argument("--extra-levels", type=lambda s: [x for x in s.split(",") if x], default=["calibrated"],
                    help="eviction levels run beside the paper's for fastkvzip and kvzip (cache.LEVELS; '' = none)")
     p.add_argument("--lengths", type=ints, default=[2048, 4096, 8192], help="context lengths in tokens (quality)")
-    p.add_argument("--contexts", type=int, default=8, help="contexts per length (each from another Austen part)")
+    p.add_argument("--contexts", type=int, default=6, help="contexts per length (each from another Austen part)")
     p.add_argument("--passkeys", type=int, default=3, help="pass keys hidden per context, at stratified depths")
     p.add_argument("--kv-pairs", type=int, default=8, help="key-value pairs in each context's JSON block")
     p.add_argument("--kv-questions", type=int, default=3, help="of those, how many are asked")
     p.add_argument("--probe-tokens", type=int, default=64, help="tokens scored by each NLL probe")
-    p.add_argument("--continue-tokens", type=int, default=16, help="greedy tokens of free continuation "
+    p.add_argument("--continue-tokens", type=int, default=12, help="greedy tokens of free continuation "
                    "(agreement only)")
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (quality contexts must fit in one)")
     p.add_argument("--window", type=int, default=4096, help="recent tokens always kept (short contexts: 2%%)")
@@ -773,14 +767,14 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
-    args.out_dir = str(out)
     folder = M.resolve_model(args.model)
     model = M.load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower here)
     cfg, tok = model_info(model)[0], M.load_tokenizer(folder)
     fmt = M.prompt_format(cfg, args.model, chat=args.model != generate.DEFAULT_MODEL)  # the default is a base model
-    gates = G.resolve_gate(args.gate, cfg, args.model)
+    gates = G.resolve_gate(args.gate, cfg, args.model)  # fails early, before any output is written
+    out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    args.out_dir = str(out)
     config = run_config(args, folder, gates)
     write_atomic(out / "config.json", json.dumps(config, indent=1))
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[], complete=False)
@@ -794,11 +788,9 @@ def main(argv=None):
         results["rows"] = summarize(tallies, finish_extras(extras), args.bootstrap, args.seed)
         results["n_contexts"] = len(tallies[("full", 1.0)]["nll_next"].num)
         save()
-    args.partial = partial
     log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}")
     if not args.no_quality:
-        tallies, extras, answers = quality(model, tok, fmt, args)
-        partial(tallies, extras)
+        tallies, extras, answers = quality(model, tok, fmt, args, on_context=partial)
         results["answers"] = answers
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
     system = tok.encode(fmt.system, add_special_tokens=False).ids
@@ -821,4 +813,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import model as M
+    try:
+        main()
+    except (M.ModelError, G.GateError) as e:  # bad --model / --gate: one line, exit 2 (as generate.py)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -86,6 +86,18 @@ def test_summarize_rows_and_figure10_average():
         assert {"task", "method", "budget", "score", "relative", "n", "level", "kept_fraction_per_layer", "ci"} <= r.keys()
 
 
+def test_average_leaves_out_tasks_the_full_cache_fails():
+    tallies, extras = fake_run()
+    for key in tallies:  # nobody answers a single kv question
+        tallies[key]["kv"] = bench.Tally()
+        for _ in range(6):
+            tallies[key]["kv"].add(0, 10)
+    rows = bench.summarize(tallies, extras, n_boot=100, seed=0)
+    avg = next(r for r in rows if r["task"] == "average" and r["method"] == "streaming")
+    assert avg["relative"] == pytest.approx((0.5 + 2 * math.exp(-0.1)) / 3) and avg["ci"] is not None
+    assert next(r for r in rows if r["task"] == "kv" and r["method"] == "streaming")["relative"] is None
+
+
 def test_markdown_renders_every_task():
     tallies, extras = fake_run()
     rows = bench.summarize(tallies, extras, n_boot=50, seed=0)
@@ -148,7 +160,7 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget):
     with torch.no_grad():
         full, logits, tscores = bench.capture_prefill(model, s.ids, args.chunk_size, teacher, s.n_protected)
         fast = bench.method_cache(model, method, level, s.n_protected, args, 7, tscores)
-        bench.evicted(fast, full, logits, s.ids, s.n_protected, budget, args.chunk_size, args.window)
+        generate.prefill(bench.Replay(full, logits), fast, s.ids, s.n_protected, budget, args.chunk_size, args.window)
         real_cache = bench.method_cache(model, method, level, s.n_protected, args, 7)
         if method == "kvzip":
             generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
@@ -201,12 +213,12 @@ def test_quick_smoke(real, tmp_path):
         full = next(x for x in res["rows"] if x["task"] == r["task"] and x["method"] == "full")
         if r["task"] != "average" and full["score"] and full["score"] > 0:
             assert r["relative"] is not None, r  # defined whenever the full cache scores above 0
-        if r["method"] != "full":
-            assert all(0 < k <= 1 for k in r["kept_fraction_per_layer"]), r
+        assert all(0 < k <= 1 for k in r["kept_fraction_per_layer"]), r
     for r in res["speed"]:
         for k in ("prefill_s", "kv_bytes", "peak_kv_bytes", "decode_tok_s", "score_fraction"):
             assert math.isfinite(r[k]) and r[k] >= 0, (k, r)
-    assert {r["method"] for r in res["speed"]} == {"full", "fastkvzip", "kvzip"}
+    assert {(r["method"], r["budget"]) for r in res["speed"]} == {("full", 1.0), ("fastkvzip", 0.3), ("kvzip", 0.3),
+                                                                 ("fastkvzip", 0.5), ("fastkvzip", 0.2)}
 
 
 def test_gpu_section_code_path_on_cpu(tmp_path):
@@ -218,9 +230,12 @@ def test_gpu_section_code_path_on_cpu(tmp_path):
     args = bench.parse_args(["--gpu-lengths", "96", "--speed-decode", "3"])
     args.out_dir = str(tmp_path)
     shape = dict(QWEN3_TINY, model_type="qwen3", vocab_size=151936, max_position_embeddings=4096)
-    rows = bench.gpu_section(args, shape=shape, device="cpu")
-    assert [r["method"] for r in rows] == ["full", "fastkvzip", "kvzip"]
-    full, fast, kvzip = rows
+    rows = bench.gpu_section(args, shape=shape, device="cpu", chunk=32, window=16)  # 3 chunks: evicts twice
+    assert [(r["method"], r["budget"]) for r in rows] == [("full", 1.0), ("fastkvzip", 0.3), ("kvzip", 0.3)] + [
+        ("fastkvzip", b) for b in (0.75, 0.5, 0.4, 0.2, 0.1)]  # every budget's decode speed on the first length
+    full, fast, kvzip = rows[:3]
+    assert rows[-1]["kv_bytes"] < fast["kv_bytes"] < rows[3]["kv_bytes"]  # 0.1 < 0.3 < 0.75
     assert fast["kv_bytes"] < full["kv_bytes"] and kvzip["kv_bytes"] < full["kv_bytes"]
+    assert fast["peak_kv_bytes"] < full["peak_kv_bytes"]  # chunked prefill never holds the whole context
     assert kvzip["peak_kv_bytes"] > full["peak_kv_bytes"]  # the teacher's repeat pass sits on a full cache
     assert all(math.isfinite(r["prefill_s"]) and r["decode_tok_s"] > 0 for r in rows)
