@@ -153,8 +153,8 @@ class UsageError(Exception):
 
 
 def build_inputs(tok, fmt, args):
-    import model as M
     """(prefill ids, number of protected system-prompt ids, list of (question text, question ids))."""
+    import model as M
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     if args.context_file:
         try:
@@ -174,7 +174,7 @@ def build_inputs(tok, fmt, args):
 
 def run(args):
     import model as M
-    if args.budget is not None and not 0 < args.budget <= 1:
+    if not 0 < args.budget <= 1:
         raise UsageError(f"--budget must be in (0, 1] (the fraction of context KV pairs kept), got {args.budget}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -189,7 +189,7 @@ def run(args):
     if longest > cfg.max_position_embeddings:
         raise UsageError(f"context + question + --max-new-tokens = {longest} tokens exceeds the model's maximum "
                          f"of {cfg.max_position_embeddings}; shorten the context or lower --max-new-tokens")
-    budget = 1.0 if args.budget is None else args.budget
+    budget = args.budget
     # budget 1.0 without decode-time eviction keeps every pair: no scorer (and no gate file) is needed
     method = "full" if budget == 1.0 and args.decode_budget is None else args.method
     cache = make_cache(method, model, cfg, n_protected, args, args.model)
