@@ -237,7 +237,7 @@ def method_cache(model, method, level, n_protected, args, seed, teacher_scores=N
     makes it. KVzip's scores arrive after prefill; for the replay they come precomputed."""
     ns = argparse.Namespace(gate=args.gate, seed=seed, level=level, decode_budget=None)
     cache = generate.make_cache(method, model, model_info(model)[0], n_protected, ns, args.model)
-    if teacher_scores is not None:
+    if method == "kvzip" and teacher_scores is not None:  # only KVzip: every other method keeps its own scorer
         cache.scorer = Precomputed(teacher_scores)
     return cache
 

@@ -180,6 +180,19 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget):
             assert torch.equal(a, b), f"logits differ: max |diff| {(a - b).abs().max():.3e}"
 
 
+def test_each_method_keeps_its_own_scorer(real):
+    """The teacher's scores, computed once per context, go to KVzip only (regression: they once replaced
+    every method's scorer, which made all methods identical)."""
+    args = bench.parse_args(["--gate", real["gate"]])
+    scores = torch.rand(3, 1, 101)
+    want = dict(fastkvzip=G.GateScorer, kvzip=bench.Precomputed, snapkv=G.SnapKVScorer,
+                streaming=G.StreamingScorer, random=G.RandomScorer)
+    for method, cls in want.items():
+        cache = bench.method_cache(real["model"], method, bench.DEFAULT_LEVEL[method], 1, args, 0, scores)
+        assert type(cache.scorer) is cls, (method, type(cache.scorer))
+        assert cache.level == bench.DEFAULT_LEVEL[method]
+
+
 def test_needles_and_probes_are_where_they_claim(real):
     tok = real["tok"]
     maker = bench.SampleMaker(tok, real["fmt"], real["docs"], seed=3, n_passkeys=3, n_kv_questions=2, n_probe=32)
