@@ -24,9 +24,10 @@ generate.prefill: the same plan, the same evict call, a bit-identical cache (tes
 KVzip the same kept positions as generate.prefill_kvzip, whose separate last-token forward changes
 keys and values by rounding only). Speed and memory go through the real path instead.
 
-CPU examples:
-    python bench.py --quick                    # smoke run: about 2 minutes, all methods, 2 budgets
-    python bench.py --gate gates/mine.safetensors --plot      # full run: about 3 h on 2 cores
+CPU examples (1 thread; times on the 2-core dev VM when no other job runs, ~1.3x longer beside one):
+    python bench.py --quick             # smoke run, ~2 min: 2 contexts, budgets 0.5/0.2, every method
+    python bench.py --plot              # full run, ~3.5 h: 18 contexts of 2K/4K/8K x 7 budgets x 7 configs
+                                        #   (~3.2 h) + speed at 2K/8K/16K (~20 min)
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
 Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md, relative.png.
@@ -512,8 +513,9 @@ def speed(model, teacher, lengths, ids_for, args, tag="cpu"):
         for method, budget in runs:
             row = timed_run(model, method, budget, ids, n_protected, teacher, args)
             rows.append(row)
-            log(f"speed[{tag}] {n} tokens {method} at {budget:g}: prefill {row['prefill_s']:.1f} s, KV {row['kv_bytes'] / 2**20:.1f} "
-                f"MiB (peak {row['peak_kv_bytes'] / 2**20:.1f}), decode {row['decode_tok_s'] or 0:.1f} tok/s")
+            log(f"speed[{tag}] {n} tokens {method} at {budget:g}: prefill {row['prefill_s']:.1f} s, "
+                f"KV {row['kv_bytes'] / 2**20:.1f} MiB (peak {row['peak_kv_bytes'] / 2**20:.1f}), "
+                f"decode {row['decode_tok_s'] or 0:.1f} tok/s")
     for r in rows:  # ratios against the full cache at the same length
         f = next(x for x in rows if x["context"] == r["context"] and x["method"] == "full")
         r.update(prefill_vs_full=r["prefill_s"] / f["prefill_s"], kv_vs_full=r["kv_bytes"] / f["kv_bytes"],
@@ -582,11 +584,8 @@ def write_atomic(path, text):
 
 
 def sha256(path):
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def run_config(args, folder, gates):
