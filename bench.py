@@ -377,8 +377,10 @@ def summarize(tallies, extras, n_boot, seed):
 
 # ---- 5. The quality run -----------------------------------------------------------------------------
 
-def quality(model, tok, fmt, args, on_context=None):
-    """Every configuration on every context; on_context(tallies, extras) after each (partial results)."""
+def quality(model, tok, fmt, args, done=(), on_context=None):
+    """Every configuration on every context of this shard (args.shard = (k, n): contexts c with c % n == k)
+    but those in `done` (finished by an earlier run: resume). on_context(record) after each context.
+    -> the new records: one dict per context with everything the summary needs (see context_record)."""
     cfg, _, _ = model_info(model)
     methods = [m for m in args.methods if m != "full"]
     configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
@@ -390,18 +392,22 @@ def quality(model, tok, fmt, args, on_context=None):
     maker = SampleMaker(tok, fmt, docs, args.seed, args.passkeys, args.kv_pairs, args.kv_questions,
                         args.probe_tokens, args.continue_tokens)
     lengths = [n for n in args.lengths for _ in range(args.contexts)]
-    tallies, extras, answers = {}, {}, []
-    t_start = time.perf_counter()
+    k_shard, n_shard = args.shard
+    todo = [c for c in range(len(lengths)) if c % n_shard == k_shard and c not in done]
+    records, t_start = [], time.perf_counter()
     for c, n in enumerate(lengths):
+        sample = maker.make(n)  # made even when skipped: each sample depends on the ones before (one RNG)
+        if c not in todo:
+            continue
         t0 = time.perf_counter()
-        sample = maker.make(n)
+        entries = {}
         with torch.no_grad():
             full, logits, tscores = capture_prefill(model, sample.ids, args.chunk_size, teacher, sample.n_protected)
             t_prefill = time.perf_counter() - t0
-            log(f"quality {c + 1}/{len(lengths)}: {n} tokens prefilled and scored by the teacher in {t_prefill:.0f} s; "
-                f"answering from {1 + len(configs) * len(args.budgets)} caches")
+            log(f"quality context {c + 1}/{len(lengths)}: {n} tokens prefilled and scored by the teacher in "
+                f"{t_prefill:.0f} s; answering from {1 + len(configs) * len(args.budgets)} caches")
             ref = evaluate(model, tok, full, sample, stop_ids)
-            record(tallies, extras, ("full", 1.0), sample, ref, ref, [1.0] * len(cfg.compressed_layers), full.nbytes)
+            entries[entry_key("full", 1.0)] = entry(sample, ref, ref, [1.0] * len(cfg.compressed_layers), full.nbytes)
             for method, level in configs:
                 config = method if level == DEFAULT_LEVEL[method] else f"{method}/{level}"
                 for budget in args.budgets:
@@ -411,46 +417,89 @@ def quality(model, tok, fmt, args, on_context=None):
                     kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
                     # nothing evicted -> the cache is the full cache, row for row: reuse its answers
                     res = ref if min(kept) == 1.0 else evaluate(model, tok, cache, sample, stop_ids)
-                    record(tallies, extras, (config, budget), sample, res, ref, kept, cache.nbytes)
+                    entries[entry_key(config, budget)] = entry(sample, res, ref, kept, cache.nbytes)
                     del cache
-        answers.append(dict(doc=sample.doc, n_tokens=len(sample.ids), questions=[
-            dict(task=q.task, depth=round(q.depth, 3), expected=q.answer, full=tok.decode(o))
-            for q, o in zip(sample.questions, ref["outputs"])]))
-        done = time.perf_counter() - t_start
-        eta = done / (c + 1) * (len(lengths) - c - 1) / 60
-        log(f"quality {c + 1}/{len(lengths)}: done ({sample.doc}); answering took "
-            f"{time.perf_counter() - t0 - t_prefill:.0f} s; eta {eta:.0f} min")
+        record = dict(context=c, n_tokens=len(sample.ids), doc=sample.doc, seconds=time.perf_counter() - t0,
+                      entries=entries, answers=[dict(task=q.task, depth=round(q.depth, 3), expected=q.answer,
+                                                     full=tok.decode(o))
+                                                for q, o in zip(sample.questions, ref["outputs"])])
+        records.append(record)
+        left = len(todo) - len(records)
+        log(f"quality context {c + 1}/{len(lengths)}: done ({sample.doc}) in {record['seconds'] / 60:.1f} min; "
+            f"{left} left in this run, eta {(time.perf_counter() - t_start) / len(records) * left / 60:.0f} min")
         if on_context:
-            on_context(tallies, extras)
-    return tallies, extras, answers
+            on_context(record)
+    return records
 
 
-def record(tallies, extras, key, sample, res, ref, kept, nbytes):
-    tasks = tallies.setdefault(key, {t: Tally() for t in TASKS})
+def entry_key(config, budget):
+    return f"{config}@{budget:g}"
+
+
+def entry(sample, res, ref, kept, nbytes):
+    """One (config, budget) on one context: per task (numerator, denominator) — correct/questions for the
+    accuracies and agreement, NLL sum/tokens for the NLLs — plus kept fractions, KV bytes, decode time."""
+    tally = {}
     for task in ("passkey", "kv"):
         marks = [c for q, c in zip(sample.questions, res["correct"]) if q.task == task]
-        tasks[task].add(sum(marks), len(marks))
+        tally[task] = [sum(marks), len(marks)]
     for task, (s, n) in res["nll"].items():
-        tasks[task].add(s, n)
+        tally[task] = [s, n]
     same = [a == b for a, b in zip(res["outputs"], ref["outputs"])]
-    tasks["agreement"].add(sum(same), len(same))
-    e = extras.setdefault(key, dict(_kept=[], _bytes=[], _dec=[0, 0.0]))
-    e["_kept"].append(kept)
-    e["_bytes"].append(nbytes)
-    e["_dec"][0] += res["decode"][0]
-    e["_dec"][1] += res["decode"][1]
+    tally["agreement"] = [sum(same), len(same)]
+    return dict(tally=tally, kept=kept, nbytes=nbytes, decode=list(res["decode"]))
 
 
-def finish_extras(extras):
+def accumulate(records):
+    """Records (one per context, any order) -> tallies[(config, budget)][task], extras[(config, budget)]
+    with contexts in one fixed order for every configuration (the bootstrap pairs them)."""
+    tallies, raw = {}, {}
+    for rec in sorted(records, key=lambda r: r["context"]):
+        for key, e in rec["entries"].items():
+            config, budget = key.rsplit("@", 1)
+            key = (config, float(budget))
+            tasks = tallies.setdefault(key, {t: Tally() for t in TASKS})
+            for task in TASKS:
+                tasks[task].add(*e["tally"][task])
+            r = raw.setdefault(key, dict(kept=[], nbytes=[], decode=[0, 0.0]))
+            r["kept"].append(e["kept"]), r["nbytes"].append(e["nbytes"])
+            r["decode"] = [r["decode"][0] + e["decode"][0], r["decode"][1] + e["decode"][1]]
+    return tallies, finish_extras(raw)
+
+
+def finish_extras(raw):
     """Means over contexts: kept fraction per compressed layer, KV bytes, decode tokens/s."""
     out = {}
-    full_bytes = np.mean(extras[("full", 1.0)]["_bytes"])
-    for key, e in extras.items():
-        per_layer = [float(x) for x in np.mean(e["_kept"], axis=0)]
+    full_bytes = np.mean(raw[("full", 1.0)]["nbytes"])
+    for key, r in raw.items():
+        per_layer = [float(x) for x in np.mean(r["kept"], axis=0)]
         out[key] = dict(kept_fraction=float(np.mean(per_layer)), kept_fraction_per_layer=per_layer,
-                        kv_bytes=float(np.mean(e["_bytes"])), kv_fraction=float(np.mean(e["_bytes"]) / full_bytes),
-                        decode_tok_s=e["_dec"][0] / e["_dec"][1] if e["_dec"][1] > 0 else None)
+                        kv_bytes=float(np.mean(r["nbytes"])), kv_fraction=float(np.mean(r["nbytes"]) / full_bytes),
+                        decode_tok_s=r["decode"][0] / r["decode"][1] if r["decode"][1] > 0 else None)
     return out
+
+
+def quality_key(args, config):
+    """What makes two runs' contexts the same experiment: they may be resumed or merged only if equal."""
+    names = ("methods", "budgets", "extra_levels", "lengths", "contexts", "passkeys", "kv_pairs", "kv_questions",
+             "probe_tokens", "continue_tokens", "chunk_size", "window", "seed")
+    return dict({k: getattr(args, k) for k in names}, model=config["model"]["sha256"], gate=config["gate"]["sha256"])
+
+
+def load_records(folder, key):
+    """The finished contexts in folder/contexts/ (each written atomically when its context ended)."""
+    records = {}
+    for path in sorted((Path(folder) / "contexts").glob("context-*.json")):
+        rec = json.loads(path.read_text(encoding="utf-8"))
+        if rec["key"] != key:
+            raise BenchError(f"{path} comes from another configuration (flags, model or gate differ); "
+                             "use a new --out, or the flags of the run that wrote it")
+        records[rec["context"]] = rec
+    return records
+
+
+class BenchError(Exception):
+    """Bad flags or folders: reported as one line, exit 2."""
 
 
 # ---- 6. Speed and memory through the real path (generate.prefill and answer on fresh caches) --------
@@ -630,7 +679,8 @@ def markdown(results):
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
            f"{results.get('n_contexts', 0)} Austen contexts of {f['lengths']} tokens, {f['passkeys']} pass keys and "
            f"{f['kv_questions']} of {f['kv_pairs']} JSON pairs asked per context; chunk {f['chunk_size']}, "
-           f"seed {f['seed']}. Run time {results.get('seconds', 0) / 60:.1f} min.", ""]
+           f"seed {f['seed']}. Run time {results.get('seconds', 0) / 60:.1f} min"
+           + (f" ({len(cfg['merged_from'])} runs side by side, merged)." if cfg.get("merged_from") else "."), ""]
     if rows:
         out += ["## Relative performance (mean of passkey, kv, nll_next, nll_repeat; 1 = full cache)", "",
                 "Cells: relative [95% bootstrap interval over contexts]. Budget = fraction of the context's KV "
@@ -746,9 +796,20 @@ def parse_args(argv=None):
                    "2-core dev VM, 2 threads made the whole run 5x slower (small decode ops, other load)")
     p.add_argument("--out", help="output folder (default results/<timestamp>/)")
     p.add_argument("--plot", action="store_true", help="also draw relative.png (needs matplotlib)")
+    p.add_argument("--shard", default="0/1", help="k/n: run only the quality contexts c with c %% n == k, to "
+                   "split one experiment over processes or machines (each with its own --out; then --merge)")
+    p.add_argument("--merge", type=lambda s: [x for x in s.split(",") if x],
+                   help="comma list of --out folders of one experiment's shards: merge them into --out, run nothing")
     args = p.parse_args(argv)
+    try:
+        args.shard = tuple(int(x) for x in args.shard.split("/"))
+        assert len(args.shard) == 2 and 0 <= args.shard[0] < args.shard[1]
+    except (ValueError, AssertionError):
+        p.error(f"--shard {args.shard}: expected k/n with 0 <= k < n, e.g. 0/2")
     if args.quick:
-        args.lengths, args.contexts, args.budgets, args.speed_lengths = [512], 2, [0.5, 0.2], [256]
+        args.lengths, args.contexts, args.budgets = [512], 2, [0.5, 0.2]
+        if args.speed_lengths == p.get_default("speed_lengths"):  # '--speed-lengths 0' still turns it off
+            args.speed_lengths = [256]
         args.passkeys, args.kv_questions, args.probe_tokens, args.continue_tokens = 1, 1, 32, 0
         args.speed_decode, args.bootstrap, args.extra_levels = 4, 200, []
         args.gpu_lengths = [8192]
@@ -762,6 +823,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
     import model as M
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -775,46 +838,101 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     args.out_dir = str(out)
     config = run_config(args, folder, gates)
+    key = config["quality_key"] = quality_key(args, config)
+    done = load_records(out, key)  # an interrupted run with the same --out resumes after its last context
     write_atomic(out / "config.json", json.dumps(config, indent=1))
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[], complete=False)
+    previous = out / "results.json"
+    if previous.exists():  # keep the speed rows of an earlier run of this folder if this one does not redo them
+        old = json.loads(previous.read_text(encoding="utf-8"))
+        results.update({k: old[k] for k in ("speed", "gpu") if old.get(k)})
+    records = list(done.values())
 
     def save():
-        results["seconds"] = time.perf_counter() - t_start
+        results["seconds"] = time.perf_counter() - t_start + sum(r["seconds"] for r in done.values())
+        if records:
+            tallies, extras = accumulate(records)
+            results.update(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
+                           answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
+                                    for r in sorted(records, key=lambda r: r["context"])])
         write_atomic(out / "results.json", json.dumps(results, indent=1))
         write_atomic(out / "results.md", markdown(results))
 
-    def partial(tallies, extras):
-        results["rows"] = summarize(tallies, finish_extras(extras), args.bootstrap, args.seed)
-        results["n_contexts"] = len(tallies[("full", 1.0)]["nll_next"].num)
+    def finished(record):  # each context is kept the moment it ends: a killed run loses at most one
+        (out / "contexts").mkdir(exist_ok=True)
+        write_atomic(out / "contexts" / f"context-{record['context']:03d}.json", json.dumps({**record, "key": key}))
+        records.append(record)
         save()
-    log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}")
+    log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}"
+        + (f"; resuming after {len(done)} finished contexts" if done else ""))
     if not args.no_quality:
-        tallies, extras, answers = quality(model, tok, fmt, args, on_context=partial)
-        results["answers"] = answers
+        quality(model, tok, fmt, args, done, on_context=finished)
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
     system = tok.encode(fmt.system, add_special_tokens=False).ids
     stream = [t for _, d in load_docs(tok) for t in d] if args.speed_lengths else []
-    results["speed"] = speed(model, teacher, args.speed_lengths,
-                             lambda n: (system + stream[:n], len(system)), args)
+    if args.speed_lengths:
+        results["speed"] = speed(model, teacher, args.speed_lengths, lambda n: (system + stream[:n], len(system)), args)
     if torch.cuda.is_available() and not args.no_gpu:
         results["gpu"] = gpu_section(args)
-    else:
+    elif not results.get("gpu"):
         results["gpu_note"] = ("GPU section (random-weight Qwen3-8B shape up to 128K tokens) not run: "
                                + ("--no-gpu." if args.no_gpu else "no CUDA device on this machine."))
     results["complete"] = True
     save()
+    finish(results, out, args)
+    log(f"done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md")
+
+
+def finish(results, out, args):
     if args.plot:
         plot(results, out / "relative.png")
     avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"] if r["task"] == "average"}
-    head = ", ".join(f"{c}@{b:g} {v:.2f}" for (c, b), v in avg.items() if v is not None and b == min(args.budgets))
-    log(f"done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md; "
-        f"relative at the lowest budget: {head}")
+    low = min((b for _, b in avg), default=None)
+    log("relative at the lowest budget: " + ", ".join(f"{c}@{b:g} {v:.2f}" for (c, b), v in avg.items()
+                                                       if v is not None and b == low))
+
+
+def merge(args):
+    """Several runs of one experiment (shards: --shard k/n, each with its own --out) -> one result in --out."""
+    if not args.out:
+        raise BenchError("--merge needs --out: the folder that receives the merged results")
+    folders = [Path(f) for f in args.merge]
+    missing = [str(f) for f in folders if not (f / "config.json").exists()]
+    if missing:
+        raise BenchError(f"no bench run in {', '.join(missing)} (config.json missing)")
+    configs = [json.loads((f / "config.json").read_text(encoding="utf-8")) for f in folders]
+    key = configs[0]["quality_key"]
+    records, results = {}, dict(config=dict(configs[0], merged_from=[str(f) for f in folders],
+                                            commands=[c["command"] for c in configs]), rows=[])
+    for f in folders:
+        for c, rec in load_records(f, key).items():
+            records.setdefault(c, rec)  # a context run twice (same seed, same flags) is the same context
+        old = json.loads((f / "results.json").read_text(encoding="utf-8")) if (f / "results.json").exists() else {}
+        for k in ("speed", "gpu"):
+            results[k] = results.get(k, []) + old.get(k, [])
+        results["compressed_layers"] = old.get("compressed_layers", results.get("compressed_layers"))
+        results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))  # shards run side by side
+    expected = len(key["lengths"]) * key["contexts"]
+    if len(records) < expected:
+        log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
+    tallies, extras = accumulate(records.values())
+    results.update(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
+                   complete=len(records) == expected, answers=[
+                       dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
+                       for _, r in sorted(records.items())])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "results.json", json.dumps(results, indent=1))
+    write_atomic(out / "results.md", markdown(results))
+    write_atomic(out / "config.json", json.dumps(results["config"], indent=1))
+    finish(results, out, args)
+    log(f"merged {len(records)} contexts from {len(folders)} runs -> {out}/results.md")
 
 
 if __name__ == "__main__":
     import model as M
     try:
         main()
-    except (M.ModelError, G.GateError) as e:  # bad --model / --gate: one line, exit 2 (as generate.py)
+    except (M.ModelError, G.GateError, BenchError) as e:  # bad --model / --gate / folders: one line, exit 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

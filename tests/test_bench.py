@@ -210,10 +210,16 @@ def test_needles_and_probes_are_where_they_claim(real):
     assert depths[0] < 1 / 3 + 1e-9 and depths[-1] >= 2 / 3 - 1e-9  # stratified over the context
 
 
-def test_quick_smoke(real, tmp_path):
-    """`bench.py --quick` as CI runs it: every method, finite results, all files written."""
-    out = tmp_path / "quick"
+@pytest.fixture(scope="module")
+def quick(real, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "quick"
     bench.main(["--quick", "--gate", real["gate"], "--out", str(out), "--no-gpu"])
+    return out
+
+
+def test_quick_smoke(quick):
+    """`bench.py --quick` as CI runs it: every method, finite results, all files written."""
+    out = quick
     res = json.loads((out / "results.json").read_text())
     cfg = json.loads((out / "config.json").read_text())
     assert res["complete"] and (out / "results.md").read_text().startswith("# Fast KVzip benchmark")
@@ -232,6 +238,25 @@ def test_quick_smoke(real, tmp_path):
             assert math.isfinite(r[k]) and r[k] >= 0, (k, r)
     assert {(r["method"], r["budget"]) for r in res["speed"]} == {("full", 1.0), ("fastkvzip", 0.3), ("kvzip", 0.3),
                                                                  ("fastkvzip", 0.5), ("fastkvzip", 0.2)}
+
+
+def test_shards_resume_and_merge_equal_one_run(real, quick, tmp_path):
+    """An experiment split into shards, interrupted and resumed, then merged, gives exactly the rows of one
+    uninterrupted run (same contexts, same scores, same bootstrap intervals; decode speed aside)."""
+    flags = ["--quick", "--gate", real["gate"], "--no-gpu", "--speed-lengths", "0"]
+    run = lambda out, *a: bench.main(flags + ["--out", str(tmp_path / out), *a])
+    untimed = lambda rows: [{k: v for k, v in r.items() if k != "decode_tok_s"} for r in rows]
+    rows = lambda out: untimed(json.loads((out / "results.json").read_text())["rows"])
+    run("a", "--shard", "0/2"), run("b", "--shard", "1/2")  # context 0 in a, context 1 in b
+    assert [p.name for p in (tmp_path / "a" / "contexts").iterdir()] == ["context-000.json"]
+    bench.main(["--merge", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--out", str(tmp_path / "merged")])
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert merged["complete"] and merged["n_contexts"] == 2 and untimed(merged["rows"]) == rows(quick)
+    run("b")  # b as one whole run: resumes, runs only the context it lacks
+    assert sorted(p.name for p in (tmp_path / "b" / "contexts").iterdir()) == ["context-000.json", "context-001.json"]
+    assert rows(tmp_path / "b") == rows(quick)
+    with pytest.raises(bench.BenchError, match="another configuration"):  # other flags: refused, not mixed
+        run("b", "--seed", "1")
 
 
 def test_gpu_section_code_path_on_cpu(tmp_path):
