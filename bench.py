@@ -53,10 +53,7 @@ import gate as G
 import generate
 from cache import LEVELS, EvictingCache, KVCache, plan_prefill
 
-try:  # the teacher may live in gate.py (its final home) or in teacher.py
-    from gate import KVzipTeacher, TeacherCache
-except ImportError:
-    from teacher import KVzipTeacher, TeacherCache
+from gate import KVzipTeacher, TeacherCache
 
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")

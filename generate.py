@@ -199,7 +199,7 @@ def run(args):
     t0 = time.perf_counter()
     with torch.no_grad():
         if method == "kvzip":
-            from teacher import KVzipTeacher
+            from gate import KVzipTeacher
             teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
             last = prefill_kvzip(model, teacher, cache, ids, n_protected, budget, args.chunk_size, args.window)
         else:

@@ -5,7 +5,7 @@ Three steps, each visible below in the order they run:
   1. data      pick documents (METHOD.md §5.1): 10K-30K-token documents plus ~100K-token
                concatenations of the same documents, ~1M tokens in all.
   2. features  for every document, prefill system prompt + context with a full cache, score every
-               context KV pair with the KVzip teacher (teacher.py, METHOD.md §4) and record the
+               context KV pair with the KVzip teacher (gate.py, METHOD.md §4) and record the
                attention-input hidden states of the compressed layers. One shard file per document,
                written atomically under --out/features, so an interrupted run resumes where it stopped.
   3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft targets,
@@ -281,7 +281,7 @@ def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenize
     if not todo:
         return
     import model as M
-    from teacher import KVzipTeacher
+    from gate import KVzipTeacher
     model = M.load_model(model_folder, device, dtype)
     teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=args.teacher_chunk,
                            prefill_chunk=args.prefill_chunk, softmax_dtype=args.teacher_softmax)

@@ -141,12 +141,12 @@ def test_training_beats_the_best_constant(qwen, tmp_path):
 def test_resume_after_a_kill_between_documents(qwen, tmp_path, monkeypatch):
     """Killed after the first document: the rerun keeps that shard (not recomputed), ignores a stray
     temporary file, and ends with exactly the files of an uninterrupted run."""
-    import teacher
+    import gate
     data = write_docs(tmp_path / "data", 4, seed=3)
     args = ["--model", qwen, "--data", data, "--tokens", 1500, "--long-doc-tokens", 0, "--steps", 0, *SMALL]
     run_main([*args, "--out", tmp_path / "fresh"])
 
-    calls, real = [], teacher.KVzipTeacher.__call__
+    calls, real = [], gate.KVzipTeacher.__call__
 
     def dies_on_second(self, *a, **kw):
         calls.append(1)
@@ -154,7 +154,7 @@ def test_resume_after_a_kill_between_documents(qwen, tmp_path, monkeypatch):
             raise KeyboardInterrupt  # the process dies between documents
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(teacher.KVzipTeacher, "__call__", dies_on_second)
+    monkeypatch.setattr(gate.KVzipTeacher, "__call__", dies_on_second)
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
         run_main([*args, "--out", out])
@@ -162,7 +162,7 @@ def test_resume_after_a_kill_between_documents(qwen, tmp_path, monkeypatch):
     before = shards(out)[0].stat().st_mtime_ns
     (out / "features" / "doc00001.tmp999").write_bytes(b"half a shard")  # a write cut short
     calls.clear()
-    monkeypatch.setattr(teacher.KVzipTeacher, "__call__", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
+    monkeypatch.setattr(gate.KVzipTeacher, "__call__", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
     run_main([*args, "--out", out])
     n_docs = len(shards(tmp_path / "fresh"))
     assert n_docs >= 3 and len(calls) == n_docs - 1  # only the missing documents were computed
