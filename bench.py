@@ -733,7 +733,7 @@ def plot(results, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log("--plot: matplotlib is not installed; no PNG")
+        log("--plot: matplotlib is not installed (pip install -r requirements.txt); no PNG")
         return
     rows = [r for r in results["rows"] if r["task"] == "average" and r["method"] != "full"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -748,6 +748,7 @@ def plot(results, path):
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=120)
+    plt.close(fig)
     os.replace(tmp, path)
 
 

@@ -495,7 +495,7 @@ def plot_curves(m, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: --plot needs matplotlib (pip install matplotlib); no plot written", file=sys.stderr)
+        print("note: --plot needs matplotlib (pip install -r requirements.txt); no plot written", file=sys.stderr)
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, title in ((axes[0], "loss", "BCE (sum over heads)"), (axes[1], "acc", "accuracy at 0.05")):
@@ -508,8 +508,10 @@ def plot_curves(m, path):
     axes[0].set_yscale("log")
     axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = Path(path).with_name(Path(path).name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
     plt.close(fig)
+    os.replace(tmp, path)  # atomic, like every output
     return path
 
 

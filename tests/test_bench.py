@@ -109,6 +109,13 @@ def test_markdown_renders_every_task():
     assert "| streaming | 0.50/0.50 |" in md  # the kept-fraction grid: one cell per budget
 
 
+def test_plot_writes_a_png(tmp_path):
+    tallies, extras = fake_run()
+    bench.plot(dict(rows=bench.summarize(tallies, extras, n_boot=50, seed=0)), tmp_path / "relative.png")
+    assert (tmp_path / "relative.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["relative.png"]  # written atomically, nothing left over
+
+
 # ------------------------------------------------------------------------------------ real model
 
 @pytest.fixture(scope="module")

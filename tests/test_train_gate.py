@@ -229,7 +229,7 @@ def test_documents_spread_over_ranks_by_length():
 def test_fineweb_selection_uses_the_dataset_token_counts(tmp_path, monkeypatch):
     """--data fineweb-edu reads the authors' shard through huggingface-hub and selects with its GPT-2
     `token_count` column (METHOD.md §5.1); here the download is a local stand-in."""
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa  # pinned in requirements.txt
     import pyarrow.parquet as pq
     import huggingface_hub
     texts = [f" doc {i} " for i in range(6)]
@@ -247,3 +247,11 @@ def test_fineweb_selection_uses_the_dataset_token_counts(tmp_path, monkeypatch):
     assert [(d.name, d.text, d.n) for d in docs[:2]] == [("fineweb-edu row 0", "doc 0", 50), ("fineweb-edu row 1", "doc 1", 200)]
     chosen, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=300)
     assert [d.n for d in chosen] == [200, 250, 450]  # rows 1, 2; then rows 1+2 concatenated, row 3 drops
+
+
+def test_plot_curves_writes_a_png(tmp_path):
+    m = dict(step=[0, 10, 20], layers=[5, 11], **{f"{s}_{k}": [[0.5, 0.4], [0.3, 0.2], [0.2, 0.1]]
+                                                   for s in ("train", "val") for k in ("loss", "acc")})
+    path = TG.plot_curves(m, tmp_path / "curves.png")
+    assert path and (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]  # no temporary file left behind
