@@ -42,6 +42,12 @@ class KVCache:
         """Bytes of keys and values actually allocated, all layers (slack included)."""
         return sum(kv.nbytes for kv in self.layers)
 
+    def _track_peak(self, kv):
+        """After kv changed: the most ever held is what all layers hold now, plus kv's old buffers if it was
+        just re-laid out (old and new are both alive while rows are copied)."""
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes + kv.transient)
+        kv.transient = 0
+
     def positions(self, T):
         return torch.arange(self.n_seen, self.n_seen + T, device=self.device)
 
@@ -50,10 +56,11 @@ class KVCache:
         q (T, Hq, d), k/v (T, H, d) post-RoPE; hidden (T, D) is the attention input (unused here)."""
         kv = self.layers[layer]
         kv.append(k, v, self.positions(q.shape[0]))
-        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+        self._track_peak(kv)
         out = kv.attend(q, scale, window)  # (T, Hq, d)
         if window is not None and int(kv.lens.max()) > window - 1:
             kv.keep_last(window - 1)  # the next token sees W keys: W-1 old ones and itself
+            self._track_peak(kv)
         return out
 
     def advance(self, T):
@@ -74,6 +81,7 @@ class KVCache:
                 extra = kv.lens - state["lens"][i]
                 assert bool((extra == extra[0]).all()) and int(extra[0]) >= 0, "rollback: heads diverged"
                 kv.truncate(int(extra[0]))
+                self._track_peak(kv)
         self.n_seen = state["n_seen"]
 
     def _is_sliding(self, layer):
@@ -161,7 +169,7 @@ class EvictingCache(KVCache):
             score[:, pos < self.n_protected] = math.inf  # the system prompt is never evicted
         kv = self.layers[layer]
         kv.append(k, v, pos, score)
-        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+        self._track_peak(kv)
         return kv.attend(q, scale, window)
 
     def _score(self, l, hidden, q, k, pos):
@@ -212,6 +220,7 @@ class EvictingCache(KVCache):
                 mask[m] = keep[li, h]
                 masks.append(mask)
             self.layers[layer].select(masks)
+            self._track_peak(self.layers[layer])
 
     # -- decoding: score the buffer every 128 tokens, evict back to the budget (METHOD.md §7) --
     def start_decoding(self):
@@ -256,6 +265,7 @@ class EvictingCache(KVCache):
         for layer in self.compressed:
             kv = self.layers[layer]
             kv.select(list(keep[i:i + kv.n_heads]))
+            self._track_peak(kv)
             i += kv.n_heads
 
     def checkpoint(self):

@@ -315,6 +315,7 @@ class RaggedKV:
         self.lens = torch.zeros(n_heads, dtype=torch.long)    # rows used per head (CPU)
         self.caps = torch.zeros(n_heads, dtype=torch.long)    # rows allocated per head (CPU)
         self.starts = torch.zeros(n_heads, dtype=torch.long)  # first row of each region (CPU)
+        self.transient = 0  # K/V bytes of the old layout alive beside the new one during the last re-layout
         self._alloc(0)
 
     def _alloc(self, rows):
@@ -346,6 +347,7 @@ class RaggedKV:
         src_rows = src_rows.to(self.device)
         old = (self.k, self.v, self.pos, self.score)
         self._alloc(int(new_caps.sum()))  # the old tensors are freed when `old` goes out of scope
+        self.transient = max(self.transient, old[0].nbytes + old[1].nbytes)  # until the copy ends
         for new, o in zip((self.k, self.v, self.pos, self.score), old):
             new[dst_rows] = o[src_rows]
         self.lens, self.caps, self.starts = new_lens.clone(), new_caps.clone(), new_starts

@@ -213,3 +213,20 @@ def test_no_layer_loses_every_context_token(tiny):
     assert all(k > 0 for k in kept), kept
     total = round(sum(kept) * 29 * H)
     assert total == int(0.2 * 29 * L * H), "the floor moves a pair, it does not add one"
+
+
+def test_peak_counts_old_buffers_while_a_layer_is_relaid_out():
+    """A second prefill chunk re-lays a layer out: old and new buffers are both alive during the copy, and the
+    peak says so (the last layer copied: every layer at 200 rows, plus its old 100)."""
+    from types import SimpleNamespace
+    H, d, L = 2, 8, 3
+    cfg = SimpleNamespace(num_key_value_heads=H, head_dim=d, num_hidden_layers=L, layer_types=["full_attention"] * L)
+    cache = KVCache(cfg)
+    for T in (100, 100):  # prefill-sized appends are allocated exactly, so the second one copies the first
+        for layer in range(L):
+            k = torch.randn(T, H, d)
+            cache.attend(layer, torch.randn(T, H, d), k, k, None, 1.0)
+        cache.advance(T)
+    per_token = H * 2 * d * 4  # K and V rows of every head, fp32
+    assert cache.nbytes == L * 200 * per_token
+    assert cache.peak_nbytes == L * 200 * per_token + 100 * per_token
