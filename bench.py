@@ -342,21 +342,17 @@ def finite_or_none(x):
 def summarize(tallies, extras, n_boot, seed):
     """tallies[(config, budget)][task] -> Tally; extras[(config, budget)] -> kept fractions, bytes, speed.
     Returns the result rows (one per task, config, budget, plus the "average" task)."""
-    full = tallies[("full", 1.0)]
-    n_ctx = len(full["nll_next"].num)
-    idx = np.random.default_rng(seed).integers(0, n_ctx, size=(n_boot, n_ctx))  # shared: paired bootstrap
+    full, idx = tallies[("full", 1.0)], resamples(tallies, n_boot, seed)
+    n_ctx = idx.shape[1]
     rows = []
     for (config, budget), tasks in tallies.items():
         method, _, level = config.partition("/")
         level = level or ("full" if method == "full" else DEFAULT_LEVEL[method])
-        rel_point, rel_boot = [], []
         for task in TASKS:
             t = tasks[task]
             score, boot = t.value(), t.value(idx)
             f, f_boot = (1.0, 1.0) if task == "agreement" else (full[task].value(), full[task].value(idx))
             rel, rb = relative(task, score, f), relative(task, boot, f_boot)
-            if task in AVERAGED and np.isfinite(rel):  # tasks the full cache scores 0 on have no relative
-                rel_point.append(rel), rel_boot.append(rb)
             row = dict(task=task, method=method, level=level, budget=budget, score=finite_or_none(score),
                        relative=finite_or_none(rel), n=int(sum(t.den)), n_contexts=n_ctx,
                        score_ci=ci(boot) if task.startswith("nll") else list(wilson(sum(t.num), sum(t.den))),
@@ -364,12 +360,50 @@ def summarize(tallies, extras, n_boot, seed):
             if task.startswith("nll"):
                 row["increase"] = finite_or_none(score - f)
             rows.append({**row, **extras[(config, budget)]})
-        avg = np.mean(rel_point) if rel_point else float("nan")
-        avg_boot = np.mean(rel_boot, axis=0) if rel_boot else np.full(n_boot, np.nan)  # NaN resamples: dropped
+        avg, avg_boot = average_relative(tasks, full, idx)
         rows.append(dict(task="average", method=method, level=level, budget=budget, score=finite_or_none(avg),
                          relative=finite_or_none(avg), n=n_ctx, n_contexts=n_ctx, score_ci=ci(avg_boot),
                          ci=ci(avg_boot), **extras[(config, budget)]))
     return rows
+
+
+def resamples(tallies, n_boot, seed):
+    """(n_boot, n_contexts) context indices, shared by every configuration: a paired bootstrap."""
+    n_ctx = len(tallies[("full", 1.0)]["nll_next"].num)
+    return np.random.default_rng(seed).integers(0, n_ctx, size=(n_boot, n_ctx))
+
+
+def average_relative(tasks, full, idx):
+    """The Figure-10 average: mean relative over the AVERAGED tasks the full cache scores above 0
+    -> (point, bootstrap values; NaN resamples are dropped by ci)."""
+    point, boot = [], []
+    for task in AVERAGED:
+        rel = relative(task, tasks[task].value(), full[task].value())
+        if np.isfinite(rel):
+            point.append(rel), boot.append(relative(task, tasks[task].value(idx), full[task].value(idx)))
+    if not point:
+        return float("nan"), np.full(len(idx), np.nan)
+    return float(np.mean(point)), np.mean(boot, axis=0)
+
+
+# (a, b, what a - b asks): the paper's claim, and the calibrated level against the paper's own
+CONTRASTS = (("fastkvzip", "kvzip", "the gate minus its teacher"),
+             ("fastkvzip/calibrated", "fastkvzip", "calibrated minus the paper's global level (gate)"),
+             ("kvzip/calibrated", "kvzip", "calibrated minus the paper's global level (teacher)"))
+
+
+def contrasts(tallies, n_boot, seed):
+    """Paired differences of the average relative performance, a - b, per budget, with a 95% bootstrap
+    interval over the same resampled contexts: a difference whose interval excludes 0 is beyond the noise."""
+    full, idx = tallies[("full", 1.0)], resamples(tallies, n_boot, seed)
+    out = []
+    for a, b, question in CONTRASTS:
+        for (config, budget) in tallies:
+            if config != a or (b, budget) not in tallies:
+                continue
+            (pa, ba), (pb, bb) = (average_relative(tallies[(c, budget)], full, idx) for c in (a, b))
+            out.append(dict(a=a, b=b, question=question, budget=budget, diff=finite_or_none(pa - pb), ci=ci(ba - bb)))
+    return out
 
 
 # ---- 5. The quality run -----------------------------------------------------------------------------
@@ -651,10 +685,11 @@ def run_config(args, folder, gates):
                 levels=list(LEVELS))
 
 
-def fmt_ci(x, c):
+def fmt_ci(x, c, signed=False):
     if x is None:
         return "n/a"
-    return f"{x:.2f} [{c[0]:.2f}, {c[1]:.2f}]" if c else f"{x:.2f}"
+    f = "{:+.2f}" if signed else "{:.2f}"
+    return f"{f.format(x)} [{f.format(c[0])}, {f.format(c[1])}]" if c else f.format(x)
 
 
 def label(r):
@@ -688,6 +723,16 @@ def markdown(results):
                 "Layers " + ", ".join(str(x) for x in results.get("compressed_layers", [])) +
                 ", mean over contexts (the trailing 2% window included).", ""]
         out += grid("average", lambda r: "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"]))
+        if results.get("contrasts"):
+            out += ["", "## Paired differences of the average relative performance", "",
+                    "Cells: a − b [95% paired bootstrap interval over contexts]; an interval that excludes 0 is a "
+                    "difference beyond the noise.", "",
+                    "| a − b | " + " | ".join(f"{b:g}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+            for a, b, question in CONTRASTS:
+                cells = {c["budget"]: fmt_ci(c["diff"], c["ci"], signed=True) for c in results["contrasts"]
+                         if c["a"] == a and c["b"] == b}
+                if cells:
+                    out.append(f"| {question} | " + " | ".join(cells.get(x, "") for x in budgets) + " |")
         titles = dict(passkey="Pass-key accuracy", kv="Key-value retrieval accuracy (SCBench.KV style)",
                       nll_next="NLL of the document's next tokens (nats/token; relative = ppl_full/ppl)",
                       nll_repeat="NLL of a repeated passage (nats/token; relative = ppl_full/ppl)",
@@ -851,6 +896,7 @@ def main(argv=None):
         if records:
             tallies, extras = accumulate(records)
             results.update(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
+                           contrasts=contrasts(tallies, args.bootstrap, args.seed),
                            answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
                                     for r in sorted(records, key=lambda r: r["context"])])
         write_atomic(out / "results.json", json.dumps(results, indent=1))
@@ -915,7 +961,7 @@ def merge(args):
         log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
     tallies, extras = accumulate(records.values())
     results.update(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
-                   complete=len(records) == expected, answers=[
+                   contrasts=contrasts(tallies, args.bootstrap, args.seed), complete=len(records) == expected, answers=[
                        dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
                        for _, r in sorted(records.items())])
     out = Path(args.out)

@@ -98,13 +98,29 @@ def test_average_leaves_out_tasks_the_full_cache_fails():
     assert next(r for r in rows if r["task"] == "kv" and r["method"] == "streaming")["relative"] is None
 
 
+def test_contrasts_are_paired_differences_of_the_average():
+    tallies, extras = fake_run()
+    tallies[("fastkvzip", 0.5)] = tallies.pop(("streaming", 0.5))  # half as accurate, 0.1 nats worse
+    tallies[("kvzip", 0.5)] = tallies[("full", 1.0)]                # lossless
+    (c,) = bench.contrasts(tallies, n_boot=200, seed=0)
+    want = (0.5 + 0.5 + 2 * math.exp(-0.1)) / 4 - 1.0
+    assert (c["a"], c["b"], c["budget"]) == ("fastkvzip", "kvzip", 0.5) and c["diff"] == pytest.approx(want)
+    assert c["ci"] == pytest.approx([want, want])  # the same loss on every context: paired, no spread
+    tallies[("kvzip", 0.5)] = tallies[("fastkvzip", 0.5)]
+    assert bench.contrasts(tallies, n_boot=50, seed=0)[0]["ci"] == [0.0, 0.0]
+
+
 def test_markdown_renders_every_task():
     tallies, extras = fake_run()
     rows = bench.summarize(tallies, extras, n_boot=50, seed=0)
     cfg = dict(started="now", git_commit="0" * 40, git_dirty=False, gate=dict(source="g", sha256="ab"),
                flags=dict(model="m", lengths=[512], passkeys=1, kv_questions=1, kv_pairs=8, chunk_size=16384, seed=0))
-    md = bench.markdown(dict(config=cfg, rows=rows, compressed_layers=[5, 11], n_contexts=6, seconds=1.0))
-    for title in ("Relative performance", "Kept fraction", "Pass-key", "Key-value", "repeated passage", "Agreement"):
+    tallies[("kvzip", 0.5)], tallies[("fastkvzip", 0.5)] = tallies[("full", 1.0)], tallies[("streaming", 0.5)]
+    md = bench.markdown(dict(config=cfg, rows=rows, compressed_layers=[5, 11], n_contexts=6, seconds=1.0,
+                             contrasts=bench.contrasts(tallies, n_boot=50, seed=0)))
+    assert "| the gate minus its teacher | -0.30 [-0.30, -0.30] |" in md  # (0.5 + 0.5 + 2e^-0.1)/4 - 1
+    for title in ("Relative performance", "Kept fraction", "Pass-key", "Key-value", "repeated passage", "Agreement",
+                  "Paired differences"):
         assert title in md
     assert "| streaming | 0.50/0.50 |" in md  # the kept-fraction grid: one cell per budget
 
