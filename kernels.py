@@ -44,6 +44,7 @@ import torch
 # The reference: the readable spec of the varlen contract above.
 
 APPEND_EXACT = 64   # appends of at least this many tokens per head (prefill chunks) get no slack
+MAX_SLACK = 1024    # at most this many spare rows per head after a token-by-token append
 QUERY_BLOCK = 1024  # query rows per step of the reference: memory (Hq, 1024, N) instead of (Hq, M, N)
 
 
@@ -304,7 +305,7 @@ class RaggedKV:
 
     Each region has capacity caps[h] >= lens[h]; the rows between are slack, so appending a decode
     token writes H rows and copies nothing. When some head runs out of room, every region is
-    re-laid out with geometric headroom (amortised O(t·H) per append). select / keep_last / truncate
+    re-laid out with headroom: half the length, at most MAX_SLACK rows per head. select / keep_last / truncate
     compact to exactly the kept rows: eviction frees memory, and nbytes reports what is held.
     Row companions pos (absolute position, int64) and score (importance, float32, +inf = never
     evict) live in flat tensors aligned with k's rows and move with them.
@@ -358,10 +359,11 @@ class RaggedKV:
         assert H == self.n_heads and d == self.head_dim, f"expected (t, {self.n_heads}, {self.head_dim})"
         need = self.lens + t
         if bool((need > self.caps).any()):
-            # token-by-token appends (decoding) grow by 1.5x (+16 rows): amortised O(1) copies per row.
-            # A prefill chunk is allocated exactly: it comes once per chunk, and slack there would be
-            # counted as KV held after prefill (up to 50% more than the kept rows).
-            slack = torch.clamp(need // 2, min=16) if t < APPEND_EXACT else torch.zeros_like(need)
+            # token-by-token appends (decoding) grow by 1.5x, between 16 and MAX_SLACK rows: a long cache
+            # is copied once every 1,024 tokens (a few ms even at 128K), not left holding 50% unused rows
+            # (a prefill whose last chunk is one token would otherwise end 1.5x its size). A prefill
+            # chunk is allocated exactly: slack there would be counted as KV held after prefill.
+            slack = torch.clamp(need // 2, min=16, max=MAX_SLACK) if t < APPEND_EXACT else torch.zeros_like(need)
             caps = torch.maximum(self.caps, need + slack)
             self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
         # write only the t new rows of each head, into its slack

@@ -193,6 +193,16 @@ def test_ragged_append_into_slack_does_not_reallocate():
     assert kv.lens.tolist() == [1100 + n] * H and kv.n_rows == H * (1100 + n)
 
 
+def test_slack_is_bounded_after_a_long_prefill():
+    """A prefill whose last chunk is one token must not leave the cache holding 50% unused rows."""
+    from kernels import MAX_SLACK
+    H, d = 2, 8
+    kv = RaggedKV(H, d, torch.float32, "cpu")
+    kv.append(torch.randn(6000, H, d), torch.randn(6000, H, d), torch.arange(6000))
+    kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([6000]))
+    assert kv.caps.tolist() == [6001 + MAX_SLACK] * H and kv.k.shape[0] == H * (6001 + MAX_SLACK)
+
+
 def test_imports_and_runs_without_triton():
     # triton is a test/GPU extra: the module must import and the torch path work without it
     code = ("import sys; sys.modules['triton'] = None; import torch, kernels; "
