@@ -28,6 +28,12 @@ CPU examples (1 thread; times on the 2-core dev VM when no other job runs, ~1.3x
     python bench.py --quick             # smoke run, ~2 min: 2 contexts, budgets 0.5/0.2, every method
     python bench.py --plot              # full run, ~3.5 h: 18 contexts of 2K/4K/8K x 7 budgets x 7 configs
                                         #   (~3.2 h) + speed at 2K/8K/16K (~20 min)
+Each finished context is saved in --out at once: rerunning the same command resumes. The README's headline
+run (12 contexts) split over both cores, 69 min side by side, then 20 min of speed:
+    python bench.py --contexts 4 --speed-lengths 0 --shard 0/2 --out results/full-s0 &
+    python bench.py --contexts 4 --speed-lengths 0 --shard 1/2 --out results/full-s1; wait
+    python bench.py --contexts 4 --no-quality --out results/full-speed
+    python bench.py --merge results/full-s0,results/full-s1,results/full-speed --out results/full --plot
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
 Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md, relative.png.
