@@ -855,10 +855,11 @@ def parse_args(argv=None):
                    help="comma list of --out folders of one experiment's shards: merge them into --out, run nothing")
     args = p.parse_args(argv)
     try:
-        args.shard = tuple(int(x) for x in args.shard.split("/"))
-        assert len(args.shard) == 2 and 0 <= args.shard[0] < args.shard[1]
+        shard = tuple(int(x) for x in args.shard.split("/"))
+        assert len(shard) == 2 and 0 <= shard[0] < shard[1]
     except (ValueError, AssertionError):
         p.error(f"--shard {args.shard}: expected k/n with 0 <= k < n, e.g. 0/2")
+    args.shard = shard
     if args.quick:
         args.lengths, args.contexts, args.budgets = [512], 2, [0.5, 0.2]
         if args.speed_lengths == p.get_default("speed_lengths"):  # '--speed-lengths 0' still turns it off

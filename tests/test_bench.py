@@ -300,3 +300,14 @@ def test_gpu_section_code_path_on_cpu(tmp_path):
     assert fast["peak_kv_bytes"] < full["peak_kv_bytes"]  # chunked prefill never holds the whole context
     assert kvzip["peak_kv_bytes"] > full["peak_kv_bytes"]  # the teacher's repeat pass sits on a full cache
     assert all(math.isfinite(r["prefill_s"]) and r["decode_tok_s"] > 0 for r in rows)
+
+
+def test_bad_shard_and_merge_flags_are_refused(tmp_path, capsys):
+    for shard in ("3/2", "x", "1/0"):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--shard", shard])
+        assert e.value.code == 2 and f"--shard {shard}: expected k/n" in capsys.readouterr().err
+    with pytest.raises(bench.BenchError, match="needs --out"):
+        bench.main(["--merge", str(tmp_path)])
+    with pytest.raises(bench.BenchError, match="config.json missing"):
+        bench.main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "merged")])
