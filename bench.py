@@ -417,7 +417,7 @@ def contrasts(tallies, n_boot, seed):
 def quality(model, tok, fmt, args, done=(), on_context=None):
     """Every configuration on every context of this shard (args.shard = (k, n): contexts c with c % n == k)
     but those in `done` (finished by an earlier run: resume). on_context(record) after each context.
-    -> the new records: one dict per context with everything the summary needs (see context_record)."""
+    -> the new records: one dict per context with everything the summary needs (its entries: see `entry`)."""
     cfg, _, _ = model_info(model)
     methods = [m for m in args.methods if m != "full"]
     configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
