@@ -416,8 +416,8 @@ def contrasts(tallies, n_boot, seed):
 
 def quality(model, tok, fmt, args, done=(), on_context=None):
     """Every configuration on every context of this shard (args.shard = (k, n): contexts c with c % n == k)
-    but those in `done` (finished by an earlier run: resume). on_context(record) after each context.
-    -> the new records: one dict per context with everything the summary needs (its entries: see `entry`)."""
+    but those in `done` (finished by an earlier run: resume). on_context(record) after each context, with
+    one dict holding everything the summary needs of that context (its entries: see `entry`)."""
     cfg, _, _ = model_info(model)
     methods = [m for m in args.methods if m != "full"]
     configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
@@ -431,7 +431,7 @@ def quality(model, tok, fmt, args, done=(), on_context=None):
     lengths = [n for n in args.lengths for _ in range(args.contexts)]
     k_shard, n_shard = args.shard
     todo = [c for c in range(len(lengths)) if c % n_shard == k_shard and c not in done]
-    records, t_start = [], time.perf_counter()
+    n_done, t_start = 0, time.perf_counter()
     for c, n in enumerate(lengths):
         sample = maker.make(n)  # made even when skipped: each sample depends on the ones before (one RNG)
         if c not in todo:
@@ -460,13 +460,12 @@ def quality(model, tok, fmt, args, done=(), on_context=None):
                       entries=entries, answers=[dict(task=q.task, depth=round(q.depth, 3), expected=q.answer,
                                                      full=tok.decode(o))
                                                 for q, o in zip(sample.questions, ref["outputs"])])
-        records.append(record)
-        left = len(todo) - len(records)
+        n_done += 1
+        left = len(todo) - n_done
         log(f"quality context {c + 1}/{len(lengths)}: done ({sample.doc}) in {record['seconds'] / 60:.1f} min; "
-            f"{left} left in this run, eta {(time.perf_counter() - t_start) / len(records) * left / 60:.0f} min")
+            f"{left} left in this run, eta {(time.perf_counter() - t_start) / n_done * left / 60:.0f} min")
         if on_context:
             on_context(record)
-    return records
 
 
 def entry_key(config, budget):
@@ -905,13 +904,8 @@ def main(argv=None):
     def save():
         results["seconds"] = time.perf_counter() - t_start + sum(r["seconds"] for r in done.values())
         if records:
-            tallies, extras = accumulate(records)
-            results.update(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
-                           contrasts=contrasts(tallies, args.bootstrap, args.seed),
-                           answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
-                                    for r in sorted(records, key=lambda r: r["context"])])
-        write_atomic(out / "results.json", json.dumps(results, indent=1))
-        write_atomic(out / "results.md", markdown(results))
+            results.update(quality_results(records, args))
+        write_results(out, results)
 
     def finished(record):  # each context is kept the moment it ends: a killed run loses at most one
         (out / "contexts").mkdir(exist_ok=True)
@@ -922,10 +916,10 @@ def main(argv=None):
         + (f"; resuming after {len(done)} finished contexts" if done else ""))
     if not args.no_quality:
         quality(model, tok, fmt, args, done, on_context=finished)
-    teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
-    system = tok.encode(fmt.system, add_special_tokens=False).ids
-    stream = [t for _, d in load_docs(tok) for t in d] if args.speed_lengths else []
     if args.speed_lengths:
+        teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
+        system = tok.encode(fmt.system, add_special_tokens=False).ids
+        stream = [t for _, d in load_docs(tok) for t in d]
         results["speed"] = speed(model, teacher, args.speed_lengths, lambda n: (system + stream[:n], len(system)), args)
     if torch.cuda.is_available() and not args.no_gpu:
         results["gpu"] = gpu_section(args)
@@ -936,6 +930,20 @@ def main(argv=None):
     save()
     finish(results, out, args)
     log(f"done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md")
+
+
+def quality_results(records, args):
+    """The quality part of results.json, from the finished contexts' records (any order)."""
+    tallies, extras = accumulate(records)
+    return dict(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
+                contrasts=contrasts(tallies, args.bootstrap, args.seed),
+                answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
+                         for r in sorted(records, key=lambda r: r["context"])])
+
+
+def write_results(out, results):
+    write_atomic(out / "results.json", json.dumps(results, indent=1))
+    write_atomic(out / "results.md", markdown(results))
 
 
 def finish(results, out, args):
@@ -970,15 +978,10 @@ def merge(args):
     expected = len(key["lengths"]) * key["contexts"]
     if len(records) < expected:
         log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
-    tallies, extras = accumulate(records.values())
-    results.update(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
-                   contrasts=contrasts(tallies, args.bootstrap, args.seed), complete=len(records) == expected, answers=[
-                       dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
-                       for _, r in sorted(records.items())])
+    results.update(quality_results(list(records.values()), args), complete=len(records) == expected)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "results.json", json.dumps(results, indent=1))
-    write_atomic(out / "results.md", markdown(results))
+    write_results(out, results)
     write_atomic(out / "config.json", json.dumps(results["config"], indent=1))
     finish(results, out, args)
     log(f"merged {len(records)} contexts from {len(folders)} runs -> {out}/results.md")
