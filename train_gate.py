@@ -22,8 +22,9 @@ H100-hours for the whole phase, METHOD.md §5.5):
             ≈ 2·2·8e9·1M = 3e16 FLOPs, plus attention, quadratic in document length: 4·L·Hq·d_h·n²/2
             per pass = 3e15 for one 100K-token sample, ≈ 3.5e16 for the whole set. 6.5e16 FLOPs: a few
             minutes of H100 at 40% of peak; budget 10-20 min with our kernels.
-            GPU memory: weights 16.4 GB + the full cache of a 100K-token sample 14.7 GB (+ up to 50%
-            growth slack) + one scoring matrix (Hq·2K·4K fp32 ≈ 1 GB) — well inside 80 GB. Hidden states
+            GPU memory: weights 16.4 GB + the full cache of a 100K-token sample 14.7 GB (allocated exactly;
+            a layer being re-laid out briefly holds its old copy too, 0.4 GB) + one scoring matrix
+            (Hq·2K·4K fp32 ≈ 1 GB) — well inside 80 GB. Hidden states
             go to host RAM as they are produced: L·D·2 bytes = 295 KB per token (~30 GB for a 100K sample,
             twice that while its shard is written).
   disk      the same 295 KB per token: ≈ 295 GB of features for 1M tokens (Gemma3 270M, fp32: 7.7 KB).
