@@ -323,6 +323,22 @@ def _read_authors_pt(path):
     return [dict(sd) for sd in obj["module"]], meta
 
 
+def _file_kind(path):
+    """"safetensors", "torch" or None, decided strictly. A safetensors file is its own check: an 8-byte
+    little-endian header length N, then N bytes of JSON object inside the file. Only a file that fails it
+    is taken for torch.save output: a zip ("PK\\x03\\x04") or, in the legacy format, a raw pickle
+    (protocol byte 0x80). (Sniffing the first bytes alone misreads the ~1 in 256 safetensors files whose
+    header length starts with byte 0x80.)"""
+    with open(path, "rb") as f:
+        head = f.read(9)
+        size = os.fstat(f.fileno()).st_size
+    if len(head) == 9 and head[8:9] == b"{" and 8 + int.from_bytes(head[:8], "little") <= size:
+        return "safetensors"
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return "torch"
+    return "safetensors" if head[8:9] == b"{" else None  # a cut safetensors file: its reader says so
+
+
 def load_gate(path, cfg, dtype=None, device=None):
     """Load a gate for model config `cfg` from our safetensors format or the authors' .pt format.
     dtype None keeps the file's projection dtype (bf16 for released gates). Returns `Gates` with
@@ -331,14 +347,22 @@ def load_gate(path, cfg, dtype=None, device=None):
     path = Path(path)
     if not path.is_file():
         raise GateError(f"gate file not found: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    # torch.save writes a zip ("PK") or, in its legacy format, a raw pickle (protocol byte 0x80)
-    if magic == b"PK" or magic[:1] == b"\x80":
+    try:
+        kind = _file_kind(path)
+    except OSError as e:
+        raise GateError(f"cannot read gate {path}: {e.strerror or e}") from None
+    if kind == "safetensors":
+        layers, meta = _read_safetensors(path)
+    elif kind == "torch":
         layers, meta = _read_authors_pt(path)
     else:
-        layers, meta = _read_safetensors(path)
+        raise GateError(f"gate {path} is neither a safetensors file nor a torch.save file (the authors' .pt)")
     dims = infer_dims(layers)
+    for i, layer in enumerate(layers):  # a diverged training writes NaN; a NaN score would evict at random
+        for key in LAYER_KEYS:
+            if not torch.isfinite(layer[key]).all():
+                raise GateError(f"gate {path}: layer {i} {key} holds NaN or inf values; the gate is broken "
+                                f"(retrain it, or pass another --gate)")
     check_fits(dims, len(layers), cfg, path)
     m = re.search(r"sink(\d+)", path.name)  # the authors' file names carry S (q4_dim16_sink16.pt)
     if m and int(m.group(1)) != dims["sinks"]:

@@ -243,6 +243,40 @@ def test_gate_that_does_not_fit_is_refused(tmp_path):
         load_gate(tmp_path / "missing.safetensors", make_cfg())
 
 
+@pytest.mark.parametrize("first_bytes", [b"\x80", b"PK"])
+def test_safetensors_gate_whose_header_length_looks_like_torch_save_loads(tmp_path, first_bytes):
+    """The header length is the file's first 8 bytes (little-endian): with some metadata lengths it starts
+    with pickle's protocol byte 0x80 or zip's "PK", which a first-bytes sniffer takes for torch.save output."""
+    g, path = random_gates(), tmp_path / "gate.safetensors"
+    target, modulus = int.from_bytes(first_bytes, "little"), 256 ** len(first_bytes)
+    pad = 0
+    for _ in range(3):  # the header grows with the metadata, padded to a multiple of 8 (as target is)
+        save_gate(path, g, {"command": "x" * pad})
+        n = int.from_bytes(path.read_bytes()[:8], "little")
+        if n % modulus == target:
+            break
+        pad += (target - n) % modulus
+    assert path.read_bytes().startswith(first_bytes)
+    h = load_gate(path, make_cfg())
+    assert torch.equal(h.q_weight, g.q_weight) and h.meta["command"] == "x" * pad
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gate_with_non_finite_weights_is_refused(tmp_path, bad):
+    g = random_gates()
+    with torch.no_grad():
+        g.k_base[1, 0, 2, 3] = bad
+    save_gate(tmp_path / "g.safetensors", g)
+    with pytest.raises(GateError, match=r"layer 1 k_base holds NaN or inf") as err:
+        load_gate(tmp_path / "g.safetensors", make_cfg())
+    assert "\n" not in str(err.value)
+    sd = authors_state_dict(32, 2, 3)
+    sd["q_proj.bias"][5] = bad
+    save_authors_file(tmp_path / "q4_dim16_sink16.pt", [sd])
+    with pytest.raises(GateError, match=r"layer 0 q_proj.bias holds NaN or inf"):
+        load_gate(tmp_path / "q4_dim16_sink16.pt", make_cfg(1, 32, 2, 3))
+
+
 def test_resolve_gate(tmp_path, monkeypatch):
     cfg = make_cfg(1, 32, 2, 4)
     monkeypatch.setattr(gate, "GATES_DIR", tmp_path / "gates")
