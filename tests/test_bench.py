@@ -154,7 +154,10 @@ def real(tmp_path_factory):
 
 
 def same_cache(a, b, exact=True):
-    """Same kept positions in every layer and head; keys and values equal bit for bit (exact) or to 1e-4."""
+    """Same kept positions in every layer and head; keys and values equal bit for bit (exact) or to 2e-5 of
+    their layer's largest entry: a second forward sums in another order (and the order depends on the thread
+    count), and fp32 rounding grows with the size of the terms, up to ~100 here. Measured: at most 4.6e-6 of
+    the scale (layer 15 values; 1.25e-4 absolute on layer 11's keys of magnitude 87)."""
     assert a.n_seen == b.n_seen
     for i, (x, y) in enumerate(zip(a.layers, b.layers)):
         assert torch.equal(x.lens, y.lens), f"layer {i}: kept lengths differ"
@@ -167,7 +170,7 @@ def same_cache(a, b, exact=True):
             if exact:
                 assert torch.equal(u, w), f"layer {i}: {name} differ, max |diff| {(u - w).abs().max():.3e}"
             else:
-                assert_close(u, w, atol=1e-4, name=f"layer {i} {name}")
+                assert_close(u, w, atol=0, scale_rtol=2e-5, name=f"layer {i} {name}")
 
 
 @pytest.mark.parametrize("method,level,budget", [("fastkvzip", "global", 0.3), ("fastkvzip", "calibrated", 0.2),
@@ -190,7 +193,7 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget):
         else:
             generate.prefill(model, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
         # generate.prefill_kvzip feeds the last token in a second forward (for its logits): its keys and
-        # values match the one-forward replay to rounding only, so KVzip is held to positions + 1e-4
+        # values match the one-forward replay to rounding only, so KVzip is held to positions + 2e-5 of scale
         same_cache(fast, real_cache, exact=method != "kvzip")
         kept = fast.kept_fraction_per_layer(s.n_protected, len(s.ids))
         assert abs(np.mean(kept) - budget) < 0.01 and min(kept) < 1.0
