@@ -119,15 +119,22 @@ class ModelConfig:
             gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelError(f"{path.parent}: unreadable JSON ({e}); re-download the config files") from None
+        for name, obj in (("config.json", d), ("generation_config.json", gen)):
+            if not isinstance(obj, dict):
+                raise ModelError(f"{path.parent / name} holds a JSON {type(obj).__name__}, not an object; "
+                                 f"re-download the config files")
         return cls.from_dict(d, gen)
 
     @classmethod
     def from_dict(cls, d: dict, generation_config: dict | None = None) -> "ModelConfig":
         """Accepts both transformers-5 keys (rope_parameters, layer_types) and the legacy keys of
         released checkpoints (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern)."""
-        eos = _ids(d.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
+        eos = _ids(d.get("eos_token_id"))
+        eos += _ids((generation_config or {}).get("eos_token_id"), "generation_config.json")
         model_type = d.get("model_type")
         if model_type == "gemma3" and "text_config" in d:  # multimodal: keep the text decoder only
+            if not isinstance(d["text_config"] or {}, dict):
+                raise ModelError("config.json: text_config must be an object")
             d = {"model_type": "gemma3_text", **{k: v for k, v in d.items() if k.endswith("token_id")},
                  **(d["text_config"] or {})}
             model_type = "gemma3_text"
@@ -138,6 +145,7 @@ class ModelConfig:
         if d.get("use_bidirectional_attention"):
             raise ModelError("bidirectional Gemma3 (EmbeddingGemma) is not a causal decoder: unsupported")
         d = {**_DEFAULTS[arch], **{k: v for k, v in d.items() if v is not None}}
+        _check_types(d)
         n_layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
         if heads % kv_heads:
@@ -177,8 +185,43 @@ def load_config(folder: str | Path) -> ModelConfig:
     return ModelConfig.from_json(folder)
 
 
-def _ids(x) -> list[int]:
-    return [] if x is None else [int(i) for i in (x if isinstance(x, list) else [x])]
+def _ids(x, where="config.json") -> list[int]:
+    ids = [] if x is None else x if isinstance(x, list) else [x]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelError(f"{where}: eos_token_id must be an integer >= 0 or a list of them, got {x!r}")
+    return ids
+
+
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "max_window_layers",
+          "sliding_window_pattern")
+_POSITIVE = ("rope_theta", "rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping")
+
+
+def _check_types(d: dict) -> None:
+    """Refuse config.json values of the wrong type or sign (a string size, a negative head count), which
+    would otherwise fail later in a traceback or build a silently wrong model."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    for key in _SIZES:
+        v = d.get(key)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            raise ModelError(f"config.json: {key} must be a positive integer, got {v!r}")
+    for key in _POSITIVE:
+        v = d.get(key)
+        if v is not None and not (number(v) and v > 0):
+            raise ModelError(f"config.json: {key} must be a positive number, got {v!r}")
+    if not (number(d.get("rms_norm_eps")) and d["rms_norm_eps"] >= 0):
+        raise ModelError(f"config.json: rms_norm_eps must be a number >= 0, got {d.get('rms_norm_eps')!r}")
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ModelError(f"config.json: {key} must be an object, got {d[key]!r}")
+    types = d.get("layer_types")
+    if types is not None and not (isinstance(types, list) and
+                                  all(t in ("full_attention", "sliding_attention") for t in types)):
+        raise ModelError("config.json: layer_types must be a list of 'full_attention' / 'sliding_attention'")
+    for key in ("hidden_act", "hidden_activation"):
+        if d.get(key) is not None and not isinstance(d[key], str):
+            raise ModelError(f"config.json: {key} must be a string, got {d[key]!r}")
 
 
 def _rope_parameters(arch: str, d: dict) -> dict[str, dict]:
@@ -446,6 +489,25 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def parse_device(spec: str | None) -> torch.device:
+    """A --device flag as typed (cpu, cuda, cuda:N; None = the default) -> torch.device, checked before
+    anything is loaded: ModelError if it is not a device, not supported, or not on this machine."""
+    if spec is None:
+        return default_device()
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ModelError(f"--device {spec!r} is not a device: use cpu or cuda (cuda:N for GPU N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ModelError(f"--device {spec!r}: only cpu and cuda are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s), "
+                         f"numbered from 0")
+    return device
+
+
 def load_model(folder: str | Path, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None) -> Transformer:
     """Build on the meta device, then assign the checkpoint's tensors shard by shard (never two copies).
@@ -460,7 +522,8 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    shapes = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    expected = {k for k in shapes if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     loaded, unexpected = set(), []
     for path in _weight_files(folder):
         tensors = {}
@@ -469,6 +532,10 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
                 for key in f.keys():
                     name = _checkpoint_name(key)
                     if name in expected:
+                        shape = tuple(f.get_slice(key).get_shape())  # checked before anything is read
+                        if shape != shapes[name]:
+                            raise ModelError(f"{path}: {key} has shape {shape}, config.json implies "
+                                             f"{shapes[name]}; config.json and weights do not match")
                         tensors[name] = f.get_tensor(key).to(dtype)  # store-bf16 -> fp32 on CPU
                     elif name is not None and not (cfg.tie_word_embeddings and name == "lm_head.weight"):
                         unexpected.append(key)

@@ -240,6 +240,37 @@ def test_bad_weights(checkpoints, tmp_path):
     _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "lacks")
 
 
+def test_bad_configs(checkpoints, tmp_path):
+    """config.json that is not an object, holds values of the wrong type or sign, or whose sizes do not
+    match the weights: one line naming the field, never a traceback or a silently different model."""
+    good = checkpoints("qwen3-gqa2-tied")[0]
+    shutil.copytree(good, tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    original = config.read_text()
+    config.write_text("[1, 2, 3]")
+    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "config.json holds a JSON list, not an object")
+    for key, value in (("hidden_size", "64"), ("num_attention_heads", -4), ("num_key_value_heads", 2.5),
+                       ("max_position_embeddings", True), ("rms_norm_eps", "small"), ("rope_theta", 0),
+                       ("eos_token_id", "2"), ("rope_scaling", "yarn"), ("layer_types", "full_attention")):
+        config.write_text(json.dumps({**json.loads(original), key: value}))
+        _one_line_error(lambda: M.load_config(tmp_path / "m"), key)
+    # shapes that parse but do not fit the weights: wider MLP, and more KV heads (so no "missing" tensor)
+    for key, value in (("intermediate_size", 96), ("num_key_value_heads", 4)):
+        config.write_text(json.dumps({**json.loads(original), key: value}))
+        _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "has shape", "config.json implies")
+    config.write_text(original)
+    assert M.load_model(tmp_path / "m", "cpu") is not None
+
+
+def test_parse_device():
+    assert M.parse_device("cpu") == torch.device("cpu") and M.parse_device(None) == M.default_device()
+    _one_line_error(lambda: M.parse_device("foo"), "--device 'foo' is not a device")
+    _one_line_error(lambda: M.parse_device("meta"), "only cpu and cuda")
+    if not torch.cuda.is_available():
+        _one_line_error(lambda: M.parse_device("cuda"), "CUDA is not available")
+    _one_line_error(lambda: M.parse_device(f"cuda:{torch.cuda.device_count()}"), "--device cuda:")
+
+
 def test_unreachable_hub_is_a_one_line_error(monkeypatch):
     import huggingface_hub.constants
 
