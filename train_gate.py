@@ -224,17 +224,75 @@ def shard_path(out, i):
     return Path(out) / "features" / f"doc{i:05d}.safetensors"
 
 
+def partial_dir(path):
+    """Where the shard `path` is written before it is renamed into place: a folder of its own, because
+    safetensors itself stages the file under a random hidden name beside its target (.tmpXXXXXX, as large
+    as the shard) that only a sweep of the folder can find after a SIGKILL."""
+    return path.with_name(f".{path.stem}.partial")
+
+
 def write_shard(path, hidden, scores, meta):
-    """Atomically: write to a temporary name, then rename (a killed run never leaves half a shard)."""
+    """Atomically: write into partial_dir(path), then rename (a killed run never leaves half a shard where
+    a shard is expected; the next run sweeps what it left, sweep_temporaries)."""
+    import shutil
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    # one metadata entry: safetensors writes several in no fixed order, and a resumed run must
-    # produce byte-identical files
-    save_file({"hidden": hidden.contiguous(), "scores": scores.contiguous()}, str(tmp),
-              metadata={"document": json.dumps(meta, sort_keys=True)})
-    os.chmod(tmp, 0o644)  # safetensors writes 0600
-    os.replace(tmp, path)
+    tmp_dir = partial_dir(path)
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    tmp = tmp_dir / path.name
+    try:
+        # one metadata entry: safetensors writes several in no fixed order, and a resumed run must
+        # produce byte-identical files
+        save_file({"hidden": hidden.contiguous(), "scores": scores.contiguous()}, str(tmp),
+                  metadata={"document": json.dumps(meta, sort_keys=True)})
+        os.chmod(tmp, 0o644)  # safetensors writes 0600
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:  # a full disk, above all
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())
+        raise UsageError(f"cannot write {path}: {why}; free space or pass another --out, then rerun the same "
+                         f"command to resume") from None
+    finally:  # also on Ctrl-C: no shard-sized leftovers
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def sweep_temporaries(out, docs, rank):
+    """Remove what interrupted writes left in --out: the partial folders of this rank's documents (no other
+    rank writes those), and on rank 0 the temporary files beside the shards and the gate (safetensors'
+    .tmpXXXXXX of a killed gate write; docNNNNN.tmpPID of earlier versions). Says how much disk it freed."""
+    import shutil
+    folder = Path(out) / "features"
+    found = [partial_dir(shard_path(out, i)) for i in docs]
+    if rank == 0:
+        found += [p for f in (folder, Path(out)) if f.is_dir() for p in f.iterdir()
+                  if p.is_file() and (p.name.startswith(".tmp") or ".tmp" in p.suffix)]
+    found = [p for p in found if p.exists()]
+    if not found:
+        return
+    size = sum(f.stat().st_size for p in found for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    print(f"removed {len(found)} temporaries of an interrupted run ({size / 2**20:.1f} MiB) from {folder}",
+          file=sys.stderr)
+
+
+def shard_problem(path, key):
+    """None if `path` is the complete shard of the document with doc_key `key`, else what is wrong with it.
+    Reads the header only: a shard cut short (a full disk, a copy that stopped) shows in its size."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        end = 8 + n + max(header[name]["data_offsets"][1] for name in ("hidden", "scores"))
+        document = json.loads(header["__metadata__"]["document"])
+    except Exception as e:  # anything unreadable is recomputed
+        return f"unreadable header ({type(e).__name__})"
+    size = path.stat().st_size
+    if size != end:
+        return f"{size} bytes where its header says {end} (truncated)"
+    if document.get("key") != key:
+        return "it holds another document"
+    return None
 
 
 def make_manifest(args, model_name, cfg, dtype, docs):
@@ -260,8 +318,11 @@ def check_manifest(out, manifest):
 
 def write_json(path, obj):
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def assign_ranks(lengths, world):
@@ -278,7 +339,18 @@ def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenize
     """Score and record every document of this rank that has no shard yet. The model is loaded only if
     there is work left."""
     rank_of = assign_ranks([len(ids) for _, ids in docs], world)
-    todo = [i for i in range(len(docs)) if rank_of[i] == rank and not shard_path(args.out, i).exists()]
+    mine = [i for i in range(len(docs)) if rank_of[i] == rank]
+    sweep_temporaries(args.out, mine, rank)
+    todo = []
+    for i in mine:
+        path = shard_path(args.out, i)
+        if path.exists():
+            problem = shard_problem(path, doc_key(*docs[i]))
+            if problem is None:
+                continue  # finished by an earlier run
+            print(f"{path}: {problem}; recomputing it", file=sys.stderr)
+            path.unlink()
+        todo.append(i)
     if not todo:
         return
     import model as M
@@ -524,8 +596,11 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = init_distributed()
-    device = torch.device(args.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-                                          if torch.cuda.is_available() else "cpu"))
+    device = M.parse_device(args.device) if args.device else torch.device(
+        f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    model_name = Path(args.model).name.lower() if args.model else DEFAULT_MODEL
+    args.out = args.out or str(Path("out") / model_name)
+    check_out(args.out)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              None: torch.bfloat16 if device.type == "cuda" else torch.float32}[args.dtype]
     if rank > 0:
@@ -535,8 +610,6 @@ def run(args):
         barrier()
     cfg = M.load_config(folder)
     tokenizer = M.load_tokenizer(folder)
-    model_name = Path(args.model).name.lower() if args.model else DEFAULT_MODEL
-    args.out = args.out or str(Path("out") / model_name)
     if args.prefill_chunk is None:
         args.prefill_chunk = 16000 if device.type == "cuda" else 4000
     if args.chat is None:
@@ -545,11 +618,14 @@ def run(args):
     system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
     # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
     max_context = cfg.max_position_embeddings - len(system) - args.teacher_chunk - 64
+    if max_context < args.min_doc_tokens:
+        raise UsageError(f"the model holds {cfg.max_position_embeddings} positions: with --teacher-chunk "
+                         f"{args.teacher_chunk} a document can have at most {max_context} context tokens, fewer "
+                         f"than --min-doc-tokens {args.min_doc_tokens}; lower them")
     docs = load_documents(args, tokenizer, max_context)
     manifest = make_manifest(args, model_name, cfg, dtype, docs)
     check_manifest(args.out, manifest)
     if rank == 0:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
         write_json(Path(args.out) / "manifest.json", manifest)
         n_tok = sum(len(ids) for _, ids in docs)
         print(f"{len(docs)} documents, {n_tok} context tokens -> {args.out}/features", file=sys.stderr)
@@ -583,6 +659,30 @@ def run(args):
     print(f"trained {args.steps} steps on {store.n_tokens} tokens in {metrics['seconds']:.0f} s "
           f"({metrics['steps_per_s']:.1f} steps/s); val BCE {sum(metrics['val_loss'][-1]) / L:.4f} "
           f"(constant {sum(metrics['const_val_loss']) / L:.4f}); gate -> {gate_path}")
+
+
+def check_out(out):
+    """--out must be a folder we can write into: checked before hours of work go into it."""
+    import tempfile
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise UsageError(f"--out {out} is not a writable folder ({e.strerror or e}); pass another --out") from None
+
+
+def interrupted(args):
+    """What a Ctrl-C leaves behind, in one line: the finished feature shards are kept; training restarts."""
+    try:
+        docs = json.loads((Path(args.out) / "manifest.json").read_text())["documents"]
+    except (TypeError, OSError, ValueError, KeyError):  # no --out yet, or no manifest written in it
+        return "interrupted before any feature was computed; nothing to keep"
+    done = sum((Path(args.out) / d["shard"]).is_file() for d in docs)
+    if done < len(docs):
+        return (f"interrupted: {done} of {len(docs)} feature shards are kept in {args.out}/features; rerun the "
+                f"same command to compute the other {len(docs) - done}{' and train' if args.steps else ''}")
+    return (f"interrupted: all {len(docs)} feature shards are kept in {args.out}/features; rerun the same "
+            f"command to train (training itself restarts from step 0)")
 
 
 def parse_args(argv=None):
@@ -620,13 +720,18 @@ def parse_args(argv=None):
     p.add_argument("--plot", action="store_true", help="also write curves.png (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or step log")
     args = p.parse_args(argv)
-    for flag in ("tokens", "min_doc_tokens", "max_doc_tokens", "batch_tokens", "teacher_chunk", "prefill_chunk"):
+    for flag in ("tokens", "min_doc_tokens", "max_doc_tokens", "batch_tokens", "teacher_chunk", "prefill_chunk",
+                 "threads"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.steps < 0 or args.long_doc_tokens < 0:
         p.error("--steps and --long-doc-tokens must be >= 0")
     if args.min_doc_tokens >= args.max_doc_tokens:
         p.error("--min-doc-tokens must be below --max-doc-tokens")
+    if 0 < args.long_doc_tokens <= args.min_doc_tokens:  # one document would already fill a "long" sample
+        p.error(f"--long-doc-tokens {args.long_doc_tokens} is not above --min-doc-tokens {args.min_doc_tokens}: "
+                f"every concatenation would be one document, repeating the single-document half; raise it, "
+                f"or pass 0 for single documents only")
     return args
 
 
@@ -638,6 +743,9 @@ def main(argv=None):
     except (UsageError, M.ModelError) as e:
         print(f"train_gate.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"\n{interrupted(args)}", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
