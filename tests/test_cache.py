@@ -230,3 +230,33 @@ def test_peak_counts_old_buffers_while_a_layer_is_relaid_out():
     per_token = H * 2 * d * 4  # K and V rows of every head, fp32
     assert cache.nbytes == L * 200 * per_token
     assert cache.peak_nbytes == L * 200 * per_token + 100 * per_token
+
+
+class FixedScorer:
+    """Precomputed scores (L, H, n) of the context positions, handed to the cache as it asks."""
+    level = "global"
+
+    def __init__(self, scores):
+        self.scores = scores
+
+    def score(self, l, hidden, q, k, pos):
+        return self.scores[l][:, pos]
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.3, 0.01])
+def test_kept_by_rule_is_what_the_cache_keeps(tiny, budget):
+    """gate.kept_by_rule (the agreement metrics' kept sets) against the cache itself: one prefill chunk
+    of the same scores keeps exactly the same pairs, window and empty-layer floor included."""
+    from gate import kept_by_rule
+    cfg = tiny.config
+    torch.manual_seed(6)
+    n, L, H = 100, len(cfg.compressed_layers), cfg.num_key_value_heads
+    scores = torch.rand(L, H, n)
+    cache = EvictingCache(cfg, FixedScorer(scores), n_protected=0)
+    with torch.no_grad():
+        prefill(tiny, cache, torch.randint(0, cfg.vocab_size, (n,)).tolist(), 0, budget, chunk_size=128, window=16)
+    keep, window = kept_by_rule(scores, budget, chunk_size=128, window=16)
+    assert window == min(2, int(budget * n))  # shorter than one chunk: the last 2% (less if the budget is)
+    for li, layer in enumerate(cache.compressed):
+        for h in range(H):
+            assert cache.layers[layer].head_pos(h).tolist() == keep[li, h].nonzero().squeeze(1).tolist()
