@@ -269,3 +269,22 @@ def test_plot_curves_writes_a_png(tmp_path):
     path = TG.plot_curves(m, tmp_path / "curves.png")
     assert path and (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]  # no temporary file left behind
+
+
+def test_training_corpus_is_broad_and_holds_no_evaluation_text():
+    """tools/fetch_assets.py's training corpus: all three sources, documents of about 2K-7K tokens, and
+    not one paragraph of the Austen novels (the evaluation text) nor a planted pass key."""
+    from tools import fetch_assets
+    fetch_assets.require_for_test("corpus")
+    docs = fetch_assets.text_docs("corpus")
+    assert {p.name.split("-", 1)[1] for p in docs} == {"wiki.txt", "sotu.txt", "pydoc.txt"}
+    assert [p.name.split("-", 1)[1] for p in docs[:3]] == ["wiki.txt", "sotu.txt", "pydoc.txt"]  # interleaved
+    austen = {p for f in fetch_assets.text_docs("austen") for p in f.read_text().split("\n\n") if len(p) > 200}
+    lo, hi = fetch_assets.CORPUS_DOC_CHARS
+    lengths = []
+    for f in docs:
+        text = f.read_text()
+        lengths.append(len(text))
+        assert "pass key" not in text.lower(), f.name
+        assert not austen & set(text.split("\n\n")), f.name
+    assert max(lengths) <= hi + 1 and sum(n >= lo for n in lengths) >= 0.95 * len(docs)

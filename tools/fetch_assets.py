@@ -296,9 +296,10 @@ def build_pydoc(out: Path, dl: Downloads) -> None:
 
 
 def pack(paragraphs: list[str], rng: random.Random) -> list[str]:
-    """Join paragraphs, in order, into documents whose lengths are drawn uniformly from
-    CORPUS_DOC_CHARS (a paragraph longer than a whole document is cut). A last piece shorter than the
-    lower bound joins the document before it."""
+    """Join paragraphs, in order, into documents of at most a length drawn uniformly from
+    CORPUS_DOC_CHARS (a paragraph longer than a whole document is cut). A document closes before the
+    paragraph that would take it past its length, so a few (2% of the corpus) fall short of the lower
+    bound; a last piece that short joins the document before it."""
     lo, hi = CORPUS_DOC_CHARS
     docs, doc, size, target = [], [], 0, rng.randint(lo, hi)
     for p in paragraphs:
