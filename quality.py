@@ -24,8 +24,6 @@ generate.prefill: the same plan, the same evict call, a bit-identical cache (tes
 KVzip the same kept positions as generate.prefill_kvzip, whose separate last-token forward changes
 keys and values by rounding only). Speed and memory go through the real path instead (bench.py).
 """
-import argparse
-import copy
 import json
 import math
 import os
@@ -178,9 +176,10 @@ class CaptureCache(TeacherCache):
 
 
 class Replay:
-    """Stands in for the model inside generate.prefill. Its one forward installs the captured full
-    prefill (every layer's KV, the last logits) into the evicting cache and asks the cache's own scorer
-    for the scores, exactly as EvictingCache.attend would have; generate.prefill then evicts as usual."""
+    """Stands in for the model inside generate.prefill. Its one forward installs a copy of the captured
+    full prefill into the evicting cache (EvictingCache.adopt: every layer's KV, scored by the cache's own
+    scorer from the captured inputs, exactly as attend would have) and returns the last logits;
+    generate.prefill then evicts as usual."""
 
     def __init__(self, full, logits):
         self.full, self.logits = full, logits
@@ -188,14 +187,7 @@ class Replay:
     def __call__(self, chunk, cache, num_logits=None):
         assert chunk.shape[0] == self.full.n_seen and cache.n_seen == 0, \
             "Replay covers a prompt prefilled in one chunk (context < --chunk-size)"
-        cache.layers = [copy.deepcopy(kv) for kv in self.full.layers]
-        for layer in cache.compressed:
-            hidden, q, k, pos = self.full.captured[layer]
-            score = cache._score(cache.index[layer], hidden, q, k, pos)  # (H, T), timed as gate_seconds
-            score[:, pos < cache.n_protected] = math.inf  # the system prompt is never evicted
-            cache.layers[layer].set_tail_scores(score)
-        cache.n_seen = self.full.n_seen
-        cache.peak_nbytes = self.full.peak_nbytes
+        cache.adopt(self.full, inputs=self.full.captured, keep_full=True)
         return self.logits
 
 
@@ -219,8 +211,7 @@ DEFAULT_LEVEL = dict(fastkvzip=G.GateScorer.level, kvzip=Precomputed.level, snap
 def method_cache(model, method, level, n_protected, args, seed, teacher_scores=None):
     """An empty evicting cache for one method, made by generate.make_cache as `generate.py --method`
     makes it. KVzip's scores arrive after prefill; for the replay they come precomputed."""
-    ns = argparse.Namespace(gate=args.gate, seed=seed, level=level, decode_budget=None)
-    cache = generate.make_cache(method, model, model_info(model)[0], n_protected, ns, args.model)
+    cache = generate.make_cache(method, model, args.model, n_protected, gate_file=args.gate, level=level, seed=seed)
     if method == "kvzip" and teacher_scores is not None:  # only KVzip: every other method keeps its own scorer
         cache.scorer = Precomputed(teacher_scores)
     return cache
