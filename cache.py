@@ -172,6 +172,28 @@ class EvictingCache(KVCache):
         self._track_peak(kv)
         return kv.attend(q, scale, window)
 
+    def adopt(self, full, scores=None, inputs=None, keep_full=False):
+        """Continue from `full`, a cache that prefilled system prompt ⊕ context without evicting: take over
+        its KV in every layer (deep copies if keep_full, so that full can be adopted again), its position
+        and its peak, and score every row of the compressed layers as attend() would have. The scores are
+        either given, (L_c, H, n_context) for the context (KVzip's teacher, generate.prefill_kvzip), or
+        computed now by this cache's scorer from the prefill's attention inputs, inputs[layer] =
+        (hidden, q, k, pos) (the benchmark's replay, timed as gate_seconds). The system prompt scores
+        +inf: never evicted. Then evict() as after any prefill."""
+        assert self.n_seen == 0 and (scores is None) != (inputs is None), "adopt: an empty cache; scores or inputs"
+        self.layers = [copy.deepcopy(kv) for kv in full.layers] if keep_full else full.layers
+        self.n_seen, self.peak_nbytes = full.n_seen, full.peak_nbytes
+        for l, layer in enumerate(self.compressed):
+            kv = self.layers[layer]
+            if inputs is None:
+                system = torch.full((kv.n_heads, self.n_protected), math.inf, device=scores[l].device)
+                score = torch.cat([system, scores[l]], dim=1)  # the cache holds exactly system ⊕ context
+            else:
+                hidden, q, k, pos = inputs[layer]
+                score = self._score(l, hidden, q, k, pos)  # (H, T)
+                score[:, pos < self.n_protected] = math.inf
+            kv.set_tail_scores(score)
+
     def _score(self, l, hidden, q, k, pos):
         t0 = time.perf_counter()
         score = self.scorer.score(l, hidden, q, k, pos).float()  # (H, T)
