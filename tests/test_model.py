@@ -233,7 +233,8 @@ def test_llama3_frequencies_match_transformers_at_llama31_8b_size():
 
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
-    hf = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072, rope_parameters=dict(rope))
+    hf = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+                     rope_parameters=dict(rope))
     expected, expected_factor = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     inv_freq, factor = M.rope_inv_freq(rope, 128)
     assert_close(inv_freq, expected, atol=0, name="llama3 inv_freq")

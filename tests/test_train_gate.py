@@ -193,7 +193,8 @@ def test_features_stored_as_fp16_train_in_the_model_dtype(qwen, tmp_path, monkey
     import gate
     from types import SimpleNamespace as NS
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
-    smollm2, gemma3 = NS(compressed_layers=range(30), hidden_size=576), NS(compressed_layers=[5, 11, 17], hidden_size=640)
+    smollm2 = NS(compressed_layers=range(30), hidden_size=576)
+    gemma3 = NS(compressed_layers=[5, 11, 17], hidden_size=640)
     assert TG.feature_dtype("auto", f32, smollm2) == f16 and TG.feature_dtype("auto", f32, gemma3) == f32
     assert TG.feature_dtype("auto", bf16, smollm2) == bf16 and TG.feature_dtype("float32", f32, smollm2) == f32
 
