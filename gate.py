@@ -377,8 +377,11 @@ def load_gate(path, cfg, dtype=None, device=None):
 
 
 def _model_slug(model_name):
-    """The authors' naming: the last path component, lower-cased (Qwen/Qwen3-8B -> qwen3-8b)."""
-    return str(model_name).rstrip("/").split("/")[-1].lower()
+    """The authors' naming: the last path component, lower-cased (Qwen/Qwen3-8B -> qwen3-8b), of the repo id
+    an alias stands for (qwen2.5-7b-1m -> Qwen/Qwen2.5-7B-Instruct-1M -> qwen2.5-7b-instruct-1m)."""
+    from model import ALIASES
+    name = ALIASES.get(str(model_name).lower(), str(model_name))
+    return name.rstrip("/").split("/")[-1].lower()
 
 
 def resolve_gate(arg, cfg, model_name, dtype=None, device=None):
