@@ -3,18 +3,20 @@ Teach the gates: one command from raw text to a trained gate file (METHOD.md §4
 
 Three steps, each visible below in the order they run:
   1. data      pick documents (METHOD.md §5.1): 10K-30K-token documents plus ~100K-token
-               concatenations of the same documents, ~1M tokens in all.
+               concatenations of the same documents, ~1M tokens in all; 5% of the documents are
+               held out whole for validation (--val-docs) and never enter a concatenation.
   2. features  for every document, prefill system prompt + context with a full cache, score every
                context KV pair with the KVzip teacher (gate.py, METHOD.md §4) and record the
                attention-input hidden states of the compressed layers. One shard file per document,
                written atomically under --out/features, so an interrupted run resumes where it stopped.
   3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft targets,
-               every 100th token held out, SGD momentum 0.9, lr 0.2 with the authors' piecewise
-               schedule, 5,000 steps of 1,000 tokens, all layers batched through gate.Gates.
+               SGD momentum 0.9, lr 0.2 with the authors' piecewise schedule, 5,000 steps of 1,000
+               tokens (5 epochs of the recipe's 1M tokens), all layers batched through gate.Gates; then
+               the gate's agreement with its teacher on the held-out documents (gate.agreement).
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors (gate.save_gate,
 with a training summary in its metadata), metrics.json (per-layer train/validation loss and accuracy
-over steps), curves.png with --plot, and a per-layer table on stdout.
+over steps, and the agreement), curves.png with --plot, and per-layer tables on stdout.
 
 Cost of the default run (~1M tokens), Qwen3-8B on one 80 GB GPU (estimates; the paper reports 0.59
 H100-hours for the whole phase, METHOD.md §5.5):
