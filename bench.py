@@ -6,7 +6,7 @@ before any question is seen, then asked pass keys, key-value pairs, and scored b
 each method relative to the full cache. Speed and memory (below): the real path, generate.prefill /
 prefill_kvzip then decode, on fresh caches; on a GPU also random weights in Qwen3-8B's shape.
 
-CPU examples (1 thread; times on the 2-core dev VM when no other job runs, ~1.3x longer beside one):
+CPU examples (1 thread; times on 2 CPU cores when no other job runs, ~1.3x longer beside one):
     python bench.py --quick             # smoke run, ~2 min: 2 contexts, budgets 0.5/0.2, every method
     python bench.py --plot              # full run, ~3.5 h: 18 contexts of 2K/4K/8K x 7 budgets x 7 configs
                                         #   (~3.2 h) + speed at 2K/8K/16K (~20 min)
@@ -119,7 +119,7 @@ def speed(model, teacher, lengths, ids_for, args, tag="cpu"):
     return rows
 
 
-# Qwen3-8B's published shape (HF config), with the YaRN scaling the authors use for long contexts (§9)
+# Qwen3-8B's published shape (HF config), with the YaRN scaling the authors use for long contexts (METHOD.md §9)
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=131072, rope_theta=1e6,
@@ -274,7 +274,7 @@ def parse_args(argv=None):
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
     p.add_argument("--seed", type=int, default=0, help="seed for contexts, needles, random scores, bootstrap")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default). 1: on the "
-                   "2-core dev VM, 2 threads made the whole run 5x slower (small decode ops, other load)")
+                   "2-core CPU, 2 threads made the whole run 5x slower (small decode ops, other load)")
     p.add_argument("--out", help="output folder (default results/<timestamp>/)")
     p.add_argument("--plot", action="store_true", help="also draw relative.png (needs matplotlib)")
     p.add_argument("--shard", default="0/1", help="k/n: run only the quality contexts c with c %% n == k, to "

@@ -76,7 +76,7 @@ def sink_gate(x, q_weight, q_bias, k_weight, q_norm, k_norm, k_base, b, bias_mul
     t = torch.einsum("lnhgd,lhsd->lhngs", q, k_base.float()) / math.sqrt(Dp)  # (L, H, N, G, S)
     # 1 / (1 + Σ_r exp(t_r − s)) written stably; equal to the literal form to ~1e-7 (tests/test_gate.py)
     score = torch.sigmoid(s - torch.logsumexp(t, dim=-1))                 # (L, H, N, G)
-    return score.mean(-1)  # MEAN over the G query groups, not max (§1.4 step 6, §13.3)
+    return score.mean(-1)  # MEAN over the G query groups, not max (§1.4 step 4, §12.3)
 
 
 class Gates(nn.Module):
@@ -520,7 +520,7 @@ class SnapKVScorer(Scorer):
 # whole context's. Compressed layers: all for Qwen3, only the global ones for Gemma3 (METHOD.md §9).
 #
 # Softmax dtype: fp32 by default. The authors compute the logits and the softmax in the model dtype
-# (bf16, METHOD.md §4.3, §13.10): a bf16 logit of ~20 is only known to ±0.06, i.e. ±6% on its
+# (bf16, METHOD.md §4.3, §12.10): a bf16 logit of ~20 is only known to ±0.06, i.e. ±6% on its
 # probability, and the max over ~2,000 queries picks the rounding errors that went up. In fp32 the
 # targets depend only on the model, not on the device (CPU fp32 and GPU bf16 runs agree up to the
 # model's own rounding), at the cost of one fp32 (Hq, 2K, 4K) matrix per layer — small next to the

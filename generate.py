@@ -71,7 +71,7 @@ def prefill(model, cache, ids, n_protected, budget=1.0, chunk_size=16384, window
 
 
 def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=1.0, chunk_size=16384, window=4096):
-    """KVzip as an inference method (METHOD.md §6 "non-chunked variant"): prefill the whole context with
+    """KVzip as an inference method (METHOD.md §6, §13.4): prefill the whole context with
     nothing evicted, score it with the reconstruction teacher (about a second prefill), then evict once,
     with the same budget rule as the gate. Peak memory is the full context: the cost the gate removes."""
     full = teacher.new_cache()

@@ -12,7 +12,7 @@ turns it, once, into an ordinary Hugging Face-layout folder that model.py (and t
         tokenizer_config.json   the few fields AutoTokenizer needs
         conversion.json         provenance: source GGUF, converter version
 
-Conversion (notes/offline-assets.md §1; about a minute on 2 cores, peak RSS about 1 GB):
+Conversion (about a minute on 2 cores, peak RSS about 1 GB):
   * dequantize every tensor with gguf.quants.dequantize; its output shape is the GGUF shape reversed,
     which is already torch's [out, in] Linear layout;
   * rename llama.cpp tensors to Hugging Face names (table below);

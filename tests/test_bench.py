@@ -83,7 +83,7 @@ def test_summarize_rows_and_figure10_average():
     lo, hi = avg["ci"]
     assert lo <= avg["relative"] + 1e-9 and hi >= avg["relative"] - 1e-9
     assert get("passkey", "full")["relative"] == 1.0 and get("passkey", "full")["n"] == 60
-    for r in rows:  # the JSON contract of issue 6
+    for r in rows:  # the JSON contract of generate.py --json
         assert {"task", "method", "budget", "score", "relative", "n", "level", "kept_fraction_per_layer", "ci"} <= r.keys()
 
 
