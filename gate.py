@@ -52,7 +52,7 @@ def rms_norm(x, weight, eps=RMS_EPS):
     return weight * xf.to(x.dtype)
 
 
-def sink_gate(x, q_weight, q_bias, k_weight, q_norm, k_norm, k_base, b, bias_multiplier=1):
+def sink_gate(x, q_weight, q_bias, k_weight, q_norm, k_norm, k_base, b):
     """The gate's math, for L layers at once (METHOD.md §1.4). Returns (L, H, N) float32 in (0, 1).
 
     x (L, N, D) hidden states; q_weight (L, H·G·D', D), q_bias (L, H·G·D'), k_weight (L, H·D', D),
@@ -68,10 +68,9 @@ def sink_gate(x, q_weight, q_bias, k_weight, q_norm, k_norm, k_base, b, bias_mul
     # q_proj's output is head-major: column h·G·D' + g·D' + i (METHOD.md §1.4 step 1)
     q = rms_norm(q.view(L, N, H, G, Dp), q_norm.view(L, 1, 1, 1, Dp))    # (L, N, H, G, D') fp32
     k = rms_norm(k.view(L, N, H, Dp), k_norm.view(L, 1, 1, Dp))          # (L, N, H, D') fp32
-    # -- own-key logit (b added ONCE, as every official inference path does: §1.5) --
+    # -- own-key logit, b added ONCE in training and inference alike (§1.5) --
     s = torch.einsum("lnhgd,lnhd->lhng", q, k) / math.sqrt(Dp)            # (L, H, N, G)
-    bias = b.float() if bias_multiplier == 1 else bias_multiplier * b.float()
-    s = s + bias.unsqueeze(2)
+    s = s + b.float().unsqueeze(2)
     # -- sink logits: the same queries against the S learned sink keys (k_base is not normalised) --
     t = torch.einsum("lnhgd,lhsd->lhngs", q, k_base.float()) / math.sqrt(Dp)  # (L, H, N, G, S)
     # 1 / (1 + Σ_r exp(t_r − s)) written stably; equal to the literal form to ~1e-7 (tests/test_gate.py)
@@ -86,21 +85,16 @@ class Gates(nn.Module):
     k_proj (no bias) in `dtype` (the LLM's dtype: bf16 for released gates), q_norm/k_norm weights and the
     S sink keys k_base in fp32, the per-group bias b in `dtype`. Index l is the position in
     cfg.compressed_layers (Qwen3: every layer; Gemma3: the global layers only, §9).
-
-    train_bias_multiplier m (1 or 2): the gate computes s = q·k/√D' + m·b. m = 2 reproduces the authors'
-    training code, which adds b twice (optim.py, §1.5). Files always store the one-b form — `save_gate`
-    writes m·b — so a saved gate, loaded anywhere with one b (ours, the authors' inference, kvpress),
-    computes exactly the function that was trained. Loaded gates have m = 1.
+    The bias b is added once, as in every inference path of the authors (their training script adds it
+    twice, §1.5): a gate trained here computes at inference exactly the function that was trained.
     """
 
     def __init__(self, n_layers, hidden, n_kv_heads, group, dim=16, sinks=16, dtype=torch.float32,
-                 device=None, train_bias_multiplier=1):
+                 device=None):
         super().__init__()
         assert sinks >= 1, "a gate needs at least one sink key (the authors' sink=0 branch is unused, §1.5)"
-        assert train_bias_multiplier in (1, 2), "train_bias_multiplier is 1 (inference form) or 2 (optim.py)"
         L, D, H, G, Dp, S = n_layers, hidden, n_kv_heads, group, dim, sinks
         self.n_layers, self.hidden, self.n_kv_heads, self.group, self.dim, self.sinks = L, D, H, G, Dp, S
-        self.train_bias_multiplier = train_bias_multiplier
         self.meta = {}  # what the gate file said about itself (model, layers, training summary)
         kw = dict(device=device)
         self.q_weight = nn.Parameter(torch.empty(L, H * G * Dp, D, dtype=dtype, **kw))  # q_proj.weight
@@ -141,17 +135,17 @@ class Gates(nn.Module):
         """Training form: hidden (L, N, D), the same N tokens in every layer -> scores (L, H, N)."""
         assert hidden.dim() == 3 and hidden.shape[0] == self.n_layers, \
             f"expected hidden (L={self.n_layers}, N, D), got {tuple(hidden.shape)}"
-        return sink_gate(hidden, *self._params(), bias_multiplier=self.train_bias_multiplier)
+        return sink_gate(hidden, *self._params())
 
     def score_layer(self, l, hidden):
         """Inference form: hidden (N, D) of compressed layer l -> scores (H, N)."""
         assert hidden.dim() == 2, f"expected hidden (N, D) for one layer (batch 1), got {tuple(hidden.shape)}"
         params = self._params(slice(l, l + 1))  # views, no copy
-        return sink_gate(hidden.unsqueeze(0), *params, bias_multiplier=self.train_bias_multiplier)[0]
+        return sink_gate(hidden.unsqueeze(0), *params)[0]
 
     # -- per-layer state dicts in the authors' key names and shapes (§1.2); used by both file formats --
     def layer_state_dict(self, l):
-        """Layer l as the authors' `Weight` state dict (one-b form: b is stored multiplied by m)."""
+        """Layer l as the authors' `Weight` state dict."""
         return {
             "q_proj.weight": self.q_weight[l].detach(),
             "q_proj.bias": self.q_bias[l].detach(),
@@ -159,7 +153,7 @@ class Gates(nn.Module):
             "q_norm.weight": self.q_norm[l].detach(),
             "k_norm.weight": self.k_norm[l].detach(),
             "k_base": self.k_base[l].detach().unsqueeze(1),                    # (H, 1, S, D')
-            "b": (self.b[l].detach() * self.train_bias_multiplier).unsqueeze(1),  # (H, 1, G)
+            "b": self.b[l].detach().unsqueeze(1),                              # (H, 1, G)
         }
 
     @classmethod
@@ -251,8 +245,7 @@ def save_gate(path, gates, meta=None):
     header = dict(meta or {})
     header.update(format=GATE_FORMAT, n_layers=gates.n_layers, hidden_size=gates.hidden,
                   n_kv_heads=gates.n_kv_heads, group=gates.group, dim=gates.dim, sinks=gates.sinks,
-                  dtype=str(gates.dtype).removeprefix("torch."), bias="added once",
-                  trained_bias_multiplier=gates.train_bias_multiplier)
+                  dtype=str(gates.dtype).removeprefix("torch."), bias="added once")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
