@@ -134,7 +134,7 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     elif method == "snapkv":
         if decode_budget is not None:
             raise UsageError("--method snapkv scores prefill chunks only; drop --decode-budget")
-        scorer = gate.SnapKVScorer(scale=cfg.attn_scale(cfg.compressed_layers[0]))
+        scorer = gate.SnapKVScorer(scale=cfg.attn_scale)
     elif method == "random":
         scorer = gate.RandomScorer(seed, n_kv_heads=H)
     elif method == "kvzip":

@@ -47,13 +47,13 @@ _DEFAULTS = {
     "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                   num_attention_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28,
-                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None),
     "gemma3": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
                    tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
                    sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-                   bos_token_id=2, eos_token_id=1, pad_token_id=0),
+                   bos_token_id=2, eos_token_id=1),
 }
 _END_OF_TURN = {"qwen3": 151645, "gemma3": 106}  # <|im_end|> / <end_of_turn>: chat models stop on them
 _ROPE_TYPES = ("default", "linear", "yarn")
@@ -81,8 +81,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # lm_head shares model.embed_tokens.weight
     eos_token_ids: list[int] = field(default_factory=list)  # stop ids: config + generation_config + end of turn
     bos_token_id: int | None = None
-    pad_token_id: int | None = None
-    torch_dtype: str | None = None  # dtype the checkpoint is stored in (informational)
 
     @property
     def group_size(self) -> int:
@@ -96,8 +94,9 @@ class ModelConfig:
             return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
         return list(range(self.num_hidden_layers))
 
-    def attn_scale(self, layer: int) -> float:
-        """Softmax scale of layer `layer` (the same for every layer of both families)."""
+    @property
+    def attn_scale(self) -> float:
+        """Softmax scale of every attention layer (both families use one scale for all layers)."""
         return self.query_pre_attn_scalar ** -0.5
 
     def window(self, layer: int) -> int | None:
@@ -168,13 +167,7 @@ class ModelConfig:
             final_logit_softcapping=d.get("final_logit_softcapping") if arch == "gemma3" else None,
             attention_bias=bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d["tie_word_embeddings"]),
-            eos_token_ids=sorted(set(eos)), bos_token_id=d.get("bos_token_id"), pad_token_id=d.get("pad_token_id"),
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"))
-
-
-def load_config(folder: str | Path) -> ModelConfig:
-    """The ModelConfig of a model folder (config.json + generation_config.json)."""
-    return ModelConfig.from_json(folder)
+            eos_token_ids=sorted(set(eos)), bos_token_id=d.get("bos_token_id"))
 
 
 def _ids(x) -> list[int]:
@@ -297,7 +290,7 @@ class Attention(nn.Module):
         d, bias = cfg.head_dim, cfg.attention_bias
         self.layer, self.head_dim = layer, d
         self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.scale, self.window = cfg.attn_scale(layer), cfg.window(layer)
+        self.scale, self.window = cfg.attn_scale, cfg.window(layer)
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)

@@ -132,17 +132,17 @@ def test_sharded_checkpoint_really_is_sharded(checkpoints):
 
 def test_configs_parsed_as_intended(checkpoints):
     """The legacy mappings are checked against transformers above; here, against the intent itself."""
-    legacy = M.load_config(checkpoints("gemma3-legacy")[0])
+    legacy = M.ModelConfig.from_json(checkpoints("gemma3-legacy")[0])
     assert legacy.layer_types == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
     assert legacy.rope["full_attention"] == {"rope_type": "linear", "factor": 4.0, "rope_theta": 200_000.0}
     assert legacy.rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 5_000.0}
     assert legacy.compressed_layers == [2] and legacy.window(0) == 8 and legacy.window(2) is None
-    assert legacy.attn_scale(0) == 24 ** -0.5 and legacy.final_logit_softcapping == 5.0
-    mm = M.load_config(checkpoints("gemma3-multimodal-old")[0])
+    assert legacy.attn_scale == 24 ** -0.5 and legacy.final_logit_softcapping == 5.0
+    mm = M.ModelConfig.from_json(checkpoints("gemma3-multimodal-old")[0])
     assert mm.arch == "gemma3" and mm.eos_token_ids == [1, 106] and mm.tie_word_embeddings
-    yarn = M.load_config(checkpoints("qwen3-legacy-yarn")[0])
+    yarn = M.ModelConfig.from_json(checkpoints("qwen3-legacy-yarn")[0])
     assert yarn.rope["full_attention"]["rope_type"] == "yarn" and yarn.compressed_layers == [0, 1]
-    assert yarn.group_size == 4 and yarn.attn_scale(0) == 16 ** -0.5
+    assert yarn.group_size == 4 and yarn.attn_scale == 16 ** -0.5
 
 
 def test_released_config_layouts():

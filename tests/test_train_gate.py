@@ -136,7 +136,7 @@ def test_training_beats_the_best_constant(qwen, tmp_path):
     assert min(closed) > 0.1 and sum(closed) / len(closed) > 0.2, (closed, m["val_loss"][-1], m["const_val_loss"])
 
     manifest = json.loads((out / "manifest.json").read_text())
-    cfg = M.load_config(qwen)
+    cfg = M.ModelConfig.from_json(qwen)
     store = TG.FeatureStore(out, manifest)
     assert store.n_tokens == sum(d["tokens"] for d in manifest["documents"])
     x, y = store.gather(torch.arange(store.n_tokens))
