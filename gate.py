@@ -22,7 +22,6 @@ Sections, in data-path order:
 """
 import json
 import math
-import os
 import re
 from pathlib import Path
 
@@ -237,8 +236,10 @@ def save_gate(path, gates, meta=None):
     """Write `gates` as safetensors: per-layer tensors `layers.{i}.<authors' key>` in the authors' shapes
     and dtypes (b in the one-b form), plus JSON metadata in the header under "fastkvzip". meta: free-form
     JSON-able dict; conventional keys "model" (id), "layers" (compressed layer ids), "training" (summary).
-    The write is atomic: a temporary file in the same folder, then os.replace."""
+    The write is atomic (cli.atomic_path)."""
     from safetensors.torch import save_file
+
+    from cli import atomic_path
     path = Path(path)
     tensors = {f"layers.{l}.{key}": t.to("cpu").clone().contiguous()  # clone: no shared storage
                for l in range(gates.n_layers) for key, t in gates.layer_state_dict(l).items()}
@@ -247,12 +248,8 @@ def save_gate(path, gates, meta=None):
                   n_kv_heads=gates.n_kv_heads, group=gates.group, dim=gates.dim, sinks=gates.sinks,
                   dtype=str(gates.dtype).removeprefix("torch."), bias="added once")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt", "fastkvzip": json.dumps(header)})
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _read_safetensors(path):

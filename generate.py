@@ -18,10 +18,12 @@ import time
 
 import torch
 
+import cli
+import model as M
 from cache import EvictingCache, KVCache, LEVELS, plan_prefill
+from cli import UsageError
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
-DEFAULT_MODEL = "gemma3-270m-gguf"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -147,13 +149,8 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
                          decode_budget=decode_budget)
 
 
-class UsageError(Exception):
-    """Bad input: printed as one line, exit code 2."""
-
-
 def build_inputs(tok, fmt, args):
     """(prefill ids, number of protected system-prompt ids, list of (question text, question ids))."""
-    import model as M
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     if args.context_file:
         try:
@@ -172,17 +169,13 @@ def build_inputs(tok, fmt, args):
 
 
 def run(args):
-    import model as M
     if not 0 < args.budget <= 1:
         raise UsageError(f"--budget must be in (0, 1] (the fraction of context KV pairs kept), got {args.budget}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-             None: torch.bfloat16 if device.type == "cuda" else torch.float32}[args.dtype]
     folder = M.resolve_model(args.model)
-    model = M.load_model(folder, device, dtype)
+    model = M.load_model(folder, device, M.compute_dtype(args.dtype, device))
     cfg, tok = model.config, M.load_tokenizer(folder)
-    chat = args.chat if args.chat is not None else args.model != DEFAULT_MODEL  # the offline model is a base model
-    fmt = M.prompt_format(cfg, args.model, chat=chat, thinking=args.thinking)
+    fmt = M.prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
     ids, n_protected, questions = build_inputs(tok, fmt, args)
     longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens
     if longest > cfg.max_position_embeddings:
@@ -272,8 +265,8 @@ def retention_map(ret, layers):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local folder, HF repo id, or alias (qwen3-8b, "
-                   f"gemma3-12b, ...); default: {DEFAULT_MODEL}, Gemma 3 270M converted offline from PyPI")
+    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, "
+                   f"gemma3-12b, ...); default: {M.OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
     p.add_argument("--prompt", help="text to continue (it is the context that gets compressed)")
     p.add_argument("--context-file", help="a text file to prefill and compress before any question")
     p.add_argument("--question", action="append", help="a question about the context (repeatable; "
@@ -311,14 +304,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    import model as M
     import gate
-    try:
-        run(args)
-    except (UsageError, M.ModelError, gate.GateError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.main(run, parse_args(argv), M.ModelError, gate.GateError)
 
 
 if __name__ == "__main__":

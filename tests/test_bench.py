@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench  # noqa: E402
 import quality  # noqa: E402
+from cli import UsageError  # noqa: E402
 from helpers import assert_close  # noqa: E402
 import gate as G  # noqa: E402
 import generate  # noqa: E402
@@ -140,11 +141,11 @@ def real(tmp_path_factory):
     import fetch_assets
     import model as M
     fetch_assets.require_for_test("austen_parts")
-    folder = M.resolve_model(generate.DEFAULT_MODEL)
+    folder = M.resolve_model(M.OFFLINE_DEFAULT)
     model = M.load_model(folder, "cpu", torch.float32)
     tok = M.load_tokenizer(folder)
-    fmt = M.prompt_format(model.config, generate.DEFAULT_MODEL, chat=False)
-    gate_path = G.GATES_DIR / f"{generate.DEFAULT_MODEL}.safetensors"
+    fmt = M.prompt_format(model.config, M.OFFLINE_DEFAULT, chat=False)
+    gate_path = G.GATES_DIR / f"{M.OFFLINE_DEFAULT}.safetensors"
     if not gate_path.is_file():  # before train_gate.py has bundled one: a random gate exercises the same code
         cfg = model.config
         torch.manual_seed(0)
@@ -279,7 +280,7 @@ def test_shards_resume_and_merge_equal_one_run(real, quick, tmp_path):
     run("b")  # b as one whole run: resumes, runs only the context it lacks
     assert sorted(p.name for p in (tmp_path / "b" / "contexts").iterdir()) == ["context-000.json", "context-001.json"]
     assert rows(tmp_path / "b") == rows(quick)
-    with pytest.raises(quality.BenchError, match="another configuration"):  # other flags: refused, not mixed
+    with pytest.raises(UsageError, match="another configuration"):  # other flags: refused, not mixed
         run("b", "--seed", "1")
 
 
@@ -308,7 +309,7 @@ def test_bad_shard_and_merge_flags_are_refused(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--shard", shard])
         assert e.value.code == 2 and f"--shard {shard}: expected k/n" in capsys.readouterr().err
-    with pytest.raises(quality.BenchError, match="needs --out"):
+    with pytest.raises(UsageError, match="needs --out"):
         bench.main(["--merge", str(tmp_path)])
-    with pytest.raises(quality.BenchError, match="config.json missing"):
+    with pytest.raises(UsageError, match="config.json missing"):
         bench.main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "merged")])

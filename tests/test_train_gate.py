@@ -223,7 +223,7 @@ def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
     with pytest.raises(SystemExit) as e:
         run_main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("train_gate.py: error: "), err
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
     assert expect[case] in err[0], err[0]
 
 
