@@ -178,200 +178,6 @@ class Gates(nn.Module):
 
 
 # =================================================================================================
-# 2. Gate files
-# =================================================================================================
-
-LAYER_KEYS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight",
-              "k_base", "b")
-GATE_FORMAT = "fastkvzip-gate/1"
-GATES_DIR = Path(__file__).resolve().parent / "gates"  # gates bundled with the repository
-RELEASED_REPO = "Jang-Hyun/Fast-KVzip"  # the authors' released gates on the HF hub (METHOD.md §2)
-RELEASED_MODELS = ("qwen2.5-7b-instruct-1m", "qwen2.5-14b-instruct-1m", "qwen3-8b", "qwen3-14b",
-                   "qwen3-8b-fp8", "qwen3-4b-instruct-2507", "gemma-3-12b-it")
-
-
-def infer_dims(layers):
-    """D', H, G, S and D from the authors' per-layer state dicts, as their loader does (§1.2), checking
-    that every layer has every key with exactly the expected shape."""
-    if not isinstance(layers, (list, tuple)) or not layers:
-        raise GateError("gate file holds no per-layer state dicts")
-    sd = layers[0]
-    if not isinstance(sd, dict) or any(key not in sd or not torch.is_tensor(sd[key]) for key in LAYER_KEYS):
-        raise GateError(f"gate layer 0 must be a state dict with tensors {', '.join(LAYER_KEYS)}")
-    if sd["k_proj.weight"].dim() != 2 or sd["q_norm.weight"].dim() != 1 or sd["k_proj.weight"].shape[0] == 0:
-        raise GateError("gate layer 0: k_proj.weight must be (H·D', D) and q_norm.weight (D',)")
-    Dp = sd["q_norm.weight"].shape[-1]
-    HDp, D = sd["k_proj.weight"].shape
-    H, G = HDp // Dp, sd["q_proj.weight"].shape[0] // HDp
-    S = sd["k_base"].shape[2] if sd["k_base"].dim() == 4 else -1
-    expected = {"q_proj.weight": (H * G * Dp, D), "q_proj.bias": (H * G * Dp,), "k_proj.weight": (H * Dp, D),
-                "q_norm.weight": (Dp,), "k_norm.weight": (Dp,), "k_base": (H, 1, S, Dp), "b": (H, 1, G)}
-    for i, layer in enumerate(layers):
-        for key, shape in expected.items():
-            got = tuple(layer[key].shape) if isinstance(layer, dict) and key in layer else None
-            if got != shape:
-                raise GateError(f"gate layer {i}: {key} has shape {got}, expected {shape} "
-                                f"(D'={Dp}, H={H}, G={G}, S={S}, hidden {D})")
-    if S < 1:
-        raise GateError("gate has no sink keys (the authors' unused sink=0 variant): not supported")
-    return dict(dim=Dp, n_kv_heads=H, group=G, sinks=S, hidden=D)
-
-
-def _model_dims(cfg):
-    group = getattr(cfg, "group_size", cfg.num_attention_heads // cfg.num_key_value_heads)
-    return dict(layers=len(cfg.compressed_layers), hidden=cfg.hidden_size, H=cfg.num_key_value_heads, G=group)
-
-
-def check_fits(dims, n_layers, cfg, source):
-    """Refuse a gate shaped for another model, naming both shapes in one line."""
-    want = _model_dims(cfg)
-    have = dict(layers=n_layers, hidden=dims["hidden"], H=dims["n_kv_heads"], G=dims["group"])
-    if have != want:
-        fmt = lambda d: f"{d['layers']} layers, hidden {d['hidden']}, H={d['H']}, G={d['G']}"
-        raise GateError(f"gate {source} does not fit the model: the file has {fmt(have)}; "
-                        f"the model has {fmt(want)} (compressed layers, hidden size, KV heads, group)")
-
-
-def save_gate(path, gates, meta=None):
-    """Write `gates` as safetensors: per-layer tensors `layers.{i}.<authors' key>` in the authors' shapes
-    and dtypes (b in the one-b form), plus JSON metadata in the header under "fastkvzip". meta: free-form
-    JSON-able dict; conventional keys "model" (id), "layers" (compressed layer ids), "training" (summary).
-    The write is atomic (cli.atomic_path)."""
-    from safetensors.torch import save_file
-
-    from cli import atomic_path
-    path = Path(path)
-    tensors = {f"layers.{l}.{key}": t.to("cpu").clone().contiguous()  # clone: no shared storage
-               for l in range(gates.n_layers) for key, t in gates.layer_state_dict(l).items()}
-    header = dict(meta or {})
-    header.update(format=GATE_FORMAT, n_layers=gates.n_layers, hidden_size=gates.hidden,
-                  n_kv_heads=gates.n_kv_heads, group=gates.group, dim=gates.dim, sinks=gates.sinks,
-                  dtype=str(gates.dtype).removeprefix("torch."), bias="added once")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt", "fastkvzip": json.dumps(header)})
-
-
-def _read_safetensors(path):
-    from safetensors import safe_open
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("fastkvzip", "{}"))
-            layers = {}
-            for name in f.keys():
-                m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-                if m is None:
-                    raise GateError(f"gate {path}: unexpected tensor {name!r} (want layers.<i>.<key>)")
-                layers.setdefault(int(m.group(1)), {})[m.group(2)] = f.get_tensor(name)
-    except GateError:
-        raise
-    except Exception as e:  # a corrupt or foreign file
-        raise GateError(f"gate {path} is not a readable safetensors gate ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    if sorted(layers) != list(range(len(layers))):
-        raise GateError(f"gate {path}: layer indices {sorted(layers)} are not 0..{len(layers) - 1}")
-    return [layers[i] for i in range(len(layers))], meta
-
-
-def _numpy_safe_globals():
-    """The only non-torch globals a released gate file needs: numpy arrays (the "loss"/"acc" curves) and
-    numpy scalars of plain numeric dtypes, under both numpy 1 and numpy 2 module names. Nothing here runs
-    code: the array contents are bytes, and any other global in the pickle is still refused."""
-    import numpy as np
-    try:
-        from numpy._core import multiarray as ma  # numpy >= 2
-    except ImportError:
-        from numpy.core import multiarray as ma
-    dtypes = [getattr(np.dtypes, n) for n in ("Float16DType", "Float32DType", "Float64DType", "Int8DType",
-              "Int16DType", "Int32DType", "Int64DType", "UInt8DType", "BoolDType") if hasattr(np.dtypes, n)]
-    return [np.ndarray, np.dtype, *dtypes, ma._reconstruct, ma.scalar,
-            # files written under numpy 1 name the same functions numpy.core.multiarray.*
-            (ma._reconstruct, "numpy.core.multiarray._reconstruct"), (ma.scalar, "numpy.core.multiarray.scalar")]
-
-
-def _read_authors_pt(path):
-    """The authors' released file (METHOD.md §2): torch.save({"module": [state dict per gate layer],
-    "loss": ..., "acc": ...}). Loaded with weights_only=True: a pickle that would import anything beyond
-    tensors, containers and numpy arrays is refused before it can run."""
-    import pickle
-    try:
-        with torch.serialization.safe_globals(_numpy_safe_globals()):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        bad = re.findall(r"GLOBAL (\S+)", str(e)) or re.findall(r"got <class '([^']+)'>", str(e))
-        raise GateError(f"refusing to load {path}: its pickle would import {', '.join(bad) or 'unsafe objects'}, "
-                        f"which could run code (only tensors and numpy arrays are allowed)") from None
-    except Exception as e:
-        raise GateError(f"gate {path} is not a readable torch file ({type(e).__name__})") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("module"), (list, tuple)):
-        raise GateError(f"gate {path}: expected a dict with a 'module' list of per-layer state dicts")
-    meta = {"format": "authors-pt"}
-    for key in ("loss", "acc"):  # validation curves (steps/50, n_layers): keep the final value per layer
-        curve = obj.get(key)
-        if getattr(curve, "ndim", 0) == 2 and len(curve):
-            meta[f"val_{key}_final"] = [float(v) for v in curve[-1]]
-    return [dict(sd) for sd in obj["module"]], meta
-
-
-def load_gate(path, cfg, dtype=None, device=None):
-    """Load a gate for model config `cfg` from our safetensors format or the authors' .pt format.
-    dtype None keeps the file's projection dtype (bf16 for released gates). Returns `Gates` with
-    `.meta` holding the file's metadata. Raises GateError if the file is unsafe, malformed or shaped
-    for another model (compressed-layer count, hidden size, KV heads, group size)."""
-    path = Path(path)
-    if not path.is_file():
-        raise GateError(f"gate file not found: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    # torch.save writes a zip ("PK") or, in its legacy format, a raw pickle (protocol byte 0x80)
-    if magic == b"PK" or magic[:1] == b"\x80":
-        layers, meta = _read_authors_pt(path)
-    else:
-        layers, meta = _read_safetensors(path)
-    dims = infer_dims(layers)
-    check_fits(dims, len(layers), cfg, path)
-    m = re.search(r"sink(\d+)", path.name)  # the authors' file names carry S (q4_dim16_sink16.pt)
-    if m and int(m.group(1)) != dims["sinks"]:
-        raise GateError(f"gate {path}: the name says {m.group(0)} but k_base holds {dims['sinks']} sink keys")
-    ids = meta.get("layers")
-    if ids is not None and list(ids) != list(cfg.compressed_layers):
-        raise GateError(f"gate {path} was trained for layers {list(ids)}; the model compresses layers "
-                        f"{list(cfg.compressed_layers)}")
-    gates = Gates.from_layer_state_dicts(layers, dtype=dtype, device=device)
-    gates.meta = {**meta, "source": str(path)}
-    return gates
-
-
-def _model_slug(model_name):
-    """The authors' naming: the last path component, lower-cased (Qwen/Qwen3-8B -> qwen3-8b)."""
-    return str(model_name).rstrip("/").split("/")[-1].lower()
-
-
-def resolve_gate(arg, cfg, model_name, dtype=None, device=None):
-    """Find the gate for a model: an explicit path (`arg`); else the gate bundled in the repository
-    (gates/<model slug>.safetensors, e.g. gates/gemma3-270m-gguf.safetensors for the default model);
-    else the authors' released gate for the models they published (downloaded from the HF hub).
-    Anything else -> GateError telling how to get one."""
-    if arg:
-        return load_gate(arg, cfg, dtype, device)
-    slug = _model_slug(model_name)
-    bundled = GATES_DIR / f"{slug}.safetensors"
-    if bundled.is_file():
-        return load_gate(bundled, cfg, dtype, device)
-    how = f"train one with `python train_gate.py --model {model_name}` or pass --gate PATH"
-    if slug not in RELEASED_MODELS:
-        raise GateError(f"no gate for model {model_name!r} (none bundled in {GATES_DIR}, none released); {how}")
-    filename = f"{slug}/q{_model_dims(cfg)['G']}_dim16_sink16.pt"  # METHOD.md §2
-    try:
-        from huggingface_hub import hf_hub_download
-        local = hf_hub_download(repo_id=RELEASED_REPO, filename=filename, repo_type="model")
-    except Exception as e:  # offline, missing file, no hub client
-        raise GateError(f"could not download the released gate {RELEASED_REPO}/{filename} "
-                        f"({type(e).__name__}); {how}") from None
-    return load_gate(local, cfg, dtype, device)
-
-
-# =================================================================================================
 # 3. Scorers: how the evicting cache asks "how important is each new KV pair?"
 # =================================================================================================
 
@@ -727,3 +533,197 @@ def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
 def digit_tokens(tokenizer, ids):
     """(n,) bool: which tokens' text holds a digit."""
     return torch.tensor([any(c.isdigit() for c in tokenizer.id_to_token(i) or "") for i in ids], dtype=torch.bool)
+
+
+# =================================================================================================
+# 2. Gate files
+# =================================================================================================
+
+LAYER_KEYS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight",
+              "k_base", "b")
+GATE_FORMAT = "fastkvzip-gate/1"
+GATES_DIR = Path(__file__).resolve().parent / "gates"  # gates bundled with the repository
+RELEASED_REPO = "Jang-Hyun/Fast-KVzip"  # the authors' released gates on the HF hub (METHOD.md §2)
+RELEASED_MODELS = ("qwen2.5-7b-instruct-1m", "qwen2.5-14b-instruct-1m", "qwen3-8b", "qwen3-14b",
+                   "qwen3-8b-fp8", "qwen3-4b-instruct-2507", "gemma-3-12b-it")
+
+
+def infer_dims(layers):
+    """D', H, G, S and D from the authors' per-layer state dicts, as their loader does (§1.2), checking
+    that every layer has every key with exactly the expected shape."""
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise GateError("gate file holds no per-layer state dicts")
+    sd = layers[0]
+    if not isinstance(sd, dict) or any(key not in sd or not torch.is_tensor(sd[key]) for key in LAYER_KEYS):
+        raise GateError(f"gate layer 0 must be a state dict with tensors {', '.join(LAYER_KEYS)}")
+    if sd["k_proj.weight"].dim() != 2 or sd["q_norm.weight"].dim() != 1 or sd["k_proj.weight"].shape[0] == 0:
+        raise GateError("gate layer 0: k_proj.weight must be (H·D', D) and q_norm.weight (D',)")
+    Dp = sd["q_norm.weight"].shape[-1]
+    HDp, D = sd["k_proj.weight"].shape
+    H, G = HDp // Dp, sd["q_proj.weight"].shape[0] // HDp
+    S = sd["k_base"].shape[2] if sd["k_base"].dim() == 4 else -1
+    expected = {"q_proj.weight": (H * G * Dp, D), "q_proj.bias": (H * G * Dp,), "k_proj.weight": (H * Dp, D),
+                "q_norm.weight": (Dp,), "k_norm.weight": (Dp,), "k_base": (H, 1, S, Dp), "b": (H, 1, G)}
+    for i, layer in enumerate(layers):
+        for key, shape in expected.items():
+            got = tuple(layer[key].shape) if isinstance(layer, dict) and key in layer else None
+            if got != shape:
+                raise GateError(f"gate layer {i}: {key} has shape {got}, expected {shape} "
+                                f"(D'={Dp}, H={H}, G={G}, S={S}, hidden {D})")
+    if S < 1:
+        raise GateError("gate has no sink keys (the authors' unused sink=0 variant): not supported")
+    return dict(dim=Dp, n_kv_heads=H, group=G, sinks=S, hidden=D)
+
+
+def _model_dims(cfg):
+    group = getattr(cfg, "group_size", cfg.num_attention_heads // cfg.num_key_value_heads)
+    return dict(layers=len(cfg.compressed_layers), hidden=cfg.hidden_size, H=cfg.num_key_value_heads, G=group)
+
+
+def check_fits(dims, n_layers, cfg, source):
+    """Refuse a gate shaped for another model, naming both shapes in one line."""
+    want = _model_dims(cfg)
+    have = dict(layers=n_layers, hidden=dims["hidden"], H=dims["n_kv_heads"], G=dims["group"])
+    if have != want:
+        fmt = lambda d: f"{d['layers']} layers, hidden {d['hidden']}, H={d['H']}, G={d['G']}"
+        raise GateError(f"gate {source} does not fit the model: the file has {fmt(have)}; "
+                        f"the model has {fmt(want)} (compressed layers, hidden size, KV heads, group)")
+
+
+def save_gate(path, gates, meta=None):
+    """Write `gates` as safetensors: per-layer tensors `layers.{i}.<authors' key>` in the authors' shapes
+    and dtypes (b in the one-b form), plus JSON metadata in the header under "fastkvzip". meta: free-form
+    JSON-able dict; conventional keys "model" (id), "layers" (compressed layer ids), "training" (summary).
+    The write is atomic (cli.atomic_path)."""
+    from safetensors.torch import save_file
+
+    from cli import atomic_path
+    path = Path(path)
+    tensors = {f"layers.{l}.{key}": t.to("cpu").clone().contiguous()  # clone: no shared storage
+               for l in range(gates.n_layers) for key, t in gates.layer_state_dict(l).items()}
+    header = dict(meta or {})
+    header.update(format=GATE_FORMAT, n_layers=gates.n_layers, hidden_size=gates.hidden,
+                  n_kv_heads=gates.n_kv_heads, group=gates.group, dim=gates.dim, sinks=gates.sinks,
+                  dtype=str(gates.dtype).removeprefix("torch."), bias="added once")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt", "fastkvzip": json.dumps(header)})
+
+
+def _read_safetensors(path):
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("fastkvzip", "{}"))
+            layers = {}
+            for name in f.keys():
+                m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+                if m is None:
+                    raise GateError(f"gate {path}: unexpected tensor {name!r} (want layers.<i>.<key>)")
+                layers.setdefault(int(m.group(1)), {})[m.group(2)] = f.get_tensor(name)
+    except GateError:
+        raise
+    except Exception as e:  # a corrupt or foreign file
+        raise GateError(f"gate {path} is not a readable safetensors gate ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if sorted(layers) != list(range(len(layers))):
+        raise GateError(f"gate {path}: layer indices {sorted(layers)} are not 0..{len(layers) - 1}")
+    return [layers[i] for i in range(len(layers))], meta
+
+
+def _numpy_safe_globals():
+    """The only non-torch globals a released gate file needs: numpy arrays (the "loss"/"acc" curves) and
+    numpy scalars of plain numeric dtypes, under both numpy 1 and numpy 2 module names. Nothing here runs
+    code: the array contents are bytes, and any other global in the pickle is still refused."""
+    import numpy as np
+    try:
+        from numpy._core import multiarray as ma  # numpy >= 2
+    except ImportError:
+        from numpy.core import multiarray as ma
+    dtypes = [getattr(np.dtypes, n) for n in ("Float16DType", "Float32DType", "Float64DType", "Int8DType",
+              "Int16DType", "Int32DType", "Int64DType", "UInt8DType", "BoolDType") if hasattr(np.dtypes, n)]
+    return [np.ndarray, np.dtype, *dtypes, ma._reconstruct, ma.scalar,
+            # files written under numpy 1 name the same functions numpy.core.multiarray.*
+            (ma._reconstruct, "numpy.core.multiarray._reconstruct"), (ma.scalar, "numpy.core.multiarray.scalar")]
+
+
+def _read_authors_pt(path):
+    """The authors' released file (METHOD.md §2): torch.save({"module": [state dict per gate layer],
+    "loss": ..., "acc": ...}). Loaded with weights_only=True: a pickle that would import anything beyond
+    tensors, containers and numpy arrays is refused before it can run."""
+    import pickle
+    try:
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        bad = re.findall(r"GLOBAL (\S+)", str(e)) or re.findall(r"got <class '([^']+)'>", str(e))
+        raise GateError(f"refusing to load {path}: its pickle would import {', '.join(bad) or 'unsafe objects'}, "
+                        f"which could run code (only tensors and numpy arrays are allowed)") from None
+    except Exception as e:
+        raise GateError(f"gate {path} is not a readable torch file ({type(e).__name__})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("module"), (list, tuple)):
+        raise GateError(f"gate {path}: expected a dict with a 'module' list of per-layer state dicts")
+    meta = {"format": "authors-pt"}
+    for key in ("loss", "acc"):  # validation curves (steps/50, n_layers): keep the final value per layer
+        curve = obj.get(key)
+        if getattr(curve, "ndim", 0) == 2 and len(curve):
+            meta[f"val_{key}_final"] = [float(v) for v in curve[-1]]
+    return [dict(sd) for sd in obj["module"]], meta
+
+
+def load_gate(path, cfg, dtype=None, device=None):
+    """Load a gate for model config `cfg` from our safetensors format or the authors' .pt format.
+    dtype None keeps the file's projection dtype (bf16 for released gates). Returns `Gates` with
+    `.meta` holding the file's metadata. Raises GateError if the file is unsafe, malformed or shaped
+    for another model (compressed-layer count, hidden size, KV heads, group size)."""
+    path = Path(path)
+    if not path.is_file():
+        raise GateError(f"gate file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    # torch.save writes a zip ("PK") or, in its legacy format, a raw pickle (protocol byte 0x80)
+    if magic == b"PK" or magic[:1] == b"\x80":
+        layers, meta = _read_authors_pt(path)
+    else:
+        layers, meta = _read_safetensors(path)
+    dims = infer_dims(layers)
+    check_fits(dims, len(layers), cfg, path)
+    m = re.search(r"sink(\d+)", path.name)  # the authors' file names carry S (q4_dim16_sink16.pt)
+    if m and int(m.group(1)) != dims["sinks"]:
+        raise GateError(f"gate {path}: the name says {m.group(0)} but k_base holds {dims['sinks']} sink keys")
+    ids = meta.get("layers")
+    if ids is not None and list(ids) != list(cfg.compressed_layers):
+        raise GateError(f"gate {path} was trained for layers {list(ids)}; the model compresses layers "
+                        f"{list(cfg.compressed_layers)}")
+    gates = Gates.from_layer_state_dicts(layers, dtype=dtype, device=device)
+    gates.meta = {**meta, "source": str(path)}
+    return gates
+
+
+def _model_slug(model_name):
+    """The authors' naming: the last path component, lower-cased (Qwen/Qwen3-8B -> qwen3-8b)."""
+    return str(model_name).rstrip("/").split("/")[-1].lower()
+
+
+def resolve_gate(arg, cfg, model_name, dtype=None, device=None):
+    """Find the gate for a model: an explicit path (`arg`); else the gate bundled in the repository
+    (gates/<model slug>.safetensors, e.g. gates/gemma3-270m-gguf.safetensors for the default model);
+    else the authors' released gate for the models they published (downloaded from the HF hub).
+    Anything else -> GateError telling how to get one."""
+    if arg:
+        return load_gate(arg, cfg, dtype, device)
+    slug = _model_slug(model_name)
+    bundled = GATES_DIR / f"{slug}.safetensors"
+    if bundled.is_file():
+        return load_gate(bundled, cfg, dtype, device)
+    how = f"train one with `python train_gate.py --model {model_name}` or pass --gate PATH"
+    if slug not in RELEASED_MODELS:
+        raise GateError(f"no gate for model {model_name!r} (none bundled in {GATES_DIR}, none released); {how}")
+    filename = f"{slug}/q{_model_dims(cfg)['G']}_dim16_sink16.pt"  # METHOD.md §2
+    try:
+        from huggingface_hub import hf_hub_download
+        local = hf_hub_download(repo_id=RELEASED_REPO, filename=filename, repo_type="model")
+    except Exception as e:  # offline, missing file, no hub client
+        raise GateError(f"could not download the released gate {RELEASED_REPO}/{filename} "
+                        f"({type(e).__name__}); {how}") from None
+    return load_gate(local, cfg, dtype, device)
