@@ -1,7 +1,8 @@
 """
-How important is each KV pair? The gate, its files, and the scorers the evicting cache calls.
+How important is each KV pair? The gate, the scorers the evicting cache calls, the teacher the gate
+learns from, and the gate's files.
 
-Sections, in data-path order:
+Sections, method first:
 1. The gate (METHOD.md §1): a tiny "sink attention" per compressed layer. Each token's attention-input
    hidden state h (the same tensor that enters q/k/v_proj, §1.7) is projected to G low-rank queries and
    one low-rank key per KV head; the score is the probability that the token's queries attend to its own
@@ -13,12 +14,13 @@ Sections, in data-path order:
    One class, `Gates`, holds the parameters of all compressed layers stacked on a leading axis L, so
    training runs every layer as one batched op (`forward`) and inference scores one layer
    (`score_layer`) — both through the same function `sink_gate`.
-2. Gate files: our format (safetensors + JSON metadata), the authors' released `.pt` files (read without
-   unpickling code), and `resolve_gate` (explicit path → bundled gate → the authors' released gate).
-3. Scorers: the one interface the evicting cache calls (`Scorer.score`), with the gate and the
+2. Scorers: the one interface the evicting cache calls (`Scorer.score`), with the gate and the
    baselines (StreamingLLM, SnapKV, random).
-4. The KVzip teacher (METHOD.md §4): what the gate learns to predict, scored by the model itself when it
+3. The KVzip teacher (METHOD.md §4): what the gate learns to predict, scored by the model itself when it
    repeats the context. It is also a scorer at inference (`generate.py --method kvzip`), at ~2x a prefill.
+4. Agreement: how closely the gate ranks and keeps a context's KV pairs as its teacher does.
+5. Gate files: our format (safetensors + JSON metadata), the authors' released `.pt` files (read without
+   unpickling code), and `resolve_gate` (explicit path → bundled gate → the authors' released gate).
 """
 import json
 import math
@@ -178,7 +180,7 @@ class Gates(nn.Module):
 
 
 # =================================================================================================
-# 3. Scorers: how the evicting cache asks "how important is each new KV pair?"
+# 2. Scorers: how the evicting cache asks "how important is each new KV pair?"
 # =================================================================================================
 
 class Scorer:
@@ -294,7 +296,9 @@ class SnapKVScorer(Scorer):
         return score
 
 
-# ---- 4. The KVzip teacher ----------------------------------------------------------------------------
+# =================================================================================================
+# 3. The KVzip teacher
+# =================================================================================================
 # How important is each context KV pair, judged by the model itself (METHOD.md §4). KVzip asks the model to repeat the context and reads, for every context KV pair, the largest
 # attention probability any query of that repetition gives it. Pairs the model needs to reproduce its
 # context score high; the gates (section 1) are trained to predict these scores from one hidden state.
@@ -459,7 +463,7 @@ class KVzipTeacher:
 
 
 # =================================================================================================
-# 5. Agreement: how closely a scorer (the gate) ranks one context's KV pairs as its teacher does
+# 4. Agreement: how closely a scorer (the gate) ranks one context's KV pairs as its teacher does
 # =================================================================================================
 
 AGREEMENT_BUDGETS = (0.5, 0.3)
@@ -536,7 +540,7 @@ def digit_tokens(tokenizer, ids):
 
 
 # =================================================================================================
-# 2. Gate files
+# 5. Gate files
 # =================================================================================================
 
 LAYER_KEYS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight",
