@@ -550,6 +550,10 @@ def question_text(fmt: PromptFormat, question: str, evaluation: bool = True) -> 
 
 
 # ------------------------------------------------------------------------------- model resolution
+# Where the weights come from: a --model name -> a folder that load_model reads. Kept here (~70 lines)
+# rather than in a module of its own: every entry point calls it right before load_model, and the one
+# heavy source, the GGUF conversion of the offline default, already lives apart in offline.py,
+# imported only when that model is asked for.
 
 ALIASES = {f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
 ALIASES |= {f"gemma3-{s}": f"google/gemma-3-{s}-it" for s in ("270m", "1b", "4b", "12b", "27b")}
