@@ -242,12 +242,14 @@ def write_shard(path, hidden, scores, meta):
         os.chmod(tmp, 0o644)  # safetensors writes 0600
 
 
-def make_manifest(args, model_name, cfg, dtype, docs):
+def make_manifest(model_name, cfg, dtype, docs, teacher_chunk, teacher_softmax, chat):
+    """What a resumed run must share with the one that wrote the features: model, teacher settings and
+    documents (with their splits)."""
     return dict(
         format=1, model=model_name, compressed_layers=list(cfg.compressed_layers),
         n_kv_heads=cfg.num_key_value_heads, group=cfg.group_size, hidden_size=cfg.hidden_size,
         dtype=str(dtype).replace("torch.", ""),
-        teacher=dict(chunk=args.teacher_chunk, softmax_dtype=args.teacher_softmax, chat=args.chat),
+        teacher=dict(chunk=teacher_chunk, softmax_dtype=teacher_softmax, chat=chat),
         documents=[dict(name=n, tokens=len(ids), key=doc_key(n, ids), shard=shard_path("", i).as_posix(), split=split)
                    for i, (n, ids, split) in enumerate(docs)])
 
@@ -277,26 +279,27 @@ def assign_ranks(lengths, world):
     return rank_of
 
 
-def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenizer, rank=0, world=1):
-    """Score and record every document of this rank that has no shard yet. The model is loaded only if
-    there is work left."""
+def extract_features(out, model_folder, dtype, device, docs, fmt, tokenizer, teacher_chunk, prefill_chunk,
+                     teacher_softmax, rank=0, world=1, quiet=False):
+    """Score and record every document of this rank that has no shard yet in out/features. The model is
+    loaded only if there is work left."""
     rank_of = assign_ranks([len(ids) for _, ids, _ in docs], world)
-    todo = [i for i in range(len(docs)) if rank_of[i] == rank and not shard_path(args.out, i).exists()]
+    todo = [i for i in range(len(docs)) if rank_of[i] == rank and not shard_path(out, i).exists()]
     if not todo:
         return
     from gate import KVzipTeacher
     model = M.load_model(model_folder, device, dtype)
-    teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=args.teacher_chunk,
-                           prefill_chunk=args.prefill_chunk, softmax_dtype=args.teacher_softmax)
+    teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=teacher_chunk, prefill_chunk=prefill_chunk,
+                           softmax_dtype=teacher_softmax)
     from tqdm import tqdm
     total = sum(len(docs[i][1]) for i in todo)
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"features rank {rank}" if world > 1 else "features",
-               position=rank, disable=args.quiet, dynamic_ncols=True)
+               position=rank, disable=quiet, dynamic_ncols=True)
     for i in todo:
         name, ids, _ = docs[i]
         with torch.no_grad():
             scores, hidden = teacher(ids, capture_hidden=True, on_chunk=bar.update)
-        write_shard(shard_path(args.out, i), hidden, scores,
+        write_shard(shard_path(out, i), hidden, scores,
                     dict(name=name, tokens=len(ids), key=doc_key(name, ids)))
     bar.close()
 
@@ -424,21 +427,21 @@ def sgd_step(params, momentum, lr):
         p.grad = None
 
 
-def train(store, cfg, args, device, log=print):
+def train(store, cfg, device, steps, batch_tokens, seed=0, log=print):
     """METHOD.md §5.2-5.4. Returns (gates, metrics dict)."""
     N = store.n_tokens
     is_val = store.is_val_doc
     if not is_val.any():  # the authors' split: every 100th token, 1-based (load_data.py:split_fn)
         is_val = (torch.arange(N) + 1) % VAL_EVERY == 0
     train_idx, val_idx = (~is_val).nonzero().squeeze(1), is_val.nonzero().squeeze(1)
-    n_train, B = len(train_idx), args.batch_tokens
+    n_train, B = len(train_idx), batch_tokens
     if n_train < B:
         raise UsageError(f"only {n_train} training tokens for --batch-tokens {B}; add data (--tokens) or lower it")
     if len(val_idx) == 0:
         raise UsageError(f"only {N} tokens: need at least {VAL_EVERY} for one validation token; raise --tokens")
     dtype = store.hidden[0].dtype  # the gates train in the features' (= the model's) dtype (METHOD.md §5.4)
     x_val, y_val = store.gather(val_idx)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     from gate import Gates
     # projections and b in the features' dtype, norms and sink keys in fp32 (METHOD.md §1.2)
     gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
@@ -450,7 +453,7 @@ def train(store, cfg, args, device, log=print):
     metrics = dict(step=[], train_loss=[], train_acc=[], val_loss=[], val_acc=[], layers=list(cfg.compressed_layers),
                    const_val_loss=constant_bce(y_val), floor_val_loss=floor_bce(y_val), n_train=n_train, n_val=len(val_idx))
     t0 = time.perf_counter()
-    for i in range(args.steps):
+    for i in range(steps):
         if i % n_split == 0:
             perm = torch.randperm(n_train)
         idx = train_idx[perm[(i % n_split) * B:(i % n_split + 1) * B]]
@@ -459,9 +462,9 @@ def train(store, cfg, args, device, log=print):
         pred = gates(x)                         # (L, H, B): all layers in one batched call
         per_layer = bce_per_layer(pred, y)      # (L,)
         per_layer.sum().backward()              # sum over layers: disjoint parameters, shared batch
-        lr = BASE_LR * lr_multiplier(i, args.steps)
+        lr = BASE_LR * lr_multiplier(i, steps)
         sgd_step(params, momentum, lr)
-        if i % EVAL_EVERY == 0 or i == args.steps - 1:
+        if i % EVAL_EVERY == 0 or i == steps - 1:
             # as the authors: this batch's loss (before its update), validation after the update
             val_loss, val_acc = evaluate(gates, x_val, y_val, device)
             metrics["step"].append(i)
@@ -473,7 +476,7 @@ def train(store, cfg, args, device, log=print):
                 f"val BCE {sum(val_loss) / L:.4f}  val acc {100 * sum(val_acc) / L:.1f}%  "
                 f"({time.perf_counter() - t0:.0f} s)")
     metrics["seconds"] = time.perf_counter() - t0
-    metrics["steps_per_s"] = args.steps / max(metrics["seconds"], 1e-9)
+    metrics["steps_per_s"] = steps / max(metrics["seconds"], 1e-9)
     return gates, metrics
 
 
@@ -555,27 +558,27 @@ def run(args):
     cfg = M.ModelConfig.from_json(folder)
     tokenizer = M.load_tokenizer(folder)
     model_name = Path(args.model).name.lower() if args.model else M.OFFLINE_DEFAULT
-    args.out = args.out or str(Path("out") / model_name)
-    if args.prefill_chunk is None:
-        args.prefill_chunk = 16000 if device.type == "cuda" else 4000
-    args.chat = M.uses_chat(args.model, args.chat)
-    fmt = M.prompt_format(cfg, args.model, chat=args.chat)
+    out = args.out or str(Path("out") / model_name)
+    prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
+    chat = M.uses_chat(args.model, args.chat)
+    fmt = M.prompt_format(cfg, args.model, chat=chat)
     system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
     # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
     max_context = cfg.max_position_embeddings - len(system) - args.teacher_chunk - 64
     docs = load_documents(args.data, args.tokens, args.min_doc_tokens, args.max_doc_tokens, args.long_doc_tokens,
                           args.val_docs, tokenizer, max_context)
-    manifest = make_manifest(args, model_name, cfg, dtype, docs)
-    check_manifest(args.out, manifest)
+    manifest = make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk, args.teacher_softmax, chat)
+    check_manifest(out, manifest)
     if rank == 0:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        write_json(Path(args.out) / "manifest.json", manifest)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        write_json(Path(out) / "manifest.json", manifest)
         n_val = sum(split == "val" for _, _, split in docs)
         n_tok = sum(len(ids) for _, ids, _ in docs)
         print(f"{len(docs)} documents ({n_val} held out for validation), {n_tok} context tokens -> "
-              f"{args.out}/features", file=sys.stderr)
+              f"{out}/features", file=sys.stderr)
     t0 = time.perf_counter()
-    extract_features(args, folder, cfg, dtype, device, docs, fmt, tokenizer, rank, world)
+    extract_features(out, folder, dtype, device, docs, fmt, tokenizer, args.teacher_chunk, prefill_chunk,
+                     args.teacher_softmax, rank, world, args.quiet)
     if world > 1:
         dist.barrier()  # every rank's shards are written before rank 0 trains
         dist.destroy_process_group()
@@ -584,9 +587,9 @@ def run(args):
     print(f"features ready ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if args.steps == 0:
         return
-    store = FeatureStore(args.out, manifest)
+    store = FeatureStore(out, manifest)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
-    gates, metrics = train(store, cfg, args, device, log)
+    gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log)
     metrics["n_val_docs"] = sum(d.get("split") == "val" for d in manifest["documents"])
     metrics["agreement"] = agreement_with_teacher(gates, store, manifest, docs, tokenizer, device)
     metrics["command"] = " ".join(sys.argv)
@@ -596,12 +599,12 @@ def run(args):
                    val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
                    const_val_loss=metrics["const_val_loss"], teacher=manifest["teacher"],
                    val_docs=metrics["n_val_docs"], agreement=metrics["agreement"])
-    gate_path = Path(args.out) / "gate.safetensors"
+    gate_path = Path(out) / "gate.safetensors"
     save_gate(str(gate_path), gates, dict(model=model_name, layers=metrics["layers"], training=summary))
-    write_json(Path(args.out) / "metrics.json", metrics)
+    write_json(Path(out) / "metrics.json", metrics)
     print(summary_table(metrics))
     if args.plot:
-        plot_curves(metrics, Path(args.out) / "curves.png")
+        plot_curves(metrics, Path(out) / "curves.png")
     L = len(metrics["layers"])
     print(f"trained {args.steps} steps on {store.n_tokens} tokens in {metrics['seconds']:.0f} s "
           f"({metrics['steps_per_s']:.1f} steps/s); val BCE {sum(metrics['val_loss'][-1]) / L:.4f} "

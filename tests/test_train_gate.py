@@ -114,8 +114,7 @@ def test_training_recovers_a_known_gate(tmp_path):
             TG.write_shard(TG.shard_path(tmp_path, i), x, teacher(x), {})
         docs.append(dict(shard=TG.shard_path("", i).as_posix()))
     store = TG.FeatureStore(tmp_path, dict(documents=docs))
-    args = SimpleNamespace(steps=400, batch_tokens=200, seed=0)
-    _, m = TG.train(store, cfg, args, torch.device("cpu"), log=lambda s: None)
+    _, m = TG.train(store, cfg, torch.device("cpu"), steps=400, batch_tokens=200, seed=0, log=lambda s: None)
     for v, c, floor in zip(m["val_loss"][-1], m["const_val_loss"], m["floor_val_loss"]):
         assert v - floor < 0.6 * (c - floor), (v, c, floor)
 
