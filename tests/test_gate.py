@@ -13,12 +13,7 @@ import torch.nn as nn
 import gate
 from gate import (GateError, Gates, GateScorer, RandomScorer, SnapKVScorer, StreamingScorer, load_gate,
                   resolve_gate, save_gate)
-
-
-def assert_close(got, want, atol=1e-6, what=""):
-    diff = (got.double() - want.double()).abs()
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert diff.max() <= atol, f"{what}: max |diff| {diff.max():.3g}, mean {diff.mean():.3g} (atol {atol})"
+from tests.helpers import assert_close
 
 
 def make_cfg(n_layers=3, hidden=32, H=2, G=3, layers=None, n_hidden_layers=None):
@@ -84,9 +79,9 @@ def test_gates_equal_literal_formula(dtype):
     assert batched.shape == (3, 2, 7) and batched.dtype == torch.float32
     for l in range(g.n_layers):
         want = literal_gate(g.layer_state_dict(l), hidden[l])
-        assert_close(g.score_layer(l, hidden[l]), want, what=f"score_layer({l}) {dtype}")
-        assert_close(batched[l], want, what=f"forward[{l}] {dtype}")
-        assert_close(batched[l], g.score_layer(l, hidden[l]), what=f"batched vs per-layer {l}")
+        assert_close(g.score_layer(l, hidden[l]), want, atol=1e-6, name=f"score_layer({l}) {dtype}")
+        assert_close(batched[l], want, atol=1e-6, name=f"forward[{l}] {dtype}")
+        assert_close(batched[l], g.score_layer(l, hidden[l]), atol=1e-6, name=f"batched vs per-layer {l}")
 
 
 def test_init_matches_nn_linear_default():
@@ -145,7 +140,7 @@ def test_authors_file_loads_and_scores_like_the_state_dict(tmp_path, legacy):
     assert g.meta["format"] == "authors-pt" and len(g.meta["val_acc_final"]) == 3
     hidden = torch.randn(9, D)
     for l in range(3):
-        assert_close(g.score_layer(l, hidden), literal_gate(module[l], hidden), what=f"layer {l}")
+        assert_close(g.score_layer(l, hidden), literal_gate(module[l], hidden), atol=1e-6, name=f"layer {l}")
         for key, t in g.layer_state_dict(l).items():  # the file round-trips exactly, dtypes included
             assert torch.equal(t, module[l][key]) and t.dtype == module[l][key].dtype, key
 
@@ -159,7 +154,7 @@ def test_gemma3_file_maps_to_global_layers(tmp_path):
     g = load_gate(tmp_path / "q4_dim16_sink16.pt", cfg)
     hidden = torch.randn(5, D)
     for i in range(3):  # gate i belongs to model layer cfg.compressed_layers[i]
-        assert_close(g.score_layer(i, hidden), literal_gate(module[i], hidden), what=f"global layer {i}")
+        assert_close(g.score_layer(i, hidden), literal_gate(module[i], hidden), atol=1e-6, name=f"global layer {i}")
     # one gate per model layer (18) does not fit a model with 3 compressed layers
     save_authors_file(tmp_path / "all.pt", [authors_state_dict(D, H, G, seed=i) for i in range(18)])
     with pytest.raises(GateError, match="18 layers.*3 layers"):
@@ -302,13 +297,13 @@ def test_snapkv_matches_naive():
     hidden, q, k, pos = chunk(T=40)  # first chunk, sequence < 1000 tokens: window 16, no sinks
     got = s.score(0, hidden, q, k, pos)
     assert got.shape == (2, 40) and got.dtype == torch.float32
-    assert_close(got, naive_snapkv(q, k, k[:0], 16, 1 / math.sqrt(8)), atol=1e-5, what="first chunk")
+    assert_close(got, naive_snapkv(q, k, k[:0], 16, 1 / math.sqrt(8)), atol=1e-5, name="first chunk")
     first_keys = k[:4].clone()
     hidden, q, k, pos = chunk(T=40, start=1200, seed=1)  # later chunk: sink keys, window 32
     got = s.score(0, hidden, q, k, pos)
-    assert_close(got, naive_snapkv(q, k, first_keys, 32, 1 / math.sqrt(8)), atol=1e-5, what="later chunk")
+    assert_close(got, naive_snapkv(q, k, first_keys, 32, 1 / math.sqrt(8)), atol=1e-5, name="later chunk")
     got = SnapKVScorer(scale=0.1).score(3, hidden, q, k, pos)  # no first chunk seen for layer 3: no sinks
-    assert_close(got, naive_snapkv(q, k, k[:0], 32, 0.1), atol=1e-5, what="custom scale")
+    assert_close(got, naive_snapkv(q, k, k[:0], 32, 0.1), atol=1e-5, name="custom scale")
     with pytest.raises(GateError):
         s.score(0, hidden, None, None, pos)
 
@@ -327,8 +322,6 @@ def test_scorer_shapes_and_orders():
     assert r1.shape == (2, 12) and r1.dtype == torch.float32 and ((r1 >= 0) & (r1 < 1)).all()
     assert torch.equal(r1, RandomScorer(seed=1).score(0, hidden, q, k, pos))
     assert not torch.equal(r1, RandomScorer(seed=2).score(0, hidden, q, k, pos))
-    for scorer in (GateScorer(g), StreamingScorer(), RandomScorer(), SnapKVScorer()):
-        assert scorer.level in ("global", "layer", "head")
 
 
 def test_agreement_counts_equal_a_naive_count():
