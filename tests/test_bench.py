@@ -5,24 +5,18 @@ assets; together they take about 2.5 minutes on 2 cores.
 """
 import json
 import math
-import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench  # noqa: E402
-import quality  # noqa: E402
-from cli import UsageError  # noqa: E402
-from helpers import assert_close  # noqa: E402
-import gate as G  # noqa: E402
-import generate  # noqa: E402
+import bench
+import gate as G
+import generate
+import quality
+from cli import UsageError
+from tests.helpers import QWEN3_TINY, assert_close
+from tools import fetch_assets
 
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -138,7 +132,6 @@ def test_plot_writes_a_png(tmp_path):
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    import fetch_assets
     import model as M
     fetch_assets.require_for_test("austen_parts")
     folder = M.resolve_model(M.OFFLINE_DEFAULT)
@@ -172,6 +165,7 @@ def same_cache(a, b, exact=True):
                 assert_close(u, w, atol=1e-4, name=f"layer {i} {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,level,budget", [("fastkvzip", "global", 0.3), ("fastkvzip", "calibrated", 0.2),
                                                  ("snapkv", "head", 0.5), ("kvzip", "global", 0.3)])
 def test_fast_path_equals_generate_prefill(real, method, level, budget):
@@ -205,6 +199,7 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget):
             assert torch.equal(a, b), f"logits differ: max |diff| {(a - b).abs().max():.3e}"
 
 
+@pytest.mark.slow
 def test_each_method_keeps_its_own_scorer(real):
     """The teacher's scores, computed once per context, go to KVzip only (regression: they once replaced
     every method's scorer, which made all methods identical)."""
@@ -218,6 +213,7 @@ def test_each_method_keeps_its_own_scorer(real):
         assert cache.level == quality.DEFAULT_LEVEL[method]
 
 
+@pytest.mark.slow
 def test_needles_and_probes_are_where_they_claim(real):
     tok = real["tok"]
     maker = quality.SampleMaker(tok, real["fmt"], real["docs"], seed=3, n_passkeys=3, n_kv_questions=2, n_probe=32)
@@ -242,6 +238,7 @@ def quick(real, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_quick_smoke(quick):
     """`bench.py --quick` as CI runs it: every method, finite results, all files written."""
     out = quick
@@ -265,6 +262,7 @@ def test_quick_smoke(quick):
                                                                  ("fastkvzip", 0.5), ("fastkvzip", 0.2)}
 
 
+@pytest.mark.slow
 def test_shards_resume_and_merge_equal_one_run(real, quick, tmp_path):
     """An experiment split into shards, interrupted and resumed, then merged, gives exactly the rows of one
     uninterrupted run (same contexts, same scores, same bootstrap intervals; decode speed aside)."""
@@ -287,9 +285,7 @@ def test_shards_resume_and_merge_equal_one_run(real, quick, tmp_path):
 def test_gpu_section_code_path_on_cpu(tmp_path):
     """The GPU section (random weights in Qwen3-8B's shape) on a tiny Qwen3 shape, on the CPU: it runs,
     and memory is accounted as on the real model (evicting keeps less than full)."""
-    from helpers import QWEN3_TINY
-    fetch = pytest.importorskip("fetch_assets")
-    fetch.require_for_test("tokenizers", "qwen3")
+    fetch_assets.require_for_test("tokenizers", "qwen3")
     args = bench.parse_args(["--gpu-lengths", "96", "--speed-decode", "3"])
     args.out_dir = str(tmp_path)
     shape = dict(QWEN3_TINY, model_type="qwen3", vocab_size=151936, max_position_embeddings=4096)

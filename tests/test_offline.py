@@ -8,7 +8,6 @@ The first test that needs the converted model converts it (~1 minute, once per m
 need the assets skip when they are missing, but fail under CI=true: run tools/fetch_assets.py.
 """
 import json
-import os
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ def published() -> Path:
 
 # --------------------------------------------------------------------------------------- tokenizer
 
+@pytest.mark.slow
 def test_tokenizer_json_equals_the_published_one(folder, published):
     """Same vocabulary, merges (derived from the GGUF scores), added tokens, normaliser, pre-tokenizer,
     post-processor and decoder as Google's file, except the one token the GGUF does not have."""
@@ -50,6 +50,7 @@ def test_tokenizer_json_equals_the_published_one(folder, published):
         assert ours["model"][key] == ref["model"][key], f"model.{key}"
 
 
+@pytest.mark.slow
 def test_tokenizer_ids_and_round_trip_on_a_million_real_tokens(folder, published):
     """Identical ids on all of Austen (chapter-split) and a third of the Python docs (prose, reST markup,
     code), and decode(encode(text)) == text for every document."""
@@ -81,6 +82,7 @@ def test_tokenizer_ids_and_round_trip_on_a_million_real_tokens(folder, published
 
 # ----------------------------------------------------------------------------------- converted folder
 
+@pytest.mark.slow
 def test_converted_config(folder):
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == "gemma3_text" and cfg["architectures"] == ["Gemma3ForCausalLM"]
@@ -95,6 +97,7 @@ def test_converted_config(folder):
     assert json.loads((folder / "conversion.json").read_text())["version"] == offline.CONVERTER_VERSION
 
 
+@pytest.mark.slow
 def test_converted_weights(folder):
     """Every tensor the config implies, in bf16 with the Hugging Face names and shapes, finite and of
     plausible size. (That norms are w, not 1 + w, is proven by the perplexity test below.)"""
@@ -122,6 +125,7 @@ def test_converted_weights(folder):
         offline.hf_name("blk.0.attn_qkv.weight")
 
 
+@pytest.mark.slow
 def test_later_calls_return_at_once(folder):
     t0 = time.perf_counter()
     assert offline.ensure_offline_model() == folder
@@ -176,6 +180,7 @@ def austen_prompt(folder) -> torch.Tensor:
     return torch.tensor(ids)
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(folder, austen_prompt):
     """Our Gemma3 vs transformers' on the same converted folder, fp32. The
     perplexity doubles as the check of the conversion itself (norms as w, q/k not un-permuted)."""
@@ -193,6 +198,7 @@ def test_logits_match_transformers(folder, austen_prompt):
     assert_close(ours, ref, atol=1e-4, rtol=1e-5, name="logits")
 
 
+@pytest.mark.slow
 def test_greedy_continuation_knows_water_boils_at_100(folder):
     import model as M
     from cache import KVCache
