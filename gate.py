@@ -596,7 +596,7 @@ def check_fits(dims, n_layers, cfg, source):
 
 def save_gate(path, gates, meta=None):
     """Write `gates` as safetensors: per-layer tensors `layers.{i}.<authors' key>` in the authors' shapes
-    and dtypes (b in the one-b form), plus JSON metadata in the header under "fastkvzip". meta: free-form
+    and dtypes, plus JSON metadata in the header under "fastkvzip". meta: free-form
     JSON-able dict; conventional keys "model" (id), "layers" (compressed layer ids), "training" (summary).
     The write is atomic (cli.atomic_path)."""
     from safetensors.torch import save_file
