@@ -10,14 +10,18 @@ class UsageError(Exception):
     """Bad input (flags, files, folders): printed by `main` as one line, exit code 2."""
 
 
-def main(run, args, *errors):
+def main(run, args, *errors, interrupted=lambda args: "interrupted"):
     """run(args), with a UsageError or any of `errors` (model.ModelError, gate.GateError, ...) reported as
-    one line `error: message` and exit code 2 instead of a traceback."""
+    one line `error: message` and exit code 2 instead of a traceback, and Ctrl-C as the line
+    interrupted(args) (what was kept, how to resume) and exit code 130."""
     try:
         return run(args)
     except (UsageError, *errors) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"\n{interrupted(args)}", file=sys.stderr)
+        sys.exit(130)
 
 
 @contextmanager

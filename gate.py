@@ -24,6 +24,7 @@ Sections, method first:
 """
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -497,7 +498,7 @@ def spearman(a, b):
 def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096):
     """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,) bool
     (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that callers can pool
-    contexts (`pool_agreement`):
+    contexts (`pool_agreement`), keyed by the budget written as f"{r:g}" (JSON-ready):
       spearman   rank correlation over the layer's H·n pairs;
       at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local window
       that both keep: teacher = pairs the teacher keeps, both = of those, the ones the student keeps too,
@@ -511,7 +512,7 @@ def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=
         seg[:student.shape[-1] - w] = True
         digit = seg & is_digit.to(student.device)
         count = lambda m, where: m[..., where].flatten(1).sum(1).tolist()
-        out[r] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
+        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
                       segment=[int(seg.sum()) * student.shape[1]] * student.shape[0],
                       digits=[int(digit.sum()) * student.shape[1]] * student.shape[0],
                       digits_teacher=count(kt, digit), digits_student=count(ks, digit))
@@ -526,7 +527,7 @@ def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
     L = len(per_context[0]["spearman"])
     out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context) for l in range(L)])
     for r in budgets:
-        tot = {k: [sum(c[r][k][l] for c in per_context) for l in range(L)] for k in per_context[0][r]}
+        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)] for k in per_context[0][f"{r:g}"]}
         out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
         out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
         out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l]) for l in range(L)]
@@ -675,6 +676,22 @@ def _read_authors_pt(path):
     return [dict(sd) for sd in obj["module"]], meta
 
 
+def _file_kind(path):
+    """"safetensors", "torch" or None, decided strictly. A safetensors file is its own check: an 8-byte
+    little-endian header length N, then N bytes of JSON object inside the file. Only a file that fails it
+    is taken for torch.save output: a zip ("PK\\x03\\x04") or, in the legacy format, a raw pickle
+    (protocol byte 0x80). (Sniffing the first bytes alone misreads the ~1 in 256 safetensors files whose
+    header length starts with byte 0x80.)"""
+    with open(path, "rb") as f:
+        head = f.read(9)
+        size = os.fstat(f.fileno()).st_size
+    if len(head) == 9 and head[8:9] == b"{" and 8 + int.from_bytes(head[:8], "little") <= size:
+        return "safetensors"
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return "torch"
+    return "safetensors" if head[8:9] == b"{" else None  # a cut safetensors file: its reader says so
+
+
 def load_gate(path, cfg, dtype=None, device=None):
     """Load a gate for model config `cfg` from our safetensors format or the authors' .pt format.
     dtype None keeps the file's projection dtype (bf16 for released gates). Returns `Gates` with
@@ -683,14 +700,22 @@ def load_gate(path, cfg, dtype=None, device=None):
     path = Path(path)
     if not path.is_file():
         raise GateError(f"gate file not found: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    # torch.save writes a zip ("PK") or, in its legacy format, a raw pickle (protocol byte 0x80)
-    if magic == b"PK" or magic[:1] == b"\x80":
+    try:
+        kind = _file_kind(path)
+    except OSError as e:
+        raise GateError(f"cannot read gate {path}: {e.strerror or e}") from None
+    if kind == "safetensors":
+        layers, meta = _read_safetensors(path)
+    elif kind == "torch":
         layers, meta = _read_authors_pt(path)
     else:
-        layers, meta = _read_safetensors(path)
+        raise GateError(f"gate {path} is neither a safetensors file nor a torch.save file (the authors' .pt)")
     dims = infer_dims(layers)
+    for i, layer in enumerate(layers):  # a diverged training writes NaN; a NaN score would evict at random
+        for key in LAYER_KEYS:
+            if not torch.isfinite(layer[key]).all():
+                raise GateError(f"gate {path}: layer {i} {key} holds NaN or inf values; the gate is broken "
+                                f"(retrain it, or pass another --gate)")
     check_fits(dims, len(layers), cfg, path)
     m = re.search(r"sink(\d+)", path.name)  # the authors' file names carry S (q4_dim16_sink16.pt)
     if m and int(m.group(1)) != dims["sinks"]:
@@ -705,8 +730,11 @@ def load_gate(path, cfg, dtype=None, device=None):
 
 
 def _model_slug(model_name):
-    """The authors' naming: the last path component, lower-cased (Qwen/Qwen3-8B -> qwen3-8b)."""
-    return str(model_name).rstrip("/").split("/")[-1].lower()
+    """The authors' naming: the last path component, lower-cased (Qwen/Qwen3-8B -> qwen3-8b), of the repo id
+    an alias stands for (qwen2.5-7b-1m -> Qwen/Qwen2.5-7B-Instruct-1M -> qwen2.5-7b-instruct-1m)."""
+    from model import ALIASES
+    name = ALIASES.get(str(model_name).lower(), str(model_name))
+    return name.rstrip("/").split("/")[-1].lower()
 
 
 def resolve_gate(arg, cfg, model_name, dtype=None, device=None):

@@ -13,6 +13,8 @@ Full-size example (GPU, a released gate is fetched from the hub):
 """
 import argparse
 import json
+import math
+import os
 import sys
 import time
 
@@ -119,10 +121,11 @@ def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0
 # -------------------------------------------------------------------------------------------------
 # wiring: model, cache, scorer
 
-def make_cache(method, model, model_name, n_protected, gate_file=None, level=None, decode_budget=None, seed=0):
-    """An empty cache for `method` in model's dtype and device. fastkvzip: the gate in gate_file (default:
-    the bundled or released gate for model_name); random: scores seeded by seed; level: the eviction
-    structure (default: the scorer's own); decode_budget: see EvictingCache."""
+def make_cache(method, model, model_name, n_protected, gate_file=None, level=None, decode_budget=None, seed=0,
+               gates=None):
+    """An empty cache for `method` in model's dtype and device. fastkvzip: `gates` when already loaded, else the
+    gate in gate_file (default: the bundled or released gate for model_name); random: scores seeded by seed;
+    level: the eviction structure (default: the scorer's own); decode_budget: see EvictingCache."""
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
     if method == "full":
@@ -130,7 +133,9 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     import gate
     H = cfg.num_key_value_heads
     if method == "fastkvzip":
-        scorer = gate.GateScorer(gate.resolve_gate(gate_file, cfg, model_name, device=device))
+        if gates is None:
+            gates = gate.resolve_gate(gate_file, cfg, model_name, device=device)
+        scorer = gate.GateScorer(gates)
     elif method == "streaming":
         scorer = gate.StreamingScorer(n_kv_heads=H)
     elif method == "snapkv":
@@ -149,34 +154,72 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
                          decode_budget=decode_budget)
 
 
-def build_inputs(tok, fmt, args):
+def check_args(args):
+    """Everything about the flags that can be checked before anything is read or loaded."""
+    if not 0 < args.budget <= 1:  # also refuses nan
+        raise UsageError(f"--budget must be in (0, 1] (the fraction of context KV pairs kept), got {args.budget}")
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 0), ("--chunk-size", args.chunk_size, 1),
+                             ("--window", args.window, 0), ("--decode-budget", args.decode_budget, 1)):
+        if value is not None and value < low:
+            raise UsageError(f"{flag} must be {'positive' if low else '>= 0'}, got {value}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (the probability mass sampled from), got {args.top_p}")
+    if args.decode_budget is not None and args.method in ("kvzip", "snapkv", "full"):
+        why = {"kvzip": "scores the context once", "snapkv": "scores prefill chunks only",
+               "full": "keeps every pair"}[args.method]
+        raise UsageError(f"--method {args.method} {why}; drop --decode-budget")
+    if args.gate and args.method != "fastkvzip":
+        raise UsageError(f"--gate is read by --method fastkvzip only, not by --method {args.method}; drop it")
+    if args.prompt is not None and args.context_file:
+        raise UsageError("pass --prompt TEXT or --context-file FILE, not both")
+    if args.prompt is None and not args.context_file:
+        raise UsageError("nothing to do: pass --prompt TEXT, or --context-file FILE with --question")
+
+
+def read_context(path):
+    """The text of --context-file, refusing what cannot be a text context with one line."""
+    import stat
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode) and not stat.S_ISFIFO(os.stat(path).st_mode):
+            raise UsageError(f"--context-file {path} is not a regular file")  # a folder, /dev/zero, ...
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read --context-file {path}: {e.strerror or e}") from None
+    if b"\0" in data:
+        raise UsageError(f"--context-file {path} holds NUL bytes: a binary file, not text")
+    try:
+        text = data.decode("utf-8-sig")  # a leading byte-order mark is not part of the text
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--context-file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+    if not text.strip():
+        raise UsageError(f"--context-file {path} is empty: there is no context to compress")
+    return text
+
+
+def build_inputs(tok, fmt, args, context):
     """(prefill ids, number of protected system-prompt ids, list of (question text, question ids))."""
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
-    if args.context_file:
-        try:
-            context = open(args.context_file, encoding="utf-8").read()
-        except OSError as e:
-            raise UsageError(f"cannot read --context-file {args.context_file}: {e.strerror}")
-        questions = args.question or [""]
-    elif args.prompt is not None:
-        context, questions = args.prompt, args.question or [""]
-    else:
-        raise UsageError("nothing to do: pass --prompt TEXT, or --context-file FILE with --question")
     system = enc(fmt.system)
     # a question about a context in the evaluation format (METHOD.md §11); a bare prompt just ends its turn
-    qs = [(q, enc(M.question_text(fmt, q) if q else fmt.postfix)) for q in questions]
+    qs = [(q, enc(M.question_text(fmt, q) if q else fmt.postfix)) for q in args.question or [""]]
     return system + enc(context), len(system), qs
 
 
 def run(args):
-    if not 0 < args.budget <= 1:
-        raise UsageError(f"--budget must be in (0, 1] (the fraction of context KV pairs kept), got {args.budget}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_args(args)
+    device = M.parse_device(args.device)
+    context = read_context(args.context_file) if args.context_file else args.prompt
+    if not context.strip():
+        raise UsageError("--prompt is empty: there is no context to continue")
+    # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes on a large model
     folder = M.resolve_model(args.model)
-    model = M.load_model(folder, device, M.compute_dtype(args.dtype, device))
-    cfg, tok = model.config, M.load_tokenizer(folder)
+    cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
     fmt = M.prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
-    ids, n_protected, questions = build_inputs(tok, fmt, args)
+    ids, n_protected, questions = build_inputs(tok, fmt, args, context)
     longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens
     if longest > cfg.max_position_embeddings:
         raise UsageError(f"context + question + --max-new-tokens = {longest} tokens exceeds the model's maximum "
@@ -184,8 +227,13 @@ def run(args):
     budget = args.budget
     # budget 1.0 without decode-time eviction keeps every pair: no scorer (and no gate file) is needed
     method = "full" if budget == 1.0 and args.decode_budget is None else args.method
-    cache = make_cache(method, model, args.model, n_protected, gate_file=args.gate, level=args.level,
-                       decode_budget=args.decode_budget, seed=args.seed)
+    gates = None
+    if method == "fastkvzip" or args.gate:  # a --gate given is checked even where budget 1.0 leaves it unused
+        import gate
+        gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
+    model = M.load_model(folder, device, M.compute_dtype(args.dtype, device))
+    cache = make_cache(method, model, args.model, n_protected, level=args.level, decode_budget=args.decode_budget,
+                       seed=args.seed, gates=gates)
 
     generator = torch.Generator().manual_seed(args.seed)
     stop_ids = set(cfg.eos_token_ids)
@@ -212,8 +260,8 @@ def run(args):
             cache.rollback(state)
             if not args.json:
                 print(flush=True)
-    stats = dict(method=method, budget=budget, prompt_tokens=len(ids), prefill_seconds=prefill_s,
-                 prefill_tokens_per_s=len(ids) / prefill_s,
+    stats = dict(method=method, budget=budget if method != "full" else 1.0, prompt_tokens=len(ids),
+                 prefill_seconds=prefill_s, prefill_tokens_per_s=len(ids) / prefill_s,
                  decode_tokens_per_s=n_decoded / decode_s if decode_s > 0 else None,
                  kv_bytes=kv_bytes, kv_bytes_full=full_cache_bytes(cache, len(ids)), peak_kv_bytes=peak,
                  gate_seconds=getattr(cache, "gate_seconds", 0.0))
@@ -222,11 +270,14 @@ def run(args):
         stats.update(kept_fraction=sum(per_layer) / len(per_layer), kept_fraction_per_layer=per_layer)
     else:
         stats.update(kept_fraction=1.0, kept_fraction_per_layer=[1.0] * len(cfg.compressed_layers))
+    retention = cache.retention(n_protected, len(ids)) if isinstance(cache, EvictingCache) else None
     if args.json:
+        if args.show_retention and retention is not None:  # (compressed layers, KV heads)
+            stats.update(retention=retention.tolist())
         print(json.dumps({"prompt_ids": ids, "answers": answers, "stats": stats}))
     else:
-        if args.show_retention and isinstance(cache, EvictingCache):
-            print(retention_map(cache.retention(n_protected, len(ids)), cache.compressed), file=sys.stderr)
+        if args.show_retention and retention is not None:
+            print(retention_map(retention, cache.compressed), file=sys.stderr)
         print(summary_line(stats), file=sys.stderr)
 
 
@@ -274,7 +325,7 @@ def parse_args(argv=None):
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap in the model's chat template (default: on, except for the base offline model)")
     p.add_argument("--thinking", action="store_true", help="Qwen3: leave thinking on (default off, as the paper)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per answer")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per answer (0: prefill only)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and the random baseline")
@@ -299,7 +350,8 @@ def parse_args(argv=None):
     p.add_argument("--kvzip-softmax", choices=["float32", "model"], default="float32",
                    help="--method kvzip: softmax dtype of the teacher (the authors use the model dtype, bf16; "
                         "fp32 avoids rounding ties among small probabilities)")
-    p.add_argument("--show-retention", action="store_true", help="print the layer x head retention map")
+    p.add_argument("--show-retention", action="store_true", help="print the layer x head retention map "
+                   "(with --json: stats.retention)")
     return p.parse_args(argv)
 
 

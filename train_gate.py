@@ -3,18 +3,20 @@ Teach the gates: one command from raw text to a trained gate file (METHOD.md §4
 
 Three steps, each visible below in the order they run:
   1. data      pick documents (METHOD.md §5.1): 10K-30K-token documents plus ~100K-token
-               concatenations of the same documents, ~1M tokens in all.
+               concatenations of the same documents, ~1M tokens in all; 5% of the documents are
+               held out whole for validation (--val-docs) and never enter a concatenation.
   2. features  for every document, prefill system prompt + context with a full cache, score every
                context KV pair with the KVzip teacher (gate.py, METHOD.md §4) and record the
                attention-input hidden states of the compressed layers. One shard file per document,
                written atomically under --out/features, so an interrupted run resumes where it stopped.
   3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft targets,
-               every 100th token held out, SGD momentum 0.9, lr 0.2 with the authors' piecewise
-               schedule, 5,000 steps of 1,000 tokens, all layers batched through gate.Gates.
+               SGD momentum 0.9, lr 0.2 with the authors' piecewise schedule, 5,000 steps of 1,000
+               tokens (5 epochs of the recipe's 1M tokens), all layers batched through gate.Gates; then
+               the gate's agreement with its teacher on the held-out documents (gate.agreement).
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors (gate.save_gate,
 with a training summary in its metadata), metrics.json (per-layer train/validation loss and accuracy
-over steps), curves.png with --plot, and a per-layer table on stdout.
+over steps, and the agreement), curves.png with --plot, and per-layer tables on stdout.
 
 Cost of the default run (~1M tokens), Qwen3-8B on one 80 GB GPU (estimates; the paper reports 0.59
 H100-hours for the whole phase, METHOD.md §5.5):
@@ -27,7 +29,8 @@ H100-hours for the whole phase, METHOD.md §5.5):
             (Hq·2K·4K fp32 ≈ 1 GB) — well inside 80 GB. Hidden states
             go to host RAM as they are produced: L·D·2 bytes = 295 KB per token (~30 GB for a 100K sample,
             twice that while its shard is written).
-  disk      the same 295 KB per token: ≈ 295 GB of features for 1M tokens (Gemma3 270M, fp32: 7.7 KB).
+  disk      the same 295 KB per token: ≈ 295 GB of features for 1M tokens (Gemma3 270M, fp32: 7.7 KB;
+            SmolLM2-135M, 30 layers x 576: 69 KB in fp32, stored as fp16 by --feature-dtype auto: 35 KB).
   training  5000 steps × 1000 tokens read from the memory-mapped shards (295 MB per step for Qwen3-8B;
             the gate math itself is tiny): I/O bound, ~0.05-0.1 s per step from page cache / NVMe, 5-10 min.
   scaling   features ∝ tokens × parameters + Σ n² × layers × heads × head_dim; disk and training reads
@@ -60,7 +63,7 @@ import torch.nn.functional as F
 
 import cli
 import model as M
-from cli import UsageError, atomic_path, pyplot, save_figure, write_text
+from cli import UsageError, pyplot, save_figure, write_text
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
 FINEWEB_FILE = "sample/10BT/000_00000.parquet"   # first shard of the sample-10BT config
@@ -68,6 +71,8 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".parquet")
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
 EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
 ACC_THRESHOLD = 0.05  # accuracy: both sides of 0.05 agree (METHOD.md §5.3)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FP16_FEATURES_ABOVE = 16 * 1024  # --feature-dtype auto: fp32 features above 16 KB per token are stored as fp16
 BASE_LR, MOMENTUM = 0.2, 0.9  # METHOD.md §5.4
 
 
@@ -230,28 +235,102 @@ def shard_path(out, i):
     return Path(out) / "features" / f"doc{i:05d}.safetensors"
 
 
+def partial_dir(path):
+    """Where the shard `path` is written before it is renamed into place: a folder of its own, because
+    safetensors itself stages the file under a random hidden name beside its target (.tmpXXXXXX, as large
+    as the shard) that only a sweep of the folder can find after a SIGKILL."""
+    return path.with_name(f".{path.stem}.partial")
+
+
 def write_shard(path, hidden, scores, meta):
-    """Atomically: write to a temporary name, then rename (a killed run never leaves half a shard)."""
+    """Atomically: write into partial_dir(path), then rename (a killed run never leaves half a shard where
+    a shard is expected; the next run sweeps what it left, sweep_temporaries)."""
+    import shutil
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
+    tmp_dir = partial_dir(path)
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    tmp = tmp_dir / path.name
+    try:
         # one metadata entry: safetensors writes several in no fixed order, and a resumed run must
         # produce byte-identical files
         save_file({"hidden": hidden.contiguous(), "scores": scores.contiguous()}, str(tmp),
                   metadata={"document": json.dumps(meta, sort_keys=True)})
         os.chmod(tmp, 0o644)  # safetensors writes 0600
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:  # a full disk, above all
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())
+        raise UsageError(f"cannot write {path}: {why}; free space or pass another --out, then rerun the same "
+                         f"command to resume") from None
+    finally:  # also on Ctrl-C: no shard-sized leftovers
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def make_manifest(model_name, cfg, dtype, docs, teacher_chunk, teacher_softmax, chat):
-    """What a resumed run must share with the one that wrote the features: model, teacher settings and
-    documents (with their splits)."""
-    return dict(
+def sweep_temporaries(out, docs, rank):
+    """Remove what interrupted writes left in --out: the partial folders of this rank's documents (no other
+    rank writes those), and on rank 0 the temporary files beside the shards and the gate (safetensors'
+    .tmpXXXXXX of a killed gate write; docNNNNN.tmpPID of earlier versions). Says how much disk it freed."""
+    import shutil
+    folder = Path(out) / "features"
+    found = [partial_dir(shard_path(out, i)) for i in docs]
+    if rank == 0:
+        found += [p for f in (folder, Path(out)) if f.is_dir() for p in f.iterdir()
+                  if p.is_file() and (p.name.startswith(".tmp") or ".tmp" in p.suffix)]
+    found = [p for p in found if p.exists()]
+    if not found:
+        return
+    size = sum(f.stat().st_size for p in found for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    print(f"removed {len(found)} temporaries of an interrupted run ({size / 2**20:.1f} MiB) from {folder}",
+          file=sys.stderr)
+
+
+def shard_problem(path, key):
+    """None if `path` is the complete shard of the document with doc_key `key`, else what is wrong with it.
+    Reads the header only: a shard cut short (a full disk, a copy that stopped) shows in its size."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        end = 8 + n + max(header[name]["data_offsets"][1] for name in ("hidden", "scores"))
+        document = json.loads(header["__metadata__"]["document"])
+    except Exception as e:  # anything unreadable is recomputed
+        return f"unreadable header ({type(e).__name__})"
+    size = path.stat().st_size
+    if size != end:
+        return f"{size} bytes where its header says {end} (truncated)"
+    if document.get("key") != key:
+        return "it holds another document"
+    return None
+
+
+def feature_dtype(choice, dtype, cfg):
+    """The dtype hidden states are stored in: --feature-dtype, or for "auto" the model's, except fp32
+    features above FP16_FEATURES_ABOVE bytes per token, stored as fp16 (SmolLM2-135M: 30 layers x 576
+    values, 69 KB -> 35 KB; Gemma 3 270M's 3 x 640, 7.7 KB, stay fp32). The gates still train in the
+    model's dtype."""
+    if choice != "auto":
+        return DTYPES[choice]
+    big = dtype == torch.float32 and len(cfg.compressed_layers) * cfg.hidden_size * 4 > FP16_FEATURES_ABOVE
+    return torch.float16 if big else dtype
+
+
+def make_manifest(model_name, cfg, dtype, docs, teacher_chunk, teacher_softmax, chat, stored_dtype=None):
+    """What a resumed run must share with the one that wrote the features: model, teacher settings,
+    documents (with their splits) and, where it is not the model's dtype, the dtype the features are
+    stored in (stored_dtype, see feature_dtype)."""
+    manifest = dict(
         format=1, model=model_name, compressed_layers=list(cfg.compressed_layers),
         n_kv_heads=cfg.num_key_value_heads, group=cfg.group_size, hidden_size=cfg.hidden_size,
         dtype=str(dtype).replace("torch.", ""),
         teacher=dict(chunk=teacher_chunk, softmax_dtype=teacher_softmax, chat=chat),
         documents=[dict(name=n, tokens=len(ids), key=doc_key(n, ids), shard=shard_path("", i).as_posix(), split=split)
                    for i, (n, ids, split) in enumerate(docs)])
+    if stored_dtype not in (None, dtype):  # absent = the model's dtype (also in manifests written before the option)
+        manifest["feature_dtype"] = str(stored_dtype).replace("torch.", "")
+    return manifest
 
 
 def check_manifest(out, manifest):
@@ -280,11 +359,23 @@ def assign_ranks(lengths, world):
 
 
 def extract_features(out, model_folder, dtype, device, docs, fmt, tokenizer, teacher_chunk, prefill_chunk,
-                     teacher_softmax, rank=0, world=1, quiet=False):
-    """Score and record every document of this rank that has no shard yet in out/features. The model is
-    loaded only if there is work left."""
+                     teacher_softmax, stored_dtype=None, rank=0, world=1, quiet=False):
+    """Score and record every document of this rank that has no complete shard yet in out/features, its
+    hidden states stored in stored_dtype (None: the model's dtype). The model is loaded only if there is
+    work left."""
     rank_of = assign_ranks([len(ids) for _, ids, _ in docs], world)
-    todo = [i for i in range(len(docs)) if rank_of[i] == rank and not shard_path(out, i).exists()]
+    mine = [i for i in range(len(docs)) if rank_of[i] == rank]
+    sweep_temporaries(out, mine, rank)
+    todo = []
+    for i in mine:
+        path = shard_path(out, i)
+        if path.exists():
+            problem = shard_problem(path, doc_key(*docs[i][:2]))
+            if problem is None:
+                continue  # finished by an earlier run
+            print(f"{path}: {problem}; recomputing it", file=sys.stderr)
+            path.unlink()
+        todo.append(i)
     if not todo:
         return
     from gate import KVzipTeacher
@@ -299,6 +390,12 @@ def extract_features(out, model_folder, dtype, device, docs, fmt, tokenizer, tea
         name, ids, _ = docs[i]
         with torch.no_grad():
             scores, hidden = teacher(ids, capture_hidden=True, on_chunk=bar.update)
+        if stored_dtype is not None and hidden.dtype != stored_dtype:
+            big = hidden.abs().max().item()
+            hidden = hidden.to(stored_dtype)
+            if not torch.isfinite(hidden).all():
+                raise UsageError(f"{name}: hidden states reach {big:.3g}, beyond {stored_dtype}'s range; "
+                                 f"pass --feature-dtype bfloat16 or float32")
         write_shard(shard_path(out, i), hidden, scores,
                     dict(name=name, tokens=len(ids), key=doc_key(name, ids)))
     bar.close()
@@ -351,14 +448,16 @@ class FeatureStore:
         self.is_val_doc = torch.repeat_interleave(
             torch.tensor([d.get("split") == "val" for d in manifest["documents"]]), lens)
         self.n_layers, self.n_tokens, self.hidden_size = self.hidden[0].shape[0], int(lens.sum()), self.hidden[0].shape[2]
+        # the model's dtype, in which the gates train; the shards may hold the features narrower (fp16)
+        self.dtype = DTYPES.get(manifest.get("dtype"), self.hidden[0].dtype)
 
     def gather(self, idx):
-        """idx (B,) token indices -> hidden (L, B, D) in the stored dtype, targets (L, H, B)."""
+        """idx (B,) token indices -> hidden (L, B, D) in the model's dtype, targets (L, H, B)."""
         shard = torch.searchsorted(self.starts, idx, right=True) - 1
-        x = torch.empty(self.n_layers, len(idx), self.hidden_size, dtype=self.hidden[0].dtype)
+        x = torch.empty(self.n_layers, len(idx), self.hidden_size, dtype=self.dtype)
         for s in shard.unique().tolist():
             at = (shard == s).nonzero().squeeze(1)
-            x[:, at] = self.hidden[s][:, idx[at] - self.starts[s]]
+            x[:, at] = self.hidden[s][:, idx[at] - self.starts[s]].to(self.dtype)
         return x, self.scores[:, :, idx]
 
 
@@ -439,7 +538,7 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print):
         raise UsageError(f"only {n_train} training tokens for --batch-tokens {B}; add data (--tokens) or lower it")
     if len(val_idx) == 0:
         raise UsageError(f"only {N} tokens: need at least {VAL_EVERY} for one validation token; raise --tokens")
-    dtype = store.hidden[0].dtype  # the gates train in the features' (= the model's) dtype (METHOD.md §5.4)
+    dtype = store.dtype  # the gates train in the model's dtype (METHOD.md §5.4), whatever the features are stored in
     x_val, y_val = store.gather(val_idx)
     torch.manual_seed(seed)
     from gate import Gates
@@ -547,8 +646,10 @@ def run(args):
         torch.set_num_threads(args.threads)
     rank, world = init_distributed()
     import torch.distributed as dist
-    device = torch.device(args.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-                                          if torch.cuda.is_available() else "cpu"))
+    device = M.parse_device(args.device) if args.device else torch.device(
+        f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    model_name, out = names(args.model, args.out)
+    check_out(out)
     dtype = M.compute_dtype(args.dtype, device)
     if rank > 0:
         dist.barrier()  # rank 0 downloads / converts the model first, alone
@@ -557,20 +658,23 @@ def run(args):
         dist.barrier()
     cfg = M.ModelConfig.from_json(folder)
     tokenizer = M.load_tokenizer(folder)
-    model_name = Path(args.model).name.lower() if args.model else M.OFFLINE_DEFAULT
-    out = args.out or str(Path("out") / model_name)
     prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
     chat = M.uses_chat(args.model, args.chat)
     fmt = M.prompt_format(cfg, args.model, chat=chat)
+    stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
     system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
     # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
     max_context = cfg.max_position_embeddings - len(system) - args.teacher_chunk - 64
+    if max_context < args.min_doc_tokens:
+        raise UsageError(f"the model holds {cfg.max_position_embeddings} positions: with --teacher-chunk "
+                         f"{args.teacher_chunk} a document can have at most {max_context} context tokens, fewer "
+                         f"than --min-doc-tokens {args.min_doc_tokens}; lower them")
     docs = load_documents(args.data, args.tokens, args.min_doc_tokens, args.max_doc_tokens, args.long_doc_tokens,
                           args.val_docs, tokenizer, max_context)
-    manifest = make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk, args.teacher_softmax, chat)
+    manifest = make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk, args.teacher_softmax, chat,
+                             stored_dtype)
     check_manifest(out, manifest)
     if rank == 0:
-        Path(out).mkdir(parents=True, exist_ok=True)
         write_json(Path(out) / "manifest.json", manifest)
         n_val = sum(split == "val" for _, _, split in docs)
         n_tok = sum(len(ids) for _, ids, _ in docs)
@@ -578,7 +682,7 @@ def run(args):
               f"{out}/features", file=sys.stderr)
     t0 = time.perf_counter()
     extract_features(out, folder, dtype, device, docs, fmt, tokenizer, args.teacher_chunk, prefill_chunk,
-                     args.teacher_softmax, rank, world, args.quiet)
+                     args.teacher_softmax, stored_dtype, rank, world, args.quiet)
     if world > 1:
         dist.barrier()  # every rank's shards are written before rank 0 trains
         dist.destroy_process_group()
@@ -609,6 +713,38 @@ def run(args):
     print(f"trained {args.steps} steps on {store.n_tokens} tokens in {metrics['seconds']:.0f} s "
           f"({metrics['steps_per_s']:.1f} steps/s); val BCE {sum(metrics['val_loss'][-1]) / L:.4f} "
           f"(constant {sum(metrics['const_val_loss']) / L:.4f}); gate -> {gate_path}")
+
+
+def check_out(out):
+    """--out must be a folder we can write into: checked before hours of work go into it."""
+    import tempfile
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise UsageError(f"--out {out} is not a writable folder ({e.strerror or e}); pass another --out") from None
+
+
+def names(model, out):
+    """The model's name in the manifest and the gate file, and the output folder (--out, default
+    ./out/<name>)."""
+    name = Path(model).name.lower() if model else M.OFFLINE_DEFAULT
+    return name, out or str(Path("out") / name)
+
+
+def interrupted(out, steps):
+    """What a Ctrl-C leaves behind in `out`, in one line: the finished feature shards are kept; training
+    (`steps` > 0) restarts."""
+    try:
+        docs = json.loads((Path(out) / "manifest.json").read_text())["documents"]
+    except (OSError, ValueError, KeyError):  # no manifest written yet
+        return "interrupted before any feature was computed; nothing to keep"
+    done = sum((Path(out) / d["shard"]).is_file() for d in docs)
+    if done < len(docs):
+        return (f"interrupted: {done} of {len(docs)} feature shards are kept in {out}/features; rerun the "
+                f"same command to compute the other {len(docs) - done}{' and train' if steps else ''}")
+    return (f"interrupted: all {len(docs)} feature shards are kept in {out}/features; rerun the same "
+            f"command to train (training itself restarts from step 0)")
 
 
 def parse_args(argv=None):
@@ -643,13 +779,17 @@ def parse_args(argv=None):
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; the local rank's GPU "
                    "under torchrun)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="model and feature dtype (default: bfloat16 on GPU, float32 on CPU)")
+                   help="model dtype, in which the gates train too (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--feature-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="dtype the hidden-state features are stored in (default auto: the model's, but float16 "
+                   "for float32 features of more than 16 KB per token, e.g. SmolLM2-135M's 69 KB)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). On small or "
                    "shared CPUs 1 is often much faster: the gate's small ops pay for every thread hand-off")
     p.add_argument("--plot", action="store_true", help="also write curves.png (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or step log")
     args = p.parse_args(argv)
-    for flag in ("tokens", "min_doc_tokens", "max_doc_tokens", "batch_tokens", "teacher_chunk", "prefill_chunk"):
+    for flag in ("tokens", "min_doc_tokens", "max_doc_tokens", "batch_tokens", "teacher_chunk", "prefill_chunk",
+                 "threads"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.steps < 0 or args.long_doc_tokens < 0:
@@ -658,11 +798,16 @@ def parse_args(argv=None):
         p.error(f"--val-docs must be in [0, 0.5], got {args.val_docs}")
     if args.min_doc_tokens >= args.max_doc_tokens:
         p.error("--min-doc-tokens must be below --max-doc-tokens")
+    if 0 < args.long_doc_tokens <= args.min_doc_tokens:  # one document would already fill a "long" sample
+        p.error(f"--long-doc-tokens {args.long_doc_tokens} is not above --min-doc-tokens {args.min_doc_tokens}: "
+                f"every concatenation would be one document, repeating the single-document half; raise it, "
+                f"or pass 0 for single documents only")
     return args
 
 
 def main(argv=None):
-    cli.main(run, parse_args(argv), M.ModelError)
+    args = parse_args(argv)
+    cli.main(run, args, M.ModelError, interrupted=lambda a: interrupted(names(a.model, a.out)[1], a.steps))
 
 
 if __name__ == "__main__":

@@ -149,7 +149,10 @@ def real(tmp_path_factory):
 
 
 def same_cache(a, b, exact=True):
-    """Same kept positions in every layer and head; keys and values equal bit for bit (exact) or to 1e-4."""
+    """Same kept positions in every layer and head; keys and values equal bit for bit (exact) or to 2e-5 of
+    their layer's largest entry: a second forward sums in another order (and the order depends on the thread
+    count), and fp32 rounding grows with the size of the terms, up to ~100 here. Measured: at most 4.6e-6 of
+    the scale (layer 15 values; 1.25e-4 absolute on layer 11's keys of magnitude 87)."""
     assert a.n_seen == b.n_seen
     for i, (x, y) in enumerate(zip(a.layers, b.layers)):
         assert torch.equal(x.lens, y.lens), f"layer {i}: kept lengths differ"
@@ -162,31 +165,33 @@ def same_cache(a, b, exact=True):
             if exact:
                 assert torch.equal(u, w), f"layer {i}: {name} differ, max |diff| {(u - w).abs().max():.3e}"
             else:
-                assert_close(u, w, atol=1e-4, name=f"layer {i} {name}")
+                assert_close(u, w, atol=0, scale_rtol=2e-5, name=f"layer {i} {name}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,level,budget", [("fastkvzip", "global", 0.3), ("fastkvzip", "calibrated", 0.2),
-                                                 ("snapkv", "head", 0.5), ("kvzip", "global", 0.3)])
-def test_fast_path_equals_generate_prefill(real, method, level, budget):
-    """The replayed cache keeps exactly the positions, keys and values that generate.prefill keeps on a real
-    evicting cache (KVzip: generate.prefill_kvzip), and gives bit-identical logits afterwards."""
+@pytest.mark.parametrize("method,level,budget,chunk", [
+    ("fastkvzip", "global", 0.3, 16384), ("fastkvzip", "calibrated", 0.2, 16384), ("snapkv", "head", 0.5, 16384),
+    ("kvzip", "global", 0.3, 16384), ("fastkvzip", "global", 0.3, 160), ("kvzip", "global", 0.3, 160)])
+def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
+    """The benchmark's cache (one chunk: the replay; several: the real chunked prefill) keeps exactly the
+    positions, keys and values that generate.prefill keeps on a real evicting cache (KVzip:
+    generate.prefill_kvzip), and gives bit-identical logits afterwards."""
     model, tok = real["model"], real["tok"]
-    args = bench.parse_args(["--gate", real["gate"]])
+    args = bench.parse_args(["--gate", real["gate"], "--chunk-size", str(chunk), "--window", "32"])
     maker = quality.SampleMaker(tok, real["fmt"], real["docs"], seed=1, n_passkeys=2, n_kv_questions=1, n_probe=16)
     s = maker.make(400)
     teacher = G.KVzipTeacher(model, tok, real["fmt"]) if method == "kvzip" else None
     with torch.no_grad():
         full, logits, tscores = quality.capture_prefill(model, s.ids, args.chunk_size, teacher, s.n_protected)
         fast = quality.method_cache(model, method, level, s.n_protected, args, 7, tscores)
-        generate.prefill(quality.Replay(full, logits), fast, s.ids, s.n_protected, budget, args.chunk_size, args.window)
+        quality.prefill_from_capture(model, full, logits, fast, method, s, budget, args.chunk_size, args.window)
         real_cache = quality.method_cache(model, method, level, s.n_protected, args, 7)
         if method == "kvzip":
             generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
         else:
             generate.prefill(model, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
         # generate.prefill_kvzip feeds the last token in a second forward (for its logits): its keys and
-        # values match the one-forward replay to rounding only, so KVzip is held to positions + 1e-4
+        # values match the one-forward replay to rounding only, so KVzip is held to positions + 2e-5 of scale
         same_cache(fast, real_cache, exact=method != "kvzip")
         kept = fast.kept_fraction_per_layer(s.n_protected, len(s.ids))
         assert abs(np.mean(kept) - budget) < 0.01 and min(kept) < 1.0

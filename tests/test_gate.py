@@ -226,6 +226,40 @@ def test_gate_that_does_not_fit_is_refused(tmp_path):
         load_gate(tmp_path / "missing.safetensors", make_cfg())
 
 
+@pytest.mark.parametrize("first_bytes", [b"\x80", b"PK"])
+def test_safetensors_gate_whose_header_length_looks_like_torch_save_loads(tmp_path, first_bytes):
+    """The header length is the file's first 8 bytes (little-endian): with some metadata lengths it starts
+    with pickle's protocol byte 0x80 or zip's "PK", which a first-bytes sniffer takes for torch.save output."""
+    g, path = random_gates(), tmp_path / "gate.safetensors"
+    target, modulus = int.from_bytes(first_bytes, "little"), 256 ** len(first_bytes)
+    pad = 0
+    for _ in range(3):  # the header grows with the metadata, padded to a multiple of 8 (as target is)
+        save_gate(path, g, {"command": "x" * pad})
+        n = int.from_bytes(path.read_bytes()[:8], "little")
+        if n % modulus == target:
+            break
+        pad += (target - n) % modulus
+    assert path.read_bytes().startswith(first_bytes)
+    h = load_gate(path, make_cfg())
+    assert torch.equal(h.q_weight, g.q_weight) and h.meta["command"] == "x" * pad
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gate_with_non_finite_weights_is_refused(tmp_path, bad):
+    g = random_gates()
+    with torch.no_grad():
+        g.k_base[1, 0, 2, 3] = bad
+    save_gate(tmp_path / "g.safetensors", g)
+    with pytest.raises(GateError, match=r"layer 1 k_base holds NaN or inf") as err:
+        load_gate(tmp_path / "g.safetensors", make_cfg())
+    assert "\n" not in str(err.value)
+    sd = authors_state_dict(32, 2, 3)
+    sd["q_proj.bias"][5] = bad
+    save_authors_file(tmp_path / "q4_dim16_sink16.pt", [sd])
+    with pytest.raises(GateError, match=r"layer 0 q_proj.bias holds NaN or inf"):
+        load_gate(tmp_path / "q4_dim16_sink16.pt", make_cfg(1, 32, 2, 3))
+
+
 def test_resolve_gate(tmp_path, monkeypatch):
     cfg = make_cfg(1, 32, 2, 4)
     monkeypatch.setattr(gate, "GATES_DIR", tmp_path / "gates")
@@ -258,6 +292,34 @@ def test_resolve_gate(tmp_path, monkeypatch):
     assert "\n" not in str(err.value)
     with pytest.raises(GateError, match="train_gate.py --model my/model.*--gate"):
         resolve_gate(None, cfg, "my/model")
+
+
+@pytest.mark.parametrize("alias,file,dims", [
+    ("qwen2.5-7b-1m", "qwen2.5-7b-instruct-1m/q7_dim16_sink16.pt", (28, 3584, 28, 4)),
+    ("qwen2.5-14b-1m", "qwen2.5-14b-instruct-1m/q5_dim16_sink16.pt", (48, 5120, 40, 8))])
+def test_released_qwen25_gates_load(tmp_path, monkeypatch, alias, file, dims):
+    """The authors' Qwen2.5-*-Instruct-1M gates (METHOD.md §2): the file name their loader asks for, and a
+    file in their exact layout at the real sizes (one gate per layer, 28 or 48; every layer holds the
+    same tensors, which torch.save stores once) loads and scores as the literal formula."""
+    import huggingface_hub
+    import model as M
+    L, D, Hq, H = dims
+    cfg = M.ModelConfig.from_dict({"model_type": "qwen2", "num_hidden_layers": L, "hidden_size": D,
+                                   "num_attention_heads": Hq, "num_key_value_heads": H})
+    asked, sd = [], authors_state_dict(D, H, Hq // H)
+
+    def fake_download(repo_id, filename, repo_type):
+        asked.append((repo_id, filename))
+        save_authors_file(tmp_path / "gate.pt", [sd] * L)
+        return str(tmp_path / "gate.pt")
+
+    monkeypatch.setattr(gate, "GATES_DIR", tmp_path / "no-bundled-gates")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    g = resolve_gate(None, cfg, alias)
+    assert asked == [("Jang-Hyun/Fast-KVzip", file)]
+    assert (g.n_layers, g.hidden, g.n_kv_heads, g.group, g.dim, g.sinks) == (L, D, H, Hq // H, 16, 16)
+    hidden = torch.randn(5, D)
+    assert_close(g.score_layer(L - 1, hidden), literal_gate(sd, hidden), atol=1e-6, name=f"{alias} layer {L - 1}")
 
 
 # -------------------------------------------------------------------------------------------------

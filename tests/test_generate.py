@@ -65,15 +65,106 @@ def test_missing_model_and_missing_context_file(tmp_path):
     assert_usage_error(run_cli("--context-file", str(tmp_path / "nope.txt"), "--question", "q"), "nope.txt")
 
 
+def main_error(capsys, *argv):
+    """generate.main in this process (no interpreter start per case): exit 2 and one line, no traceback."""
+    import generate
+    with pytest.raises(SystemExit) as e:
+        generate.main(list(argv))
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def no_weights(tiny_folder, tmp_path_factory):
+    """The tiny model without its weights: any check that runs before the weights load reports its own
+    error; one that runs after would report the missing weights instead."""
+    folder = tmp_path_factory.mktemp("noweights")
+    for f in tiny_folder.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--window", "-5"], ["--window", "-5"]),
+    (["--decode-budget", "-5"], ["--decode-budget", "-5"]),
+    (["--decode-budget", "0"], ["--decode-budget", "positive"]),
+    (["--chunk-size", "0"], ["--chunk-size", "positive"]),
+    (["--max-new-tokens", "-1"], ["--max-new-tokens", "-1"]),
+    (["--temperature", "-1"], ["--temperature", "-1"]),
+    (["--temperature", "nan"], ["--temperature"]),
+    (["--top-p", "0"], ["--top-p", "(0, 1]"]),
+    (["--top-p", "2"], ["--top-p", "2"]),
+    (["--budget", "nan"], ["--budget"]),
+    (["--method", "kvzip", "--decode-budget", "100"], ["kvzip", "--decode-budget"]),
+    (["--method", "full", "--decode-budget", "100"], ["full", "--decode-budget"]),
+    (["--method", "snapkv", "--gate", "g.safetensors"], ["--gate", "snapkv"]),
+    (["--device", "foo"], ["--device 'foo'"]),
+    (["--context-file", "ctx.txt"], ["--prompt", "--context-file", "not both"]),
+    (["--prompt", "  "], ["--prompt is empty"]),
+])
+def test_bad_flags_fail_before_the_weights_load(capsys, no_weights, flags, words):
+    argv = ["--model", str(no_weights), *flags]
+    if "--prompt" not in flags:
+        argv += ["--prompt", "hi"]
+    line = main_error(capsys, *argv)
+    assert "safetensors" not in line or "--gate" in line, line
+    for w in words:
+        assert w in line, line
+
+
+def test_device_without_cuda(capsys, no_weights):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert "CUDA is not available" in main_error(capsys, "--model", str(no_weights), "--prompt", "hi", "--device", "cuda")
+
+
+def test_bad_context_files_and_gates_fail_before_the_weights_load(capsys, no_weights, tmp_path):
+    files = {"binary.txt": b"\x7fELF\x02\x01\x01\x00\x00\x00", "latin1.txt": "Émile à Paris".encode("latin-1"),
+             "empty.txt": b"", "blank.txt": b" \n\n\t", "missing.txt": None}
+    expect = {"binary.txt": "NUL bytes", "latin1.txt": "not UTF-8 text (byte 0xc9 at offset 0)",
+              "empty.txt": "is empty", "blank.txt": "is empty", "missing.txt": "No such file"}
+    for name, data in files.items():
+        if data is not None:
+            (tmp_path / name).write_bytes(data)
+        line = main_error(capsys, "--model", str(no_weights), "--context-file", str(tmp_path / name), "--question", "q")
+        assert expect[name] in line and name in line, line
+    line = main_error(capsys, "--model", str(no_weights), "--context-file", str(tmp_path), "--question", "q")
+    assert "not a regular file" in line, line
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + b"word " * 400)  # valid UTF-8 with a BOM: read, then too long
+    assert "exceeds the model's maximum" in main_error(capsys, "--model", str(no_weights), "--context-file",
+                                                       str(tmp_path / "bom.txt"), "--method", "full")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a gate")
+    for gate_file, words in ((tmp_path / "junk.safetensors", "neither"), (tmp_path / "nope.safetensors", "not found")):
+        line = main_error(capsys, "--model", str(no_weights), "--prompt", "hi", "--gate", str(gate_file),
+                          "--max-new-tokens", "4")
+        assert words in line, line
+    # with a valid gate, the next error is indeed the missing weights: the checks above ran first
+    cfg = M.ModelConfig.from_json(no_weights)
+    save_gate(tmp_path / "g.safetensors", Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                                              cfg.group_size))
+    assert "no *.safetensors" in main_error(capsys, "--model", str(no_weights), "--prompt", "hi", "--gate",
+                                            str(tmp_path / "g.safetensors"), "--max-new-tokens", "4")
+
+
 @pytest.fixture(scope="module")
 def real():
     folder = M.resolve_model(M.OFFLINE_DEFAULT)
+
+
+@pytest.fixture(scope="module", params=M.OFFLINE_MODELS)
+def real(request):
+    folder = M.resolve_model(request.param)
     return M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
 
 
 def test_budget_one_equals_full_cache_on_real_model(real):
     """Budget 1.0 through the evicting path (real gate-shaped scorer, chunked prefill) generates
-    token for token what the full cache does."""
+    token for token what the full cache does: on Gemma 3 270M (3 of 18 layers compressed) and on
+    SmolLM2-135M (all 30 layers x 3 KV heads under one threshold)."""
     model, tok = real
     cfg = model.config
     text = "The quick brown fox jumps over the lazy dog. " * 40

@@ -169,11 +169,12 @@ def test_resume_after_a_kill_between_documents(qwen, tmp_path, monkeypatch):
 
     monkeypatch.setattr(gate.KVzipTeacher, "__call__", dies_on_second)
     out = tmp_path / "resumed"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as e:
         run_main([*args, "--out", out])
+    assert e.value.code == 130
     assert [p.name for p in shards(out)] == ["doc00000.safetensors"]
     before = shards(out)[0].stat().st_mtime_ns
-    (out / "features" / "doc00001.tmp999").write_bytes(b"half a shard")  # a write cut short
+    (out / "features" / "doc00001.tmp999").write_bytes(b"half a shard")  # a write cut short (older versions)
     calls.clear()
     monkeypatch.setattr(gate.KVzipTeacher, "__call__", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
     run_main([*args, "--out", out])
@@ -183,6 +184,162 @@ def test_resume_after_a_kill_between_documents(qwen, tmp_path, monkeypatch):
     for a, b in zip(shards(tmp_path / "fresh"), shards(out)):
         assert a.name == b.name and a.read_bytes() == b.read_bytes()
     assert (tmp_path / "fresh" / "manifest.json").read_text() == (out / "manifest.json").read_text()
+    assert not (out / "features" / "doc00001.tmp999").exists()
+
+
+@pytest.fixture(scope="module")
+def features_run(qwen, tmp_path_factory):
+    """The arguments of a small feature run and the folder of its uninterrupted result."""
+    root = tmp_path_factory.mktemp("features_run")
+    data = write_docs(root / "data", 4, seed=5)
+    args = ["--model", qwen, "--data", data, "--tokens", 1500, "--long-doc-tokens", 0, "--steps", 0, *SMALL]
+    run_main([*args, "--out", root / "fresh"])
+    return [str(a) for a in args], root / "fresh"
+
+
+def leftovers(out):
+    """Everything in --out/features that is not a finished shard."""
+    return sorted(p.name for p in (Path(out) / "features").iterdir() if p not in shards(out))
+
+
+def test_killed_and_interrupted_shard_writes_leave_nothing_behind(features_run, tmp_path, monkeypatch, capsys):
+    """SIGKILL during a shard write leaves safetensors' own hidden temporary (as large as the shard): it
+    lands in the shard's partial folder, which the next run sweeps, with the temporaries older versions
+    left beside the shards. Ctrl-C during a write leaves nothing, and says what was kept."""
+    import safetensors.torch
+    args, fresh = features_run
+    out = tmp_path / "out"
+    # a real SIGKILL, in the middle of the first shard's write: safetensors stages .tmpXXXXXX beside its target
+    driver = ("import os, signal, sys, safetensors.torch as st\n"
+              "def killed(tensors, filename, metadata=None):\n"
+              "    open(os.path.join(os.path.dirname(filename), '.tmpKiLLeD'), 'wb').write(bytes(1 << 20))\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n"
+              "st.save_file = killed\n"
+              "import train_gate\n"
+              "train_gate.main(sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-c", driver, *args, "--out", str(out)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert leftovers(out) == [".doc00000.partial"] and shards(out) == []
+    (out / "features" / ".tmpOlDvEr").write_bytes(bytes(1000))  # what earlier versions left beside the shards
+    (out / "features" / "doc00001.tmp4242").write_bytes(bytes(1000))
+
+    real, calls = safetensors.torch.save_file, []
+
+    def interrupted_after_second(*a, **kw):  # Ctrl-C arrives while the second shard is being written
+        real(*a, **kw)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted_after_second)
+    with pytest.raises(SystemExit) as e:
+        run_main([*args, "--out", out])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "Traceback" not in err
+    assert "removed 3 temporaries" in err, err
+    assert f"interrupted: 1 of {len(shards(fresh))} feature shards are kept in {out}/features; rerun the same command" in err
+    assert leftovers(out) == [] and [p.name for p in shards(out)] == ["doc00000.safetensors"]
+
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    run_main([*args, "--out", out])
+    assert leftovers(out) == [] and len(shards(out)) == len(shards(fresh))
+    for a, b in zip(shards(fresh), shards(out)):
+        assert a.name == b.name and a.read_bytes() == b.read_bytes()
+
+
+def test_full_disk_is_one_line_and_leaves_nothing(features_run, tmp_path, monkeypatch, capsys):
+    import errno
+    import safetensors.torch
+    args, _ = features_run
+
+    def disk_full(tensors, filename, metadata=None):
+        open(filename, "wb").write(bytes(1000))  # what was written before the disk filled up
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(SystemExit) as e:
+        run_main([*args, "--out", tmp_path / "out"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the one-line plan of the run
+    assert e.value.code == 2 and err.startswith("error: cannot write ") and "Traceback" not in err
+    assert "doc00000.safetensors: No space left on device" in err and leftovers(tmp_path / "out") == []
+
+
+def test_ctrl_c_in_training_says_what_is_kept(features_run, tmp_path, monkeypatch, capsys):
+    import shutil
+    args, fresh = features_run
+    shutil.copytree(fresh, tmp_path / "out")
+    (tmp_path / "out" / ".tmpGaTe01").write_bytes(bytes(100))  # a gate write killed by an earlier run
+
+    def interrupted_training(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(TG, "train", interrupted_training)
+    with pytest.raises(SystemExit) as e:
+        run_main([*args, "--out", tmp_path / "out", "--steps", 10])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "Traceback" not in err and "removed 1 temporaries" in err
+    assert err.strip().splitlines()[-1] == (f"interrupted: all {len(shards(fresh))} feature shards are kept in "
+                                            f"{tmp_path / 'out'}/features; rerun the same command to train "
+                                            f"(training itself restarts from step 0)")
+
+
+def test_truncated_or_foreign_shard_is_recomputed(features_run, tmp_path, capsys):
+    import shutil
+    args, fresh = features_run
+    out = tmp_path / "out"
+    shutil.copytree(fresh, out)
+    cut = out / "features" / "doc00001.safetensors"
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])  # a copy or a disk that stopped half-way
+    shutil.copy(out / "features" / "doc00000.safetensors", out / "features" / "doc00002.safetensors")
+    run_main([*args, "--out", out])
+    err = capsys.readouterr().err
+    assert f"{cut}: " in err and "(truncated); recomputing it" in err, err
+    assert "doc00002.safetensors: it holds another document; recomputing it" in err, err
+    for a, b in zip(shards(fresh), shards(out)):
+        assert a.name == b.name and a.read_bytes() == b.read_bytes()
+    run_main([*args, "--out", out, "--steps", 20, "--batch-tokens", 100])  # training reads every shard
+
+
+def test_features_stored_as_fp16_train_in_the_model_dtype(qwen, tmp_path, monkeypatch, capsys):
+    """--feature-dtype float16 halves the shards (the fp32 features rounded once); the gates still train
+    in the model's fp32. auto picks fp16 only for large fp32 features (SmolLM2-135M's 30 x 576, not
+    Gemma 3 270M's 3 x 640). Features beyond fp16's range stop the run with a one-line error."""
+    import gate
+    from types import SimpleNamespace as NS
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    smollm2 = NS(compressed_layers=range(30), hidden_size=576)
+    gemma3 = NS(compressed_layers=[5, 11, 17], hidden_size=640)
+    assert TG.feature_dtype("auto", f32, smollm2) == f16 and TG.feature_dtype("auto", f32, gemma3) == f32
+    assert TG.feature_dtype("auto", bf16, smollm2) == bf16 and TG.feature_dtype("float32", f32, smollm2) == f32
+
+    data = write_docs(tmp_path / "data", 4, seed=5)
+    args = ["--model", qwen, "--data", data, "--tokens", 1500, "--long-doc-tokens", 0, "--val-docs", 0, *SMALL]
+    run_main([*args, "--steps", 0, "--out", tmp_path / "f32"])
+    run_main([*args, "--steps", 20, "--batch-tokens", 100, "--out", tmp_path / "f16", "--feature-dtype", "float16"])
+    manifest = json.loads((tmp_path / "f16" / "manifest.json").read_text())
+    assert manifest["feature_dtype"] == "float16" and manifest["dtype"] == "float32"
+    assert "feature_dtype" not in json.loads((tmp_path / "f32" / "manifest.json").read_text())
+    for a, b in zip(shards(tmp_path / "f32"), shards(tmp_path / "f16"), strict=True):
+        a, b = load_file(str(a)), load_file(str(b))
+        assert b["hidden"].dtype == f16 and torch.equal(b["hidden"], a["hidden"].half())
+        assert torch.equal(b["scores"], a["scores"])
+    store = TG.FeatureStore(tmp_path / "f16", manifest)
+    x, _ = store.gather(torch.arange(store.n_tokens))
+    assert x.dtype == f32 and torch.equal(x[:, :store.hidden[0].shape[1]], store.hidden[0].float())
+    assert load_gate(tmp_path / "f16" / "gate.safetensors", M.ModelConfig.from_json(qwen)).dtype == f32
+
+    real = gate.KVzipTeacher.__call__
+
+    def huge(self, *a, **kw):
+        scores, hidden = real(self, *a, **kw)
+        return scores, hidden * 1e6
+
+    monkeypatch.setattr(gate.KVzipTeacher, "__call__", huge)
+    with pytest.raises(SystemExit) as e:
+        run_main([*args, "--steps", 0, "--out", tmp_path / "big", "--feature-dtype", "float16"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "beyond torch.float16's range" in err and "--feature-dtype bfloat16" in err
 
 
 def test_torchrun_two_processes_match_one(qwen, tmp_path):
@@ -202,14 +359,21 @@ def test_torchrun_two_processes_match_one(qwen, tmp_path):
         assert torch.equal(x["hidden"], y["hidden"]) and torch.equal(x["scores"], y["scores"]), p.name
 
 
-@pytest.mark.parametrize("case", ["empty folder", "too short", "unknown model", "other run in --out"])
+@pytest.mark.parametrize("case", ["empty folder", "too short", "unknown model", "other run in --out",
+                                  "--out under a file", "teacher chunk fills the model"])
 def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
     data = write_docs(tmp_path / "data", 2, lo=100, hi=200)
     argv = ["--model", qwen, "--data", data, "--tokens", 1000, "--long-doc-tokens", 0, "--steps", 0, *SMALL,
             "--out", tmp_path / "out"]
     expect = {"empty folder": "no .txt/.md/.rst/.jsonl/.parquet files", "too short": "none of its 2 documents",
-              "unknown model": "model folder not found", "other run in --out": "holds features of a different run"}
-    if case == "empty folder":
+              "unknown model": "model folder not found", "other run in --out": "holds features of a different run",
+              "--out under a file": "is not a writable folder", "teacher chunk fills the model": "fewer than --min-doc"}
+    if case == "--out under a file":
+        (tmp_path / "file").write_text("")
+        argv[-1] = tmp_path / "file" / "out"
+    elif case == "teacher chunk fills the model":  # 8192 positions: no room for a 300-token document
+        argv[argv.index("--teacher-chunk") + 1] = 8000
+    elif case == "empty folder":
         (tmp_path / "empty").mkdir()
         argv[3] = tmp_path / "empty"
     elif case == "unknown model":
@@ -224,6 +388,14 @@ def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
     assert expect[case] in err[0], err[0]
+
+
+@pytest.mark.parametrize("flags", [["--threads", "0"], ["--long-doc-tokens", "300"], ["--device", "foo"]])
+def test_bad_flags_exit_2_without_traceback(tmp_path, capsys, flags):
+    with pytest.raises(SystemExit) as e:
+        run_main(["--data", tmp_path, "--out", tmp_path / "out", "--min-doc-tokens", "300", *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and flags[0] in err, err
 
 
 def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
