@@ -150,11 +150,6 @@ def test_bad_context_files_and_gates_fail_before_the_weights_load(capsys, no_wei
                                             str(tmp_path / "g.safetensors"), "--max-new-tokens", "4")
 
 
-@pytest.fixture(scope="module")
-def real():
-    folder = M.resolve_model(M.OFFLINE_DEFAULT)
-
-
 @pytest.fixture(scope="module", params=M.OFFLINE_MODELS)
 def real(request):
     folder = M.resolve_model(request.param)
