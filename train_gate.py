@@ -542,7 +542,7 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print):
     x_val, y_val = store.gather(val_idx)
     torch.manual_seed(seed)
     from gate import Gates
-    # projections and b in the features' dtype, norms and sink keys in fp32 (METHOD.md §1.2)
+    # projections and b in the model's dtype, norms and sink keys in fp32 (METHOD.md §1.2)
     gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
                   dtype=dtype, device=device)
     params = list(gates.parameters())
