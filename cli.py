@@ -1,5 +1,5 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with exit
-code 2, outputs written atomically, and matplotlib for --plot."""
+code 2, Ctrl-C as one line with exit code 130, outputs written atomically, and matplotlib for --plot."""
 import os
 import sys
 from contextlib import contextmanager
