@@ -6,7 +6,7 @@ before any question is seen, then asked pass keys, key-value pairs, and scored b
 each method relative to the full cache. Speed and memory (below): the real path, generate.prefill /
 prefill_kvzip then decode, on fresh caches; on a GPU also random weights in Qwen3-8B's shape.
 
-CPU examples (1 thread; times on the 2-core dev VM when no other job runs, ~1.3x longer beside one):
+CPU examples (1 thread; times on 2 CPU cores when no other job runs, ~1.3x longer beside one):
     python bench.py --quick             # smoke run, ~2 min: 2 contexts, budgets 0.5/0.2, every method
     python bench.py --plot              # full run, ~3.5 h: 18 contexts of 2K/4K/8K x 7 budgets x 7 configs
                                         #   (~3.2 h) + speed at 2K/8K/16K (~20 min)
@@ -34,12 +34,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import cli
 import gate as G
 import generate
+import model as M
 import quality
 from cache import LEVELS, KVCache
+from cli import UsageError, write_text
 from gate import KVzipTeacher
-from quality import (DEFAULT_LEVEL, BenchError, label, load_docs, load_records, log, method_cache, model_info,
+from quality import (DEFAULT_LEVEL, label, load_docs, load_records, log, method_cache, model_info,
                      quality_key, quality_results)
 
 ROOT = Path(__file__).resolve().parent
@@ -119,7 +122,7 @@ def speed(model, teacher, lengths, ids_for, args, tag="cpu"):
     return rows
 
 
-# Qwen3-8B's published shape (HF config), with the YaRN scaling the authors use for long contexts (§9)
+# Qwen3-8B's published shape (HF config), with the YaRN scaling the authors use for long contexts (METHOD.md §9)
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=131072, rope_theta=1e6,
@@ -130,7 +133,6 @@ QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, interme
 def random_model(shape, device, dtype, seed=0):
     """A model of the given config dict with random weights (speed and memory only: no real 8B weights
     exist offline). Norm weights 1, matrices N(0, 1/fan_in): activations stay finite through the layers."""
-    import model as M
     cfg = M.ModelConfig.from_dict(shape)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
@@ -145,7 +147,6 @@ def random_model(shape, device, dtype, seed=0):
 def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
     """Speed and memory of full / fastkvzip / kvzip on a random-weight model of `shape`, with the paper's own
     prefill chunk and window (METHOD.md §6)."""
-    import model as M
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(shape, device, dtype, args.seed)
@@ -172,12 +173,6 @@ def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
 
 
 # ---- 2. Output: config.json, results.json, results.md, relative.png — each written atomically -------
-
-def write_atomic(path, text):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
 
 def sha256(path):
     with open(path, "rb") as f:
@@ -245,7 +240,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run (< 3 min on 2 CPU cores): 2 contexts of 512 "
                    "tokens, 2 questions each, budgets 0.5 and 0.2, every method at its own level; speed at 512 tokens")
-    p.add_argument("--model", default=generate.DEFAULT_MODEL, help="model folder, repo id or alias")
+    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="model folder, repo id or alias")
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
                    help="comma list of " + ",".join(METHODS))
@@ -274,7 +269,7 @@ def parse_args(argv=None):
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
     p.add_argument("--seed", type=int, default=0, help="seed for contexts, needles, random scores, bootstrap")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default). 1: on the "
-                   "2-core dev VM, 2 threads made the whole run 5x slower (small decode ops, other load)")
+                   "2-core CPU, 2 threads made the whole run 5x slower (small decode ops, other load)")
     p.add_argument("--out", help="output folder (default results/<timestamp>/)")
     p.add_argument("--plot", action="store_true", help="also draw relative.png (needs matplotlib)")
     p.add_argument("--shard", default="0/1", help="k/n: run only the quality contexts c with c %% n == k, to "
@@ -307,14 +302,13 @@ def main(argv=None):
     args = parse_args(argv)
     if args.merge:
         return merge(args)
-    import model as M
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     folder = M.resolve_model(args.model)
     model = M.load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower here)
     cfg, tok = model_info(model)[0], M.load_tokenizer(folder)
-    fmt = M.prompt_format(cfg, args.model, chat=args.model != generate.DEFAULT_MODEL)  # the default is a base model
+    fmt = M.prompt_format(cfg, args.model)
     gates = G.resolve_gate(args.gate, cfg, args.model)  # fails early, before any output is written
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
@@ -322,7 +316,7 @@ def main(argv=None):
     config = run_config(args, folder, gates)
     key = config["quality_key"] = quality_key(args, config)
     done = load_records(out, key)  # an interrupted run with the same --out resumes after its last context
-    write_atomic(out / "config.json", json.dumps(config, indent=1))
+    write_text(out / "config.json", json.dumps(config, indent=1))
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[], complete=False)
     previous = out / "results.json"
     if previous.exists():  # keep the speed rows of an earlier run of this folder if this one does not redo them
@@ -338,7 +332,7 @@ def main(argv=None):
 
     def finished(record):  # each context is kept the moment it ends: a killed run loses at most one
         (out / "contexts").mkdir(exist_ok=True)
-        write_atomic(out / "contexts" / f"context-{record['context']:03d}.json", json.dumps({**record, "key": key}))
+        write_text(out / "contexts" / f"context-{record['context']:03d}.json", json.dumps({**record, "key": key}))
         records.append(record)
         save()
     log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}"
@@ -362,8 +356,8 @@ def main(argv=None):
 
 
 def write_results(out, results):
-    write_atomic(out / "results.json", json.dumps(results, indent=1))
-    write_atomic(out / "results.md", markdown(results))
+    write_text(out / "results.json", json.dumps(results, indent=1))
+    write_text(out / "results.md", markdown(results))
 
 
 def finish(results, out, args):
@@ -378,11 +372,11 @@ def finish(results, out, args):
 def merge(args):
     """Several runs of one experiment (shards: --shard k/n, each with its own --out) -> one result in --out."""
     if not args.out:
-        raise BenchError("--merge needs --out: the folder that receives the merged results")
+        raise UsageError("--merge needs --out: the folder that receives the merged results")
     folders = [Path(f) for f in args.merge]
     missing = [str(f) for f in folders if not (f / "config.json").exists()]
     if missing:
-        raise BenchError(f"no bench run in {', '.join(missing)} (config.json missing)")
+        raise UsageError(f"no bench run in {', '.join(missing)} (config.json missing)")
     configs = [json.loads((f / "config.json").read_text(encoding="utf-8")) for f in folders]
     key = configs[0]["quality_key"]
     records, results = {}, dict(config=dict(configs[0], merged_from=[str(f) for f in folders],
@@ -402,15 +396,10 @@ def merge(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_results(out, results)
-    write_atomic(out / "config.json", json.dumps(results["config"], indent=1))
+    write_text(out / "config.json", json.dumps(results["config"], indent=1))
     finish(results, out, args)
     log(f"merged {len(records)} contexts from {len(folders)} runs -> {out}/results.md")
 
 
 if __name__ == "__main__":
-    import model as M
-    try:
-        main()
-    except (M.ModelError, G.GateError, BenchError) as e:  # bad --model / --gate / folders: one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.main(main, None, M.ModelError, G.GateError)  # bad --model / --gate / folders: one line, exit 2

@@ -1,7 +1,8 @@
 """
-How important is each KV pair? The gate, its files, and the scorers the evicting cache calls.
+How important is each KV pair? The gate, the scorers the evicting cache calls, the teacher the gate
+learns from, and the gate's files.
 
-Sections, in data-path order:
+Sections, method first:
 1. The gate (METHOD.md §1): a tiny "sink attention" per compressed layer. Each token's attention-input
    hidden state h (the same tensor that enters q/k/v_proj, §1.7) is projected to G low-rank queries and
    one low-rank key per KV head; the score is the probability that the token's queries attend to its own
@@ -13,12 +14,13 @@ Sections, in data-path order:
    One class, `Gates`, holds the parameters of all compressed layers stacked on a leading axis L, so
    training runs every layer as one batched op (`forward`) and inference scores one layer
    (`score_layer`) — both through the same function `sink_gate`.
-2. Gate files: our format (safetensors + JSON metadata), the authors' released `.pt` files (read without
-   unpickling code), and `resolve_gate` (explicit path → bundled gate → the authors' released gate).
-3. Scorers: the one interface the evicting cache calls (`Scorer.score`), with the gate and the
+2. Scorers: the one interface the evicting cache calls (`Scorer.score`), with the gate and the
    baselines (StreamingLLM, SnapKV, random).
-4. The KVzip teacher (METHOD.md §4): what the gate learns to predict, scored by the model itself when it
+3. The KVzip teacher (METHOD.md §4): what the gate learns to predict, scored by the model itself when it
    repeats the context. It is also a scorer at inference (`generate.py --method kvzip`), at ~2x a prefill.
+4. Agreement: how closely the gate ranks and keeps a context's KV pairs as its teacher does.
+5. Gate files: our format (safetensors + JSON metadata), the authors' released `.pt` files (read without
+   unpickling code), and `resolve_gate` (explicit path → bundled gate → the authors' released gate).
 """
 import json
 import math
@@ -52,7 +54,7 @@ def rms_norm(x, weight, eps=RMS_EPS):
     return weight * xf.to(x.dtype)
 
 
-def sink_gate(x, q_weight, q_bias, k_weight, q_norm, k_norm, k_base, b, bias_multiplier=1):
+def sink_gate(x, q_weight, q_bias, k_weight, q_norm, k_norm, k_base, b):
     """The gate's math, for L layers at once (METHOD.md §1.4). Returns (L, H, N) float32 in (0, 1).
 
     x (L, N, D) hidden states; q_weight (L, H·G·D', D), q_bias (L, H·G·D'), k_weight (L, H·D', D),
@@ -68,15 +70,14 @@ def sink_gate(x, q_weight, q_bias, k_weight, q_norm, k_norm, k_base, b, bias_mul
     # q_proj's output is head-major: column h·G·D' + g·D' + i (METHOD.md §1.4 step 1)
     q = rms_norm(q.view(L, N, H, G, Dp), q_norm.view(L, 1, 1, 1, Dp))    # (L, N, H, G, D') fp32
     k = rms_norm(k.view(L, N, H, Dp), k_norm.view(L, 1, 1, Dp))          # (L, N, H, D') fp32
-    # -- own-key logit (b added ONCE, as every official inference path does: §1.5) --
+    # -- own-key logit, b added ONCE in training and inference alike (§1.5) --
     s = torch.einsum("lnhgd,lnhd->lhng", q, k) / math.sqrt(Dp)            # (L, H, N, G)
-    bias = b.float() if bias_multiplier == 1 else bias_multiplier * b.float()
-    s = s + bias.unsqueeze(2)
+    s = s + b.float().unsqueeze(2)
     # -- sink logits: the same queries against the S learned sink keys (k_base is not normalised) --
     t = torch.einsum("lnhgd,lhsd->lhngs", q, k_base.float()) / math.sqrt(Dp)  # (L, H, N, G, S)
     # 1 / (1 + Σ_r exp(t_r − s)) written stably; equal to the literal form to ~1e-7 (tests/test_gate.py)
     score = torch.sigmoid(s - torch.logsumexp(t, dim=-1))                 # (L, H, N, G)
-    return score.mean(-1)  # MEAN over the G query groups, not max (§1.4 step 6, §13.3)
+    return score.mean(-1)  # MEAN over the G query groups, not max (§1.4 step 4, §12.3)
 
 
 class Gates(nn.Module):
@@ -86,21 +87,16 @@ class Gates(nn.Module):
     k_proj (no bias) in `dtype` (the LLM's dtype: bf16 for released gates), q_norm/k_norm weights and the
     S sink keys k_base in fp32, the per-group bias b in `dtype`. Index l is the position in
     cfg.compressed_layers (Qwen3: every layer; Gemma3: the global layers only, §9).
-
-    train_bias_multiplier m (1 or 2): the gate computes s = q·k/√D' + m·b. m = 2 reproduces the authors'
-    training code, which adds b twice (optim.py, §1.5). Files always store the one-b form — `save_gate`
-    writes m·b — so a saved gate, loaded anywhere with one b (ours, the authors' inference, kvpress),
-    computes exactly the function that was trained. Loaded gates have m = 1.
+    The bias b is added once, as in every inference path of the authors (their training script adds it
+    twice, §1.5): a gate trained here computes at inference exactly the function that was trained.
     """
 
     def __init__(self, n_layers, hidden, n_kv_heads, group, dim=16, sinks=16, dtype=torch.float32,
-                 device=None, train_bias_multiplier=1):
+                 device=None):
         super().__init__()
         assert sinks >= 1, "a gate needs at least one sink key (the authors' sink=0 branch is unused, §1.5)"
-        assert train_bias_multiplier in (1, 2), "train_bias_multiplier is 1 (inference form) or 2 (optim.py)"
         L, D, H, G, Dp, S = n_layers, hidden, n_kv_heads, group, dim, sinks
         self.n_layers, self.hidden, self.n_kv_heads, self.group, self.dim, self.sinks = L, D, H, G, Dp, S
-        self.train_bias_multiplier = train_bias_multiplier
         self.meta = {}  # what the gate file said about itself (model, layers, training summary)
         kw = dict(device=device)
         self.q_weight = nn.Parameter(torch.empty(L, H * G * Dp, D, dtype=dtype, **kw))  # q_proj.weight
@@ -141,17 +137,17 @@ class Gates(nn.Module):
         """Training form: hidden (L, N, D), the same N tokens in every layer -> scores (L, H, N)."""
         assert hidden.dim() == 3 and hidden.shape[0] == self.n_layers, \
             f"expected hidden (L={self.n_layers}, N, D), got {tuple(hidden.shape)}"
-        return sink_gate(hidden, *self._params(), bias_multiplier=self.train_bias_multiplier)
+        return sink_gate(hidden, *self._params())
 
     def score_layer(self, l, hidden):
         """Inference form: hidden (N, D) of compressed layer l -> scores (H, N)."""
         assert hidden.dim() == 2, f"expected hidden (N, D) for one layer (batch 1), got {tuple(hidden.shape)}"
         params = self._params(slice(l, l + 1))  # views, no copy
-        return sink_gate(hidden.unsqueeze(0), *params, bias_multiplier=self.train_bias_multiplier)[0]
+        return sink_gate(hidden.unsqueeze(0), *params)[0]
 
     # -- per-layer state dicts in the authors' key names and shapes (§1.2); used by both file formats --
     def layer_state_dict(self, l):
-        """Layer l as the authors' `Weight` state dict (one-b form: b is stored multiplied by m)."""
+        """Layer l as the authors' `Weight` state dict."""
         return {
             "q_proj.weight": self.q_weight[l].detach(),
             "q_proj.bias": self.q_bias[l].detach(),
@@ -159,7 +155,7 @@ class Gates(nn.Module):
             "q_norm.weight": self.q_norm[l].detach(),
             "k_norm.weight": self.k_norm[l].detach(),
             "k_base": self.k_base[l].detach().unsqueeze(1),                    # (H, 1, S, D')
-            "b": (self.b[l].detach() * self.train_bias_multiplier).unsqueeze(1),  # (H, 1, G)
+            "b": self.b[l].detach().unsqueeze(1),                              # (H, 1, G)
         }
 
     @classmethod
@@ -185,7 +181,367 @@ class Gates(nn.Module):
 
 
 # =================================================================================================
-# 2. Gate files
+# 2. Scorers: how the evicting cache asks "how important is each new KV pair?"
+# =================================================================================================
+
+class Scorer:
+    """score(l, hidden, q, k, pos) -> (H, T) float32, higher = more important, for the T new tokens of
+    compressed layer l. hidden (T, D) is the attention input; q (T, Hq, d) and k (T, H, d) are post-RoPE;
+    pos (T,) absolute positions. During decoding the cache scores its buffered hidden states without q/k
+    (q = k = None); scorers that need them say so.
+
+    `level` names the eviction structure the scorer is meant for, in cache.EvictingCache's terms:
+    "global" = one threshold over all layers × heads (the authors' "pair"), "head" = per-head top-k
+    ("pair-head", uniform budget per head)."""
+    level = "global"
+
+    def __init__(self, n_kv_heads=None):
+        self.n_kv_heads = n_kv_heads  # needed only by scorers that ignore q/k when q/k are None
+
+    def _heads(self, k):
+        if k is not None:
+            return k.shape[1]
+        assert self.n_kv_heads is not None, f"{type(self).__name__}(n_kv_heads=...) is needed when k is None"
+        return self.n_kv_heads
+
+    def score(self, l, hidden, q, k, pos):
+        raise NotImplementedError
+
+
+class GateScorer(Scorer):
+    """Fast KVzip: the gate's output. Meant for "global" (one threshold over all layers × heads, §6):
+    gate scores are comparable across layers and heads because they are trained to the same targets."""
+    level = "global"
+
+    def __init__(self, gates):
+        super().__init__(gates.n_kv_heads)
+        self.gates = gates
+
+    @torch.no_grad()
+    def score(self, l, hidden, q, k, pos):
+        return self.gates.score_layer(l, hidden)  # (H, T) fp32
+
+
+class StreamingScorer(Scorer):
+    """StreamingLLM: score = absolute position, so the most recent tokens survive; the first tokens
+    (attention sinks, the system prompt) are protected by the cache itself. Identical across layers and
+    heads, so every level gives the same result; "head" matches the baseline's per-head budget (§10).
+    fp32 holds positions exactly up to 2^24 tokens."""
+    level = "head"
+
+    def score(self, l, hidden, q, k, pos):
+        return pos.to(torch.float32).unsqueeze(0).expand(self._heads(k), -1).contiguous()
+
+
+class RandomScorer(Scorer):
+    """Uniform random scores from a seeded generator (a floor for every other scorer). Any level."""
+    level = "head"
+
+    def __init__(self, seed=0, n_kv_heads=None):
+        super().__init__(n_kv_heads)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def score(self, l, hidden, q, k, pos):
+        s = torch.rand(self._heads(k), pos.shape[0], generator=self.generator)
+        return s.to(pos.device)
+
+
+class SnapKVScorer(Scorer):
+    """SnapKV as the authors run it in chunked prefill (METHOD.md §10, baseline.py:SnapKV), query-
+    agnostic: the chunk's own last queries (the observation window) vote for the chunk's keys.
+
+    - window = the last 32 queries of the chunk (16 while the sequence, current chunk included, is
+      shorter than 1000 tokens: the authors test the key length of their retain cache, = pos[-1] + 1);
+    - keys = the first 4 keys of the sequence (chunks after the first only) ⊕ the chunk's keys. The cache
+      hands a scorer only the new keys, so the scorer remembers each layer's first 4 keys when it sees
+      the chunk that starts at position 0 (post-RoPE keys never change, so this is exact);
+    - logits q·k·scale, MAX over the G query heads of each KV head on the logits, fp32 softmax over the
+      keys, mean over the window queries, drop the 4 sink columns, max_pool1d(kernel 7, stride 1, pad 3);
+    - as in the authors' code there is no causal mask inside the window (window queries see the whole
+      chunk); the window tokens themselves get the head's maximum + 1 so they are always kept.
+    Meant for "head" (per-head top-k with k = int(n·r'), the authors' level for SnapKV). Prefill only: it
+    needs the chunk's queries, so it refuses the query-less decoding call.
+    scale: the model's attention scale (default 1/√d; Gemma3 uses query_pre_attn_scalar^-1/2)."""
+    level = "head"
+
+    def __init__(self, scale=None, window=32, short_window=16, short_len=1000, n_sink=4, kernel=7):
+        super().__init__()
+        self.scale, self.window, self.short_window, self.short_len = scale, window, short_window, short_len
+        self.n_sink, self.kernel = n_sink, kernel
+        self.sink_keys = {}  # compressed layer -> first n_sink keys of the sequence (n_sink, H, d)
+
+    @torch.no_grad()
+    def score(self, l, hidden, q, k, pos):
+        if q is None or k is None:
+            raise GateError("SnapKVScorer scores prefill chunks from their queries; it has no decoding form here")
+        T, Hq, d = q.shape
+        H = k.shape[1]
+        G = Hq // H
+        if int(pos[0]) == 0:  # a new sequence: remember its first keys, no sink keys for this chunk
+            self.sink_keys[l] = k[:self.n_sink].clone()
+            sinks = k[:0]
+        else:
+            sinks = self.sink_keys.get(l, k[:0])
+        keys = torch.cat([sinks, k]).float()                              # (n_s + T, H, d)
+        w = self.window if int(pos[-1]) + 1 >= self.short_len else self.short_window
+        w = min(w, T)
+        qw = q[-w:].float().view(w, H, G, d)                              # query head = h·G + g
+        scale = self.scale if self.scale is not None else 1 / math.sqrt(d)
+        logits = torch.einsum("whgd,khd->hgwk", qw, keys) * scale         # (H, G, w, n_s + T)
+        logits = logits.amax(dim=1)                                       # max over the group, on logits
+        attn = torch.softmax(logits, dim=-1, dtype=torch.float32).mean(dim=1)  # (H, n_s + T)
+        attn = attn[:, sinks.shape[0]:]                                   # (H, T): drop the sink columns
+        # smooth: a token next to an attended token is kept too (clusters of information)
+        score = F.max_pool1d(attn.unsqueeze(0), self.kernel, stride=1, padding=self.kernel // 2)[0]
+        score[:, T - w:] = score.amax(dim=-1, keepdim=True) + 1          # the observation window stays
+        return score
+
+
+# =================================================================================================
+# 3. The KVzip teacher
+# =================================================================================================
+# How important is each context KV pair, judged by the model itself (METHOD.md §4). KVzip asks the model to repeat the context and reads, for every context KV pair, the largest
+# attention probability any query of that repetition gives it. Pairs the model needs to reproduce its
+# context score high; the gates (section 1) are trained to predict these scores from one hidden state.
+#
+#     1. prefill system prompt ⊕ context with a full cache (chunks of 16,000 tokens, nothing evicted)
+#     2. cut the context into chunks of 2,000 tokens; for chunk i run the repeat input
+#            "\n\nRepeat the previous context exactly." ⊕ postfix ⊕ chunk_0                        (i = 0)
+#            "\n\nRepeat the part of the previous context exactly, starting with "
+#                ⊕ last 8 tokens of chunk_{i-1} ⊕ postfix ⊕ chunk_i                              (i > 0)
+#        on top of the full cache. In each compressed layer its queries (all of them: instruction,
+#        template and copied chunk) attend over keys [system prompt ; chunk i ; the repeat input itself]
+#        with logits q·k/√d_h and a causal mask inside the repeat; the softmax probabilities of the
+#        chunk's keys, maximised over the G query heads of each KV head and over all repeat queries,
+#        are chunk i's scores (H, chunk). Other chunks are not in that softmax.
+#     3. roll the cache back: the repeat tokens never stay.
+#
+# Output: (compressed layers, KV heads, context length) in [0, 1]. Memory beyond the model's own
+# forward: one chunk's score matrix (Hq, repeat length, system + chunk + repeat length), never the
+# whole context's. Compressed layers: all for Qwen3, only the global ones for Gemma3 (METHOD.md §9).
+#
+# Softmax dtype: fp32 by default. The authors compute the logits and the softmax in the model dtype
+# (bf16, METHOD.md §4.3, §12.10): a bf16 logit of ~20 is only known to ±0.06, i.e. ±6% on its
+# probability, and the max over ~2,000 queries picks the rounding errors that went up. In fp32 the
+# targets depend only on the model, not on the device (CPU fp32 and GPU bf16 runs agree up to the
+# model's own rounding), at the cost of one fp32 (Hq, 2K, 4K) matrix per layer — small next to the
+# forward pass. softmax_dtype="model" reproduces the authors.
+#
+# Cost: one prefill plus one forward of (context + ~1.1% prompt tokens) on top of the full cache, i.e.
+# about two prefills (the cost Fast KVzip's gate removes at inference).
+
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."                              # METHOD.md §4.2
+REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "      # trailing space
+PREV_TOKENS = 8         # the next repeat starts from the previous chunk's last 8 tokens
+SCORE_CHUNK = 2000      # context tokens scored per repeat input (METHOD.md §4.2)
+PREFILL_CHUNK = 16000   # prefill chunk of the authors' pipeline (METHOD.md §4.3, §6)
+
+
+class TeacherCache(KVCache):
+    """A full KV cache that, in compressed layers, can also
+    - keep the attention-input hidden states of tokens at positions >= capture_from (gate features,
+      METHOD.md §1.7, §3), moved to the CPU as they come: an 8B model's 100K-token document is ~30 GB;
+    - score a context chunk while a repeat input runs (span = (n_system, chunk start, chunk end)).
+    """
+
+    def __init__(self, cfg, dtype=torch.float32, device="cpu", softmax_dtype=torch.float32):
+        super().__init__(cfg, dtype, device)
+        self.index = {layer: l for l, layer in enumerate(cfg.compressed_layers)}  # model layer -> row of the output
+        self.softmax_dtype = softmax_dtype  # None = the cache (model) dtype, as the authors
+        self.capture_from = None
+        self.captured = [[] for _ in self.index]
+        self.span = None
+        self.scores = [[] for _ in self.index]
+
+    def attend(self, layer, q, k, v, hidden, scale, window=None):
+        out = super().attend(layer, q, k, v, hidden, scale, window)  # the model's own attention, unchanged
+        l = self.index.get(layer)
+        if l is None:
+            return out
+        if self.capture_from is not None:
+            first = max(0, self.capture_from - self.n_seen)  # skip the system prompt's tokens
+            if first < hidden.shape[0]:
+                self.captured[l].append(hidden[first:].to("cpu", copy=True))
+        if self.span is not None:
+            self.scores[l].append(self.kvzip_scores(layer, q))
+        return out
+
+    def kvzip_scores(self, layer, q):
+        """Scores (H, chunk) of the context chunk self.span for the repeat queries q (T, Hq, d) that were
+        just appended (METHOD.md §4.3, score.py:KVScore._get_score)."""
+        n_sys, start, end = self.span
+        kv = self.layers[layer]
+        T, n_q_heads, d = q.shape
+        H = kv.n_heads
+        G = n_q_heads // H
+        n_rows = self.n_seen + T  # a full cache: every head holds positions 0 .. n_rows-1, in order
+        assert bool((kv.lens == n_rows).all()), "KVzip scoring needs the full, unevicted cache"
+        pos = torch.cat([torch.arange(n_sys), torch.arange(start, end), torch.arange(n_rows - T, n_rows)])
+        rows = (kv.starts[:, None] + pos[None, :]).to(kv.k.device)                # (H, K)
+        dtype = self.softmax_dtype or kv.k.dtype
+        keys = kv.k[rows].to(dtype)                                              # (H, K, d)
+        qh = q.to(dtype).view(T, H, G, d).permute(1, 2, 0, 3)                    # (H, G, T, d)
+        logits = qh @ keys[:, None].transpose(-1, -2) / math.sqrt(d)             # (H, G, T, K)
+        # 1/sqrt(d_h) even for Gemma3 (whose attention uses query_pre_attn_scalar): METHOD.md §4.3
+        causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()  # repeat query i sees repeat key j <= i
+        logits[..., -T:].masked_fill_(~causal, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)                                    # in `dtype` (not forced to fp32)
+        c = end - start
+        return probs[..., n_sys:n_sys + c].amax(dim=(1, 2)).float()             # (H, c): max over group and queries
+
+
+class KVzipTeacher:
+    """KVzip scores (and optionally gate features) for one context.
+
+    model: model.Transformer; tokenizer: tokenizers.Tokenizer; fmt: model.PromptFormat (system, postfix).
+    softmax_dtype: "float32" or "model" (the authors compute logits and softmax in bf16)."""
+
+    def __init__(self, model, tokenizer, fmt, chunk_size=SCORE_CHUNK, prefill_chunk=PREFILL_CHUNK,
+                 softmax_dtype="float32"):
+        self.model, self.tokenizer = model, tokenizer
+        self.cfg = model.config
+        self.system = self.encode(fmt.system)
+        self.postfix = self.encode(fmt.postfix)
+        self.chunk_size, self.prefill_chunk = chunk_size, prefill_chunk
+        self.softmax_dtype = torch.float32 if softmax_dtype == "float32" else None
+
+    def encode(self, text):
+        return self.tokenizer.encode(text, add_special_tokens=False).ids  # every piece alone (METHOD.md §4.1)
+
+    def repeat_inputs(self, ctx):
+        """[(start, end, repeat ids)] for the context chunks (METHOD.md §4.2 / wrapper.py:self_task)."""
+        out = []
+        for start in range(0, len(ctx), self.chunk_size):
+            end = min(start + self.chunk_size, len(ctx))
+            if start == 0:
+                prompt = self.encode(REPEAT_FIRST)
+            else:
+                prompt = self.encode(REPEAT_NEXT) + list(ctx[max(0, start - PREV_TOKENS):start])
+            out.append((start, end, prompt + self.postfix + list(ctx[start:end])))
+        return out
+
+    def new_cache(self):
+        w = self.model.model.embed_tokens.weight  # the model's dtype and device
+        return TeacherCache(self.cfg, w.dtype, w.device, self.softmax_dtype)
+
+    def prefill(self, cache, ids, on_chunk=None):
+        """Feed ids in prefill_chunk pieces into a full cache."""
+        for i in range(0, len(ids), self.prefill_chunk):
+            piece = torch.tensor(ids[i:i + self.prefill_chunk], device=cache.device)
+            self.model(piece, cache, num_logits=0)  # no logits needed
+            if on_chunk:
+                on_chunk(len(piece))
+
+    def score(self, cache, n_system, ctx, on_chunk=None):
+        """Scores (L_g, H, len(ctx)) float32 of a context already prefilled after n_system system-prompt
+        tokens in `cache` (a TeacherCache holding exactly system ⊕ context). The cache is unchanged."""
+        assert cache.n_seen == n_system + len(ctx), "the cache must hold exactly system prompt + context"
+        cache.scores = [[] for _ in cache.index]
+        for start, end, ids in self.repeat_inputs(ctx):
+            state = cache.checkpoint()
+            cache.span = (n_system, n_system + start, n_system + end)
+            self.model(torch.tensor(ids, device=cache.device), cache, num_logits=0)
+            cache.span = None
+            cache.rollback(state)  # the repeat tokens never stay (sliding layers restored too)
+            if on_chunk:
+                on_chunk(end - start)
+        scores = torch.stack([torch.cat(s, dim=-1) for s in cache.scores])  # (L_g, H, n)
+        cache.scores = [[] for _ in cache.index]
+        return scores
+
+    def __call__(self, ctx, capture_hidden=False, on_chunk=None):
+        """-> scores (L_g, H, n) float32 in [0, 1], and hidden (L_g, n, D) in the model dtype on the CPU
+        (the attention inputs of the context tokens) when capture_hidden, else None.
+        on_chunk(n) is called after each scored chunk of n context tokens (progress bars)."""
+        cache = self.new_cache()
+        if capture_hidden:
+            cache.capture_from = len(self.system)
+        self.prefill(cache, self.system + list(ctx))
+        cache.capture_from = None
+        hidden = torch.stack([torch.cat(h) for h in cache.captured]) if capture_hidden else None
+        cache.captured = [[] for _ in cache.index]
+        return self.score(cache, len(self.system), ctx, on_chunk), hidden
+
+
+# =================================================================================================
+# 4. Agreement: how closely a scorer (the gate) ranks one context's KV pairs as its teacher does
+# =================================================================================================
+
+AGREEMENT_BUDGETS = (0.5, 0.3)
+
+
+def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
+    """(L, H, n) context scores -> (keep mask (L, H, n), window length): what EvictingCache keeps of a
+    context prefilled in one chunk (METHOD.md §6): the last `window` tokens (2% of n for a context
+    shorter than a chunk) in every head, and of the rest exactly ⌊r'·L·H·s⌋ pairs, r' chosen so that a
+    fraction `ratio` of the context is kept in all."""
+    from cache import plan_prefill, select_segment
+    L, H, n = scores.shape
+    plan = plan_prefill(n, ratio, chunk_size, window)
+    keep = torch.ones(L, H, n, dtype=torch.bool, device=scores.device)
+    others = torch.full((L,), plan.window * H, device=scores.device)  # the window: no layer goes empty
+    keep[..., :n - plan.window] = select_segment(scores[..., :n - plan.window], plan.segment_ratio, level, others)
+    return keep, plan.window
+
+
+def spearman(a, b):
+    """Rank correlation of two 1-D tensors (ordinal ranks: ties, which almost never occur in float
+    scores, are broken by position)."""
+    ra = torch.empty_like(a, dtype=torch.float64)
+    rb = torch.empty_like(b, dtype=torch.float64)
+    ra[a.argsort(stable=True)] = torch.arange(len(a), dtype=torch.float64, device=a.device)
+    rb[b.argsort(stable=True)] = torch.arange(len(b), dtype=torch.float64, device=b.device)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-300))
+
+
+def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096):
+    """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,) bool
+    (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that callers can pool
+    contexts (`pool_agreement`), keyed by the budget written as f"{r:g}" (JSON-ready):
+      spearman   rank correlation over the layer's H·n pairs;
+      at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local window
+      that both keep: teacher = pairs the teacher keeps, both = of those, the ones the student keeps too,
+      student = pairs the student keeps, segment = pairs in the evicted segment; digits = digit-token pairs
+      there, digits_teacher / digits_student = of those, the ones each side keeps."""
+    out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double()) for s, t in zip(student, teacher)])
+    for r in budgets:
+        ks, w = kept_by_rule(student, r, chunk_size, window)
+        kt, _ = kept_by_rule(teacher, r, chunk_size, window)
+        seg = torch.zeros(student.shape[-1], dtype=torch.bool, device=student.device)
+        seg[:student.shape[-1] - w] = True
+        digit = seg & is_digit.to(student.device)
+        count = lambda m, where: m[..., where].flatten(1).sum(1).tolist()
+        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
+                      segment=[int(seg.sum()) * student.shape[1]] * student.shape[0],
+                      digits=[int(digit.sum()) * student.shape[1]] * student.shape[0],
+                      digits_teacher=count(kt, digit), digits_student=count(ks, digit))
+    return out
+
+
+def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
+    """Pool agreement() over contexts, per layer: mean Spearman; at each budget, overlap = the share of
+    the teacher's kept pairs the student keeps too (chance level: the student's kept share), and the
+    share of digit-token pairs each side keeps. None where a denominator is zero."""
+    ratio = lambda a, b: a / b if b else None
+    L = len(per_context[0]["spearman"])
+    out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context) for l in range(L)])
+    for r in budgets:
+        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)] for k in per_context[0][f"{r:g}"]}
+        out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
+        out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
+        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l]) for l in range(L)]
+        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][l], tot["digits"][l]) for l in range(L)]
+    return out
+
+
+def digit_tokens(tokenizer, ids):
+    """(n,) bool: which tokens' text holds a digit."""
+    return torch.tensor([any(c.isdigit() for c in tokenizer.id_to_token(i) or "") for i in ids], dtype=torch.bool)
+
+
+# =================================================================================================
+# 5. Gate files
 # =================================================================================================
 
 LAYER_KEYS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight",
@@ -241,25 +597,22 @@ def check_fits(dims, n_layers, cfg, source):
 
 def save_gate(path, gates, meta=None):
     """Write `gates` as safetensors: per-layer tensors `layers.{i}.<authors' key>` in the authors' shapes
-    and dtypes (b in the one-b form), plus JSON metadata in the header under "fastkvzip". meta: free-form
+    and dtypes, plus JSON metadata in the header under "fastkvzip". meta: free-form
     JSON-able dict; conventional keys "model" (id), "layers" (compressed layer ids), "training" (summary).
-    The write is atomic: a temporary file in the same folder, then os.replace."""
+    The write is atomic (cli.atomic_path)."""
     from safetensors.torch import save_file
+
+    from cli import atomic_path
     path = Path(path)
     tensors = {f"layers.{l}.{key}": t.to("cpu").clone().contiguous()  # clone: no shared storage
                for l in range(gates.n_layers) for key, t in gates.layer_state_dict(l).items()}
     header = dict(meta or {})
     header.update(format=GATE_FORMAT, n_layers=gates.n_layers, hidden_size=gates.hidden,
                   n_kv_heads=gates.n_kv_heads, group=gates.group, dim=gates.dim, sinks=gates.sinks,
-                  dtype=str(gates.dtype).removeprefix("torch."), bias="added once",
-                  trained_bias_multiplier=gates.train_bias_multiplier)
+                  dtype=str(gates.dtype).removeprefix("torch."), bias="added once")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt", "fastkvzip": json.dumps(header)})
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _read_safetensors(path):
@@ -406,361 +759,3 @@ def resolve_gate(arg, cfg, model_name, dtype=None, device=None):
         raise GateError(f"could not download the released gate {RELEASED_REPO}/{filename} "
                         f"({type(e).__name__}); {how}") from None
     return load_gate(local, cfg, dtype, device)
-
-
-# =================================================================================================
-# 3. Scorers: how the evicting cache asks "how important is each new KV pair?"
-# =================================================================================================
-
-class Scorer:
-    """score(l, hidden, q, k, pos) -> (H, T) float32, higher = more important, for the T new tokens of
-    compressed layer l. hidden (T, D) is the attention input; q (T, Hq, d) and k (T, H, d) are post-RoPE;
-    pos (T,) absolute positions. During decoding the cache scores its buffered hidden states without q/k
-    (q = k = None); scorers that need them say so.
-
-    `level` names the eviction structure the scorer is meant for, in cache.EvictingCache's terms:
-    "global" = one threshold over all layers × heads (the authors' "pair"), "head" = per-head top-k
-    ("pair-head", uniform budget per head)."""
-    level = "global"
-
-    def __init__(self, n_kv_heads=None):
-        self.n_kv_heads = n_kv_heads  # needed only by scorers that ignore q/k when q/k are None
-
-    def _heads(self, k):
-        if k is not None:
-            return k.shape[1]
-        assert self.n_kv_heads is not None, f"{type(self).__name__}(n_kv_heads=...) is needed when k is None"
-        return self.n_kv_heads
-
-    def score(self, l, hidden, q, k, pos):
-        raise NotImplementedError
-
-
-class GateScorer(Scorer):
-    """Fast KVzip: the gate's output. Meant for "global" (one threshold over all layers × heads, §6):
-    gate scores are comparable across layers and heads because they are trained to the same targets."""
-    level = "global"
-
-    def __init__(self, gates):
-        super().__init__(gates.n_kv_heads)
-        self.gates = gates
-
-    @torch.no_grad()
-    def score(self, l, hidden, q, k, pos):
-        return self.gates.score_layer(l, hidden)  # (H, T) fp32
-
-
-class StreamingScorer(Scorer):
-    """StreamingLLM: score = absolute position, so the most recent tokens survive; the first tokens
-    (attention sinks, the system prompt) are protected by the cache itself. Identical across layers and
-    heads, so every level gives the same result; "head" matches the baseline's per-head budget (§10).
-    fp32 holds positions exactly up to 2^24 tokens."""
-    level = "head"
-
-    def score(self, l, hidden, q, k, pos):
-        return pos.to(torch.float32).unsqueeze(0).expand(self._heads(k), -1).contiguous()
-
-
-class RandomScorer(Scorer):
-    """Uniform random scores from a seeded generator (a floor for every other scorer). Any level."""
-    level = "head"
-
-    def __init__(self, seed=0, n_kv_heads=None):
-        super().__init__(n_kv_heads)
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def score(self, l, hidden, q, k, pos):
-        s = torch.rand(self._heads(k), pos.shape[0], generator=self.generator)
-        return s.to(pos.device)
-
-
-class SnapKVScorer(Scorer):
-    """SnapKV as the authors run it in chunked prefill (METHOD.md §10, baseline.py:SnapKV), query-
-    agnostic: the chunk's own last queries (the observation window) vote for the chunk's keys.
-
-    - window = the last 32 queries of the chunk (16 while the sequence, current chunk included, is
-      shorter than 1000 tokens: the authors test the key length of their retain cache, = pos[-1] + 1);
-    - keys = the first 4 keys of the sequence (chunks after the first only) ⊕ the chunk's keys. The cache
-      hands a scorer only the new keys, so the scorer remembers each layer's first 4 keys when it sees
-      the chunk that starts at position 0 (post-RoPE keys never change, so this is exact);
-    - logits q·k·scale, MAX over the G query heads of each KV head on the logits, fp32 softmax over the
-      keys, mean over the window queries, drop the 4 sink columns, max_pool1d(kernel 7, stride 1, pad 3);
-    - as in the authors' code there is no causal mask inside the window (window queries see the whole
-      chunk); the window tokens themselves get the head's maximum + 1 so they are always kept.
-    Meant for "head" (per-head top-k with k = int(n·r'), the authors' level for SnapKV). Prefill only: it
-    needs the chunk's queries, so it refuses the query-less decoding call.
-    scale: the model's attention scale (default 1/√d; Gemma3 uses query_pre_attn_scalar^-1/2)."""
-    level = "head"
-
-    def __init__(self, scale=None, window=32, short_window=16, short_len=1000, n_sink=4, kernel=7):
-        super().__init__()
-        self.scale, self.window, self.short_window, self.short_len = scale, window, short_window, short_len
-        self.n_sink, self.kernel = n_sink, kernel
-        self.sink_keys = {}  # compressed layer -> first n_sink keys of the sequence (n_sink, H, d)
-
-    @torch.no_grad()
-    def score(self, l, hidden, q, k, pos):
-        if q is None or k is None:
-            raise GateError("SnapKVScorer scores prefill chunks from their queries; it has no decoding form here")
-        T, Hq, d = q.shape
-        H = k.shape[1]
-        G = Hq // H
-        if int(pos[0]) == 0:  # a new sequence: remember its first keys, no sink keys for this chunk
-            self.sink_keys[l] = k[:self.n_sink].clone()
-            sinks = k[:0]
-        else:
-            sinks = self.sink_keys.get(l, k[:0])
-        keys = torch.cat([sinks, k]).float()                              # (n_s + T, H, d)
-        w = self.window if int(pos[-1]) + 1 >= self.short_len else self.short_window
-        w = min(w, T)
-        qw = q[-w:].float().view(w, H, G, d)                              # query head = h·G + g
-        scale = self.scale if self.scale is not None else 1 / math.sqrt(d)
-        logits = torch.einsum("whgd,khd->hgwk", qw, keys) * scale         # (H, G, w, n_s + T)
-        logits = logits.amax(dim=1)                                       # max over the group, on logits
-        attn = torch.softmax(logits, dim=-1, dtype=torch.float32).mean(dim=1)  # (H, n_s + T)
-        attn = attn[:, sinks.shape[0]:]                                   # (H, T): drop the sink columns
-        # smooth: a token next to an attended token is kept too (clusters of information)
-        score = F.max_pool1d(attn.unsqueeze(0), self.kernel, stride=1, padding=self.kernel // 2)[0]
-        score[:, T - w:] = score.amax(dim=-1, keepdim=True) + 1          # the observation window stays
-        return score
-
-
-# ---- 4. The KVzip teacher ----------------------------------------------------------------------------
-# How important is each context KV pair, judged by the model itself (METHOD.md §4). KVzip asks the model to repeat the context and reads, for every context KV pair, the largest
-# attention probability any query of that repetition gives it. Pairs the model needs to reproduce its
-# context score high; the gates (section 1) are trained to predict these scores from one hidden state.
-#
-#     1. prefill system prompt ⊕ context with a full cache (chunks of 16,000 tokens, nothing evicted)
-#     2. cut the context into chunks of 2,000 tokens; for chunk i run the repeat input
-#            "\n\nRepeat the previous context exactly." ⊕ postfix ⊕ chunk_0                        (i = 0)
-#            "\n\nRepeat the part of the previous context exactly, starting with "
-#                ⊕ last 8 tokens of chunk_{i-1} ⊕ postfix ⊕ chunk_i                              (i > 0)
-#        on top of the full cache. In each compressed layer its queries (all of them: instruction,
-#        template and copied chunk) attend over keys [system prompt ; chunk i ; the repeat input itself]
-#        with logits q·k/√d_h and a causal mask inside the repeat; the softmax probabilities of the
-#        chunk's keys, maximised over the G query heads of each KV head and over all repeat queries,
-#        are chunk i's scores (H, chunk). Other chunks are not in that softmax.
-#     3. roll the cache back: the repeat tokens never stay.
-#
-# Output: (compressed layers, KV heads, context length) in [0, 1]. Memory beyond the model's own
-# forward: one chunk's score matrix (Hq, repeat length, system + chunk + repeat length), never the
-# whole context's. Compressed layers: all for Qwen3, only the global ones for Gemma3 (METHOD.md §9).
-#
-# Softmax dtype: fp32 by default. The authors compute the logits and the softmax in the model dtype
-# (bf16, METHOD.md §4.3, §13.10): a bf16 logit of ~20 is only known to ±0.06, i.e. ±6% on its
-# probability, and the max over ~2,000 queries picks the rounding errors that went up. In fp32 the
-# targets depend only on the model, not on the device (CPU fp32 and GPU bf16 runs agree up to the
-# model's own rounding), at the cost of one fp32 (Hq, 2K, 4K) matrix per layer — small next to the
-# forward pass. softmax_dtype="model" reproduces the authors.
-#
-# Cost: one prefill plus one forward of (context + ~1.1% prompt tokens) on top of the full cache, i.e.
-# about two prefills (the cost Fast KVzip's gate removes at inference).
-
-REPEAT_FIRST = "\n\nRepeat the previous context exactly."                              # METHOD.md §4.2
-REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "      # trailing space
-PREV_TOKENS = 8         # the next repeat starts from the previous chunk's last 8 tokens
-SCORE_CHUNK = 2000      # context tokens scored per repeat input (METHOD.md §4.2)
-PREFILL_CHUNK = 16000   # prefill chunk of the authors' pipeline (METHOD.md §4.3, §6)
-
-
-class TeacherCache(KVCache):
-    """A full KV cache that, in compressed layers, can also
-    - keep the attention-input hidden states of tokens at positions >= capture_from (gate features,
-      METHOD.md §1.7, §3), moved to the CPU as they come: an 8B model's 100K-token document is ~30 GB;
-    - score a context chunk while a repeat input runs (span = (n_system, chunk start, chunk end)).
-    """
-
-    def __init__(self, cfg, dtype=torch.float32, device="cpu", softmax_dtype=torch.float32):
-        super().__init__(cfg, dtype, device)
-        self.index = {layer: l for l, layer in enumerate(cfg.compressed_layers)}  # model layer -> row of the output
-        self.softmax_dtype = softmax_dtype  # None = the cache (model) dtype, as the authors
-        self.capture_from = None
-        self.captured = [[] for _ in self.index]
-        self.span = None
-        self.scores = [[] for _ in self.index]
-
-    def attend(self, layer, q, k, v, hidden, scale, window=None):
-        out = super().attend(layer, q, k, v, hidden, scale, window)  # the model's own attention, unchanged
-        l = self.index.get(layer)
-        if l is None:
-            return out
-        if self.capture_from is not None:
-            first = max(0, self.capture_from - self.n_seen)  # skip the system prompt's tokens
-            if first < hidden.shape[0]:
-                self.captured[l].append(hidden[first:].to("cpu", copy=True))
-        if self.span is not None:
-            self.scores[l].append(self.kvzip_scores(layer, q))
-        return out
-
-    def kvzip_scores(self, layer, q):
-        """Scores (H, chunk) of the context chunk self.span for the repeat queries q (T, Hq, d) that were
-        just appended (METHOD.md §4.3, score.py:KVScore._get_score)."""
-        n_sys, start, end = self.span
-        kv = self.layers[layer]
-        T, n_q_heads, d = q.shape
-        H = kv.n_heads
-        G = n_q_heads // H
-        n_rows = self.n_seen + T  # a full cache: every head holds positions 0 .. n_rows-1, in order
-        assert bool((kv.lens == n_rows).all()), "KVzip scoring needs the full, unevicted cache"
-        pos = torch.cat([torch.arange(n_sys), torch.arange(start, end), torch.arange(n_rows - T, n_rows)])
-        rows = (kv.starts[:, None] + pos[None, :]).to(kv.k.device)                # (H, K)
-        dtype = self.softmax_dtype or kv.k.dtype
-        keys = kv.k[rows].to(dtype)                                              # (H, K, d)
-        qh = q.to(dtype).view(T, H, G, d).permute(1, 2, 0, 3)                    # (H, G, T, d)
-        logits = qh @ keys[:, None].transpose(-1, -2) / math.sqrt(d)             # (H, G, T, K)
-        # 1/sqrt(d_h) even for Gemma3 (whose attention uses query_pre_attn_scalar): METHOD.md §4.3
-        causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()  # repeat query i sees repeat key j <= i
-        logits[..., -T:].masked_fill_(~causal, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)                                    # in `dtype` (not forced to fp32)
-        c = end - start
-        return probs[..., n_sys:n_sys + c].amax(dim=(1, 2)).float()             # (H, c): max over group and queries
-
-
-class KVzipTeacher:
-    """KVzip scores (and optionally gate features) for one context.
-
-    model: model.Transformer; tokenizer: tokenizers.Tokenizer; fmt: model.PromptFormat (system, postfix).
-    softmax_dtype: "float32" or "model" (the authors compute logits and softmax in bf16)."""
-
-    def __init__(self, model, tokenizer, fmt, chunk_size=SCORE_CHUNK, prefill_chunk=PREFILL_CHUNK,
-                 softmax_dtype="float32"):
-        self.model, self.tokenizer = model, tokenizer
-        self.cfg = model.config
-        self.system = self.encode(fmt.system)
-        self.postfix = self.encode(fmt.postfix)
-        self.chunk_size, self.prefill_chunk = chunk_size, prefill_chunk
-        self.softmax_dtype = torch.float32 if softmax_dtype == "float32" else None
-
-    def encode(self, text):
-        return self.tokenizer.encode(text, add_special_tokens=False).ids  # every piece alone (METHOD.md §4.1)
-
-    def repeat_inputs(self, ctx):
-        """[(start, end, repeat ids)] for the context chunks (METHOD.md §4.2 / wrapper.py:self_task)."""
-        out = []
-        for start in range(0, len(ctx), self.chunk_size):
-            end = min(start + self.chunk_size, len(ctx))
-            if start == 0:
-                prompt = self.encode(REPEAT_FIRST)
-            else:
-                prompt = self.encode(REPEAT_NEXT) + list(ctx[max(0, start - PREV_TOKENS):start])
-            out.append((start, end, prompt + self.postfix + list(ctx[start:end])))
-        return out
-
-    def new_cache(self):
-        w = self.model.model.embed_tokens.weight  # the model's dtype and device
-        return TeacherCache(self.cfg, w.dtype, w.device, self.softmax_dtype)
-
-    def prefill(self, cache, ids, on_chunk=None):
-        """Feed ids in prefill_chunk pieces into a full cache."""
-        for i in range(0, len(ids), self.prefill_chunk):
-            piece = torch.tensor(ids[i:i + self.prefill_chunk], device=cache.device)
-            self.model(piece, cache, num_logits=0)  # no logits needed
-            if on_chunk:
-                on_chunk(len(piece))
-
-    def score(self, cache, n_system, ctx, on_chunk=None):
-        """Scores (L_g, H, len(ctx)) float32 of a context already prefilled after n_system system-prompt
-        tokens in `cache` (a TeacherCache holding exactly system ⊕ context). The cache is unchanged."""
-        assert cache.n_seen == n_system + len(ctx), "the cache must hold exactly system prompt + context"
-        cache.scores = [[] for _ in cache.index]
-        for start, end, ids in self.repeat_inputs(ctx):
-            state = cache.checkpoint()
-            cache.span = (n_system, n_system + start, n_system + end)
-            self.model(torch.tensor(ids, device=cache.device), cache, num_logits=0)
-            cache.span = None
-            cache.rollback(state)  # the repeat tokens never stay (sliding layers restored too)
-            if on_chunk:
-                on_chunk(end - start)
-        scores = torch.stack([torch.cat(s, dim=-1) for s in cache.scores])  # (L_g, H, n)
-        cache.scores = [[] for _ in cache.index]
-        return scores
-
-    def __call__(self, ctx, capture_hidden=False, on_chunk=None):
-        """-> scores (L_g, H, n) float32 in [0, 1], and hidden (L_g, n, D) in the model dtype on the CPU
-        (the attention inputs of the context tokens) when capture_hidden, else None.
-        on_chunk(n) is called after each scored chunk of n context tokens (progress bars)."""
-        cache = self.new_cache()
-        if capture_hidden:
-            cache.capture_from = len(self.system)
-        self.prefill(cache, self.system + list(ctx))
-        cache.capture_from = None
-        hidden = torch.stack([torch.cat(h) for h in cache.captured]) if capture_hidden else None
-        cache.captured = [[] for _ in cache.index]
-        return self.score(cache, len(self.system), ctx, on_chunk), hidden
-
-
-# =================================================================================================
-# 5. Agreement: how closely a scorer (the gate) ranks one context's KV pairs as its teacher does
-# =================================================================================================
-
-AGREEMENT_BUDGETS = (0.5, 0.3)
-
-
-def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
-    """(L, H, n) context scores -> (keep mask (L, H, n), window length): what EvictingCache keeps of a
-    context prefilled in one chunk (METHOD.md §6): the last `window` tokens (2% of n for a context
-    shorter than a chunk) in every head, and of the rest exactly ⌊r'·L·H·s⌋ pairs, r' chosen so that a
-    fraction `ratio` of the context is kept in all."""
-    from cache import plan_prefill, select_segment
-    L, H, n = scores.shape
-    plan = plan_prefill(n, ratio, chunk_size, window)
-    keep = torch.ones(L, H, n, dtype=torch.bool, device=scores.device)
-    others = torch.full((L,), plan.window * H, device=scores.device)  # the window: no layer goes empty
-    keep[..., :n - plan.window] = select_segment(scores[..., :n - plan.window], plan.segment_ratio, level, others)
-    return keep, plan.window
-
-
-def spearman(a, b):
-    """Rank correlation of two 1-D tensors (ordinal ranks: ties, which almost never occur in float
-    scores, are broken by position)."""
-    ra = torch.empty_like(a, dtype=torch.float64)
-    rb = torch.empty_like(b, dtype=torch.float64)
-    ra[a.argsort(stable=True)] = torch.arange(len(a), dtype=torch.float64, device=a.device)
-    rb[b.argsort(stable=True)] = torch.arange(len(b), dtype=torch.float64, device=b.device)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-300))
-
-
-def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096):
-    """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,) bool
-    (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that callers can pool
-    contexts (`pool_agreement`), keyed by the budget written as f"{r:g}" (JSON-ready):
-      spearman   rank correlation over the layer's H·n pairs;
-      at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local window
-      that both keep: teacher = pairs the teacher keeps, both = of those, the ones the student keeps too,
-      student = pairs the student keeps, segment = pairs in the evicted segment; digits = digit-token pairs
-      there, digits_teacher / digits_student = of those, the ones each side keeps."""
-    out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double()) for s, t in zip(student, teacher)])
-    for r in budgets:
-        ks, w = kept_by_rule(student, r, chunk_size, window)
-        kt, _ = kept_by_rule(teacher, r, chunk_size, window)
-        seg = torch.zeros(student.shape[-1], dtype=torch.bool, device=student.device)
-        seg[:student.shape[-1] - w] = True
-        digit = seg & is_digit.to(student.device)
-        count = lambda m, where: m[..., where].flatten(1).sum(1).tolist()
-        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
-                      segment=[int(seg.sum()) * student.shape[1]] * student.shape[0],
-                      digits=[int(digit.sum()) * student.shape[1]] * student.shape[0],
-                      digits_teacher=count(kt, digit), digits_student=count(ks, digit))
-    return out
-
-
-def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
-    """Pool agreement() over contexts, per layer: mean Spearman; at each budget, overlap = the share of
-    the teacher's kept pairs the student keeps too (chance level: the student's kept share), and the
-    share of digit-token pairs each side keeps. None where a denominator is zero."""
-    ratio = lambda a, b: a / b if b else None
-    L = len(per_context[0]["spearman"])
-    out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context) for l in range(L)])
-    for r in budgets:
-        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)] for k in per_context[0][f"{r:g}"]}
-        out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
-        out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
-        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l]) for l in range(L)]
-        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][l], tot["digits"][l]) for l in range(L)]
-    return out
-
-
-def digit_tokens(tokenizer, ids):
-    """(n,) bool: which tokens' text holds a digit."""
-    return torch.tensor([any(c.isdigit() for c in tokenizer.id_to_token(i) or "") for i in ids], dtype=torch.bool)

@@ -20,10 +20,12 @@ import time
 
 import torch
 
+import cli
+import model as M
 from cache import EvictingCache, KVCache, LEVELS, plan_prefill
+from cli import UsageError
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
-DEFAULT_MODEL = "gemma3-270m-gguf"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -73,7 +75,7 @@ def prefill(model, cache, ids, n_protected, budget=1.0, chunk_size=16384, window
 
 
 def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=1.0, chunk_size=16384, window=4096):
-    """KVzip as an inference method (METHOD.md §6 "non-chunked variant"): prefill the whole context with
+    """KVzip as an inference method (METHOD.md §6, §13.4): prefill the whole context with
     nothing evicted, score it with the reconstruction teacher (about a second prefill), then evict once,
     with the same budget rule as the gate. Peak memory is the full context: the cost the gate removes."""
     full = teacher.new_cache()
@@ -139,7 +141,7 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     elif method == "snapkv":
         if decode_budget is not None:
             raise UsageError("--method snapkv scores prefill chunks only; drop --decode-budget")
-        scorer = gate.SnapKVScorer(scale=cfg.attn_scale(cfg.compressed_layers[0]))
+        scorer = gate.SnapKVScorer(scale=cfg.attn_scale)
     elif method == "random":
         scorer = gate.RandomScorer(seed, n_kv_heads=H)
     elif method == "kvzip":
@@ -150,10 +152,6 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     level = level or (scorer.level if scorer else "global")
     return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected, level=level,
                          decode_budget=decode_budget)
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line, exit code 2."""
 
 
 def check_args(args):
@@ -204,7 +202,6 @@ def read_context(path):
 
 def build_inputs(tok, fmt, args, context):
     """(prefill ids, number of protected system-prompt ids, list of (question text, question ids))."""
-    import model as M
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     system = enc(fmt.system)
     # a question about a context in the evaluation format (METHOD.md §11); a bare prompt just ends its turn
@@ -213,19 +210,15 @@ def build_inputs(tok, fmt, args, context):
 
 
 def run(args):
-    import model as M
     check_args(args)
     device = M.parse_device(args.device)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-             None: torch.bfloat16 if device.type == "cuda" else torch.float32}[args.dtype]
     context = read_context(args.context_file) if args.context_file else args.prompt
     if not context.strip():
         raise UsageError("--prompt is empty: there is no context to continue")
     # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes on a large model
     folder = M.resolve_model(args.model)
-    cfg, tok = M.load_config(folder), M.load_tokenizer(folder)
-    chat = args.chat if args.chat is not None else args.model != DEFAULT_MODEL  # the offline model is a base model
-    fmt = M.prompt_format(cfg, args.model, chat=chat, thinking=args.thinking)
+    cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
+    fmt = M.prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
     ids, n_protected, questions = build_inputs(tok, fmt, args, context)
     longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens
     if longest > cfg.max_position_embeddings:
@@ -238,7 +231,7 @@ def run(args):
     if method == "fastkvzip" or args.gate:  # a --gate given is checked even where budget 1.0 leaves it unused
         import gate
         gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
-    model = M.load_model(folder, device, dtype)
+    model = M.load_model(folder, device, M.compute_dtype(args.dtype, device))
     cache = make_cache(method, model, args.model, n_protected, level=args.level, decode_budget=args.decode_budget,
                        seed=args.seed, gates=gates)
 
@@ -323,8 +316,8 @@ def retention_map(ret, layers):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local folder, HF repo id, or alias (qwen3-8b, "
-                   f"gemma3-12b, ...); default: {DEFAULT_MODEL}, Gemma 3 270M converted offline from PyPI")
+    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, "
+                   f"gemma3-12b, ...); default: {M.OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
     p.add_argument("--prompt", help="text to continue (it is the context that gets compressed)")
     p.add_argument("--context-file", help="a text file to prefill and compress before any question")
     p.add_argument("--question", action="append", help="a question about the context (repeatable; "
@@ -363,17 +356,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    import model as M
     import gate
-    try:
-        run(args)
-    except (UsageError, M.ModelError, gate.GateError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    cli.main(run, parse_args(argv), M.ModelError, gate.GateError)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ if triton is not None:
         d = tl.arange(0, D)
         q_off = (q_start + row).to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + d[None, :]
         q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-        if UPCAST:  # the interpreter multiplies bf16 bit patterns in tl.dot (toolchain.md §2)
+        if UPCAST:  # the interpreter multiplies bf16 bit patterns in tl.dot
             q = q.to(tl.float32)
 
         # key range of this block: [lo, hi), trimmed by the causal diagonal and the window

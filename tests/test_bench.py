@@ -5,23 +5,18 @@ assets; together they take about 2.5 minutes on 2 cores.
 """
 import json
 import math
-import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench  # noqa: E402
-import quality  # noqa: E402
-from helpers import assert_close  # noqa: E402
-import gate as G  # noqa: E402
-import generate  # noqa: E402
+import bench
+import gate as G
+import generate
+import quality
+from cli import UsageError
+from tests.helpers import QWEN3_TINY, assert_close
+from tools import fetch_assets
 
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -83,7 +78,7 @@ def test_summarize_rows_and_figure10_average():
     lo, hi = avg["ci"]
     assert lo <= avg["relative"] + 1e-9 and hi >= avg["relative"] - 1e-9
     assert get("passkey", "full")["relative"] == 1.0 and get("passkey", "full")["n"] == 60
-    for r in rows:  # the JSON contract of issue 6
+    for r in rows:  # the JSON contract of generate.py --json
         assert {"task", "method", "budget", "score", "relative", "n", "level", "kept_fraction_per_layer", "ci"} <= r.keys()
 
 
@@ -137,14 +132,13 @@ def test_plot_writes_a_png(tmp_path):
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    import fetch_assets
     import model as M
     fetch_assets.require_for_test("austen_parts")
-    folder = M.resolve_model(generate.DEFAULT_MODEL)
+    folder = M.resolve_model(M.OFFLINE_DEFAULT)
     model = M.load_model(folder, "cpu", torch.float32)
     tok = M.load_tokenizer(folder)
-    fmt = M.prompt_format(model.config, generate.DEFAULT_MODEL, chat=False)
-    gate_path = G.GATES_DIR / f"{generate.DEFAULT_MODEL}.safetensors"
+    fmt = M.prompt_format(model.config, M.OFFLINE_DEFAULT, chat=False)
+    gate_path = G.GATES_DIR / f"{M.OFFLINE_DEFAULT}.safetensors"
     if not gate_path.is_file():  # before train_gate.py has bundled one: a random gate exercises the same code
         cfg = model.config
         torch.manual_seed(0)
@@ -174,6 +168,7 @@ def same_cache(a, b, exact=True):
                 assert_close(u, w, atol=0, scale_rtol=2e-5, name=f"layer {i} {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,level,budget,chunk", [
     ("fastkvzip", "global", 0.3, 16384), ("fastkvzip", "calibrated", 0.2, 16384), ("snapkv", "head", 0.5, 16384),
     ("kvzip", "global", 0.3, 16384), ("fastkvzip", "global", 0.3, 160), ("kvzip", "global", 0.3, 160)])
@@ -209,6 +204,7 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
             assert torch.equal(a, b), f"logits differ: max |diff| {(a - b).abs().max():.3e}"
 
 
+@pytest.mark.slow
 def test_each_method_keeps_its_own_scorer(real):
     """The teacher's scores, computed once per context, go to KVzip only (regression: they once replaced
     every method's scorer, which made all methods identical)."""
@@ -222,6 +218,7 @@ def test_each_method_keeps_its_own_scorer(real):
         assert cache.level == quality.DEFAULT_LEVEL[method]
 
 
+@pytest.mark.slow
 def test_needles_and_probes_are_where_they_claim(real):
     tok = real["tok"]
     maker = quality.SampleMaker(tok, real["fmt"], real["docs"], seed=3, n_passkeys=3, n_kv_questions=2, n_probe=32)
@@ -246,6 +243,7 @@ def quick(real, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_quick_smoke(quick):
     """`bench.py --quick` as CI runs it: every method, finite results, all files written."""
     out = quick
@@ -269,6 +267,7 @@ def test_quick_smoke(quick):
                                                                  ("fastkvzip", 0.5), ("fastkvzip", 0.2)}
 
 
+@pytest.mark.slow
 def test_shards_resume_and_merge_equal_one_run(real, quick, tmp_path):
     """An experiment split into shards, interrupted and resumed, then merged, gives exactly the rows of one
     uninterrupted run (same contexts, same scores, same bootstrap intervals; decode speed aside)."""
@@ -284,16 +283,14 @@ def test_shards_resume_and_merge_equal_one_run(real, quick, tmp_path):
     run("b")  # b as one whole run: resumes, runs only the context it lacks
     assert sorted(p.name for p in (tmp_path / "b" / "contexts").iterdir()) == ["context-000.json", "context-001.json"]
     assert rows(tmp_path / "b") == rows(quick)
-    with pytest.raises(quality.BenchError, match="another configuration"):  # other flags: refused, not mixed
+    with pytest.raises(UsageError, match="another configuration"):  # other flags: refused, not mixed
         run("b", "--seed", "1")
 
 
 def test_gpu_section_code_path_on_cpu(tmp_path):
     """The GPU section (random weights in Qwen3-8B's shape) on a tiny Qwen3 shape, on the CPU: it runs,
     and memory is accounted as on the real model (evicting keeps less than full)."""
-    from helpers import QWEN3_TINY
-    fetch = pytest.importorskip("fetch_assets")
-    fetch.require_for_test("tokenizers", "qwen3")
+    fetch_assets.require_for_test("tokenizers", "qwen3")
     args = bench.parse_args(["--gpu-lengths", "96", "--speed-decode", "3"])
     args.out_dir = str(tmp_path)
     shape = dict(QWEN3_TINY, model_type="qwen3", vocab_size=151936, max_position_embeddings=4096)
@@ -313,7 +310,7 @@ def test_bad_shard_and_merge_flags_are_refused(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--shard", shard])
         assert e.value.code == 2 and f"--shard {shard}: expected k/n" in capsys.readouterr().err
-    with pytest.raises(quality.BenchError, match="needs --out"):
+    with pytest.raises(UsageError, match="needs --out"):
         bench.main(["--merge", str(tmp_path)])
-    with pytest.raises(quality.BenchError, match="config.json missing"):
+    with pytest.raises(UsageError, match="config.json missing"):
         bench.main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "merged")])

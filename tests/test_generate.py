@@ -143,16 +143,11 @@ def test_bad_context_files_and_gates_fail_before_the_weights_load(capsys, no_wei
                           "--max-new-tokens", "4")
         assert words in line, line
     # with a valid gate, the next error is indeed the missing weights: the checks above ran first
-    cfg = M.load_config(no_weights)
+    cfg = M.ModelConfig.from_json(no_weights)
     save_gate(tmp_path / "g.safetensors", Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
                                               cfg.group_size))
     assert "no *.safetensors" in main_error(capsys, "--model", str(no_weights), "--prompt", "hi", "--gate",
                                             str(tmp_path / "g.safetensors"), "--max-new-tokens", "4")
-
-
-@pytest.fixture(scope="module")
-def real():
-    folder = M.resolve_model(M.OFFLINE_DEFAULT)
 
 
 @pytest.fixture(scope="module", params=M.OFFLINE_MODELS)

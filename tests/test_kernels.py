@@ -11,18 +11,9 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import RaggedKV, attention_reference, varlen_attention
+from tests.helpers import assert_close
 
 torch.set_num_threads(1)
-
-
-def assert_close(out, ref, atol, what="", rtol=0.0):
-    """assert |out - ref| <= atol + rtol |ref|, printing max and mean difference on failure."""
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(out).all(), f"{what}: non-finite values in output"
-    diff = (out.float() - ref.float()).abs()
-    bad = diff > atol + rtol * ref.float().abs()
-    assert not bad.any(), (f"{what}: max diff {diff.max():.3g} mean {diff.mean():.3g}, "
-                           f"{int(bad.sum())} elements over atol {atol} + rtol {rtol}")
 
 
 def sdpa_dense(q, k, v, scale, causal, window):
@@ -66,7 +57,7 @@ def test_reference_matches_sdpa_dense(M, N, G, causal, window):
     d, Hk = 64, 2
     q, k, v, cu_q, cu_k, _ = varlen_case([M], [N], Hk * G, Hk, d, seed=M * N + G)
     out = attention_reference(q, k, v, cu_q, cu_k, M, N, 0.1, causal, window)
-    assert_close(out, sdpa_dense(q, k, v, 0.1, causal, window), 1e-5, "reference vs sdpa")
+    assert_close(out, sdpa_dense(q, k, v, 0.1, causal, window), 1e-5, name="reference vs sdpa")
 
 
 @pytest.mark.parametrize("causal,window", [(True, None), (True, 9), (False, None)])
@@ -77,7 +68,7 @@ def test_reference_query_blocks(monkeypatch, causal, window):
         q, k, v, cu_q, cu_k, _ = varlen_case([M], [N], 4, 2, 64, seed=3)
         out = attention_reference(q, k, v, cu_q, cu_k, M, N, 0.1, causal, window)
         expected = sdpa_dense(q, k, v, 0.1, causal, window).nan_to_num()  # SDPA: NaN rows where we give 0
-        assert_close(out, expected, 1e-5, "blocked reference vs sdpa")
+        assert_close(out, expected, 1e-5, name="blocked reference vs sdpa")
 
 
 def test_reference_varlen_is_per_sequence_and_ignores_slack():
@@ -95,7 +86,7 @@ def test_reference_varlen_is_per_sequence_and_ignores_slack():
             continue
         ref = sdpa_dense(q[q0:q1], k[k0:k0 + N], v[k0:k0 + N], 32 ** -0.5, True, None)
         ok = (torch.arange(M) + N - M >= 0)  # rows that see at least one key
-        assert_close(out[q0:q1][ok], ref[ok], 1e-5, f"sequence {b}")
+        assert_close(out[q0:q1][ok], ref[ok], 1e-5, name=f"sequence {b}")
         assert (out[q0:q1][~ok] == 0).all()
 
 
@@ -125,7 +116,7 @@ def test_ragged_append_attend_matches_dense_causal():
         kv.append(k[t:t + 1], v[t:t + 1], torch.tensor([t]))
         outs.append(kv.attend(q[t:t + 1], 0.25))
     ref = sdpa_dense(q, k, v, 0.25, True, None)
-    assert_close(torch.cat(outs), ref, 1e-5, "ragged causal")
+    assert_close(torch.cat(outs), ref, 1e-5, name="ragged causal")
     assert kv.n_rows == H * T and kv.lens.tolist() == [T] * H
     assert torch.equal(kv.head_pos(1), torch.arange(T))
     assert torch.isinf(kv.head_score(0)).all()
@@ -150,7 +141,7 @@ def test_ragged_select_window_and_companions():
     for h in range(H):
         kh, vh = k[:, h][keep[h]], v[:, h][keep[h]]
         ref = sdpa_dense(q[:, h * G:(h + 1) * G], kh[:, None], vh[:, None], 0.3, True, None)
-        assert_close(out[:, h * G:(h + 1) * G], ref, 1e-5, f"head {h}")
+        assert_close(out[:, h * G:(h + 1) * G], ref, 1e-5, name=f"head {h}")
     kv.set_tail_scores(torch.zeros(H, 2))
     assert all((kv.head_score(h)[-2:] == 0).all() for h in range(H))
     lens = kv.lens.clone()
@@ -167,7 +158,7 @@ def test_ragged_window_attend():
     q, k, v = torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g), torch.randn(T, H, d, generator=g)
     kv = RaggedKV(H, d, torch.float32, "cpu")
     kv.append(k, v, torch.arange(T))
-    assert_close(kv.attend(q, 0.25, window=W), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, "window")
+    assert_close(kv.attend(q, 0.25, window=W), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, name="window")
 
 
 def test_ragged_append_into_slack_does_not_reallocate():
@@ -238,7 +229,7 @@ def test_triton_matches_reference_ragged(q_len, G, d, dtype, k_lens):
         args = (q, k, v, cu_q, cu_k, q_len, max(k_lens), 0.1, causal, window, used)
         out = varlen_attention(*args, backend="triton")
         assert out.dtype == dtype
-        assert_close(out, attention_reference(*args), atol, f"causal={causal} window={window}", rtol)
+        assert_close(out, attention_reference(*args), atol=atol, rtol=rtol, name=f"causal={causal} window={window}")
 
 
 @pytest.mark.parametrize("q_len,num_splits", [(1, 4), (7, 3)])
@@ -249,7 +240,7 @@ def test_triton_split_keys_matches_reference(q_len, num_splits):
     for causal, window in MODES:
         args = (q, k, v, cu_q, cu_k, q_len, 1500, None, causal, window, used)
         out = kernels.triton_varlen_attention(*args, num_splits=num_splits)
-        assert_close(out, attention_reference(*args), 1e-5, f"splits causal={causal} window={window}")
+        assert_close(out, attention_reference(*args), 1e-5, name=f"splits causal={causal} window={window}")
 
 
 @pytest.mark.parametrize("G,d", [(2, 128), (8, 256)])
@@ -257,7 +248,7 @@ def test_triton_dense_matches_sdpa(G, d):
     q, k, v, cu_q, cu_k, _ = varlen_case([33], [90], 2 * G, 2, d)
     for causal, window in [(True, None), (False, None), (True, 16)]:
         out = varlen_attention(q, k, v, cu_q, cu_k, 33, 90, None, causal, window, backend="triton")
-        assert_close(out, sdpa_dense(q, k, v, d ** -0.5, causal, window), 1e-5, f"causal={causal}")
+        assert_close(out, sdpa_dense(q, k, v, d ** -0.5, causal, window), 1e-5, name=f"causal={causal}")
 
 
 def test_ragged_attend_triton_backend_and_env(monkeypatch):
@@ -269,7 +260,7 @@ def test_ragged_attend_triton_backend_and_env(monkeypatch):
     q = torch.randn(3, H * G, d)
     ref = kv.attend(q, 0.2, window=9, backend="torch")
     monkeypatch.setenv("FASTKVZIP_ATTN_BACKEND", "triton")
-    assert_close(kv.attend(q, 0.2, window=9), ref, 1e-5, "RaggedKV.attend on triton")
+    assert_close(kv.attend(q, 0.2, window=9), ref, 1e-5, name="RaggedKV.attend on triton")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -289,7 +280,7 @@ def test_triton_gpu_matches_reference(q_len, d, dtype):
     atol, rtol = (5e-5, 5e-5) if dtype == torch.float32 else TOL[dtype]
     for causal, window in MODES + [(True, 1024)]:
         args = (q, k, v, cu_q, cu_k, q_len, max(k_lens), None, causal, window, used)
-        assert_close(varlen_attention(*args), attention_reference(*args), atol, f"{causal} {window}", rtol)
+        assert_close(varlen_attention(*args), attention_reference(*args), atol=atol, rtol=rtol, name=f"{causal} {window}")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -344,12 +335,12 @@ def compile_for_sm90(dtype, d, rows):
 @functools.lru_cache(maxsize=None)
 def sm90_report():
     """Compile every SM90_CASES config in one child process (TRITON_INTERPRET unset)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = ("import json, sys; sys.path[:0] = [{!r}, {!r}]; import test_kernels as t; "
-            "print(json.dumps([t.compile_for_sm90(*c) for c in t.SM90_CASES]))").format(
-                here, os.path.dirname(here))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # python -c imports from its cwd
+    code = ("import json; import tests.test_kernels as t; "
+            "print(json.dumps([t.compile_for_sm90(*c) for c in t.SM90_CASES]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     return dict(zip(SM90_CASES, json.loads(res.stdout.splitlines()[-1])))
 

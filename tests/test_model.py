@@ -152,23 +152,23 @@ def test_sharded_checkpoint_really_is_sharded(checkpoints, name):
 
 def test_configs_parsed_as_intended(checkpoints):
     """The legacy mappings are checked against transformers above; here, against the intent itself."""
-    legacy = M.load_config(checkpoints("gemma3-legacy")[0])
+    legacy = M.ModelConfig.from_json(checkpoints("gemma3-legacy")[0])
     assert legacy.layer_types == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
     assert legacy.rope["full_attention"] == {"rope_type": "linear", "factor": 4.0, "rope_theta": 200_000.0}
     assert legacy.rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 5_000.0}
     assert legacy.compressed_layers == [2] and legacy.window(0) == 8 and legacy.window(2) is None
-    assert legacy.attn_scale(0) == 24 ** -0.5 and legacy.final_logit_softcapping == 5.0
-    mm = M.load_config(checkpoints("gemma3-multimodal-old")[0])
+    assert legacy.attn_scale == 24 ** -0.5 and legacy.final_logit_softcapping == 5.0
+    mm = M.ModelConfig.from_json(checkpoints("gemma3-multimodal-old")[0])
     assert mm.arch == "gemma3" and mm.eos_token_ids == [1, 106] and mm.tie_word_embeddings
-    yarn = M.load_config(checkpoints("qwen3-legacy-yarn")[0])
+    yarn = M.ModelConfig.from_json(checkpoints("qwen3-legacy-yarn")[0])
     assert yarn.rope["full_attention"]["rope_type"] == "yarn" and yarn.compressed_layers == [0, 1]
-    assert yarn.group_size == 4 and yarn.attn_scale(0) == 16 ** -0.5
-    llama = M.load_config(checkpoints("llama-legacy-llama3")[0])
+    assert yarn.group_size == 4 and yarn.attn_scale == 16 ** -0.5
+    llama = M.ModelConfig.from_json(checkpoints("llama-legacy-llama3")[0])
     assert llama.rope["full_attention"] == LLAMA3_RoPE and not llama.qk_norm and not llama.qkv_bias
     assert llama.compressed_layers == [0, 1] and llama.chat_format == "llama3"  # no template: the family's
-    wide = M.load_config(checkpoints("llama-mqa-biases-head32")[0])
+    wide = M.ModelConfig.from_json(checkpoints("llama-mqa-biases-head32")[0])
     assert wide.qkv_bias and wide.attention_bias and wide.mlp_bias and wide.head_dim == 32
-    qwen2 = M.load_config(checkpoints("qwen2-gqa2-tied")[0])
+    qwen2 = M.ModelConfig.from_json(checkpoints("qwen2-gqa2-tied")[0])
     assert qwen2.qkv_bias and not qwen2.attention_bias and not qwen2.qk_norm and qwen2.chat_format == "chatml"
     model = M.load_model(checkpoints("qwen2-gqa2-tied")[0], "cpu")  # q/k/v carry a bias, o_proj none
     attn = model.model.layers[0].self_attn
@@ -329,7 +329,7 @@ def test_bad_configs(checkpoints, tmp_path):
                        ("max_position_embeddings", True), ("rms_norm_eps", "small"), ("rope_theta", 0),
                        ("eos_token_id", "2"), ("rope_scaling", "yarn"), ("layer_types", "full_attention")):
         config.write_text(json.dumps({**json.loads(original), key: value}))
-        _one_line_error(lambda: M.load_config(tmp_path / "m"), key)
+        _one_line_error(lambda: M.ModelConfig.from_json(tmp_path / "m"), key)
     # shapes that parse but do not fit the weights: wider MLP, and more KV heads (so no "missing" tensor)
     for key, value in (("intermediate_size", 96), ("num_key_value_heads", 4)):
         config.write_text(json.dumps({**json.loads(original), key: value}))
@@ -409,14 +409,14 @@ def test_the_tokenizer_template_decides_the_prompt(checkpoints, tmp_path):
     shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "m")
     chatml = "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
     (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"chat_template": chatml}))
-    cfg = M.load_config(tmp_path / "m")
+    cfg = M.ModelConfig.from_json(tmp_path / "m")
     assert cfg.arch == "llama" and cfg.chat_format == "chatml"
     qwen = M.ModelConfig.from_dict({"model_type": "qwen3"})
     assert M.prompt_format(cfg, "smollm2-135m-gguf") == M.prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507")
     assert M.prompt_format(cfg, "smollm2-135m-gguf", chat=False) == M.PromptFormat("", "")
     (tmp_path / "m" / "tokenizer_config.json").unlink()  # newer repos: chat_template.jinja
     (tmp_path / "m" / "chat_template.jinja").write_text("{{ '<|start_header_id|>' + m['role'] }}")
-    assert M.load_config(tmp_path / "m").chat_format == "llama3"
+    assert M.ModelConfig.from_json(tmp_path / "m").chat_format == "llama3"
 
 
 def test_prompt_pieces_tokenize_to_the_special_tokens():

@@ -11,7 +11,6 @@ The first test that needs the converted model converts it (~1 minute, once per m
 need the assets skip when they are missing, but fail under CI=true: run tools/fetch_assets.py.
 """
 import json
-import os
 import time
 from pathlib import Path
 
@@ -43,6 +42,7 @@ def published() -> Path:
 
 # --------------------------------------------------------------------------------------- tokenizer
 
+@pytest.mark.slow
 def test_tokenizer_json_equals_the_published_one(folder, published):
     """Same vocabulary, merges (derived from the GGUF scores), added tokens, normaliser, pre-tokenizer,
     post-processor and decoder as Google's file, except the one token the GGUF does not have."""
@@ -58,6 +58,7 @@ def test_tokenizer_json_equals_the_published_one(folder, published):
         assert ours["model"][key] == ref["model"][key], f"model.{key}"
 
 
+@pytest.mark.slow
 def test_tokenizer_ids_and_round_trip_on_a_million_real_tokens(folder, published):
     """Identical ids on all of Austen (chapter-split) and a third of the Python docs (prose, reST markup,
     code), and decode(encode(text)) == text for every document."""
@@ -89,6 +90,7 @@ def test_tokenizer_ids_and_round_trip_on_a_million_real_tokens(folder, published
 
 # ----------------------------------------------------------------------------------- converted folder
 
+@pytest.mark.slow
 def test_converted_config(folder):
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == "gemma3_text" and cfg["architectures"] == ["Gemma3ForCausalLM"]
@@ -103,6 +105,7 @@ def test_converted_config(folder):
     assert json.loads((folder / "conversion.json").read_text())["version"] == offline.CONVERTER_VERSION
 
 
+@pytest.mark.slow
 def test_converted_weights(folder):
     """Every tensor the config implies, in bf16 with the Hugging Face names and shapes, finite and of
     plausible size. (That norms are w, not 1 + w, is proven by the perplexity test below.)"""
@@ -131,6 +134,7 @@ def test_converted_weights(folder):
         offline.hf_name("blk.0.attn_qkv.weight")
 
 
+@pytest.mark.slow
 def test_later_calls_return_at_once(folder):
     t0 = time.perf_counter()
     assert offline.ensure_offline_model() == folder
@@ -187,6 +191,7 @@ def austen_prompt(folder) -> torch.Tensor:
     return torch.tensor(ids)
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(folder, austen_prompt):
     """Our Gemma3 vs transformers' on the same converted folder, fp32. The
     perplexity doubles as the check of the conversion itself (norms as w, q/k not un-permuted)."""
@@ -206,6 +211,7 @@ def test_logits_match_transformers(folder, austen_prompt):
     assert_close(ours, ref, atol=0, scale_rtol=1e-5, name="logits")
 
 
+@pytest.mark.slow
 def test_greedy_continuation_knows_water_boils_at_100(folder):
     import model as M
     from cache import KVCache
@@ -238,7 +244,7 @@ def test_smollm2_converted_folder(smollm2):
                     rope_theta=1e5, rope_scaling=None, vocab_size=49152, max_position_embeddings=8192,
                     bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True, hidden_act="silu")
     assert {k: cfg[k] for k in expected} == expected
-    mc = M.load_config(smollm2)
+    mc = M.ModelConfig.from_json(smollm2)
     assert mc.compressed_layers == list(range(30)) and mc.chat_format == "chatml" and mc.eos_token_ids == [2]
     assert json.loads((smollm2 / "tokenizer_config.json").read_text())["add_bos_token"] is False
     tok = M.load_tokenizer(smollm2)

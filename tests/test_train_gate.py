@@ -114,8 +114,7 @@ def test_training_recovers_a_known_gate(tmp_path):
             TG.write_shard(TG.shard_path(tmp_path, i), x, teacher(x), {})
         docs.append(dict(shard=TG.shard_path("", i).as_posix()))
     store = TG.FeatureStore(tmp_path, dict(documents=docs))
-    args = SimpleNamespace(steps=400, batch_tokens=200, seed=0)
-    _, m = TG.train(store, cfg, args, torch.device("cpu"), log=lambda s: None)
+    _, m = TG.train(store, cfg, torch.device("cpu"), steps=400, batch_tokens=200, seed=0, log=lambda s: None)
     for v, c, floor in zip(m["val_loss"][-1], m["const_val_loss"], m["floor_val_loss"]):
         assert v - floor < 0.6 * (c - floor), (v, c, floor)
 
@@ -136,7 +135,7 @@ def test_training_beats_the_best_constant(qwen, tmp_path):
     assert min(closed) > 0.1 and sum(closed) / len(closed) > 0.2, (closed, m["val_loss"][-1], m["const_val_loss"])
 
     manifest = json.loads((out / "manifest.json").read_text())
-    cfg = M.load_config(qwen)
+    cfg = M.ModelConfig.from_json(qwen)
     store = TG.FeatureStore(out, manifest)
     assert store.n_tokens == sum(d["tokens"] for d in manifest["documents"])
     x, y = store.gather(torch.arange(store.n_tokens))
@@ -262,7 +261,7 @@ def test_full_disk_is_one_line_and_leaves_nothing(features_run, tmp_path, monkey
     with pytest.raises(SystemExit) as e:
         run_main([*args, "--out", tmp_path / "out"])
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the one-line plan of the run
-    assert e.value.code == 2 and err.startswith("train_gate.py: error: cannot write ") and "Traceback" not in err
+    assert e.value.code == 2 and err.startswith("error: cannot write ") and "Traceback" not in err
     assert "doc00000.safetensors: No space left on device" in err and leftovers(tmp_path / "out") == []
 
 
@@ -328,7 +327,7 @@ def test_features_stored_as_fp16_train_in_the_model_dtype(qwen, tmp_path, monkey
     store = TG.FeatureStore(tmp_path / "f16", manifest)
     x, _ = store.gather(torch.arange(store.n_tokens))
     assert x.dtype == f32 and torch.equal(x[:, :store.hidden[0].shape[1]], store.hidden[0].float())
-    assert load_gate(tmp_path / "f16" / "gate.safetensors", M.load_config(qwen)).dtype == f32
+    assert load_gate(tmp_path / "f16" / "gate.safetensors", M.ModelConfig.from_json(qwen)).dtype == f32
 
     real = gate.KVzipTeacher.__call__
 
@@ -387,7 +386,7 @@ def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
     with pytest.raises(SystemExit) as e:
         run_main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("train_gate.py: error: "), err
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
     assert expect[case] in err[0], err[0]
 
 

