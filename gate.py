@@ -346,7 +346,7 @@ def load_gate(path, cfg, dtype=None, device=None):
     for another model (compressed-layer count, hidden size, KV heads, group size)."""
     path = Path(path)
     if not path.is_file():
-        raise GateError(f"gate file not found: {path}")
+        raise GateError(f"gate {path} is a folder, not a gate file" if path.is_dir() else f"gate file not found: {path}")
     try:
         kind = _file_kind(path)
     except OSError as e:

@@ -166,6 +166,8 @@ def check_args(args):
             raise UsageError(f"{flag} must be {'positive' if low else '>= 0'}, got {value}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not -2**63 <= args.seed < 2**63:
+        raise UsageError(f"--seed {args.seed} does not fit in 64 bits")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (the probability mass sampled from), got {args.top_p}")
     if args.decode_budget is not None and args.method in ("kvzip", "snapkv", "full"):

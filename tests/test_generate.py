@@ -99,6 +99,7 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--top-p", "0"], ["--top-p", "(0, 1]"]),
     (["--top-p", "2"], ["--top-p", "2"]),
     (["--budget", "nan"], ["--budget"]),
+    (["--seed", str(2**70)], ["--seed", "64 bits"]),
     (["--method", "kvzip", "--decode-budget", "100"], ["kvzip", "--decode-budget"]),
     (["--method", "full", "--decode-budget", "100"], ["full", "--decode-budget"]),
     (["--method", "snapkv", "--gate", "g.safetensors"], ["--gate", "snapkv"]),
