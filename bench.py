@@ -342,7 +342,8 @@ def check_args(p, args):
         p.error(f"--budgets {','.join(map(str, args.budgets)) or '(none)'}: each must be in (0, 1]")
     if not 0 < args.speed_budget <= 1:
         p.error(f"--speed-budget {args.speed_budget}: must be in (0, 1]")
-    args.methods, args.budgets = list(dict.fromkeys(args.methods)), list(dict.fromkeys(args.budgets))
+    for name in ("methods", "budgets", "extra_levels"):  # a repeated value would run (and count) twice
+        setattr(args, name, list(dict.fromkeys(getattr(args, name))))
     for flag, low in (("contexts", 1), ("chunk_size", 1), ("speed_chunk", 1), ("speed_decode", 1), ("bootstrap", 1),
                       ("window", 0), ("speed_window", 0), ("passkeys", 0), ("kv_pairs", 0), ("kv_questions", 0),
                       ("continue_tokens", 0), ("threads", 0), ("probe_tokens", quality.CUE_TOKENS + 1)):

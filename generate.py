@@ -227,6 +227,9 @@ def run(args):
     folder = M.resolve_model(args.model)
     cfg, tok = M.load_config(folder), M.load_tokenizer(folder)
     chat = args.chat if args.chat is not None else args.model != DEFAULT_MODEL  # the offline model is a base model
+    if args.thinking and not (cfg.arch == "qwen3" and chat and "instruct" not in args.model.lower()):
+        raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model and template "
+                         "have no such switch: drop it")
     fmt = M.prompt_format(cfg, args.model, chat=chat, thinking=args.thinking)
     ids, n_protected, questions = build_inputs(tok, fmt, args, context)
     longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens

@@ -399,7 +399,8 @@ def run(model, tok, fmt, args, done=(), on_context=None):
     cfg, _, _ = model_info(model)
     methods = [m for m in args.methods if m != "full"]
     configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
-    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in args.extra_levels]
+    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in args.extra_levels
+                if lv != DEFAULT_LEVEL[m]]  # '--extra-levels global' would run the default twice
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
     stop_ids = set(cfg.eos_token_ids) | {i for s in ("\n", "\n\n") for i in tok.encode(s, add_special_tokens=False).ids}
     docs = load_docs(tok)

@@ -106,6 +106,7 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--device", "foo"], ["--device 'foo'"]),
     (["--context-file", "ctx.txt"], ["--prompt", "--context-file", "not both"]),
     (["--prompt", "  "], ["--prompt is empty"]),
+    (["--thinking"], ["--thinking", "drop it"]),
 ])
 def test_bad_flags_fail_before_the_weights_load(capsys, no_weights, flags, words):
     argv = ["--model", str(no_weights), *flags]
