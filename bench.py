@@ -291,7 +291,7 @@ def parse_args(argv=None):
     p.add_argument("--probe-tokens", type=int, default=64, help="tokens scored by each NLL probe")
     p.add_argument("--continue-tokens", type=int, default=12, help="greedy tokens of free continuation "
                    "(agreement only)")
-    p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (quality contexts must fit in one)")
+    p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk; a longer quality context runs the real chunked prefill (KVzip: not chunked)")
     p.add_argument("--window", type=int, default=4096, help="recent tokens always kept (short contexts: 2%%)")
     p.add_argument("--speed-lengths", type=ints, default=[2048, 8192, 16384], help="CPU speed contexts ('0' = none)")
     p.add_argument("--speed-budget", type=float, default=0.3, help="budget of the speed runs (paper Fig. 1b: 30%%)")

@@ -377,8 +377,11 @@ def load_gate(path, cfg, dtype=None, device=None):
 
 
 def _model_slug(model_name):
-    """The authors' naming: the last path component, lower-cased (Qwen/Qwen3-8B -> qwen3-8b)."""
-    return str(model_name).rstrip("/").split("/")[-1].lower()
+    """The authors' naming: the last path component, lower-cased (Qwen/Qwen3-8B -> qwen3-8b), of the repo id
+    an alias stands for (qwen2.5-7b-1m -> Qwen/Qwen2.5-7B-Instruct-1M -> qwen2.5-7b-instruct-1m)."""
+    from model import ALIASES
+    name = ALIASES.get(str(model_name).lower(), str(model_name))
+    return name.rstrip("/").split("/")[-1].lower()
 
 
 def resolve_gate(arg, cfg, model_name, dtype=None, device=None):
@@ -721,7 +724,7 @@ def spearman(a, b):
 def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096):
     """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,) bool
     (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that callers can pool
-    contexts (`pool_agreement`):
+    contexts (`pool_agreement`), keyed by the budget written as f"{r:g}" (JSON-ready):
       spearman   rank correlation over the layer's H·n pairs;
       at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local window
       that both keep: teacher = pairs the teacher keeps, both = of those, the ones the student keeps too,
@@ -735,7 +738,7 @@ def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=
         seg[:student.shape[-1] - w] = True
         digit = seg & is_digit.to(student.device)
         count = lambda m, where: m[..., where].flatten(1).sum(1).tolist()
-        out[r] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
+        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
                       segment=[int(seg.sum()) * student.shape[1]] * student.shape[0],
                       digits=[int(digit.sum()) * student.shape[1]] * student.shape[0],
                       digits_teacher=count(kt, digit), digits_student=count(ks, digit))
@@ -750,7 +753,7 @@ def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
     L = len(per_context[0]["spearman"])
     out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context) for l in range(L)])
     for r in budgets:
-        tot = {k: [sum(c[r][k][l] for c in per_context) for l in range(L)] for k in per_context[0][r]}
+        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)] for k in per_context[0][f"{r:g}"]}
         out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
         out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
         out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l]) for l in range(L)]

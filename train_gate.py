@@ -3,18 +3,20 @@ Teach the gates: one command from raw text to a trained gate file (METHOD.md §4
 
 Three steps, each visible below in the order they run:
   1. data      pick documents (METHOD.md §5.1): 10K-30K-token documents plus ~100K-token
-               concatenations of the same documents, ~1M tokens in all.
+               concatenations of the same documents, ~1M tokens in all; 5% of the documents are
+               held out whole for validation (--val-docs) and never enter a concatenation.
   2. features  for every document, prefill system prompt + context with a full cache, score every
                context KV pair with the KVzip teacher (gate.py, METHOD.md §4) and record the
                attention-input hidden states of the compressed layers. One shard file per document,
                written atomically under --out/features, so an interrupted run resumes where it stopped.
   3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft targets,
-               every 100th token held out, SGD momentum 0.9, lr 0.2 with the authors' piecewise
-               schedule, 5,000 steps of 1,000 tokens, all layers batched through gate.Gates.
+               SGD momentum 0.9, lr 0.2 with the authors' piecewise schedule, 5,000 steps of 1,000
+               tokens (5 epochs of the recipe's 1M tokens), all layers batched through gate.Gates; then
+               the gate's agreement with its teacher on the held-out documents (gate.agreement).
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors (gate.save_gate,
 with a training summary in its metadata), metrics.json (per-layer train/validation loss and accuracy
-over steps), curves.png with --plot, and a per-layer table on stdout.
+over steps, and the agreement), curves.png with --plot, and per-layer tables on stdout.
 
 Cost of the default run (~1M tokens), Qwen3-8B on one 80 GB GPU (estimates; the paper reports 0.59
 H100-hours for the whole phase, METHOD.md §5.5):
@@ -27,7 +29,8 @@ H100-hours for the whole phase, METHOD.md §5.5):
             (Hq·2K·4K fp32 ≈ 1 GB) — well inside 80 GB. Hidden states
             go to host RAM as they are produced: L·D·2 bytes = 295 KB per token (~30 GB for a 100K sample,
             twice that while its shard is written).
-  disk      the same 295 KB per token: ≈ 295 GB of features for 1M tokens (Gemma3 270M, fp32: 7.7 KB).
+  disk      the same 295 KB per token: ≈ 295 GB of features for 1M tokens (Gemma3 270M, fp32: 7.7 KB;
+            SmolLM2-135M, 30 layers x 576: 69 KB in fp32, stored as fp16 by --feature-dtype auto: 35 KB).
   training  5000 steps × 1000 tokens read from the memory-mapped shards (295 MB per step for Qwen3-8B;
             the gate math itself is tiny): I/O bound, ~0.05-0.1 s per step from page cache / NVMe, 5-10 min.
   scaling   features ∝ tokens × parameters + Σ n² × layers × heads × head_dim; disk and training reads
@@ -66,6 +69,8 @@ DEFAULT_MODEL = "gemma3-270m-gguf"               # the offline default, as gener
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
 EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
 ACC_THRESHOLD = 0.05  # accuracy: both sides of 0.05 agree (METHOD.md §5.3)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FP16_FEATURES_ABOVE = 16 * 1024  # --feature-dtype auto: fp32 features above 16 KB per token are stored as fp16
 BASE_LR, MOMENTUM = 0.2, 0.9  # METHOD.md §5.4
 
 
@@ -312,14 +317,29 @@ def shard_problem(path, key):
     return None
 
 
+def feature_dtype(choice, dtype, cfg):
+    """The dtype hidden states are stored in: --feature-dtype, or for "auto" the model's, except fp32
+    features above FP16_FEATURES_ABOVE bytes per token, stored as fp16 (SmolLM2-135M: 30 layers x 576
+    values, 69 KB -> 35 KB; Gemma 3 270M's 3 x 640, 7.7 KB, stay fp32). The gates still train in the
+    model's dtype."""
+    if choice != "auto":
+        return DTYPES[choice]
+    big = dtype == torch.float32 and len(cfg.compressed_layers) * cfg.hidden_size * 4 > FP16_FEATURES_ABOVE
+    return torch.float16 if big else dtype
+
+
 def make_manifest(args, model_name, cfg, dtype, docs):
-    return dict(
+    manifest = dict(
         format=1, model=model_name, compressed_layers=list(cfg.compressed_layers),
         n_kv_heads=cfg.num_key_value_heads, group=cfg.group_size, hidden_size=cfg.hidden_size,
         dtype=str(dtype).replace("torch.", ""),
         teacher=dict(chunk=args.teacher_chunk, softmax_dtype=args.teacher_softmax, chat=args.chat),
         documents=[dict(name=n, tokens=len(ids), key=doc_key(n, ids), shard=shard_path("", i).as_posix(), split=split)
                    for i, (n, ids, split) in enumerate(docs)])
+    stored = feature_dtype(args.feature_dtype, dtype, cfg)
+    if stored != dtype:  # absent = the model's dtype (also in manifests written before the option)
+        manifest["feature_dtype"] = str(stored).replace("torch.", "")
+    return manifest
 
 
 def check_manifest(out, manifest):
@@ -384,10 +404,17 @@ def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenize
     total = sum(len(docs[i][1]) for i in todo)
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"features rank {rank}" if world > 1 else "features",
                position=rank, disable=args.quiet, dynamic_ncols=True)
+    stored = feature_dtype(args.feature_dtype, dtype, cfg)
     for i in todo:
         name, ids, _ = docs[i]
         with torch.no_grad():
             scores, hidden = teacher(ids, capture_hidden=True, on_chunk=bar.update)
+        if hidden.dtype != stored:
+            big = hidden.abs().max().item()
+            hidden = hidden.to(stored)
+            if not torch.isfinite(hidden).all():
+                raise UsageError(f"{name}: hidden states reach {big:.3g}, beyond {stored}'s range; "
+                                 f"pass --feature-dtype bfloat16 or float32")
         write_shard(shard_path(args.out, i), hidden, scores,
                     dict(name=name, tokens=len(ids), key=doc_key(name, ids)))
     bar.close()
@@ -445,14 +472,16 @@ class FeatureStore:
         self.is_val_doc = torch.repeat_interleave(
             torch.tensor([d.get("split") == "val" for d in manifest["documents"]]), lens)
         self.n_layers, self.n_tokens, self.hidden_size = self.hidden[0].shape[0], int(lens.sum()), self.hidden[0].shape[2]
+        # the model's dtype, in which the gates train; the shards may hold the features narrower (fp16)
+        self.dtype = DTYPES.get(manifest.get("dtype"), self.hidden[0].dtype)
 
     def gather(self, idx):
-        """idx (B,) token indices -> hidden (L, B, D) in the stored dtype, targets (L, H, B)."""
+        """idx (B,) token indices -> hidden (L, B, D) in the model's dtype, targets (L, H, B)."""
         shard = torch.searchsorted(self.starts, idx, right=True) - 1
-        x = torch.empty(self.n_layers, len(idx), self.hidden_size, dtype=self.hidden[0].dtype)
+        x = torch.empty(self.n_layers, len(idx), self.hidden_size, dtype=self.dtype)
         for s in shard.unique().tolist():
             at = (shard == s).nonzero().squeeze(1)
-            x[:, at] = self.hidden[s][:, idx[at] - self.starts[s]]
+            x[:, at] = self.hidden[s][:, idx[at] - self.starts[s]].to(self.dtype)
         return x, self.scores[:, :, idx]
 
 
@@ -537,7 +566,7 @@ def train(store, cfg, args, device, log=print):
         raise UsageError(f"only {n_train} training tokens for --batch-tokens {B}; add data (--tokens) or lower it")
     if len(val_idx) == 0:
         raise UsageError(f"only {N} tokens: need at least {VAL_EVERY} for one validation token; raise --tokens")
-    dtype = store.hidden[0].dtype  # the gates train in the features' (= the model's) dtype (METHOD.md §5.4)
+    dtype = store.dtype  # the gates train in the model's dtype (METHOD.md §5.4), whatever the features are stored in
     x_val, y_val = store.gather(val_idx)
     torch.manual_seed(args.seed)
     gates = make_gates(cfg, dtype, device)
@@ -777,7 +806,10 @@ def parse_args(argv=None):
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; the local rank's GPU "
                    "under torchrun)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="model and feature dtype (default: bfloat16 on GPU, float32 on CPU)")
+                   help="model dtype, in which the gates train too (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--feature-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="dtype the hidden-state features are stored in (default auto: the model's, but float16 "
+                   "for float32 features of more than 16 KB per token, e.g. SmolLM2-135M's 69 KB)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). On small or "
                    "shared CPUs 1 is often much faster: the gate's small ops pay for every thread hand-off")
     p.add_argument("--plot", action="store_true", help="also write curves.png (needs matplotlib)")

@@ -41,6 +41,10 @@ GEMMA3_TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hi
                    query_pre_attn_scalar=24, sliding_window=8,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
                    tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+LLAMA_TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+QWEN2_TINY = LLAMA_TINY
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
@@ -50,7 +54,9 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
     gemma = "gemma" in type(model).__name__.lower()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:  # norm weights: Gemma stores w of (1 + w), Qwen3 stores w
+            if name.endswith("bias"):  # Qwen2's q/k/v, Llama's optional biases
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:  # norm weights: Gemma stores w of (1 + w), Qwen3 stores w
                 p.copy_(0.3 * torch.randn(p.shape, generator=g) + (0.0 if gemma else 1.0))
             elif "embed_tokens" in name:  # small, or a tied lm_head just echoes the input token;
                 # Gemma multiplies embeddings by sqrt(hidden) (8 here)
@@ -61,17 +67,16 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 def tiny_checkpoint(arch: str, folder: str | Path, seed: int = 0, max_shard_size: str | None = None,
                     **overrides) -> Path:
-    """save_pretrained a random tiny Qwen3 or Gemma3 (fp32) into `folder`; overrides go to the config.
-    Returns the folder (config.json, generation_config.json, model.safetensors or shards)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+    """save_pretrained a random tiny Qwen3, Gemma3, Llama or Qwen2 (fp32) into `folder`; overrides go to
+    the config. Returns the folder (config.json, generation_config.json, model.safetensors or shards)."""
+    import transformers as T
 
     folder = Path(folder)
-    if arch == "qwen3":
-        config, cls = Qwen3Config(**{**QWEN3_TINY, **overrides}), Qwen3ForCausalLM
-    elif arch == "gemma3":
-        config, cls = Gemma3TextConfig(**{**GEMMA3_TINY, **overrides}), Gemma3ForCausalLM
-    else:
-        raise ValueError(arch)
+    config_cls, cls, tiny = {"qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, QWEN3_TINY),
+                             "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, GEMMA3_TINY),
+                             "llama": (T.LlamaConfig, T.LlamaForCausalLM, LLAMA_TINY),
+                             "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, QWEN2_TINY)}[arch]
+    config = config_cls(**{**tiny, **overrides})
     torch.manual_seed(seed)
     model = cls(config).float()
     randomize_(model, seed)

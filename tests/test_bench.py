@@ -174,20 +174,22 @@ def same_cache(a, b, exact=True):
                 assert_close(u, w, atol=0, scale_rtol=2e-5, name=f"layer {i} {name}")
 
 
-@pytest.mark.parametrize("method,level,budget", [("fastkvzip", "global", 0.3), ("fastkvzip", "calibrated", 0.2),
-                                                 ("snapkv", "head", 0.5), ("kvzip", "global", 0.3)])
-def test_fast_path_equals_generate_prefill(real, method, level, budget):
-    """The replayed cache keeps exactly the positions, keys and values that generate.prefill keeps on a real
-    evicting cache (KVzip: generate.prefill_kvzip), and gives bit-identical logits afterwards."""
+@pytest.mark.parametrize("method,level,budget,chunk", [
+    ("fastkvzip", "global", 0.3, 16384), ("fastkvzip", "calibrated", 0.2, 16384), ("snapkv", "head", 0.5, 16384),
+    ("kvzip", "global", 0.3, 16384), ("fastkvzip", "global", 0.3, 160), ("kvzip", "global", 0.3, 160)])
+def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
+    """The benchmark's cache (one chunk: the replay; several: the real chunked prefill) keeps exactly the
+    positions, keys and values that generate.prefill keeps on a real evicting cache (KVzip:
+    generate.prefill_kvzip), and gives bit-identical logits afterwards."""
     model, tok = real["model"], real["tok"]
-    args = bench.parse_args(["--gate", real["gate"]])
+    args = bench.parse_args(["--gate", real["gate"], "--chunk-size", str(chunk), "--window", "32"])
     maker = quality.SampleMaker(tok, real["fmt"], real["docs"], seed=1, n_passkeys=2, n_kv_questions=1, n_probe=16)
     s = maker.make(400)
     teacher = G.KVzipTeacher(model, tok, real["fmt"]) if method == "kvzip" else None
     with torch.no_grad():
         full, logits, tscores = quality.capture_prefill(model, s.ids, args.chunk_size, teacher, s.n_protected)
         fast = quality.method_cache(model, method, level, s.n_protected, args, 7, tscores)
-        generate.prefill(quality.Replay(full, logits), fast, s.ids, s.n_protected, budget, args.chunk_size, args.window)
+        quality.prefill_from_capture(model, full, logits, fast, method, s, budget, args.chunk_size, args.window)
         real_cache = quality.method_cache(model, method, level, s.n_protected, args, 7)
         if method == "kvzip":
             generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)

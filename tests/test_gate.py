@@ -313,6 +313,34 @@ def test_resolve_gate(tmp_path, monkeypatch):
         resolve_gate(None, cfg, "my/model")
 
 
+@pytest.mark.parametrize("alias,file,dims", [
+    ("qwen2.5-7b-1m", "qwen2.5-7b-instruct-1m/q7_dim16_sink16.pt", (28, 3584, 28, 4)),
+    ("qwen2.5-14b-1m", "qwen2.5-14b-instruct-1m/q5_dim16_sink16.pt", (48, 5120, 40, 8))])
+def test_released_qwen25_gates_load(tmp_path, monkeypatch, alias, file, dims):
+    """The authors' Qwen2.5-*-Instruct-1M gates (METHOD.md §2): the file name their loader asks for, and a
+    file in their exact layout at the real sizes (one gate per layer, 28 or 48; every layer holds the
+    same tensors, which torch.save stores once) loads and scores as the literal formula."""
+    import huggingface_hub
+    import model as M
+    L, D, Hq, H = dims
+    cfg = M.ModelConfig.from_dict({"model_type": "qwen2", "num_hidden_layers": L, "hidden_size": D,
+                                   "num_attention_heads": Hq, "num_key_value_heads": H})
+    asked, sd = [], authors_state_dict(D, H, Hq // H)
+
+    def fake_download(repo_id, filename, repo_type):
+        asked.append((repo_id, filename))
+        save_authors_file(tmp_path / "gate.pt", [sd] * L)
+        return str(tmp_path / "gate.pt")
+
+    monkeypatch.setattr(gate, "GATES_DIR", tmp_path / "no-bundled-gates")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    g = resolve_gate(None, cfg, alias)
+    assert asked == [("Jang-Hyun/Fast-KVzip", file)]
+    assert (g.n_layers, g.hidden, g.n_kv_heads, g.group, g.dim, g.sinks) == (L, D, H, Hq // H, 16, 16)
+    hidden = torch.randn(5, D)
+    assert_close(g.score_layer(L - 1, hidden), literal_gate(sd, hidden), what=f"{alias} layer {L - 1}")
+
+
 # -------------------------------------------------------------------------------------------------
 # 5. scorers
 # -------------------------------------------------------------------------------------------------

@@ -155,12 +155,18 @@ def test_bad_context_files_and_gates_fail_before_the_weights_load(capsys, no_wei
 @pytest.fixture(scope="module")
 def real():
     folder = M.resolve_model(M.OFFLINE_DEFAULT)
+
+
+@pytest.fixture(scope="module", params=M.OFFLINE_MODELS)
+def real(request):
+    folder = M.resolve_model(request.param)
     return M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
 
 
 def test_budget_one_equals_full_cache_on_real_model(real):
     """Budget 1.0 through the evicting path (real gate-shaped scorer, chunked prefill) generates
-    token for token what the full cache does."""
+    token for token what the full cache does: on Gemma 3 270M (3 of 18 layers compressed) and on
+    SmolLM2-135M (all 30 layers x 3 KV heads under one threshold)."""
     model, tok = real
     cfg = model.config
     text = "The quick brown fox jumps over the lazy dog. " * 40

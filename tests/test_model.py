@@ -16,6 +16,10 @@ VOCAB = 384  # helpers.QWEN3_TINY / GEMMA3_TINY
 GEMMA_RoPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 200_000.0},
               "sliding_attention": {"rope_type": "default", "rope_theta": 5_000.0}}
 QWEN_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10_000.0}
+# Llama 3.1's scaling with its factors, over an original length short enough for 40-token prompts to
+# reach every band (head_dim 16, base 1e4: wavelengths 6 to 2.4e4; kept < 4, blended 4..16, divided > 16)
+LLAMA3_RoPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 10_000.0}
 
 # checkpoints transformers writes: name -> (arch, config overrides, save_pretrained kwargs)
 SAVED = {
@@ -28,9 +32,17 @@ SAVED = {
     "gemma3-mqa-untied": ("gemma3", dict(num_key_value_heads=1, tie_word_embeddings=False, num_hidden_layers=3,
                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
                           {}),
+    "llama-gqa2-tied": ("llama", {}, {}),
+    "llama-untied-sharded-llama3": ("llama", dict(tie_word_embeddings=False, rope_parameters=LLAMA3_RoPE,
+                                                  max_position_embeddings=64), dict(max_shard_size="100KB")),
+    "llama-mqa-biases-head32": ("llama", dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True,
+                                              head_dim=32), {}),  # q_proj 128 x 64: heads*head_dim != hidden
+    "qwen2-mqa-untied-sharded": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=False),
+                                  dict(max_shard_size="100KB")),
+    "qwen2-gqa2-tied": ("qwen2", {}, {}),  # q/k/v biases
 }
 # folders built by hand from a saved one: name -> (source, builder); the oracle is noted per builder
-BUILT = ["qwen3-legacy-yarn", "gemma3-legacy", "gemma3-multimodal-old", "gemma3-multimodal-new"]
+BUILT = ["qwen3-legacy-yarn", "llama-legacy-llama3", "gemma3-legacy", "gemma3-multimodal-old", "gemma3-multimodal-new"]
 ALL = list(SAVED) + BUILT
 
 
@@ -38,6 +50,11 @@ def _legacy_qwen(d):  # the key layout of released Qwen3 configs (transformers 4
     for k in ("rope_parameters", "layer_types"):
         d.pop(k)
     return {**d, "rope_theta": 10_000.0, "rope_scaling": {k: v for k, v in QWEN_YARN.items() if k != "rope_theta"}}
+
+
+def _legacy_llama(d):  # the key layout of released Llama 3.1 configs (transformers 4.43): rope_scaling
+    d.pop("rope_parameters")
+    return {**d, "rope_theta": 10_000.0, "rope_scaling": {k: v for k, v in LLAMA3_RoPE.items() if k != "rope_theta"}}
 
 
 def _legacy_gemma(d):  # released Gemma3 configs: no layer_types, a pattern, two RoPE keys, rope_scaling
@@ -74,10 +91,12 @@ def checkpoints(tmp_path_factory):
             arch, overrides, save = SAVED[name]
             folder = tiny_checkpoint(arch, root / name, seed=list(SAVED).index(name), **save, **overrides)
             made[name] = (folder, folder)
-        elif name.endswith("legacy-yarn") or name.endswith("legacy"):  # oracle: transformers on the same folder
-            src = get("qwen3-mqa-yarn" if name.startswith("qwen3") else "gemma3-mixed-softcap")[0]
+        elif "legacy" in name:  # oracle: transformers on the same folder
+            family = name.split("-")[0]
+            src = get({"qwen3": "qwen3-mqa-yarn", "llama": "llama-untied-sharded-llama3",
+                       "gemma3": "gemma3-mixed-softcap"}[family])[0]
             shutil.copytree(src, root / name)
-            edit_config(root / name, _legacy_qwen if name.startswith("qwen3") else _legacy_gemma)
+            edit_config(root / name, {"qwen3": _legacy_qwen, "llama": _legacy_llama, "gemma3": _legacy_gemma}[family])
             made[name] = (root / name, root / name)
         else:  # multimodal: oracle = transformers' text model on the source checkpoint
             src = get("gemma3-mixed-softcap")[0]
@@ -123,8 +142,9 @@ def test_logits_match_transformers(name, checkpoints, oracle):
                  name=f"{name} chunked")
 
 
-def test_sharded_checkpoint_really_is_sharded(checkpoints):
-    folder = checkpoints("qwen3-gqa4-untied-sharded")[0]
+@pytest.mark.parametrize("name", [n for n in SAVED if "sharded" in n])
+def test_sharded_checkpoint_really_is_sharded(checkpoints, name):
+    folder = checkpoints(name)[0]
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= 2
     assert "lm_head.weight" in index["weight_map"]  # untied: its own matrix
@@ -143,6 +163,17 @@ def test_configs_parsed_as_intended(checkpoints):
     yarn = M.load_config(checkpoints("qwen3-legacy-yarn")[0])
     assert yarn.rope["full_attention"]["rope_type"] == "yarn" and yarn.compressed_layers == [0, 1]
     assert yarn.group_size == 4 and yarn.attn_scale(0) == 16 ** -0.5
+    llama = M.load_config(checkpoints("llama-legacy-llama3")[0])
+    assert llama.rope["full_attention"] == LLAMA3_RoPE and not llama.qk_norm and not llama.qkv_bias
+    assert llama.compressed_layers == [0, 1] and llama.chat_format == "llama3"  # no template: the family's
+    wide = M.load_config(checkpoints("llama-mqa-biases-head32")[0])
+    assert wide.qkv_bias and wide.attention_bias and wide.mlp_bias and wide.head_dim == 32
+    qwen2 = M.load_config(checkpoints("qwen2-gqa2-tied")[0])
+    assert qwen2.qkv_bias and not qwen2.attention_bias and not qwen2.qk_norm and qwen2.chat_format == "chatml"
+    model = M.load_model(checkpoints("qwen2-gqa2-tied")[0], "cpu")  # q/k/v carry a bias, o_proj none
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.v_proj.bias is not None and attn.o_proj.bias is None
+    assert not hasattr(attn, "q_norm")
 
 
 def test_released_config_layouts():
@@ -166,6 +197,51 @@ def test_released_config_layouts():
     assert cfg.layer_types == ["full_attention"] * 36 and cfg.window(0) is None and cfg.group_size == 4
     assert cfg.rope["full_attention"] == {"rope_type": "default", "rope_theta": 1000000}
     assert cfg.eos_token_ids == [151643, 151645] and len(cfg.compressed_layers) == 36
+    # the models of the authors' released Qwen2.5 gates: G = 7 and 5, every layer compressed
+    for size, (L, D, I, Hq, H) in {"7B": (28, 3584, 18944, 28, 4), "14B": (48, 5120, 13824, 40, 8)}.items():
+        qwen25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "bos_token_id": 151643,
+                  "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": D, "intermediate_size": I,
+                  "max_position_embeddings": 1010000, "max_window_layers": L, "num_attention_heads": Hq,
+                  "num_hidden_layers": L, "num_key_value_heads": H, "rms_norm_eps": 1e-05, "rope_scaling": None,
+                  "rope_theta": 10000000.0, "sliding_window": 32768, "tie_word_embeddings": False,
+                  "use_sliding_window": False, "vocab_size": 152064,  # ignored, as transformers does:
+                  "dual_chunk_attention_config": {"chunk_size": 262144, "local_size": 8192,
+                                                  "original_max_position_embeddings": 262144}}
+        cfg = M.ModelConfig.from_dict(qwen25, {"eos_token_id": [151645, 151643]})
+        assert cfg.compressed_layers == list(range(L)) and cfg.window(L - 1) is None and cfg.head_dim == 128
+        assert cfg.qkv_bias and not cfg.qk_norm and cfg.eos_token_ids == [151643, 151645], size
+        assert cfg.group_size == {"7B": 7, "14B": 5}[size] and cfg.rope["full_attention"]["rope_theta"] == 1e7
+    llama8b = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+               "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "head_dim": 128,
+               "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+               "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+               "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+               "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+               "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256}
+    cfg = M.ModelConfig.from_dict(llama8b)
+    assert cfg.rope["full_attention"]["rope_type"] == "llama3" and cfg.eos_token_ids == [128001, 128008, 128009]
+    assert len(cfg.compressed_layers) == 32 and cfg.group_size == 4 and not cfg.qkv_bias and cfg.chat_format == "llama3"
+    with pytest.raises(M.ModelError, match="llama3.*without low_freq_factor"):
+        M.ModelConfig.from_dict({**llama8b, "rope_scaling": {"factor": 8.0, "rope_type": "llama3"}})
+
+
+def test_llama3_frequencies_match_transformers_at_llama31_8b_size():
+    """Llama 3.1's scaling (factor 8, low 1, high 4, original 8192, base 5e5) at its real head_dim."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    hf = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+                     rope_parameters=dict(rope))
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    inv_freq, factor = M.rope_inv_freq(rope, 128)
+    assert_close(inv_freq, expected, atol=0, name="llama3 inv_freq")
+    assert factor == expected_factor == 1.0
+    base = M.rope_inv_freq({"rope_type": "default", "rope_theta": 500000.0}, 128)[0]
+    kept, divided = inv_freq == base, inv_freq == base / 8
+    assert kept.sum() > 10 and divided.sum() > 10 and (~kept & ~divided).sum() > 2  # all three bands occur
 
 
 def test_yarn_frequencies_match_transformers_at_qwen3_8b_size():
@@ -219,8 +295,8 @@ def test_bad_folders(tmp_path):
     _one_line_error(lambda: M.load_model(tmp_path, "cpu"), "no config.json")
     _one_line_error(lambda: M.resolve_model(tmp_path), "no config.json")
     (tmp_path / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}))
-    _one_line_error(lambda: M.load_model(tmp_path, "cpu"), "unsupported model_type 'llama'")
+        {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 64}))
+    _one_line_error(lambda: M.load_model(tmp_path, "cpu"), "unsupported model_type 'phi3'")
     _one_line_error(lambda: M.load_tokenizer(tmp_path), "no tokenizer.json")
 
 
@@ -285,9 +361,10 @@ def test_resolve_model_routes(checkpoints, monkeypatch, tmp_path):
 
     folder = checkpoints("qwen3-gqa2-tied")[0]
     assert M.resolve_model(str(folder)) == folder
-    fake = types.SimpleNamespace(ensure_offline_model=lambda: tmp_path)  # offline.py converts the GGUF
+    fake = types.SimpleNamespace(ensure_offline_model=lambda name: tmp_path / name)  # offline.py converts
     monkeypatch.setitem(sys.modules, "offline", fake)
-    assert M.resolve_model("gemma3-270m-gguf") == tmp_path
+    assert M.resolve_model("gemma3-270m-gguf") == tmp_path / "gemma3-270m-gguf"
+    assert M.resolve_model("SmolLM2-135M-gguf") == tmp_path / "smollm2-135m-gguf"
     (tmp_path / "weights.bin").write_text("x")
     _one_line_error(lambda: M.resolve_model(tmp_path / "weights.bin"), "is a file")
 
@@ -313,6 +390,33 @@ def test_prompt_formats_are_method_4_1():
     assert M.prompt_format(qwen, "x", chat=False) == M.PromptFormat("", "")
     assert 106 in gemma.eos_token_ids and 151645 in qwen.eos_token_ids  # end-of-turn stops chat models
     assert M.ALIASES["qwen3-0.6b"] == "Qwen/Qwen3-0.6B" and M.ALIASES["gemma3-270m"] == "google/gemma-3-270m-it"
+    # Qwen2.5 (no thinking switch, even without "instruct" in the name) and LLaMA-3 (METHOD.md §4.1)
+    qwen25 = M.ModelConfig.from_dict({"model_type": "qwen2"})
+    assert M.prompt_format(qwen25, "qwen2.5-7b-1m") == M.prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507")
+    llama = M.ModelConfig.from_dict({"model_type": "llama"})
+    f = M.prompt_format(llama, "llama3.1-8b")
+    assert f.system == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful "
+                        "assistant<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n" + task)
+    assert f.postfix == "\n\n<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert M.prompt_format(llama, "x", chat=False) == M.PromptFormat("<|begin_of_text|>", "")
+    assert M.ALIASES["qwen2.5-14b-1m"] == "Qwen/Qwen2.5-14B-Instruct-1M"
+    assert M.ALIASES["llama3.1-8b"] == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_the_tokenizer_template_decides_the_prompt(checkpoints, tmp_path):
+    """A Llama whose tokenizer writes ChatML (SmolLM2) gets the authors' ChatML (Qwen) prompt, without
+    the Qwen3 thinking switch; its family's LLaMA-3 layout only when the folder has no template."""
+    shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "m")
+    chatml = "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"chat_template": chatml}))
+    cfg = M.load_config(tmp_path / "m")
+    assert cfg.arch == "llama" and cfg.chat_format == "chatml"
+    qwen = M.ModelConfig.from_dict({"model_type": "qwen3"})
+    assert M.prompt_format(cfg, "smollm2-135m-gguf") == M.prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507")
+    assert M.prompt_format(cfg, "smollm2-135m-gguf", chat=False) == M.PromptFormat("", "")
+    (tmp_path / "m" / "tokenizer_config.json").unlink()  # newer repos: chat_template.jinja
+    (tmp_path / "m" / "chat_template.jinja").write_text("{{ '<|start_header_id|>' + m['role'] }}")
+    assert M.load_config(tmp_path / "m").chat_format == "llama3"
 
 
 def test_prompt_pieces_tokenize_to_the_special_tokens():

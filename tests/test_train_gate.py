@@ -302,6 +302,47 @@ def test_truncated_or_foreign_shard_is_recomputed(features_run, tmp_path, capsys
     run_main([*args, "--out", out, "--steps", 20, "--batch-tokens", 100])  # training reads every shard
 
 
+def test_features_stored_as_fp16_train_in_the_model_dtype(qwen, tmp_path, monkeypatch, capsys):
+    """--feature-dtype float16 halves the shards (the fp32 features rounded once); the gates still train
+    in the model's fp32. auto picks fp16 only for large fp32 features (SmolLM2-135M's 30 x 576, not
+    Gemma 3 270M's 3 x 640). Features beyond fp16's range stop the run with a one-line error."""
+    import gate
+    from types import SimpleNamespace as NS
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    smollm2 = NS(compressed_layers=range(30), hidden_size=576)
+    gemma3 = NS(compressed_layers=[5, 11, 17], hidden_size=640)
+    assert TG.feature_dtype("auto", f32, smollm2) == f16 and TG.feature_dtype("auto", f32, gemma3) == f32
+    assert TG.feature_dtype("auto", bf16, smollm2) == bf16 and TG.feature_dtype("float32", f32, smollm2) == f32
+
+    data = write_docs(tmp_path / "data", 4, seed=5)
+    args = ["--model", qwen, "--data", data, "--tokens", 1500, "--long-doc-tokens", 0, "--val-docs", 0, *SMALL]
+    run_main([*args, "--steps", 0, "--out", tmp_path / "f32"])
+    run_main([*args, "--steps", 20, "--batch-tokens", 100, "--out", tmp_path / "f16", "--feature-dtype", "float16"])
+    manifest = json.loads((tmp_path / "f16" / "manifest.json").read_text())
+    assert manifest["feature_dtype"] == "float16" and manifest["dtype"] == "float32"
+    assert "feature_dtype" not in json.loads((tmp_path / "f32" / "manifest.json").read_text())
+    for a, b in zip(shards(tmp_path / "f32"), shards(tmp_path / "f16"), strict=True):
+        a, b = load_file(str(a)), load_file(str(b))
+        assert b["hidden"].dtype == f16 and torch.equal(b["hidden"], a["hidden"].half())
+        assert torch.equal(b["scores"], a["scores"])
+    store = TG.FeatureStore(tmp_path / "f16", manifest)
+    x, _ = store.gather(torch.arange(store.n_tokens))
+    assert x.dtype == f32 and torch.equal(x[:, :store.hidden[0].shape[1]], store.hidden[0].float())
+    assert load_gate(tmp_path / "f16" / "gate.safetensors", M.load_config(qwen)).dtype == f32
+
+    real = gate.KVzipTeacher.__call__
+
+    def huge(self, *a, **kw):
+        scores, hidden = real(self, *a, **kw)
+        return scores, hidden * 1e6
+
+    monkeypatch.setattr(gate.KVzipTeacher, "__call__", huge)
+    with pytest.raises(SystemExit) as e:
+        run_main([*args, "--steps", 0, "--out", tmp_path / "big", "--feature-dtype", "float16"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "beyond torch.float16's range" in err and "--feature-dtype bfloat16" in err
+
+
 def test_torchrun_two_processes_match_one(qwen, tmp_path):
     """`torchrun --nproc_per_node 2` splits the documents over two gloo ranks; same features as one process."""
     data = write_docs(tmp_path / "data", 5, seed=4)
