@@ -196,6 +196,20 @@ def run_config(args, folder, gates):
                 levels=list(LEVELS))
 
 
+def speed_keys(args, config):
+    """What makes two runs' speed rows (and GPU rows) comparable: rows are kept from an earlier run in the same
+    --out, or merged, only if equal. The lengths are not part of it: each row names its own."""
+    common = dict(budgets=args.budgets, speed_budget=args.speed_budget, speed_decode=args.speed_decode)
+    return dict(speed=dict(common, model=config["model"]["sha256"], gate=config["gate"]["sha256"],
+                           kvzip="kvzip" in args.methods, speed_chunk=args.speed_chunk,
+                           speed_window=args.speed_window, threads=args.threads),
+                gpu=dict(common, seed=args.seed))  # random weights and gate, Qwen3-8B's shape
+
+
+def differing(a, b):
+    return ", ".join(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
 def markdown(results):
     """results.md: what was run, the quality sections (quality.markdown), then speed and memory."""
     cfg = results["config"]
@@ -232,14 +246,28 @@ def markdown(results):
 
 # ---- 3. Command line --------------------------------------------------------------------------------
 
-floats = lambda s: [float(x) for x in s.split(",") if x]
-ints = lambda s: [int(x) for x in s.split(",") if x and int(x) > 0]
+def floats(s):
+    return [float(x) for x in s.split(",") if x]
+
+
+def ints(s):
+    """A comma list of token counts; '0' alone means none."""
+    values = [int(x) for x in s.split(",") if x]
+    if any(v < 0 for v in values) or (0 in values and values != [0]):
+        raise argparse.ArgumentTypeError(f"{s!r}: token counts must be positive ('0' alone = none)")
+    return [v for v in values if v > 0]
+
+
+# --quick's settings; flags given explicitly win over them
+QUICK = dict(lengths=[512], contexts=2, budgets=[0.5, 0.2], speed_lengths=[256], passkeys=1, kv_questions=1,
+             probe_tokens=32, continue_tokens=0, speed_decode=4, bootstrap=200, extra_levels=[], gpu_lengths=[8192])
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run (< 3 min on 2 CPU cores): 2 contexts of 512 "
-                   "tokens, 2 questions each, budgets 0.5 and 0.2, every method at its own level; speed at 512 tokens")
+                   "tokens, 2 questions each, budgets 0.5 and 0.2, every method at its own level; speed at 256 tokens "
+                   "(flags given explicitly win over these)")
     p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="model folder, repo id or alias")
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
@@ -276,7 +304,11 @@ def parse_args(argv=None):
                    "split one experiment over processes or machines (each with its own --out; then --merge)")
     p.add_argument("--merge", type=lambda s: [x for x in s.split(",") if x],
                    help="comma list of --out folders of one experiment's shards: merge them into --out, run nothing")
-    args = p.parse_args(argv)
+    args, unset = p.parse_args(argv), object()
+    # parsed again onto a namespace that already holds every flag, argparse sets only the flags typed:
+    # those keep their value under --quick
+    typed = {k for k, v in vars(p.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))).items()
+             if v is not unset}
     try:
         shard = tuple(int(x) for x in args.shard.split("/"))
         assert len(shard) == 2 and 0 <= shard[0] < shard[1]
@@ -284,18 +316,41 @@ def parse_args(argv=None):
         p.error(f"--shard {args.shard}: expected k/n with 0 <= k < n, e.g. 0/2")
     args.shard = shard
     if args.quick:
-        args.lengths, args.contexts, args.budgets = [512], 2, [0.5, 0.2]
-        if args.speed_lengths == p.get_default("speed_lengths"):  # '--speed-lengths 0' still turns it off
-            args.speed_lengths = [256]
-        args.passkeys, args.kv_questions, args.probe_tokens, args.continue_tokens = 1, 1, 32, 0
-        args.speed_decode, args.bootstrap, args.extra_levels = 4, 200, []
-        args.gpu_lengths = [8192]
-    bad = [m for m in args.methods if m not in METHODS] + [lv for lv in args.extra_levels if lv not in LEVELS]
-    if bad or not all(0 < b <= 1 for b in args.budgets):
-        p.error(f"unknown method/level {bad}, or a budget outside (0, 1]")
+        for k, v in QUICK.items():
+            if k not in typed:
+                setattr(args, k, v)
+    check_args(p, args)
     if "full" not in args.methods:
         args.methods = ["full"] + args.methods  # every relative score needs the full cache
     return args
+
+
+def check_args(p, args):
+    """Every flag on its own, before anything loads (p.error: exit 2)."""
+    bad = [m for m in args.methods if m not in METHODS] + [lv for lv in args.extra_levels if lv not in LEVELS]
+    if bad:
+        p.error(f"unknown method/level {bad}: methods are {','.join(METHODS)}, levels {','.join(LEVELS)}")
+    if not args.budgets or not all(0 < b <= 1 for b in args.budgets):
+        p.error(f"--budgets {','.join(map(str, args.budgets)) or '(none)'}: each must be in (0, 1]")
+    if not 0 < args.speed_budget <= 1:
+        p.error(f"--speed-budget {args.speed_budget}: must be in (0, 1]")
+    for name in ("methods", "budgets", "extra_levels"):  # a repeated value would run (and count) twice
+        setattr(args, name, list(dict.fromkeys(getattr(args, name))))
+    for flag, low in (("contexts", 1), ("chunk_size", 1), ("speed_chunk", 1), ("speed_decode", 1), ("bootstrap", 1),
+                      ("window", 0), ("speed_window", 0), ("passkeys", 0), ("kv_pairs", 0), ("kv_questions", 0),
+                      ("continue_tokens", 0), ("threads", 0), ("probe_tokens", quality.CUE_TOKENS + 1)):
+        if getattr(args, flag) < low:
+            p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}"
+                    + (f" (the repeat probe's first {quality.CUE_TOKENS} tokens are its cue)" if flag == "probe_tokens"
+                       else ""))
+    if not -2**63 <= args.seed < 2**63:
+        p.error(f"--seed {args.seed} does not fit in 64 bits")
+    if args.passkeys > len(quality.OWNERS):
+        p.error(f"--passkeys {args.passkeys}: at most {len(quality.OWNERS)} (one per named owner)")
+    if args.kv_questions > args.kv_pairs:
+        p.error(f"--kv-questions {args.kv_questions} asks more pairs than --kv-pairs {args.kv_pairs} holds")
+    if not args.no_quality and not args.merge and not args.lengths:
+        p.error("--lengths is empty: give context lengths, or --no-quality")
 
 
 def main(argv=None):
@@ -306,22 +361,36 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     folder = M.resolve_model(args.model)
-    model = M.load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower here)
-    cfg, tok = model_info(model)[0], M.load_tokenizer(folder)
+    # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
+    cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
     fmt = M.prompt_format(cfg, args.model)
-    gates = G.resolve_gate(args.gate, cfg, args.model)  # fails early, before any output is written
+    gates = G.resolve_gate(args.gate, cfg, args.model)
+    check_lengths(args, cfg, tok, len(tok.encode(fmt.system, add_special_tokens=False).ids))
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another --out") from None
     args.out_dir = str(out)
     config = run_config(args, folder, gates)
     key = config["quality_key"] = quality_key(args, config)
+    config.update({f"{k}_key": v for k, v in speed_keys(args, config).items()})
     done = load_records(out, key)  # an interrupted run with the same --out resumes after its last context
-    write_text(out / "config.json", json.dumps(config, indent=1))
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[], complete=False)
+    gpu = torch.cuda.is_available() and not args.no_gpu
     previous = out / "results.json"
     if previous.exists():  # keep the speed rows of an earlier run of this folder if this one does not redo them
         old = json.loads(previous.read_text(encoding="utf-8"))
-        results.update({k: old[k] for k in ("speed", "gpu") if old.get(k)})
+        for k, redo in (("speed", bool(args.speed_lengths)), ("gpu", gpu)):
+            if not old.get(k) or redo:
+                continue  # nothing to keep, or replaced by this run
+            if old["config"].get(f"{k}_key") != config[f"{k}_key"]:
+                raise UsageError(f"{previous} holds {k} rows of another configuration ("
+                                 f"{differing(old['config'].get(f'{k}_key') or {}, config[f'{k}_key'])} differ); "
+                                 f"use a new --out, or the flags of the run that wrote them")
+            results[k] = old[k]
+    write_text(out / "config.json", json.dumps(config, indent=1))
+    model = M.load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower here)
     records = list(done.values())
 
     def save():
@@ -344,7 +413,7 @@ def main(argv=None):
         system = tok.encode(fmt.system, add_special_tokens=False).ids
         stream = [t for _, d in load_docs(tok) for t in d]
         results["speed"] = speed(model, teacher, args.speed_lengths, lambda n: (system + stream[:n], len(system)), args)
-    if torch.cuda.is_available() and not args.no_gpu:
+    if gpu:
         results["gpu"] = gpu_section(args)
     elif not results.get("gpu"):
         results["gpu_note"] = ("GPU section (random-weight Qwen3-8B shape up to 128K tokens) not run: "
@@ -353,6 +422,26 @@ def main(argv=None):
     save()
     finish(results, out, args)
     log(f"done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md")
+
+
+def check_lengths(args, cfg, tok, n_system):
+    """Context lengths against the model, the prefill chunk and the corpus, before anything runs."""
+    quality_n = 0 if args.no_quality else max(args.lengths)
+    # after the context: a question turn and its answer, or a probe with its ~20-token cue text; 4 + decoded
+    # tokens after a speed context (generate.answer's prompt)
+    for flag, n, after in (("--lengths", quality_n, args.probe_tokens + 64),
+                           ("--speed-lengths", max(args.speed_lengths, default=0), args.speed_decode + 4)):
+        if n and n_system + n + after > cfg.max_position_embeddings:
+            raise UsageError(f"{flag} {n}: with the system prompt and what follows the context, more than the "
+                             f"model's {cfg.max_position_embeddings} positions; use shorter contexts")
+    if torch.cuda.is_available() and not args.no_gpu and args.gpu_lengths and \
+            max(args.gpu_lengths) + args.speed_decode + 4 > QWEN3_8B["max_position_embeddings"]:
+        raise UsageError(f"--gpu-lengths {max(args.gpu_lengths)}: more than the {QWEN3_8B['max_position_embeddings']} "
+                         f"positions of Qwen3-8B's shape with the decoded tokens")
+    corpus = sum(len(d) for _, d in load_docs(tok)) if args.speed_lengths else 0  # speed contexts are cut from it
+    if args.speed_lengths and max(args.speed_lengths) > corpus:
+        raise UsageError(f"--speed-lengths {max(args.speed_lengths)}: longer than the whole Austen corpus ({corpus} "
+                         f"tokens)")
 
 
 def write_results(out, results):
@@ -386,7 +475,14 @@ def merge(args):
             records.setdefault(c, rec)  # a context run twice (same seed, same flags) is the same context
         old = json.loads((f / "results.json").read_text(encoding="utf-8")) if (f / "results.json").exists() else {}
         for k in ("speed", "gpu"):
-            results[k] = results.get(k, []) + old.get(k, [])
+            if not old.get(k):
+                continue
+            row_key = old["config"].get(f"{k}_key")
+            if results.get(k) and results["config"].get(f"{k}_key") != row_key:
+                raise UsageError(f"{f} holds {k} rows of another configuration than the folders before it "
+                                 f"({differing(results['config'].get(f'{k}_key') or {}, row_key or {})} differ)")
+            results[k] = results.get(k, []) + old[k]
+            results["config"][f"{k}_key"] = row_key
         results["compressed_layers"] = old.get("compressed_layers", results.get("compressed_layers"))
         results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))  # shards run side by side
     expected = len(key["lengths"]) * key["contexts"]

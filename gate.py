@@ -698,6 +698,8 @@ def load_gate(path, cfg, dtype=None, device=None):
     `.meta` holding the file's metadata. Raises GateError if the file is unsafe, malformed or shaped
     for another model (compressed-layer count, hidden size, KV heads, group size)."""
     path = Path(path)
+    if path.is_dir():
+        raise GateError(f"gate {path} is a folder, not a gate file")
     if not path.is_file():
         raise GateError(f"gate file not found: {path}")
     try:

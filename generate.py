@@ -164,6 +164,8 @@ def check_args(args):
             raise UsageError(f"{flag} must be {'positive' if low else '>= 0'}, got {value}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not -2**63 <= args.seed < 2**63:
+        raise UsageError(f"--seed {args.seed} does not fit in 64 bits")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (the probability mass sampled from), got {args.top_p}")
     if args.decode_budget is not None and args.method in ("kvzip", "snapkv", "full"):
@@ -218,6 +220,10 @@ def run(args):
     # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes on a large model
     folder = M.resolve_model(args.model)
     cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
+    if args.thinking and not (cfg.arch == "qwen3" and M.uses_chat(args.model, args.chat)
+                              and "instruct" not in args.model.lower()):
+        raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model and template "
+                         "have no such switch: drop it")
     fmt = M.prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
     ids, n_protected, questions = build_inputs(tok, fmt, args, context)
     longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens

@@ -216,8 +216,7 @@ def _ids(x, where="config.json") -> list[int]:
 
 
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-          "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "max_window_layers",
-          "sliding_window_pattern")
+          "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "sliding_window_pattern")
 _POSITIVE = ("rope_theta", "rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping")
 
 
@@ -229,6 +228,9 @@ def _check_types(d: dict) -> None:
         v = d.get(key)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             raise ModelError(f"config.json: {key} must be a positive integer, got {v!r}")
+    if d.get("max_window_layers") is not None and not (isinstance(d["max_window_layers"], int) and
+                                                       not isinstance(d["max_window_layers"], bool)):
+        raise ModelError(f"config.json: max_window_layers must be an integer, got {d['max_window_layers']!r}")
     for key in _POSITIVE:
         v = d.get(key)
         if v is not None and not (number(v) and v > 0):

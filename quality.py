@@ -46,6 +46,7 @@ AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10
 TASKS = AVERAGED + ("agreement",)
 # owners of the pass keys: names that occur in no Austen novel. A name right before "'s pass key is" lets even
 # the 270M base model tell needles apart (with "the pass key of the red/blue room" it repeats the last one)
+CUE_TOKENS = 16  # the repeat probe's first tokens, given as its cue (the rest of --probe-tokens is scored)
 OWNERS = ("Colonel Brandt", "Mrs. Hollis", "Doctor Fenwick", "Lady Marsh", "Captain Orme", "Miss Quarles",
           "Mr. Tresham", "Professor Lindqvist", "Madame Roux", "Father Keane", "Judge Albery", "Nurse Pryce")
 
@@ -81,7 +82,7 @@ class SampleMaker:
     the document goes on: the document's next tokens are the nll_next target."""
 
     def __init__(self, tok, fmt, docs, seed, n_passkeys=3, n_pairs=8, n_kv_questions=3, n_probe=64,
-                 n_continue=12, n_cue=16):
+                 n_continue=12, n_cue=CUE_TOKENS):
         self.tok, self.fmt, self.docs = tok, fmt, docs  # docs: list of (name, ids)
         self.rng = random.Random(seed)
         self.n_passkeys, self.n_pairs, self.n_kv_questions = n_passkeys, n_pairs, n_kv_questions
@@ -126,8 +127,14 @@ class SampleMaker:
             questions.append(Question("kv", q, v, 9, depth))  # up to 8 hex tokens and '"'
         # -- the hay: a window of the next document that leaves room for needles and the continuation --
         n_hay = n - sum(len(x[1]) for x in needles)
+        if n_hay < 1 or int(0.9 * n) - self.n_probe <= int(0.05 * n):  # the repeat probe's passage (below)
+            least = max(n - n_hay + 1, int((self.n_probe + 2) / 0.85) + 1)
+            raise UsageError(f"--lengths {n} is too short for its needles ({n - n_hay} tokens) and a "
+                             f"{self.n_probe}-token probe; use at least {least}")
         long_enough = [d for d in self.docs if len(d[1]) >= n_hay + self.n_probe]
-        assert long_enough, f"no document has the {n_hay + self.n_probe} tokens a context of {n} needs"
+        if not long_enough:
+            raise UsageError(f"--lengths {n}: no document has the {n_hay + self.n_probe} tokens it needs (the "
+                             f"longest has {max(len(d[1]) for d in self.docs)}); use shorter --lengths")
         name, doc = long_enough[self.next_doc % len(long_enough)]  # a different document each time
         self.next_doc += 1
         off = rng.randrange(0, len(doc) - n_hay - self.n_probe + 1)
@@ -420,7 +427,8 @@ def run(model, tok, fmt, args, done=(), on_context=None):
     cfg, _, _ = model_info(model)
     methods = [m for m in args.methods if m != "full"]
     configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
-    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in args.extra_levels]
+    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in args.extra_levels
+                if lv != DEFAULT_LEVEL[m]]  # '--extra-levels global' would run the default twice
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
     stop_ids = set(cfg.eos_token_ids) | {i for s in ("\n", "\n\n") for i in tok.encode(s, add_special_tokens=False).ids}
     docs = load_docs(tok)
@@ -430,9 +438,11 @@ def run(model, tok, fmt, args, done=(), on_context=None):
     lengths = [n for n in args.lengths for _ in range(args.contexts)]
     k_shard, n_shard = args.shard
     todo = [c for c in range(len(lengths)) if c % n_shard == k_shard and c not in done]
+    # every sample made first, also those skipped (each depends on the ones before: one RNG): a length that
+    # cannot be made fails now, not hours into the run
+    samples = [maker.make(n) for n in lengths]
     n_done, t_start = 0, time.perf_counter()
-    for c, n in enumerate(lengths):
-        sample = maker.make(n)  # made even when skipped: each sample depends on the ones before (one RNG)
+    for c, (n, sample) in enumerate(zip(lengths, samples)):
         if c not in todo:
             continue
         t0 = time.perf_counter()
@@ -527,8 +537,11 @@ def load_records(folder, key):
     """The finished contexts in folder/contexts/ (each written atomically when its context ended)."""
     records = {}
     for path in sorted((Path(folder) / "contexts").glob("context-*.json")):
-        rec = json.loads(path.read_text(encoding="utf-8"))
-        if rec["key"] != key:
+        try:
+            rec = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError:  # written atomically by us: damaged by something else
+            raise UsageError(f"{path} is unreadable; delete it (its context is then run again)") from None
+        if not isinstance(rec, dict) or rec.get("key") != key:
             raise UsageError(f"{path} comes from another configuration (flags, model or gate differ); "
                              "use a new --out, or the flags of the run that wrote it")
         records[rec["context"]] = rec

@@ -135,9 +135,13 @@ def iter_files(spec, tokenizer):
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
     for f in list_files(spec):
         if f.endswith(".jsonl"):
-            for i, line in enumerate(open(f, encoding="utf-8")):
+            for i, line in enumerate(open(f, encoding="utf-8", errors="replace")):  # as .txt files below
                 if line.strip():
-                    text = json.loads(line).get("text")
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise UsageError(f"{f}:{i + 1}: not a JSON line ({e.msg})") from None
+                    text = obj.get("text") if isinstance(obj, dict) else None
                     if not isinstance(text, str):
                         raise UsageError(f"{f}:{i + 1}: a .jsonl line needs a \"text\" string field")
                     yield Doc(f"{f}:{i + 1}", text.strip(), count(text.strip()))
@@ -146,10 +150,15 @@ def iter_files(spec, tokenizer):
                 import pyarrow.parquet as pq
             except ImportError:
                 raise UsageError(f"{f}: reading .parquet needs pyarrow (pip install pyarrow)")
-            table = pq.read_table(f)
+            try:
+                table = pq.read_table(f)
+            except Exception as e:  # pyarrow.ArrowException and OSError: a corrupt or foreign file
+                raise UsageError(f"{f}: not a readable .parquet file ({str(e).splitlines()[0][:200]})") from None
             if "text" not in table.column_names:
                 raise UsageError(f"{f}: a .parquet file needs a \"text\" column")
             for i, text in enumerate(table.column("text").to_pylist()):
+                if not isinstance(text, str):
+                    raise UsageError(f"{f}: row {i} has no \"text\" string (got {type(text).__name__})")
                 yield Doc(f"{f}:{i}", text.strip(), count(text.strip()))
         else:
             text = open(f, encoding="utf-8", errors="replace").read().strip()
@@ -337,8 +346,13 @@ def check_manifest(out, manifest):
     """A resume must continue the same run: same model, teacher settings and documents."""
     path = Path(out) / "manifest.json"
     if path.exists():
-        old = json.loads(path.read_text())
-        if old != manifest:
+        try:
+            old = json.loads(path.read_text())
+        except (ValueError, OSError) as e:  # written atomically by us: damaged by something else
+            raise UsageError(f"{path} is unreadable ({type(e).__name__}); delete it (the shards are checked "
+                             f"again on resume) or pass another --out") from None
+        if not isinstance(old, dict) or old != manifest:
+            old = old if isinstance(old, dict) else {}
             diff = [k for k in manifest if old.get(k) != manifest[k]]
             raise UsageError(f"--out {out} holds features of a different run ({', '.join(diff)} differ); "
                              f"pass another --out or delete {out}/features and {path}")
@@ -794,6 +808,8 @@ def parse_args(argv=None):
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.steps < 0 or args.long_doc_tokens < 0:
         p.error("--steps and --long-doc-tokens must be >= 0")
+    if not -2**63 <= args.seed < 2**63:
+        p.error(f"--seed {args.seed} does not fit in 64 bits")
     if not 0 <= args.val_docs <= 0.5:
         p.error(f"--val-docs must be in [0, 0.5], got {args.val_docs}")
     if args.min_doc_tokens >= args.max_doc_tokens:

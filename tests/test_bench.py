@@ -305,6 +305,82 @@ def test_gpu_section_code_path_on_cpu(tmp_path):
     assert all(math.isfinite(r["prefill_s"]) and r["decode_tok_s"] > 0 for r in rows)
 
 
+def test_speed_rows_of_another_configuration_are_refused(real, quick, tmp_path):
+    """A run that measures no speed keeps the speed rows already in its --out only if they were measured with
+    the same settings (gate, budgets, chunk, ...); rows of another gate are refused, not credited to it."""
+    import shutil
+    G = bench.G
+    cfg = real["model"].config
+    torch.manual_seed(1)
+    other = tmp_path / "other.safetensors"
+    G.save_gate(other, G.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size))
+    out = tmp_path / "out"
+    shutil.copytree(quick, out)
+    shutil.rmtree(out / "contexts")  # speed rows alone, as a --no-quality run leaves them
+    with pytest.raises(UsageError, match=r"speed rows of another configuration \(gate, speed_budget differ\)"):
+        bench.main(["--quick", "--no-quality", "--speed-lengths", "0", "--gate", str(other), "--speed-budget", "0.5",
+                    "--out", str(out), "--no-gpu"])
+    with pytest.raises(UsageError, match=r"speed rows of another configuration \(budgets, speed_decode differ\)"):
+        bench.main(["--no-quality", "--speed-lengths", "0", "--gate", real["gate"], "--out", str(out), "--no-gpu"])
+    bench.main(["--quick", "--no-quality", "--speed-lengths", "0", "--gate", real["gate"], "--out", str(out), "--no-gpu"])
+    speed = lambda folder: json.loads((folder / "results.json").read_text())["speed"]
+    assert speed(out) == speed(quick)  # the same settings: kept
+
+
+def test_merge_refuses_speed_rows_of_two_configurations(tmp_path):
+    for name, budget in (("a", 0.3), ("b", 0.5)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"quality_key": {}, "command": name}))
+        (tmp_path / name / "results.json").write_text(json.dumps(
+            {"config": {"speed_key": {"speed_budget": budget}}, "speed": [{"context": 256}]}))
+    with pytest.raises(UsageError, match=r"b holds speed rows of another configuration.*speed_budget differ"):
+        bench.main(["--merge", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--out", str(tmp_path / "merged")])
+
+
+def test_damaged_context_record_is_named(tmp_path):
+    (tmp_path / "a" / "contexts").mkdir(parents=True)
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"quality_key": {}, "command": "a"}))
+    (tmp_path / "a" / "contexts" / "context-000.json").write_text('{"context": 0, "ent')
+    with pytest.raises(UsageError, match=r"context-000.json is unreadable; delete it"):
+        bench.main(["--merge", str(tmp_path / "a"), "--out", str(tmp_path / "merged")])
+
+
+def test_quick_keeps_explicit_flags_and_checks_them(capsys):
+    args = bench.parse_args(["--quick", "--budgets", "0.4,0.4", "--contexts", "3"])
+    assert args.budgets == [0.4] and args.contexts == 3 and args.lengths == [512] and args.bootstrap == 200
+    assert bench.parse_args(["--quick", "--speed-lengths", "0"]).speed_lengths == []
+    assert bench.parse_args(["--quick", "--budg", "0.7"]).budgets == [0.7]  # argparse's abbreviations count too
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--quick", "--budgets", "0.5,1.5"])
+    assert e.value.code == 2 and "--budgets 0.5,1.5: each must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--probe-tokens", "5"], "--probe-tokens must be >= 17"), (["--kv-questions", "9"], "--kv-questions 9"),
+    (["--passkeys", "13"], "at most 12"), (["--threads", "-1"], "--threads must be >= 0"),
+    (["--budgets", ""], "--budgets (none)"), (["--contexts", "0"], "--contexts must be >= 1"),
+    (["--chunk-size", "0"], "--chunk-size must be >= 1"), (["--window", "-5"], "--window must be >= 0"),
+    (["--speed-budget", "0"], "--speed-budget 0.0"), (["--lengths=-5,200"], "token counts must be positive"),
+    (["--lengths", "0"], "--lengths is empty"), (["--methods", "fastkvzip,magic"], "'magic'"),
+    (["--seed", str(2**70)], "64 bits"),
+])
+def test_bad_bench_flags_exit_2(capsys, flags, words):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(flags)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--lengths", "60"], "--lengths 60 is too short for its needles"),
+    (["--lengths", "30000", "--chunk-size", "40000"], "no document has the"),
+    (["--no-quality", "--speed-lengths", "40000"], "--speed-lengths 40000: with the system prompt"),
+])
+def test_contexts_that_cannot_be_made_are_refused_before_any_work(real, tmp_path, flags, words):
+    with pytest.raises(UsageError, match=words):
+        bench.main(["--quick", "--gate", real["gate"], "--no-gpu", "--out", str(tmp_path / "out"), *flags])
+    assert not (tmp_path / "out" / "contexts").exists() and not (tmp_path / "out" / "results.json").exists()
+
+
 def test_bad_shard_and_merge_flags_are_refused(tmp_path, capsys):
     for shard in ("3/2", "x", "1/0"):
         with pytest.raises(SystemExit) as e:

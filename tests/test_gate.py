@@ -224,6 +224,8 @@ def test_gate_that_does_not_fit_is_refused(tmp_path):
         load_gate(tmp_path / "junk.safetensors", make_cfg())
     with pytest.raises(GateError, match="not found"):
         load_gate(tmp_path / "missing.safetensors", make_cfg())
+    with pytest.raises(GateError, match="is a folder"):
+        load_gate(tmp_path, make_cfg())
 
 
 @pytest.mark.parametrize("first_bytes", [b"\x80", b"PK"])

@@ -99,12 +99,14 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--top-p", "0"], ["--top-p", "(0, 1]"]),
     (["--top-p", "2"], ["--top-p", "2"]),
     (["--budget", "nan"], ["--budget"]),
+    (["--seed", str(2**70)], ["--seed", "64 bits"]),
     (["--method", "kvzip", "--decode-budget", "100"], ["kvzip", "--decode-budget"]),
     (["--method", "full", "--decode-budget", "100"], ["full", "--decode-budget"]),
     (["--method", "snapkv", "--gate", "g.safetensors"], ["--gate", "snapkv"]),
     (["--device", "foo"], ["--device 'foo'"]),
     (["--context-file", "ctx.txt"], ["--prompt", "--context-file", "not both"]),
     (["--prompt", "  "], ["--prompt is empty"]),
+    (["--thinking"], ["--thinking", "drop it"]),
 ])
 def test_bad_flags_fail_before_the_weights_load(capsys, no_weights, flags, words):
     argv = ["--model", str(no_weights), *flags]

@@ -360,15 +360,26 @@ def test_torchrun_two_processes_match_one(qwen, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["empty folder", "too short", "unknown model", "other run in --out",
-                                  "--out under a file", "teacher chunk fills the model"])
+                                  "--out under a file", "teacher chunk fills the model", "bad .jsonl line",
+                                  "corrupt .parquet", "damaged manifest"])
 def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
     data = write_docs(tmp_path / "data", 2, lo=100, hi=200)
     argv = ["--model", qwen, "--data", data, "--tokens", 1000, "--long-doc-tokens", 0, "--steps", 0, *SMALL,
             "--out", tmp_path / "out"]
     expect = {"empty folder": "no .txt/.md/.rst/.jsonl/.parquet files", "too short": "none of its 2 documents",
               "unknown model": "model folder not found", "other run in --out": "holds features of a different run",
-              "--out under a file": "is not a writable folder", "teacher chunk fills the model": "fewer than --min-doc"}
-    if case == "--out under a file":
+              "--out under a file": "is not a writable folder", "teacher chunk fills the model": "fewer than --min-doc",
+              "bad .jsonl line": "x.jsonl:2: not a JSON line", "corrupt .parquet": "not a readable .parquet file",
+              "damaged manifest": "manifest.json is unreadable"}
+    if case == "bad .jsonl line":
+        (data / "x.jsonl").write_text('{"text": "fine"}\n{"text": cut short\n')
+    elif case == "corrupt .parquet":
+        (data / "x.parquet").write_bytes(b"PAR1 not really")
+    elif case == "damaged manifest":
+        argv[argv.index("--min-doc-tokens") + 1] = 100
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "manifest.json").write_text('{"format": 1, "model"')
+    elif case == "--out under a file":
         (tmp_path / "file").write_text("")
         argv[-1] = tmp_path / "file" / "out"
     elif case == "teacher chunk fills the model":  # 8192 positions: no room for a 300-token document
@@ -390,7 +401,8 @@ def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
     assert expect[case] in err[0], err[0]
 
 
-@pytest.mark.parametrize("flags", [["--threads", "0"], ["--long-doc-tokens", "300"], ["--device", "foo"]])
+@pytest.mark.parametrize("flags", [["--threads", "0"], ["--long-doc-tokens", "300"], ["--device", "foo"],
+                                   ["--seed", str(2**70)]])
 def test_bad_flags_exit_2_without_traceback(tmp_path, capsys, flags):
     with pytest.raises(SystemExit) as e:
         run_main(["--data", tmp_path, "--out", tmp_path / "out", "--min-doc-tokens", "300", *flags])
