@@ -8,6 +8,7 @@ FlashAttention-varlen call in which the G query heads of a KV head are the heads
 This file holds, top to bottom:
   attention_reference  the plain-PyTorch spec (and the CPU path): a loop over sequences with
                        explicit masks, fp32 softmax.
+  decode_attention     the CPU path for one query row per sequence: the same without masks.
   varlen_attention     the single entry point; backend= "triton" | "torch", or the environment
                        variable FASTKVZIP_ATTN_BACKEND, else Triton on CUDA tensors, torch otherwise.
   the Triton kernel    FlashAttention-style forward: online softmax in fp32, the G query heads of a
@@ -66,34 +67,66 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         M, N = q1 - q0, k1 - k0
         if M == 0 or N == 0:
             continue  # no keys -> the rows stay zero
-        kb = k[k0:k1].float().transpose(0, 1).repeat_interleave(group, 0)     # (Hq, N, d)
-        vb = v[k0:k1].float().transpose(0, 1).repeat_interleave(group, 0)     # (Hq, N, d)
+        kb = k[k0:k1].float().transpose(0, 1)                                 # (Hk, N, d), a view in fp32
+        vb = v[k0:k1].float().transpose(0, 1)                                 # (Hk, N, d)
         for r0 in range(0, M, QUERY_BLOCK):  # query blocks bound memory: a 16K prefill is not (Hq, 16K, 16K)
             r1 = min(M, r0 + QUERY_BLOCK)
+            m = r1 - r0
             # keys this block can see at all: up to its last diagonal, and from its first window start
             j0 = max(0, r0 + N - M - window + 1) if window is not None else 0
             j1 = min(N, r1 + N - M) if causal or window is not None else N
             if j1 <= j0:
                 continue  # this block sees no key at all: its rows stay zero
-            qb = q[q0 + r0:q0 + r1].float().transpose(0, 1)                   # (Hq, m, d)
-            s = (qb @ kb[:, j0:j1].transpose(1, 2)) * scale                   # (Hq, m, n)
+            # GQA: the G query heads of a KV head are G*m rows of ONE matmul with that head's keys,
+            # so K and V are read once per KV head and never repeated G times
+            qb = q[q0 + r0:q0 + r1].float().view(m, n_kv_heads, group, d)
+            qb = qb.permute(1, 2, 0, 3).reshape(n_kv_heads, group * m, d)    # (Hk, G*m, d), row g*m + i
+            s = (qb @ kb[:, j0:j1].transpose(1, 2)) * scale                   # (Hk, G*m, n)
             i = torch.arange(r0, r1, device=q.device)[:, None]
             j = torch.arange(j0, j1, device=q.device)[None, :]
             diag = i + (N - M)  # bottom-right alignment: the last query row sees the last key
-            allowed = torch.ones(r1 - r0, j.shape[1], dtype=torch.bool, device=q.device)
+            allowed = torch.ones(m, j.shape[1], dtype=torch.bool, device=q.device)
             if causal or window is not None:
                 allowed &= j <= diag
             if window is not None:
                 allowed &= j > diag - window  # W keys, the diagonal one included
-            s = s.masked_fill(~allowed, float("-inf"))
+            # the same (m, n) mask for every head: (Hk, G, m, n) view of the scores
+            s = s.view(n_kv_heads, group, m, -1).masked_fill(~allowed, float("-inf")).view_as(s)
             # softmax written out so that a row with no allowed key gives 0 instead of NaN
-            m = s.amax(-1, keepdim=True)
-            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-            p = torch.exp(s - m)
+            mx = s.amax(-1, keepdim=True)
+            mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+            p = torch.exp(s - mx)
             den = p.sum(-1, keepdim=True)
-            ob = (p @ vb[:, j0:j1]) / torch.where(den == 0, torch.ones_like(den), den)  # (Hq, m, d)
-            out[q0 + r0:q0 + r1] = ob.transpose(0, 1)
+            ob = (p @ vb[:, j0:j1]) / torch.where(den == 0, torch.ones_like(den), den)  # (Hk, G*m, d)
+            out[q0 + r0:q0 + r1] = ob.view(n_kv_heads, group, m, d).permute(2, 0, 1, 3).reshape(m, n_q_heads, d)
     return out.to(q.dtype)
+
+
+def decode_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale=None, causal=True, window=None, seqused_k=None):
+    """The torch path for one query row per sequence (decoding): the reference without its masks.
+    A single row sees every key of its sequence under causal alignment, the last W with a window, so
+    each sequence is softmax(q k^T) v over a slice of its keys: a few ops per KV head instead of the
+    reference's mask building (tests/test_kernels.py checks the two agree)."""
+    assert max_seqlen_q <= 1, "decode_attention takes at most one query row per sequence"
+    total_q, n_q_heads, d = q.shape
+    n_kv_heads = k.shape[1]
+    group = n_q_heads // n_kv_heads
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    out = torch.zeros(total_q, n_q_heads, d, dtype=q.dtype, device=q.device)
+    for b in range(len(cu_q) - 1):
+        k0 = cu_k[b]
+        N = cu_k[b + 1] - k0 if used is None else used[b]
+        if cu_q[b + 1] == cu_q[b] or N == 0:
+            continue  # no query, or no keys -> the row stays zero
+        j0 = k0 + max(0, N - window) if window is not None else k0  # the last W keys
+        qb = q[cu_q[b]].float().view(n_kv_heads, group, d)                   # (Hk, G, d)
+        kb = k[j0:k0 + N].float().transpose(0, 1)                             # (Hk, n, d)
+        p = torch.softmax((qb @ kb.transpose(1, 2)) * scale, dim=-1)          # (Hk, G, n)
+        out[cu_q[b]] = (p @ v[j0:k0 + N].float().transpose(0, 1)).view(n_q_heads, d)
+    return out
 
 
 # -----------------------------------------------------------------------------------------------
@@ -107,7 +140,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
             window, seqused_k)
     if backend == "torch":
-        return attention_reference(*args)
+        return (decode_attention if max_seqlen_q == 1 else attention_reference)(*args)
     if backend == "triton":
         return triton_varlen_attention(*args)
     raise ValueError(f"unknown attention backend {backend!r} (expected 'triton' or 'torch')")

@@ -99,6 +99,18 @@ def test_reference_varlen_is_per_sequence_and_ignores_slack():
         assert (out[q0:q1][~ok] == 0).all()
 
 
+@pytest.mark.parametrize("G", [1, 4])
+def test_decode_path_matches_reference(G):
+    """The torch backend's one-row path (decode_attention, no masks) against the reference: ragged
+    sequences with slack, an empty one, one with no query row, windows shorter and longer than N."""
+    k_lens, q_lens = [50, 0, 1, 300, 7], [1, 1, 1, 1, 0]
+    q, k, v, cu_q, cu_k, used = varlen_case(q_lens, k_lens, 2 * G, 2, 32, slack=4, seed=G)
+    for causal, window in [(True, None), (False, None), (True, 9), (True, 1000)]:
+        args = (q, k, v, cu_q, cu_k, 1, max(k_lens), 0.2, causal, window, used)
+        out = varlen_attention(*args, backend="torch")
+        assert_close(out, attention_reference(*args), 1e-5, f"decode path causal={causal} window={window}")
+
+
 def test_backend_selection(monkeypatch):
     q, k, v, cu_q, cu_k, _ = varlen_case([4], [9], 4, 2, 16)
     ref = attention_reference(q, k, v, cu_q, cu_k, 4, 9)
