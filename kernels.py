@@ -16,6 +16,7 @@ This file holds, top to bottom:
                        all of them), keys split across programs for decode (flash-decoding).
                        Triton is optional: without it this module imports and the torch path works.
   RaggedKV             one layer's storage: per-head regions with slack, append / select / attend.
+  WindowKV             a sliding-window layer's storage: a ring of W rows per head (O(1) per token).
   a benchmark          python kernels.py (full sizes on CUDA; the reference on small shapes on CPU).
 
 The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's seqused_k):
@@ -448,6 +449,57 @@ class RaggedKV:
         H, t = score.shape
         rows = ((self.starts + self.lens - t)[:, None] + torch.arange(t)).reshape(-1).to(self.device)
         self.score[rows] = score.to(self.device, torch.float32).reshape(-1)
+
+
+class WindowKV(RaggedKV):
+    """A sliding-window layer's keys and values: per head a ring of W rows, so that a decode token
+    costs one row write, not a re-layout of the whole window.
+
+    Between forwards each head holds its last min(n, W) tokens: the W-1 the next token attends to and
+    the oldest, whose row that token overwrites. A decode query attends over the ring as it lies:
+    attention over a set of keys does not depend on their order, and every key in the ring is inside
+    the query's window. A prefill chunk (queries that need the causal order) gets a plain RaggedKV
+    layout instead, the window's rows in position order followed by the chunk's, and `wrap()` turns it
+    back into a ring of the last W rows (one copy of W rows per chunk). Nothing is evicted from a
+    window layer: select (and keep_last, truncate) raise. pos / score rows are in ring order.
+    """
+
+    def __init__(self, n_heads, head_dim, window, dtype, device):
+        super().__init__(n_heads, head_dim, dtype, device)
+        self.window = window
+        self.ring = False  # True: regions of W rows whose oldest token sits at row `first` of every head
+        self.first = 0
+
+    def append(self, k, v, pos, score=None):
+        """k, v (t, H, d); pos (t,). One token into a ring: overwrite its oldest row; else RaggedKV.append."""
+        t, H, d = k.shape
+        n = int(self.lens[0])  # every head of a window layer holds the same tokens
+        if self.ring and t != 1:  # unroll: the window in position order, with room for the chunk after it
+            order = (self.first + torch.arange(n)) % self.window
+            self._relayout((self.starts[:, None] + order).reshape(-1), self.lens, self.lens + t)
+            self.ring = False
+        if not self.ring:
+            return super().append(k, v, pos, score)
+        rows = (self.starts + (self.first + n) % self.window).to(self.device)  # (H,) the row after the newest
+        self.k[rows] = k[0].to(self.dtype)
+        self.v[rows] = v[0].to(self.dtype)
+        self.pos[rows] = pos.to(self.device, torch.long)
+        self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H)
+        if n == self.window:  # that row held the oldest token: the next one is now the oldest
+            self.first = (self.first + 1) % self.window
+        else:
+            self.lens = self.lens + 1
+
+    def wrap(self):
+        """After a chunk was attended: keep each head's last min(n, W) rows, as a ring starting at row 0."""
+        if self.ring:
+            return
+        keep = torch.clamp(self.lens, max=self.window)
+        self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, torch.full_like(keep, self.window))
+        self.ring, self.first = True, 0
+
+    def select(self, keep):
+        raise NotImplementedError("a sliding-window layer keeps its last W tokens; nothing is evicted from it")
 
 
 # -----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import RaggedKV, attention_reference, varlen_attention
+from kernels import RaggedKV, WindowKV, attention_reference, varlen_attention
 
 torch.set_num_threads(1)
 
@@ -213,6 +213,35 @@ def test_slack_is_bounded_after_a_long_prefill():
     kv.append(torch.randn(6000, H, d), torch.randn(6000, H, d), torch.arange(6000))
     kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([6000]))
     assert kv.caps.tolist() == [6001 + MAX_SLACK] * H and kv.k.shape[0] == H * (6001 + MAX_SLACK)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_window_ring_matches_dense_window(backend):
+    """WindowKV, fed prefill chunks and single tokens in any mix, gives what dense attention with the
+    window mask over every token gives, holds exactly the last min(n, W) tokens, and writes a decode
+    token into its ring in place (no re-layout)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    H, G, d, W = 2, 2, 16, 6
+    steps = [4, 1, 1, 3, 1, 1, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 2, 1]  # tokens per forward
+    T = sum(steps)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g), torch.randn(T, H, d, generator=g)
+    kv, outs, n = WindowKV(H, d, W, torch.float32, "cpu"), [], 0
+    for t in steps:
+        ptr = kv.k.data_ptr()
+        kv.append(k[n:n + t], v[n:n + t], torch.arange(n, n + t))
+        outs.append(kv.attend(q[n:n + t], 0.25, window=W, backend=backend))
+        kv.wrap()
+        if t == 1:  # into the ring in place: over the oldest row once it is full
+            assert kv.k.data_ptr() == ptr, "a decode token re-laid out the ring"
+        n += t
+        assert kv.lens.tolist() == [min(n, W)] * H and kv.k.shape[0] == H * W
+        for h in range(H):
+            assert sorted(kv.head_pos(h).tolist()) == list(range(max(0, n - W), n))
+    assert_close(torch.cat(outs), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, f"window ring ({backend})")
+    with pytest.raises(NotImplementedError):
+        kv.keep_last(2)
 
 
 def test_imports_and_runs_without_triton():
