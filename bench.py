@@ -1,28 +1,10 @@
 """
 Measure every method side by side: how much quality it loses, how much time and memory it saves.
 
-Quality (METHOD.md §11's query-agnostic setting, scaled to a CPU). Contexts are cut from Jane Austen's
-novels, which the gate never saw in training (it learns on Python docs), with needles inserted at many
-depths. The context is compressed before any question is seen; then every question is answered from
-the same compressed cache, rolled back after each answer. Tasks:
-    passkey     pass keys hidden at many depths; accuracy = the greedy answer contains the key
-    kv          a JSON object of random key-value pairs (SCBench.KV style); accuracy as above
-    nll_next    teacher-forced NLL of the document's next tokens (context fidelity)
-    nll_repeat  NLL of a passage of the context repeated back (what KVzip's teacher measures)
-    agreement   fraction of greedy answers identical, token for token, to the full cache's
-relative = score / full-cache score; for NLL, exp(NLL_full - NLL) = ppl_full / ppl, so 1.0 means
-lossless and higher is better everywhere. Task "average" = the mean relative over passkey, kv,
-nll_next and nll_repeat (those the full cache scores above 0), as the paper's Figure 10 averages
-datasets. Intervals (95%): `ci` of relative scores is a percentile bootstrap over contexts (questions of
-one context are not independent); `score_ci` is Wilson's for accuracies, the bootstrap for NLLs.
-
-Why it fits a CPU: a context shorter than one prefill chunk is prefilled in one forward and evicted
-once (generate.prefill). So each context is prefilled ONCE into a full cache that also captures every
-compressed layer's attention input, q and k; each method scores those (KVzip from one teacher pass on
-the same cache), and each (method, level, budget) cache is made by `Replay`ing that forward through
-generate.prefill: the same plan, the same evict call, a bit-identical cache (tests/test_bench.py; for
-KVzip the same kept positions as generate.prefill_kvzip, whose separate last-token forward changes
-keys and values by rounding only). Speed and memory go through the real path instead.
+Quality (quality.py): contexts cut from Jane Austen's novels with needles at many depths, compressed
+before any question is seen, then asked pass keys, key-value pairs, and scored by teacher-forced NLL,
+each method relative to the full cache. Speed and memory (below): the real path, generate.prefill /
+prefill_kvzip then decode, on fresh caches; on a GPU also random weights in Qwen3-8B's shape.
 
 CPU examples (1 thread; times on the 2-core dev VM when no other job runs, ~1.3x longer beside one):
     python bench.py --quick             # smoke run, ~2 min: 2 contexts, budgets 0.5/0.2, every method
@@ -42,14 +24,11 @@ import argparse
 import copy
 import hashlib
 import json
-import math
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,488 +36,18 @@ import torch
 
 import gate as G
 import generate
-from cache import LEVELS, EvictingCache, KVCache, plan_prefill
-
-from gate import KVzipTeacher, TeacherCache
+import quality
+from cache import LEVELS, KVCache
+from gate import KVzipTeacher
+from quality import (DEFAULT_LEVEL, BenchError, label, load_docs, load_records, log, method_cache, model_info,
+                     quality_key, quality_results)
 
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
 BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
-AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
-TASKS = AVERAGED + ("agreement",)
-# owners of the pass keys: names that occur in no Austen novel. A name right before "'s pass key is" lets even
-# the 270M base model tell needles apart (with "the pass key of the red/blue room" it repeats the last one)
-OWNERS = ("Colonel Brandt", "Mrs. Hollis", "Doctor Fenwick", "Lady Marsh", "Captain Orme", "Miss Quarles",
-          "Mr. Tresham", "Professor Lindqvist", "Madame Roux", "Father Keane", "Judge Albery", "Nurse Pryce")
 
 
-def log(msg):
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# ---- 1. Samples: a context with needles, its questions, and its fidelity probes ---------------------
-
-@dataclass
-class Question:
-    task: str          # "passkey" | "kv" | "continue" (the last only counts for agreement)
-    prompt: list       # ids appended after the compressed context
-    answer: str        # the string a correct greedy answer contains ("" = no correctness, agreement only)
-    max_new: int
-    depth: float = -1  # where the needle sits in the context, 0 = start, 1 = end
-
-
-@dataclass
-class Sample:
-    ids: list          # system prompt ⊕ context
-    n_protected: int   # system-prompt length (never evicted)
-    questions: list
-    probes: dict       # nll task -> (prompt ids, target ids)
-    doc: str           # the document the context was cut from
-
-
-class SampleMaker:
-    """Builds contexts of n tokens from held-out documents (token ids), with needles at chosen depths.
-
-    Needles are inserted at sentence ends, so the text around them stays natural. The context ends where
-    the document goes on: the document's next tokens are the nll_next target."""
-
-    def __init__(self, tok, fmt, docs, seed, n_passkeys=3, n_pairs=8, n_kv_questions=3, n_probe=64,
-                 n_continue=12, n_cue=16):
-        self.tok, self.fmt, self.docs = tok, fmt, docs  # docs: list of (name, ids)
-        self.rng = random.Random(seed)
-        self.n_passkeys, self.n_pairs, self.n_kv_questions = n_passkeys, n_pairs, n_kv_questions
-        self.n_probe, self.n_continue, self.n_cue = n_probe, n_continue, n_cue
-        self.system = self.enc(fmt.system)
-        self.next_doc = 0
-
-    def enc(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids  # every piece alone (METHOD.md §4.1)
-
-    def question(self, text, cue):
-        """The question turn (METHOD.md §11's "\\n\\nQ: ..." + postfix), then the start of the answer,
-        so that even a base model answers in a checkable form."""
-        import model as M
-        turn = M.question_text(self.fmt, text)
-        return self.enc(turn + ("\nA: " if not self.fmt.postfix else "") + cue)
-
-    def sentence_end(self, hay, i):
-        for j in range(i, min(len(hay), i + 200)):  # the next sentence end, or i itself
-            if self.tok.decode(hay[j - 1:j]).rstrip().endswith((".", "!", "?", '"')):
-                return j
-        return i
-
-    def make(self, n):
-        rng, enc = self.rng, self.enc
-        # -- needles: pass keys at stratified depths, one JSON block of key-value pairs --
-        needles, questions = [], []
-        for i, who in enumerate(rng.sample(OWNERS, self.n_passkeys)):
-            depth = (i + rng.random()) / self.n_passkeys  # stratified over depth
-            key = "".join(rng.choice("0123456789") for _ in range(5))
-            needles.append([depth, enc(f" {who}'s pass key is {key}. Remember it: {who}'s pass key is {key}.")])
-            q = self.question(f"What is {who}'s pass key?", f"{who}'s pass key is")
-            questions.append(Question("passkey", q, key, 6, depth))  # "▁" and 5 digits
-        pairs = [("".join(rng.choice("0123456789abcdef") for _ in range(8)),
-                  "".join(rng.choice("0123456789abcdef") for _ in range(8))) for _ in range(self.n_pairs)]
-        block = "\n\nJSON data:\n{" + ", ".join(f'"{k}": "{v}"' for k, v in pairs) + "}\n\n"
-        depth = rng.random()
-        needles.append([depth, enc(block)])
-        for k, v in rng.sample(pairs, self.n_kv_questions):
-            # the answer starts as the JSON does, so the model can copy (an English cue: 0 of 9 right at full cache)
-            q = self.question(f'In the JSON data above, what is the value of the key "{k}"?', f'"{k}": "')
-            questions.append(Question("kv", q, v, 9, depth))  # up to 8 hex tokens and '"'
-        # -- the hay: a window of the next document that leaves room for needles and the continuation --
-        n_hay = n - sum(len(x[1]) for x in needles)
-        long_enough = [d for d in self.docs if len(d[1]) >= n_hay + self.n_probe]
-        assert long_enough, f"no document has the {n_hay + self.n_probe} tokens a context of {n} needs"
-        name, doc = long_enough[self.next_doc % len(long_enough)]  # a different document each time
-        self.next_doc += 1
-        off = rng.randrange(0, len(doc) - n_hay - self.n_probe + 1)
-        hay, after = doc[off:off + n_hay], doc[off + n_hay:off + n_hay + self.n_probe]
-        ctx, last = [], 0
-        for depth, ids in sorted(needles, key=lambda x: x[0]):
-            at = max(last, self.sentence_end(hay, max(1, int(depth * len(hay)))))
-            ctx += hay[last:at] + ids
-            last = at
-        ctx += hay[last:]
-        # -- probes: the document's continuation; a passage of the context repeated back --
-        start = rng.randrange(int(0.05 * len(ctx)), int(0.9 * len(ctx)) - self.n_probe)
-        passage = ctx[start:start + self.n_probe]
-        cue = enc("\n\nHere is a passage copied word for word from the text above:\n") + passage[:self.n_cue]
-        probes = {"nll_next": (after[:1], after[1:]), "nll_repeat": (cue, passage[self.n_cue:])}
-        if self.n_continue:  # agreement on free continuation of the document
-            questions.append(Question("continue", after[:8], "", self.n_continue))
-        return Sample(self.system + ctx, len(self.system), questions, probes, name)
-
-
-def load_docs(tok, corpus="austen_parts", _memo={}):
-    """Held-out documents (Austen, cut at chapters: 5K-20K tokens each) as (name, token ids)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import fetch_assets
-    if (id(tok), corpus) not in _memo:
-        _memo[id(tok), corpus] = [(p.stem, tok.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids)
-                                  for p in fetch_assets.text_docs(corpus)]
-    return list(_memo[id(tok), corpus])
-
-
-# ---- 2. The fast path: one captured full prefill, replayed into every method's evicting cache -------
-
-class CaptureCache(TeacherCache):
-    """A full cache (it can also run the KVzip teacher) that keeps, for each compressed layer, the
-    attention input, q and k of the forward it sees while `capturing` — all a scorer reads."""
-
-    def __init__(self, cfg, dtype, device):
-        super().__init__(cfg, dtype, device)
-        self.capturing, self.captured = True, {}
-
-    def attend(self, layer, q, k, v, hidden, scale, window=None):
-        if self.capturing and layer in self.index:
-            assert layer not in self.captured, "capture covers one prefill forward (one chunk)"
-            self.captured[layer] = (hidden, q, k, self.positions(q.shape[0]))
-        return super().attend(layer, q, k, v, hidden, scale, window)
-
-
-class Replay:
-    """Stands in for the model inside generate.prefill. Its one forward installs the captured full
-    prefill (every layer's KV, the last logits) into the evicting cache and asks the cache's own scorer
-    for the scores, exactly as EvictingCache.attend would have; generate.prefill then evicts as usual."""
-
-    def __init__(self, full, logits):
-        self.full, self.logits = full, logits
-
-    def __call__(self, chunk, cache, num_logits=None):
-        assert chunk.shape[0] == self.full.n_seen and cache.n_seen == 0, \
-            "Replay covers a prompt prefilled in one chunk (context < --chunk-size)"
-        cache.layers = [copy.deepcopy(kv) for kv in self.full.layers]
-        for layer in cache.compressed:
-            hidden, q, k, pos = self.full.captured[layer]
-            score = cache._score(cache.index[layer], hidden, q, k, pos)  # (H, T), timed as gate_seconds
-            score[:, pos < cache.n_protected] = math.inf  # the system prompt is never evicted
-            cache.layers[layer].set_tail_scores(score)
-        cache.n_seen = self.full.n_seen
-        cache.peak_nbytes = self.full.peak_nbytes
-        return self.logits
-
-
-class Precomputed(G.Scorer):
-    """Scores computed beforehand for the whole prompt (KVzip's teacher): (L_g, H, n) indexed by position."""
-    level = "global"
-
-    def __init__(self, scores):
-        super().__init__(scores.shape[1])
-        self.scores = scores
-
-    def score(self, l, hidden, q, k, pos):
-        return self.scores[l][:, pos.cpu()].to(pos.device)
-
-
-# each method's eviction structure when none is asked for: its scorer's (the authors' choices, METHOD.md §6, §10)
-DEFAULT_LEVEL = dict(fastkvzip=G.GateScorer.level, kvzip=Precomputed.level, snapkv=G.SnapKVScorer.level,
-                     streaming=G.StreamingScorer.level, random=G.RandomScorer.level)
-
-
-def method_cache(model, method, level, n_protected, args, seed, teacher_scores=None):
-    """An empty evicting cache for one method, made by generate.make_cache as `generate.py --method`
-    makes it. KVzip's scores arrive after prefill; for the replay they come precomputed."""
-    ns = argparse.Namespace(gate=args.gate, seed=seed, level=level, decode_budget=None)
-    cache = generate.make_cache(method, model, model_info(model)[0], n_protected, ns, args.model)
-    if method == "kvzip" and teacher_scores is not None:  # only KVzip: every other method keeps its own scorer
-        cache.scorer = Precomputed(teacher_scores)
-    return cache
-
-
-def capture_prefill(model, ids, chunk_size, teacher=None, n_protected=0):
-    """Prefill ids once into a full CaptureCache -> (cache, last logits, teacher scores (L_g, H, n) with
-    +inf on the system prompt, or None). The cache then serves as the full-cache reference."""
-    cfg, dtype, device = model_info(model)
-    assert len(ids) <= chunk_size, f"quality contexts must fit one prefill chunk ({len(ids)} > {chunk_size})"
-    full = CaptureCache(cfg, dtype, device)
-    logits = generate.prefill(model, full, ids, n_protected, 1.0, chunk_size)
-    full.capturing = False
-    scores = None
-    if teacher is not None:
-        s = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context); cache unchanged
-        scores = torch.cat([torch.full(s.shape[:2] + (n_protected,), math.inf), s.cpu()], dim=-1)
-    return full, logits, scores
-
-
-def model_info(model):
-    p = next(model.parameters())
-    return model.config, p.dtype, p.device
-
-
-# ---- 3. Answering from one cache: greedy answers and teacher-forced NLL, each rolled back -----------
-
-@torch.no_grad()
-def evaluate(model, tok, cache, sample, stop_ids):
-    """-> dict: outputs (list of id lists), correct (list of 0/1 or None), nll {task: (sum, n)},
-    decode (tokens, seconds)."""
-    res = dict(outputs=[], correct=[], nll={}, decode=[0, 0.0])
-    for q in sample.questions:
-        state = cache.checkpoint()
-        out, secs = generate.answer(model, cache, q.prompt, q.max_new, stop_ids)
-        cache.rollback(state)
-        text = tok.decode(out) if out else ""
-        res["outputs"].append(out)
-        res["correct"].append(int(q.answer in text) if q.answer else None)
-        res["decode"][0] += max(0, len(out) - 1)  # answer() times the steps after the first token
-        res["decode"][1] += secs
-    for task, (prompt, target) in sample.probes.items():
-        state = cache.checkpoint()
-        if isinstance(cache, EvictingCache):
-            cache.start_decoding()  # appended tokens are the query side: never scored, never evicted
-        logits = model(torch.tensor(prompt + target[:-1], device=cache.device), cache, num_logits=len(target))
-        cache.rollback(state)
-        nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(target, device=logits.device),
-                                                reduction="sum")
-        res["nll"][task] = (float(nll), len(target))
-    return res
-
-
-# ---- 4. Scores, relative performance, bootstrap intervals -------------------------------------------
-
-def wilson(k, n, z=1.96):
-    """Binomial 95% interval (Wilson): sound even at 0 or n successes."""
-    if n == 0:
-        return (float("nan"), float("nan"))
-    p, d = k / n, 1 + z * z / n
-    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (max(0.0, c - h), min(1.0, c + h))
-
-
-class Tally:
-    """Per-context sums for one (config, task): num/den arrays over contexts, so that the bootstrap can
-    resample contexts. accuracy/agreement: num = correct, den = questions; nll: num = NLL sum, den = tokens."""
-
-    def __init__(self):
-        self.num, self.den = [], []
-
-    def add(self, num, den):
-        self.num.append(float(num)), self.den.append(float(den))
-
-    def value(self, idx=None):
-        num, den = np.array(self.num), np.array(self.den)
-        if idx is None:
-            return num.sum() / den.sum() if den.sum() else float("nan")
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return num[idx].sum(-1) / den[idx].sum(-1)
-
-
-def relative(task, score, full):
-    """Relative performance (higher is better, 1 = lossless): score / full for accuracies,
-    exp(full - score) = ppl_full / ppl for NLLs, the agreement itself (the full cache agrees with itself)."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        if task.startswith("nll"):
-            return np.exp(full - score)
-        if task == "agreement":
-            return score
-        return np.where(full > 0, score / np.where(full > 0, full, 1), np.nan)
-
-
-def ci(samples):
-    s = np.asarray(samples, dtype=float)
-    s = s[np.isfinite(s)]
-    return [float(np.percentile(s, 2.5)), float(np.percentile(s, 97.5))] if len(s) else None
-
-
-def finite_or_none(x):
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def summarize(tallies, extras, n_boot, seed):
-    """tallies[(config, budget)][task] -> Tally; extras[(config, budget)] -> kept fractions, bytes, speed.
-    Returns the result rows (one per task, config, budget, plus the "average" task)."""
-    full, idx = tallies[("full", 1.0)], resamples(tallies, n_boot, seed)
-    n_ctx = idx.shape[1]
-    rows = []
-    for (config, budget), tasks in tallies.items():
-        method, _, level = config.partition("/")
-        level = level or ("full" if method == "full" else DEFAULT_LEVEL[method])
-        for task in TASKS:
-            t = tasks[task]
-            score, boot = t.value(), t.value(idx)
-            f, f_boot = (1.0, 1.0) if task == "agreement" else (full[task].value(), full[task].value(idx))
-            rel, rb = relative(task, score, f), relative(task, boot, f_boot)
-            row = dict(task=task, method=method, level=level, budget=budget, score=finite_or_none(score),
-                       relative=finite_or_none(rel), n=int(sum(t.den)), n_contexts=n_ctx,
-                       score_ci=ci(boot) if task.startswith("nll") else list(wilson(sum(t.num), sum(t.den))),
-                       ci=ci(rb))
-            if task.startswith("nll"):
-                row["increase"] = finite_or_none(score - f)
-            rows.append({**row, **extras[(config, budget)]})
-        avg, avg_boot = average_relative(tasks, full, idx)
-        rows.append(dict(task="average", method=method, level=level, budget=budget, score=finite_or_none(avg),
-                         relative=finite_or_none(avg), n=n_ctx, n_contexts=n_ctx, score_ci=ci(avg_boot),
-                         ci=ci(avg_boot), **extras[(config, budget)]))
-    return rows
-
-
-def resamples(tallies, n_boot, seed):
-    """(n_boot, n_contexts) context indices, shared by every configuration: a paired bootstrap."""
-    n_ctx = len(tallies[("full", 1.0)]["nll_next"].num)
-    return np.random.default_rng(seed).integers(0, n_ctx, size=(n_boot, n_ctx))
-
-
-def average_relative(tasks, full, idx):
-    """The Figure-10 average: mean relative over the AVERAGED tasks the full cache scores above 0
-    -> (point, bootstrap values; NaN resamples are dropped by ci)."""
-    point, boot = [], []
-    for task in AVERAGED:
-        rel = relative(task, tasks[task].value(), full[task].value())
-        if np.isfinite(rel):
-            point.append(rel), boot.append(relative(task, tasks[task].value(idx), full[task].value(idx)))
-    if not point:
-        return float("nan"), np.full(len(idx), np.nan)
-    return float(np.mean(point)), np.mean(boot, axis=0)
-
-
-# (a, b, what a - b asks): the paper's claim, and the calibrated level against the paper's own
-CONTRASTS = (("fastkvzip", "kvzip", "the gate minus its teacher"),
-             ("fastkvzip/calibrated", "fastkvzip", "calibrated minus the paper's global level (gate)"),
-             ("kvzip/calibrated", "kvzip", "calibrated minus the paper's global level (teacher)"))
-
-
-def contrasts(tallies, n_boot, seed):
-    """Paired differences of the average relative performance, a - b, per budget, with a 95% bootstrap
-    interval over the same resampled contexts: a difference whose interval excludes 0 is beyond the noise."""
-    full, idx = tallies[("full", 1.0)], resamples(tallies, n_boot, seed)
-    out = []
-    for a, b, question in CONTRASTS:
-        for (config, budget) in tallies:
-            if config != a or (b, budget) not in tallies:
-                continue
-            (pa, ba), (pb, bb) = (average_relative(tallies[(c, budget)], full, idx) for c in (a, b))
-            out.append(dict(a=a, b=b, question=question, budget=budget, diff=finite_or_none(pa - pb), ci=ci(ba - bb)))
-    return out
-
-
-# ---- 5. The quality run -----------------------------------------------------------------------------
-
-def quality(model, tok, fmt, args, done=(), on_context=None):
-    """Every configuration on every context of this shard (args.shard = (k, n): contexts c with c % n == k)
-    but those in `done` (finished by an earlier run: resume). on_context(record) after each context, with
-    one dict holding everything the summary needs of that context (its entries: see `entry`)."""
-    cfg, _, _ = model_info(model)
-    methods = [m for m in args.methods if m != "full"]
-    configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
-    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in args.extra_levels]
-    teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
-    stop_ids = set(cfg.eos_token_ids) | {i for s in ("\n", "\n\n") for i in tok.encode(s, add_special_tokens=False).ids}
-    docs = load_docs(tok)
-    random.Random(args.seed).shuffle(docs)
-    maker = SampleMaker(tok, fmt, docs, args.seed, args.passkeys, args.kv_pairs, args.kv_questions,
-                        args.probe_tokens, args.continue_tokens)
-    lengths = [n for n in args.lengths for _ in range(args.contexts)]
-    k_shard, n_shard = args.shard
-    todo = [c for c in range(len(lengths)) if c % n_shard == k_shard and c not in done]
-    n_done, t_start = 0, time.perf_counter()
-    for c, n in enumerate(lengths):
-        sample = maker.make(n)  # made even when skipped: each sample depends on the ones before (one RNG)
-        if c not in todo:
-            continue
-        t0 = time.perf_counter()
-        entries = {}
-        with torch.no_grad():
-            full, logits, tscores = capture_prefill(model, sample.ids, args.chunk_size, teacher, sample.n_protected)
-            t_prefill = time.perf_counter() - t0
-            log(f"quality context {c + 1}/{len(lengths)}: {n} tokens prefilled and scored by the teacher in "
-                f"{t_prefill:.0f} s; answering from {1 + len(configs) * len(args.budgets)} caches")
-            ref = evaluate(model, tok, full, sample, stop_ids)
-            entries[entry_key("full", 1.0)] = entry(sample, ref, ref, [1.0] * len(cfg.compressed_layers), full.nbytes)
-            for method, level in configs:
-                config = method if level == DEFAULT_LEVEL[method] else f"{method}/{level}"
-                for budget in args.budgets:
-                    cache = method_cache(model, method, level, sample.n_protected, args, args.seed + c, tscores)
-                    generate.prefill(Replay(full, logits), cache, sample.ids, sample.n_protected, budget,
-                                     args.chunk_size, args.window)  # evicts exactly as on the real path
-                    kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
-                    # nothing evicted -> the cache is the full cache, row for row: reuse its answers
-                    res = ref if min(kept) == 1.0 else evaluate(model, tok, cache, sample, stop_ids)
-                    entries[entry_key(config, budget)] = entry(sample, res, ref, kept, cache.nbytes)
-                    del cache
-        record = dict(context=c, n_tokens=len(sample.ids), doc=sample.doc, seconds=time.perf_counter() - t0,
-                      entries=entries, answers=[dict(task=q.task, depth=round(q.depth, 3), expected=q.answer,
-                                                     full=tok.decode(o))
-                                                for q, o in zip(sample.questions, ref["outputs"])])
-        n_done += 1
-        left = len(todo) - n_done
-        log(f"quality context {c + 1}/{len(lengths)}: done ({sample.doc}) in {record['seconds'] / 60:.1f} min; "
-            f"{left} left in this run, eta {(time.perf_counter() - t_start) / n_done * left / 60:.0f} min")
-        if on_context:
-            on_context(record)
-
-
-def entry_key(config, budget):
-    return f"{config}@{budget:g}"
-
-
-def entry(sample, res, ref, kept, nbytes):
-    """One (config, budget) on one context: per task (numerator, denominator) — correct/questions for the
-    accuracies and agreement, NLL sum/tokens for the NLLs — plus kept fractions, KV bytes, decode time."""
-    tally = {}
-    for task in ("passkey", "kv"):
-        marks = [c for q, c in zip(sample.questions, res["correct"]) if q.task == task]
-        tally[task] = [sum(marks), len(marks)]
-    for task, (s, n) in res["nll"].items():
-        tally[task] = [s, n]
-    same = [a == b for a, b in zip(res["outputs"], ref["outputs"])]
-    tally["agreement"] = [sum(same), len(same)]
-    return dict(tally=tally, kept=kept, nbytes=nbytes, decode=list(res["decode"]))
-
-
-def accumulate(records):
-    """Records (one per context, any order) -> tallies[(config, budget)][task], extras[(config, budget)]
-    with contexts in one fixed order for every configuration (the bootstrap pairs them)."""
-    tallies, raw = {}, {}
-    for rec in sorted(records, key=lambda r: r["context"]):
-        for key, e in rec["entries"].items():
-            config, budget = key.rsplit("@", 1)
-            key = (config, float(budget))
-            tasks = tallies.setdefault(key, {t: Tally() for t in TASKS})
-            for task in TASKS:
-                tasks[task].add(*e["tally"][task])
-            r = raw.setdefault(key, dict(kept=[], nbytes=[], decode=[0, 0.0]))
-            r["kept"].append(e["kept"]), r["nbytes"].append(e["nbytes"])
-            r["decode"] = [r["decode"][0] + e["decode"][0], r["decode"][1] + e["decode"][1]]
-    return tallies, finish_extras(raw)
-
-
-def finish_extras(raw):
-    """Means over contexts: kept fraction per compressed layer, KV bytes, decode tokens/s."""
-    out = {}
-    full_bytes = np.mean(raw[("full", 1.0)]["nbytes"])
-    for key, r in raw.items():
-        per_layer = [float(x) for x in np.mean(r["kept"], axis=0)]
-        out[key] = dict(kept_fraction=float(np.mean(per_layer)), kept_fraction_per_layer=per_layer,
-                        kv_bytes=float(np.mean(r["nbytes"])), kv_fraction=float(np.mean(r["nbytes"]) / full_bytes),
-                        decode_tok_s=r["decode"][0] / r["decode"][1] if r["decode"][1] > 0 else None)
-    return out
-
-
-def quality_key(args, config):
-    """What makes two runs' contexts the same experiment: they may be resumed or merged only if equal."""
-    names = ("methods", "budgets", "extra_levels", "lengths", "contexts", "passkeys", "kv_pairs", "kv_questions",
-             "probe_tokens", "continue_tokens", "chunk_size", "window", "seed")
-    return dict({k: getattr(args, k) for k in names}, model=config["model"]["sha256"], gate=config["gate"]["sha256"])
-
-
-def load_records(folder, key):
-    """The finished contexts in folder/contexts/ (each written atomically when its context ended)."""
-    records = {}
-    for path in sorted((Path(folder) / "contexts").glob("context-*.json")):
-        rec = json.loads(path.read_text(encoding="utf-8"))
-        if rec["key"] != key:
-            raise BenchError(f"{path} comes from another configuration (flags, model or gate differ); "
-                             "use a new --out, or the flags of the run that wrote it")
-        records[rec["context"]] = rec
-    return records
-
-
-class BenchError(Exception):
-    """Bad flags or folders: reported as one line, exit 2."""
-
-
-# ---- 6. Speed and memory through the real path (generate.prefill and answer on fresh caches) --------
+# ---- 1. Speed and memory through the real path (generate.prefill and answer on fresh caches) --------
 
 def sync(device):
     if device.type == "cuda":
@@ -662,7 +171,7 @@ def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
     return speed(model, teacher, args.gpu_lengths, ids_for, gargs, tag=device.type)
 
 
-# ---- 7. Output: config.json, results.json, results.md, relative.png — each written atomically -------
+# ---- 2. Output: config.json, results.json, results.md, relative.png — each written atomically -------
 
 def write_atomic(path, text):
     tmp = path.with_name(path.name + ".tmp")
@@ -692,26 +201,9 @@ def run_config(args, folder, gates):
                 levels=list(LEVELS))
 
 
-def fmt_ci(x, c, signed=False):
-    if x is None:
-        return "n/a"
-    f = "{:+.2f}" if signed else "{:.2f}"
-    return f"{f.format(x)} [{f.format(c[0])}, {f.format(c[1])}]" if c else f.format(x)
-
-
-def label(r):
-    return r["method"] if r["level"] in ("full", DEFAULT_LEVEL.get(r["method"])) else f"{r['method']} ({r['level']})"
-
-
 def markdown(results):
-    rows, cfg = results["rows"], results["config"]
-    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, reverse=True)
-    configs = list(dict.fromkeys(label(r) for r in rows if r["method"] != "full"))
-    get = lambda task, c, b: next((r for r in rows if r["task"] == task and label(r) == c and r["budget"] == b), None)
-    grid = lambda task, cell: ["| method | " + " | ".join(f"{b:g}" for b in budgets) + " |",
-                               "|---|" + "---|" * len(budgets)] + [
-        f"| {c} | " + " | ".join(cell(get(task, c, b)) if get(task, c, b) else "" for b in budgets) + " |"
-        for c in configs]
+    """results.md: what was run, the quality sections (quality.markdown), then speed and memory."""
+    cfg = results["config"]
     f = cfg["flags"]
     out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
            f"Model `{f['model']}`, gate `{cfg['gate']['source']}` (sha256 {str(cfg['gate']['sha256'])[:12]}), "
@@ -720,45 +212,7 @@ def markdown(results):
            f"{f['kv_questions']} of {f['kv_pairs']} JSON pairs asked per context; chunk {f['chunk_size']}, "
            f"seed {f['seed']}. Run time {results.get('seconds', 0) / 60:.1f} min"
            + (f" ({len(cfg['merged_from'])} runs side by side, merged)." if cfg.get("merged_from") else "."), ""]
-    if rows:
-        out += ["## Relative performance (mean of passkey, kv, nll_next, nll_repeat; 1 = full cache)", "",
-                "Cells: relative [95% bootstrap interval over contexts]. Budget = fraction of the context's KV "
-                "pairs kept in the compressed layers. At budget 1.0 nothing is evicted (checked per context: every "
-                "layer keeps everything), the cache is the full cache and its answers are reused.", ""]
-        out += grid("average", lambda r: fmt_ci(r["relative"], r["ci"]))
-        out += ["", "## Kept fraction per compressed layer", "",
-                "Layers " + ", ".join(str(x) for x in results.get("compressed_layers", [])) +
-                ", mean over contexts (the trailing 2% window included).", ""]
-        out += grid("average", lambda r: "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"]))
-        if results.get("contrasts"):
-            out += ["", "## Paired differences of the average relative performance", "",
-                    "Cells: a − b [95% paired bootstrap interval over contexts]; an interval that excludes 0 is a "
-                    "difference beyond the noise.", "",
-                    "| a − b | " + " | ".join(f"{b:g}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
-            for a, b, question in CONTRASTS:
-                cells = {c["budget"]: fmt_ci(c["diff"], c["ci"], signed=True) for c in results["contrasts"]
-                         if c["a"] == a and c["b"] == b}
-                if cells:
-                    out.append(f"| {question} | " + " | ".join(cells.get(x, "") for x in budgets) + " |")
-        titles = dict(passkey="Pass-key accuracy", kv="Key-value retrieval accuracy (SCBench.KV style)",
-                      nll_next="NLL of the document's next tokens (nats/token; relative = ppl_full/ppl)",
-                      nll_repeat="NLL of a repeated passage (nats/token; relative = ppl_full/ppl)",
-                      agreement="Agreement of greedy answers with the full cache's")
-        for task in TASKS:
-            full = next(r for r in rows if r["task"] == task and r["method"] == "full")
-            out += ["", f"## {titles[task]}", "", f"Full cache: {fmt_ci(full['score'], full['score_ci'])} "
-                    f"(n = {full['n']}). Cells: score (relative [95% interval]); kept per layer beside it.", "",
-                    "| method | budget | score [95% CI] | relative [95% CI] | kept per layer | KV held |",
-                    "|---|---|---|---|---|---|"]
-            for c in configs:
-                for b in budgets:
-                    r = get(task, c, b)
-                    if r:
-                        kept = "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"])
-                        out.append(f"| {c} | {b:g} | {fmt_ci(r['score'], r['score_ci'])} | "
-                                   f"{fmt_ci(r['relative'], r['ci'])} | {kept} | {r['kv_fraction']:.0%} |")
-        out += ["", "## Decode speed per budget (greedy answers of the quality run, tokens/s)", ""]
-        out += grid("average", lambda r: f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "")
+    out += quality.markdown(results)
     mib = lambda x, ratio: f"{x / 2**20:.1f} MiB ({ratio:.0%})"
     for key, title in (("speed", "CPU"), ("gpu", "GPU, random weights in Qwen3-8B's shape")):
         if results.get(key):
@@ -781,32 +235,7 @@ def markdown(results):
     return "\n".join(out) + "\n"
 
 
-def plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("--plot: matplotlib is not installed (pip install -r requirements.txt); no PNG")
-        return
-    rows = [r for r in results["rows"] if r["task"] == "average" and r["method"] != "full"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for c in dict.fromkeys(label(r) for r in rows):
-        rs = sorted((r for r in rows if label(r) == c), key=lambda r: r["budget"])
-        y = [r["relative"] if r["relative"] is not None else float("nan") for r in rs]
-        err = [[abs(v - r["ci"][i]) if r["ci"] else 0 for v, r in zip(y, rs)] for i in (0, 1)]
-        ax.errorbar([r["budget"] for r in rs], y, yerr=err, marker="o", capsize=2, label=c)
-    ax.set(xlabel="KV budget (fraction of context kept)", ylabel="relative performance (1 = full cache)")
-    ax.axhline(1.0, color="grey", lw=0.5)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-# ---- 8. Command line --------------------------------------------------------------------------------
+# ---- 3. Command line --------------------------------------------------------------------------------
 
 floats = lambda s: [float(x) for x in s.split(",") if x]
 ints = lambda s: [int(x) for x in s.split(",") if x and int(x) > 0]
@@ -915,7 +344,7 @@ def main(argv=None):
     log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}"
         + (f"; resuming after {len(done)} finished contexts" if done else ""))
     if not args.no_quality:
-        quality(model, tok, fmt, args, done, on_context=finished)
+        quality.run(model, tok, fmt, args, done, on_context=finished)
     if args.speed_lengths:
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
         system = tok.encode(fmt.system, add_special_tokens=False).ids
@@ -932,15 +361,6 @@ def main(argv=None):
     log(f"done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md")
 
 
-def quality_results(records, args):
-    """The quality part of results.json, from the finished contexts' records (any order)."""
-    tallies, extras = accumulate(records)
-    return dict(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
-                contrasts=contrasts(tallies, args.bootstrap, args.seed),
-                answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
-                         for r in sorted(records, key=lambda r: r["context"])])
-
-
 def write_results(out, results):
     write_atomic(out / "results.json", json.dumps(results, indent=1))
     write_atomic(out / "results.md", markdown(results))
@@ -948,7 +368,7 @@ def write_results(out, results):
 
 def finish(results, out, args):
     if args.plot:
-        plot(results, out / "relative.png")
+        quality.plot(results, out / "relative.png")
     avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"] if r["task"] == "average"}
     low = min((b for _, b in avg), default=None)
     log("relative at the lowest budget: " + ", ".join(f"{c}@{b:g} {v:.2f}" for (c, b), v in avg.items()

@@ -178,6 +178,28 @@ class EvictingCache(KVCache):
         self._track_peak(kv)
         return kv.attend(q, scale, window)
 
+    def adopt(self, full, scores=None, inputs=None, keep_full=False):
+        """Continue from `full`, a cache that prefilled system prompt ⊕ context without evicting: take over
+        its KV in every layer (deep copies if keep_full, so that full can be adopted again), its position
+        and its peak, and score every row of the compressed layers as attend() would have. The scores are
+        either given, (L_c, H, n_context) for the context (KVzip's teacher, generate.prefill_kvzip), or
+        computed now by this cache's scorer from the prefill's attention inputs, inputs[layer] =
+        (hidden, q, k, pos) (the benchmark's replay, timed as gate_seconds). The system prompt scores
+        +inf: never evicted. Then evict() as after any prefill."""
+        assert self.n_seen == 0 and (scores is None) != (inputs is None), "adopt: an empty cache; scores or inputs"
+        self.layers = [copy.deepcopy(kv) for kv in full.layers] if keep_full else full.layers
+        self.n_seen, self.peak_nbytes = full.n_seen, full.peak_nbytes
+        for l, layer in enumerate(self.compressed):
+            kv = self.layers[layer]
+            if inputs is None:
+                system = torch.full((kv.n_heads, self.n_protected), math.inf, device=scores[l].device)
+                score = torch.cat([system, scores[l]], dim=1)  # the cache holds exactly system ⊕ context
+            else:
+                hidden, q, k, pos = inputs[layer]
+                score = self._score(l, hidden, q, k, pos)  # (H, T)
+                score[:, pos < self.n_protected] = math.inf
+            kv.set_tail_scores(score)
+
     def _score(self, l, hidden, q, k, pos):
         t0 = time.perf_counter()
         score = self.scorer.score(l, hidden, q, k, pos).float()  # (H, T)
@@ -201,24 +223,11 @@ class EvictingCache(KVCache):
         # every head still holds every position of the segment (nothing there was evaluated yet)
         scores = torch.stack([torch.stack([kv.head_score(h)[m] for h, m in enumerate(rows)])
                               for kv, rows in zip((self.layers[i] for i in self.compressed), in_seg)])
-        L, H, s = scores.shape  # (compressed layers, heads, segment length)
-        if level == "global":
-            keep = top_k_mask(scores, int(ratio * L * H * s))
-        elif level == "calibrated":
-            finite = torch.where(scores.isinf(), torch.zeros_like(scores), scores)
-            scale = finite.mean(dim=(1, 2), keepdim=True).clamp_min(1e-12)  # (L, 1, 1)
-            keep = top_k_mask(scores / scale, int(ratio * L * H * s))
-        elif level == "layer":
-            keep = torch.stack([top_k_mask(x, int(ratio * H * s)) for x in scores])
-        else:
-            keep = torch.stack([torch.stack([top_k_mask(y, int(ratio * s)) for y in x]) for x in scores])
         # context pairs each layer holds outside this segment (older kept ones, and the window)
         others = torch.tensor([sum(int(((kv.head_pos(h) >= self.n_protected) & ~m).sum()) for h, m in enumerate(rows))
                                for kv, rows in zip((self.layers[i] for i in self.compressed), in_seg)],
                               device=scores.device)
-        for li in range(L):
-            if others[li] == 0 and not keep[li].any():
-                keep = _move_one(scores, keep, li, others)
+        keep = select_segment(scores, ratio, level, others)
         for li, layer in enumerate(self.compressed):
             masks = []
             for h, m in enumerate(in_seg[li]):
@@ -302,6 +311,30 @@ class EvictingCache(KVCache):
         """(compressed layers, heads) fraction of the context [start, end) kept by each head."""
         return torch.tensor([[float(((kv.head_pos(h) >= start) & (kv.head_pos(h) < end)).sum()) / max(1, end - start)
                               for h in range(kv.n_heads)] for kv in (self.layers[i] for i in self.compressed)])
+
+
+def select_segment(scores, ratio, level="global", others=None):
+    """The eviction rule of one segment: scores (L, H, s) of its KV pairs -> keep mask (L, H, s) with
+    exactly ⌊ratio·n⌋ pairs kept over all layers and heads ("global", "calibrated"), per layer ("layer")
+    or per head ("head"). others (L,): context pairs each layer holds outside the segment (None: none);
+    a layer that would be left with no context pair at all gets its best pair back (_move_one)."""
+    L, H, s = scores.shape  # (compressed layers, heads, segment length)
+    if level == "global":
+        keep = top_k_mask(scores, int(ratio * L * H * s))
+    elif level == "calibrated":
+        finite = torch.where(scores.isinf(), torch.zeros_like(scores), scores)
+        scale = finite.mean(dim=(1, 2), keepdim=True).clamp_min(1e-12)  # (L, 1, 1)
+        keep = top_k_mask(scores / scale, int(ratio * L * H * s))
+    elif level == "layer":
+        keep = torch.stack([top_k_mask(x, int(ratio * H * s)) for x in scores])
+    else:
+        keep = torch.stack([torch.stack([top_k_mask(y, int(ratio * s)) for y in x]) for x in scores])
+    if others is None:
+        others = torch.zeros(L, dtype=torch.long, device=scores.device)
+    for li in range(L):
+        if others[li] == 0 and not keep[li].any():
+            keep = _move_one(scores, keep, li, others)
+    return keep
 
 
 def _move_one(scores, keep, li, others):

@@ -77,12 +77,8 @@ def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=1.0, chunk_siz
     full = teacher.new_cache()
     teacher.prefill(full, ids[:-1])
     last = model(torch.tensor(ids[-1:], device=full.device), full, num_logits=1)[-1]
-    scores = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context)
-    cache.layers, cache.n_seen, cache.peak_nbytes = full.layers, full.n_seen, full.peak_nbytes
-    for l, layer in enumerate(cache.compressed):
-        kv = cache.layers[layer]
-        context = torch.cat([torch.full((kv.n_heads, n_protected), float("inf")), scores[l]], dim=1)
-        kv.set_tail_scores(context.to(kv.score.device))  # the cache holds exactly system ⊕ context
+    assert cache.n_protected == n_protected, "the cache protects another system prompt length"
+    cache.adopt(full, scores=teacher.score(full, n_protected, ids[n_protected:]))  # (L_g, H, n_context)
     plan = plan_prefill(len(ids) - n_protected, budget, chunk_size, window)
     cache.evict(n_protected, len(ids) - plan.window, plan.segment_ratio)
     return last
@@ -121,31 +117,34 @@ def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0
 # -------------------------------------------------------------------------------------------------
 # wiring: model, cache, scorer
 
-def make_cache(method, model, cfg, n_protected, args, model_name):
-    weight = model.model.embed_tokens.weight
+def make_cache(method, model, model_name, n_protected, gate_file=None, level=None, decode_budget=None, seed=0):
+    """An empty cache for `method` in model's dtype and device. fastkvzip: the gate in gate_file (default:
+    the bundled or released gate for model_name); random: scores seeded by seed; level: the eviction
+    structure (default: the scorer's own); decode_budget: see EvictingCache."""
+    cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
     if method == "full":
         return KVCache(cfg, dtype, device)
     import gate
     H = cfg.num_key_value_heads
     if method == "fastkvzip":
-        scorer = gate.GateScorer(gate.resolve_gate(args.gate, cfg, model_name, device=device))
+        scorer = gate.GateScorer(gate.resolve_gate(gate_file, cfg, model_name, device=device))
     elif method == "streaming":
         scorer = gate.StreamingScorer(n_kv_heads=H)
     elif method == "snapkv":
-        if args.decode_budget is not None:
+        if decode_budget is not None:
             raise UsageError("--method snapkv scores prefill chunks only; drop --decode-budget")
         scorer = gate.SnapKVScorer(scale=cfg.attn_scale(cfg.compressed_layers[0]))
     elif method == "random":
-        scorer = gate.RandomScorer(args.seed, n_kv_heads=H)
+        scorer = gate.RandomScorer(seed, n_kv_heads=H)
     elif method == "kvzip":
-        if args.decode_budget is not None:
+        if decode_budget is not None:
             raise UsageError("--method kvzip scores the context once; drop --decode-budget")
         scorer = None  # the teacher scores the whole context after prefill (prefill_kvzip)
     # the authors run the baselines per head, the gate and KVzip with one global threshold
-    level = args.level or (scorer.level if scorer else "global")
+    level = level or (scorer.level if scorer else "global")
     return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected, level=level,
-                         decode_budget=args.decode_budget)
+                         decode_budget=decode_budget)
 
 
 class UsageError(Exception):
@@ -192,7 +191,8 @@ def run(args):
     budget = args.budget
     # budget 1.0 without decode-time eviction keeps every pair: no scorer (and no gate file) is needed
     method = "full" if budget == 1.0 and args.decode_budget is None else args.method
-    cache = make_cache(method, model, cfg, n_protected, args, args.model)
+    cache = make_cache(method, model, args.model, n_protected, gate_file=args.gate, level=args.level,
+                       decode_budget=args.decode_budget, seed=args.seed)
 
     generator = torch.Generator().manual_seed(args.seed)
     stop_ids = set(cfg.eos_token_ids)

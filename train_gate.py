@@ -153,20 +153,27 @@ def iter_files(spec, tokenizer):
             yield Doc(f, text, count(text))
 
 
-def select_documents(docs, tokens, min_tokens, max_tokens, long_tokens):
+def select_documents(docs, tokens, min_tokens, max_tokens, long_tokens, val_fraction=0.0):
     """METHOD.md §5.1, with the authors' fixed counts (29 + 5) turned into token budgets:
     half of `tokens` in single documents of min <= n < max tokens, taken in order; the other half in
     concatenations that walk the same documents again from the start, joining them with "\\n\\n" while
     the running count is below `long_tokens`; the document that arrives once the count is reached
     closes the sample and is dropped (as the authors' loader does). long_tokens 0: single documents only.
-    Returns (selected docs, stats for the error message)."""
+    val_fraction > 0: an eligible document is held out whole for validation whenever the held-out share
+    of the documents taken so far would otherwise fall below val_fraction (so the first one is); it never
+    enters a concatenation. (The authors validate on every 100th token of the training documents.)
+    Returns (training docs, validation docs, stats for the error message)."""
     short_budget = tokens // 2 if long_tokens > 0 else tokens
     long_budget = tokens - short_budget
-    short, long, acc = [], [], []
-    short_n = long_n = acc_n = seen = longest = 0
+    short, long, acc, val = [], [], [], []
+    short_n = long_n = acc_n = seen = longest = taken = 0
     for d in docs:
         seen, longest = seen + 1, max(longest, d.n)
         if not (min_tokens <= d.n < max_tokens):
+            continue
+        taken += 1
+        if len(val) < val_fraction * taken:
+            val.append(d)
             continue
         if short_n < short_budget:
             short.append(d)
@@ -183,7 +190,7 @@ def select_documents(docs, tokens, min_tokens, max_tokens, long_tokens):
             break
     if acc and acc_n >= long_tokens and long_n < long_budget:  # the data ended right after a full sample
         long.append(_join(acc, len(long)))
-    return short + long, dict(seen=seen, longest=longest)
+    return short + long, val, dict(seen=seen, longest=longest)
 
 
 def _join(docs, i):
@@ -191,23 +198,24 @@ def _join(docs, i):
                sum(d.n for d in docs))
 
 
-def load_documents(args, tokenizer, max_context):
-    """The selected documents as (name, context ids), each cut to max_context tokens."""
-    long_tokens = min(args.long_doc_tokens, max_context)  # concatenations are cut to what the model holds
-    docs = iter_fineweb(tokenizer) if args.data == "fineweb-edu" else iter_files(args.data, tokenizer)
-    chosen, stats = select_documents(docs, args.tokens, args.min_doc_tokens, args.max_doc_tokens, long_tokens)
-    if not chosen:
-        raise UsageError(f"--data {args.data}: none of its {stats['seen']} documents has between "
-                         f"{args.min_doc_tokens} and {args.max_doc_tokens} tokens (longest: {stats['longest']}); "
+def load_documents(data, tokens, min_doc_tokens, max_doc_tokens, long_doc_tokens, val_docs, tokenizer, max_context):
+    """The selected documents as (name, context ids, split), each cut to max_context tokens; split is
+    "train" or "val" (held-out whole documents, a fraction val_docs of the selected ones)."""
+    long_tokens = min(long_doc_tokens, max_context)  # concatenations are cut to what the model holds
+    docs = iter_fineweb(tokenizer) if data == "fineweb-edu" else iter_files(data, tokenizer)
+    chosen, val, stats = select_documents(docs, tokens, min_doc_tokens, max_doc_tokens, long_tokens, val_docs)
+    if not chosen and not val:
+        raise UsageError(f"--data {data}: none of its {stats['seen']} documents has between "
+                         f"{min_doc_tokens} and {max_doc_tokens} tokens (longest: {stats['longest']}); "
                          f"lower --min-doc-tokens or raise --max-doc-tokens")
-    if long_tokens < args.long_doc_tokens and any(d.name.startswith("concatenation") for d in chosen):
+    if not chosen:
+        raise UsageError(f"--data {data}: too few documents to hold out {val_docs:.0%} for validation and train "
+                         f"on the rest; add data, raise --tokens, or pass --val-docs 0 (every 100th token, as the authors)")
+    if long_tokens < long_doc_tokens and any(d.name.startswith("concatenation") for d in chosen):
         print(f"note: the model holds {max_context} context tokens, so the long samples have about {long_tokens} "
-              f"instead of --long-doc-tokens {args.long_doc_tokens}", file=sys.stderr)
-    out = []
-    for d in chosen:
-        ids = tokenizer.encode(d.text, add_special_tokens=False).ids[:max_context]
-        out.append((d.name, ids))
-    return out
+              f"instead of --long-doc-tokens {long_doc_tokens}", file=sys.stderr)
+    return [(d.name, tokenizer.encode(d.text, add_special_tokens=False).ids[:max_context], split)
+            for split, ds in (("train", chosen), ("val", val)) for d in ds]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -243,8 +251,8 @@ def make_manifest(args, model_name, cfg, dtype, docs):
         n_kv_heads=cfg.num_key_value_heads, group=cfg.group_size, hidden_size=cfg.hidden_size,
         dtype=str(dtype).replace("torch.", ""),
         teacher=dict(chunk=args.teacher_chunk, softmax_dtype=args.teacher_softmax, chat=args.chat),
-        documents=[dict(name=n, tokens=len(ids), key=doc_key(n, ids), shard=shard_path("", i).as_posix())
-                   for i, (n, ids) in enumerate(docs)])
+        documents=[dict(name=n, tokens=len(ids), key=doc_key(n, ids), shard=shard_path("", i).as_posix(), split=split)
+                   for i, (n, ids, split) in enumerate(docs)])
 
 
 def check_manifest(out, manifest):
@@ -277,7 +285,7 @@ def assign_ranks(lengths, world):
 def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenizer, rank=0, world=1):
     """Score and record every document of this rank that has no shard yet. The model is loaded only if
     there is work left."""
-    rank_of = assign_ranks([len(ids) for _, ids in docs], world)
+    rank_of = assign_ranks([len(ids) for _, ids, _ in docs], world)
     todo = [i for i in range(len(docs)) if rank_of[i] == rank and not shard_path(args.out, i).exists()]
     if not todo:
         return
@@ -291,7 +299,7 @@ def extract_features(args, model_folder, cfg, dtype, device, docs, fmt, tokenize
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"features rank {rank}" if world > 1 else "features",
                position=rank, disable=args.quiet, dynamic_ncols=True)
     for i in todo:
-        name, ids = docs[i]
+        name, ids, _ = docs[i]
         with torch.no_grad():
             scores, hidden = teacher(ids, capture_hidden=True, on_chunk=bar.update)
         write_shard(shard_path(args.out, i), hidden, scores,
@@ -347,6 +355,9 @@ class FeatureStore:
         self.scores = torch.cat([load_file(str(p))["scores"].float() for p in paths], dim=-1)  # (L, H, N)
         lens = torch.tensor([h.shape[1] for h in self.hidden])
         self.starts = torch.cumsum(lens, 0) - lens
+        # held-out whole documents; a manifest without splits (or --val-docs 0) has none
+        self.is_val_doc = torch.repeat_interleave(
+            torch.tensor([d.get("split") == "val" for d in manifest["documents"]]), lens)
         self.n_layers, self.n_tokens, self.hidden_size = self.hidden[0].shape[0], int(lens.sum()), self.hidden[0].shape[2]
 
     def gather(self, idx):
@@ -431,7 +442,9 @@ def make_gates(cfg, dtype, device):
 def train(store, cfg, args, device, log=print):
     """METHOD.md §5.2-5.4. Returns (gates, metrics dict)."""
     N = store.n_tokens
-    is_val = (torch.arange(N) + 1) % VAL_EVERY == 0  # every 100th token, 1-based (load_data.py:split_fn)
+    is_val = store.is_val_doc
+    if not is_val.any():  # the authors' split: every 100th token, 1-based (load_data.py:split_fn)
+        is_val = (torch.arange(N) + 1) % VAL_EVERY == 0
     train_idx, val_idx = (~is_val).nonzero().squeeze(1), is_val.nonzero().squeeze(1)
     n_train, B = len(train_idx), args.batch_tokens
     if n_train < B:
@@ -476,6 +489,21 @@ def train(store, cfg, args, device, log=print):
     return gates, metrics
 
 
+def agreement_with_teacher(gates, store, manifest, docs, tokenizer, device):
+    """gate.agreement of the trained gates with their teacher, pooled over the held-out documents (None
+    without any: --val-docs 0)."""
+    from gate import agreement, digit_tokens, pool_agreement
+    per_doc = []
+    for i, d in enumerate(manifest["documents"]):
+        if d.get("split") == "val":
+            start = int(store.starts[i])
+            with torch.no_grad():
+                pred = gates(store.hidden[i].to(device)).float().cpu()  # (L, H, n)
+            teacher = store.scores[:, :, start:start + d["tokens"]]
+            per_doc.append(agreement(pred, teacher, digit_tokens(tokenizer, docs[i][1])))
+    return pool_agreement(per_doc) if per_doc else None
+
+
 # -------------------------------------------------------------------------------------------------
 # outputs
 
@@ -487,6 +515,18 @@ def summary_table(m):
     for j, layer in enumerate(m["layers"]):
         rows.append(f"{layer:>5}  {m['val_loss'][-1][j]:8.4f}  {m['const_val_loss'][j]:9.4f}  {m['floor_val_loss'][j]:6.4f}  "
                     f"{100 * m['val_acc'][-1][j]:6.1f}%  {m['train_loss'][-1][j]:9.4f}  {100 * m['train_acc'][-1][j]:8.1f}%")
+    a = m.get("agreement")
+    if a:  # the held-out documents: how closely the gate ranks and keeps what its teacher does
+        pct = lambda x: "   -" if x is None else f"{100 * x:3.0f}%"
+        rows.append(f"\nagreement with the teacher on the {m['n_val_docs']} held-out documents (kept sets by the "
+                    f"cache's rule; overlap = share of the teacher's kept pairs the gate keeps, chance in brackets)")
+        rows.append(f"{'layer':>5}  {'spearman':>8}  {'overlap@0.5':>15}  {'overlap@0.3':>15}  "
+                    f"{'digits kept@0.5 gate/teacher':>28}  {'@0.3':>10}")
+        for j, layer in enumerate(m["layers"]):
+            rows.append(f"{layer:>5}  {a['spearman'][j]:8.3f}  {pct(a['overlap@0.5'][j])} ({pct(a['chance@0.5'][j])})     "
+                        f"{pct(a['overlap@0.3'][j])} ({pct(a['chance@0.3'][j])})     "
+                        f"{pct(a['digits_student@0.5'][j])} / {pct(a['digits_teacher@0.5'][j])}{'':>16}"
+                        f"{pct(a['digits_student@0.3'][j])} / {pct(a['digits_teacher@0.3'][j])}")
     return "\n".join(rows)
 
 
@@ -545,14 +585,17 @@ def run(args):
     system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
     # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
     max_context = cfg.max_position_embeddings - len(system) - args.teacher_chunk - 64
-    docs = load_documents(args, tokenizer, max_context)
+    docs = load_documents(args.data, args.tokens, args.min_doc_tokens, args.max_doc_tokens, args.long_doc_tokens,
+                          args.val_docs, tokenizer, max_context)
     manifest = make_manifest(args, model_name, cfg, dtype, docs)
     check_manifest(args.out, manifest)
     if rank == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_json(Path(args.out) / "manifest.json", manifest)
-        n_tok = sum(len(ids) for _, ids in docs)
-        print(f"{len(docs)} documents, {n_tok} context tokens -> {args.out}/features", file=sys.stderr)
+        n_val = sum(split == "val" for _, _, split in docs)
+        n_tok = sum(len(ids) for _, ids, _ in docs)
+        print(f"{len(docs)} documents ({n_val} held out for validation), {n_tok} context tokens -> "
+              f"{args.out}/features", file=sys.stderr)
     t0 = time.perf_counter()
     extract_features(args, folder, cfg, dtype, device, docs, fmt, tokenizer, rank, world)
     if world > 1:
@@ -567,12 +610,15 @@ def run(args):
     store = FeatureStore(args.out, manifest)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
     gates, metrics = train(store, cfg, args, device, log)
+    metrics["n_val_docs"] = sum(d.get("split") == "val" for d in manifest["documents"])
+    metrics["agreement"] = agreement_with_teacher(gates, store, manifest, docs, tokenizer, device)
     metrics["command"] = " ".join(sys.argv)
     from gate import save_gate
     summary = dict(command=metrics["command"], data=args.data, documents=len(docs), tokens=store.n_tokens,
                    steps=args.steps, batch_tokens=args.batch_tokens, lr=BASE_LR, momentum=MOMENTUM, seed=args.seed,
                    val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
-                   const_val_loss=metrics["const_val_loss"], teacher=manifest["teacher"])
+                   const_val_loss=metrics["const_val_loss"], teacher=manifest["teacher"],
+                   val_docs=metrics["n_val_docs"], agreement=metrics["agreement"])
     gate_path = Path(args.out) / "gate.safetensors"
     save_gate(str(gate_path), gates, dict(model=model_name, layers=metrics["layers"], training=summary))
     write_json(Path(args.out) / "metrics.json", metrics)
@@ -597,6 +643,9 @@ def parse_args(argv=None):
     p.add_argument("--max-doc-tokens", type=int, default=30_000, help="documents must be shorter than this")
     p.add_argument("--long-doc-tokens", type=int, default=100_000, help="length of the concatenated long "
                    "samples (capped to the model's context); 0 = single documents only")
+    p.add_argument("--val-docs", type=float, default=0.05, help="fraction of the selected documents held out "
+                   "whole for validation, never part of a training sample (default 0.05); 0 = the "
+                   "authors' split, every 100th token of the training documents")
     p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>)")
     p.add_argument("--steps", type=int, default=5000, help="SGD steps (0 = compute features only)")
     p.add_argument("--batch-tokens", type=int, default=1000, help="tokens per step, shared by all layers")
@@ -625,6 +674,8 @@ def parse_args(argv=None):
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.steps < 0 or args.long_doc_tokens < 0:
         p.error("--steps and --long-doc-tokens must be >= 0")
+    if not 0 <= args.val_docs <= 0.5:
+        p.error(f"--val-docs must be in [0, 0.5], got {args.val_docs}")
     if args.min_doc_tokens >= args.max_doc_tokens:
         p.error("--min-doc-tokens must be below --max-doc-tokens")
     return args

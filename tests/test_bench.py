@@ -1,4 +1,4 @@
-"""bench.py: the fast path equals the real path bit for bit, the metrics are right, --quick runs clean.
+"""bench.py and quality.py: the fast path equals the real path bit for bit, the metrics are right, --quick runs clean.
 
 The first and last tests use the real offline Gemma3 270M (converted on first use, ~1 min) and the Austen
 assets; together they take about 2.5 minutes on 2 cores.
@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench  # noqa: E402
+import quality  # noqa: E402
 from helpers import assert_close  # noqa: E402
 import gate as G  # noqa: E402
 import generate  # noqa: E402
@@ -26,25 +27,25 @@ import generate  # noqa: E402
 # ---------------------------------------------------------------------------------------- metrics
 
 def test_wilson_interval():
-    lo, hi = bench.wilson(0, 10)
+    lo, hi = quality.wilson(0, 10)
     assert lo == 0.0 and 0.25 < hi < 0.35  # the rule of three, roughly
-    lo, hi = bench.wilson(10, 10)
+    lo, hi = quality.wilson(10, 10)
     assert hi == 1.0 and 0.65 < lo < 0.75
-    lo, hi = bench.wilson(50, 100)
+    lo, hi = quality.wilson(50, 100)
     assert abs((lo + hi) / 2 - 0.5) < 1e-9 and abs(hi - lo - 2 * 1.96 * 0.05) < 0.01  # ≈ normal approx.
 
 
 def test_relative_definitions():
-    assert bench.relative("passkey", 0.3, 0.6) == pytest.approx(0.5)
-    assert math.isnan(float(bench.relative("kv", 0.3, 0.0)))  # undefined when the full cache scores 0
-    assert bench.relative("nll_next", 2.0, 2.0) == pytest.approx(1.0)
-    assert bench.relative("nll_repeat", 2.5, 2.0) == pytest.approx(math.exp(-0.5))  # = ppl_full / ppl
-    assert bench.relative("agreement", 0.8, 1.0) == pytest.approx(0.8)
-    assert np.allclose(bench.relative("passkey", np.array([0.2, 0.4]), np.array([0.4, 0.4])), [0.5, 1.0])
+    assert quality.relative("passkey", 0.3, 0.6) == pytest.approx(0.5)
+    assert math.isnan(float(quality.relative("kv", 0.3, 0.0)))  # undefined when the full cache scores 0
+    assert quality.relative("nll_next", 2.0, 2.0) == pytest.approx(1.0)
+    assert quality.relative("nll_repeat", 2.5, 2.0) == pytest.approx(math.exp(-0.5))  # = ppl_full / ppl
+    assert quality.relative("agreement", 0.8, 1.0) == pytest.approx(0.8)
+    assert np.allclose(quality.relative("passkey", np.array([0.2, 0.4]), np.array([0.4, 0.4])), [0.5, 1.0])
 
 
 def test_tally_ratio_of_sums_and_bootstrap():
-    t = bench.Tally()
+    t = quality.Tally()
     for num, den in [(1, 2), (3, 4), (0, 4)]:
         t.add(num, den)
     assert t.value() == pytest.approx(4 / 10)  # pooled over contexts, not a mean of per-context ratios
@@ -57,7 +58,7 @@ def fake_run(n_ctx=6, seed=0):
     nlls = 2 + np.random.default_rng(seed).random(n_ctx)  # per context, shared by both caches
     tallies, extras = {}, {}
     for key, acc, dn in ((("full", 1.0), 0.8, 0.0), (("streaming", 0.5), 0.4, 0.1)):
-        tallies[key] = {t: bench.Tally() for t in bench.TASKS}
+        tallies[key] = {t: quality.Tally() for t in quality.TASKS}
         extras[key] = dict(kept_fraction=0.5, kept_fraction_per_layer=[0.5, 0.5], kv_bytes=1.0, kv_fraction=0.5,
                            decode_tok_s=1.0)
         for nll in nlls:
@@ -71,7 +72,7 @@ def fake_run(n_ctx=6, seed=0):
 
 def test_summarize_rows_and_figure10_average():
     tallies, extras = fake_run()
-    rows = bench.summarize(tallies, extras, n_boot=200, seed=0)
+    rows = quality.summarize(tallies, extras, n_boot=200, seed=0)
     get = lambda task, method: next(r for r in rows if r["task"] == task and r["method"] == method)
     assert get("passkey", "streaming")["relative"] == pytest.approx(0.5)
     assert get("nll_next", "streaming")["relative"] == pytest.approx(math.exp(-0.1))
@@ -89,10 +90,10 @@ def test_summarize_rows_and_figure10_average():
 def test_average_leaves_out_tasks_the_full_cache_fails():
     tallies, extras = fake_run()
     for key in tallies:  # nobody answers a single kv question
-        tallies[key]["kv"] = bench.Tally()
+        tallies[key]["kv"] = quality.Tally()
         for _ in range(6):
             tallies[key]["kv"].add(0, 10)
-    rows = bench.summarize(tallies, extras, n_boot=100, seed=0)
+    rows = quality.summarize(tallies, extras, n_boot=100, seed=0)
     avg = next(r for r in rows if r["task"] == "average" and r["method"] == "streaming")
     assert avg["relative"] == pytest.approx((0.5 + 2 * math.exp(-0.1)) / 3) and avg["ci"] is not None
     assert next(r for r in rows if r["task"] == "kv" and r["method"] == "streaming")["relative"] is None
@@ -102,22 +103,22 @@ def test_contrasts_are_paired_differences_of_the_average():
     tallies, extras = fake_run()
     tallies[("fastkvzip", 0.5)] = tallies.pop(("streaming", 0.5))  # half as accurate, 0.1 nats worse
     tallies[("kvzip", 0.5)] = tallies[("full", 1.0)]                # lossless
-    (c,) = bench.contrasts(tallies, n_boot=200, seed=0)
+    (c,) = quality.contrasts(tallies, n_boot=200, seed=0)
     want = (0.5 + 0.5 + 2 * math.exp(-0.1)) / 4 - 1.0
     assert (c["a"], c["b"], c["budget"]) == ("fastkvzip", "kvzip", 0.5) and c["diff"] == pytest.approx(want)
     assert c["ci"] == pytest.approx([want, want])  # the same loss on every context: paired, no spread
     tallies[("kvzip", 0.5)] = tallies[("fastkvzip", 0.5)]
-    assert bench.contrasts(tallies, n_boot=50, seed=0)[0]["ci"] == [0.0, 0.0]
+    assert quality.contrasts(tallies, n_boot=50, seed=0)[0]["ci"] == [0.0, 0.0]
 
 
 def test_markdown_renders_every_task():
     tallies, extras = fake_run()
-    rows = bench.summarize(tallies, extras, n_boot=50, seed=0)
+    rows = quality.summarize(tallies, extras, n_boot=50, seed=0)
     cfg = dict(started="now", git_commit="0" * 40, git_dirty=False, gate=dict(source="g", sha256="ab"),
                flags=dict(model="m", lengths=[512], passkeys=1, kv_questions=1, kv_pairs=8, chunk_size=16384, seed=0))
     tallies[("kvzip", 0.5)], tallies[("fastkvzip", 0.5)] = tallies[("full", 1.0)], tallies[("streaming", 0.5)]
     md = bench.markdown(dict(config=cfg, rows=rows, compressed_layers=[5, 11], n_contexts=6, seconds=1.0,
-                             contrasts=bench.contrasts(tallies, n_boot=50, seed=0)))
+                             contrasts=quality.contrasts(tallies, n_boot=50, seed=0)))
     assert "| the gate minus its teacher | -0.30 [-0.30, -0.30] |" in md  # (0.5 + 0.5 + 2e^-0.1)/4 - 1
     for title in ("Relative performance", "Kept fraction", "Pass-key", "Key-value", "repeated passage", "Agreement",
                   "Paired differences"):
@@ -127,7 +128,7 @@ def test_markdown_renders_every_task():
 
 def test_plot_writes_a_png(tmp_path):
     tallies, extras = fake_run()
-    bench.plot(dict(rows=bench.summarize(tallies, extras, n_boot=50, seed=0)), tmp_path / "relative.png")
+    quality.plot(dict(rows=quality.summarize(tallies, extras, n_boot=50, seed=0)), tmp_path / "relative.png")
     assert (tmp_path / "relative.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["relative.png"]  # written atomically, nothing left over
 
@@ -150,7 +151,7 @@ def real(tmp_path_factory):
         gates = G.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size)
         gate_path = tmp_path_factory.mktemp("gate") / "random.safetensors"
         G.save_gate(gate_path, gates, {"note": "random, tests only"})
-    return dict(model=model, tok=tok, fmt=fmt, gate=str(gate_path), docs=bench.load_docs(tok)[:4])
+    return dict(model=model, tok=tok, fmt=fmt, gate=str(gate_path), docs=quality.load_docs(tok)[:4])
 
 
 def same_cache(a, b, exact=True):
@@ -177,14 +178,14 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget):
     evicting cache (KVzip: generate.prefill_kvzip), and gives bit-identical logits afterwards."""
     model, tok = real["model"], real["tok"]
     args = bench.parse_args(["--gate", real["gate"]])
-    maker = bench.SampleMaker(tok, real["fmt"], real["docs"], seed=1, n_passkeys=2, n_kv_questions=1, n_probe=16)
+    maker = quality.SampleMaker(tok, real["fmt"], real["docs"], seed=1, n_passkeys=2, n_kv_questions=1, n_probe=16)
     s = maker.make(400)
-    teacher = bench.KVzipTeacher(model, tok, real["fmt"]) if method == "kvzip" else None
+    teacher = G.KVzipTeacher(model, tok, real["fmt"]) if method == "kvzip" else None
     with torch.no_grad():
-        full, logits, tscores = bench.capture_prefill(model, s.ids, args.chunk_size, teacher, s.n_protected)
-        fast = bench.method_cache(model, method, level, s.n_protected, args, 7, tscores)
-        generate.prefill(bench.Replay(full, logits), fast, s.ids, s.n_protected, budget, args.chunk_size, args.window)
-        real_cache = bench.method_cache(model, method, level, s.n_protected, args, 7)
+        full, logits, tscores = quality.capture_prefill(model, s.ids, args.chunk_size, teacher, s.n_protected)
+        fast = quality.method_cache(model, method, level, s.n_protected, args, 7, tscores)
+        generate.prefill(quality.Replay(full, logits), fast, s.ids, s.n_protected, budget, args.chunk_size, args.window)
+        real_cache = quality.method_cache(model, method, level, s.n_protected, args, 7)
         if method == "kvzip":
             generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
         else:
@@ -208,17 +209,17 @@ def test_each_method_keeps_its_own_scorer(real):
     every method's scorer, which made all methods identical)."""
     args = bench.parse_args(["--gate", real["gate"]])
     scores = torch.rand(3, 1, 101)
-    want = dict(fastkvzip=G.GateScorer, kvzip=bench.Precomputed, snapkv=G.SnapKVScorer,
+    want = dict(fastkvzip=G.GateScorer, kvzip=quality.Precomputed, snapkv=G.SnapKVScorer,
                 streaming=G.StreamingScorer, random=G.RandomScorer)
     for method, cls in want.items():
-        cache = bench.method_cache(real["model"], method, bench.DEFAULT_LEVEL[method], 1, args, 0, scores)
+        cache = quality.method_cache(real["model"], method, quality.DEFAULT_LEVEL[method], 1, args, 0, scores)
         assert type(cache.scorer) is cls, (method, type(cache.scorer))
-        assert cache.level == bench.DEFAULT_LEVEL[method]
+        assert cache.level == quality.DEFAULT_LEVEL[method]
 
 
 def test_needles_and_probes_are_where_they_claim(real):
     tok = real["tok"]
-    maker = bench.SampleMaker(tok, real["fmt"], real["docs"], seed=3, n_passkeys=3, n_kv_questions=2, n_probe=32)
+    maker = quality.SampleMaker(tok, real["fmt"], real["docs"], seed=3, n_passkeys=3, n_kv_questions=2, n_probe=32)
     s = maker.make(1000)
     assert abs(len(s.ids) - s.n_protected - 1000) <= 2  # needle tokens counted in the length
     text = tok.decode(s.ids)
@@ -278,7 +279,7 @@ def test_shards_resume_and_merge_equal_one_run(real, quick, tmp_path):
     run("b")  # b as one whole run: resumes, runs only the context it lacks
     assert sorted(p.name for p in (tmp_path / "b" / "contexts").iterdir()) == ["context-000.json", "context-001.json"]
     assert rows(tmp_path / "b") == rows(quick)
-    with pytest.raises(bench.BenchError, match="another configuration"):  # other flags: refused, not mixed
+    with pytest.raises(quality.BenchError, match="another configuration"):  # other flags: refused, not mixed
         run("b", "--seed", "1")
 
 
@@ -307,7 +308,7 @@ def test_bad_shard_and_merge_flags_are_refused(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--shard", shard])
         assert e.value.code == 2 and f"--shard {shard}: expected k/n" in capsys.readouterr().err
-    with pytest.raises(bench.BenchError, match="needs --out"):
+    with pytest.raises(quality.BenchError, match="needs --out"):
         bench.main(["--merge", str(tmp_path)])
-    with pytest.raises(bench.BenchError, match="config.json missing"):
+    with pytest.raises(quality.BenchError, match="config.json missing"):
         bench.main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "merged")])

@@ -231,3 +231,78 @@ def test_peak_counts_old_buffers_while_a_layer_is_relaid_out():
     per_token = H * 2 * d * 4  # K and V rows of every head, fp32
     assert cache.nbytes == L * 200 * per_token
     assert cache.peak_nbytes == L * 200 * per_token + 100 * per_token
+
+
+class FixedScorer:
+    """Precomputed scores (L, H, n) of the context positions, handed to the cache as it asks."""
+    level = "global"
+
+    def __init__(self, scores):
+        self.scores = scores
+
+    def score(self, l, hidden, q, k, pos):
+        return self.scores[l][:, pos]
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.3, 0.01])
+def test_kept_by_rule_is_what_the_cache_keeps(tiny, budget):
+    """gate.kept_by_rule (the agreement metrics' kept sets) against the cache itself: one prefill chunk
+    of the same scores keeps exactly the same pairs, window and empty-layer floor included."""
+    from gate import kept_by_rule
+    cfg = tiny.config
+    torch.manual_seed(6)
+    n, L, H = 100, len(cfg.compressed_layers), cfg.num_key_value_heads
+    scores = torch.rand(L, H, n)
+    cache = EvictingCache(cfg, FixedScorer(scores), n_protected=0)
+    with torch.no_grad():
+        prefill(tiny, cache, torch.randint(0, cfg.vocab_size, (n,)).tolist(), 0, budget, chunk_size=128, window=16)
+    keep, window = kept_by_rule(scores, budget, chunk_size=128, window=16)
+    assert window == min(2, int(budget * n))  # shorter than one chunk: the last 2% (less if the budget is)
+    for li, layer in enumerate(cache.compressed):
+        for h in range(H):
+            assert cache.layers[layer].head_pos(h).tolist() == keep[li, h].nonzero().squeeze(1).tolist()
+
+
+class InputsCache(KVCache):
+    """A full cache that also keeps each compressed layer's attention input, q, k and positions."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.inputs = {}
+
+    def attend(self, layer, q, k, v, hidden, scale, window=None):
+        if layer in self.cfg.compressed_layers:
+            self.inputs[layer] = (hidden, q, k, self.positions(q.shape[0]))
+        return super().attend(layer, q, k, v, hidden, scale, window)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_adopting_a_full_prefill_equals_prefilling_the_evicting_cache(tiny, given):
+    """Oracle: the evicting cache that prefilled itself. Adopting a full cache of the same prompt, scored by
+    the cache's scorer from the prefill's inputs or with the scores given for the context, then evicting,
+    keeps the same positions, keys and values; with keep_full the full cache stays as it was."""
+    cfg = tiny.config
+    torch.manual_seed(6)
+    ids = torch.randint(0, cfg.vocab_size, (60,))
+    n_protected = 4
+    oracle = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected)
+    full = InputsCache(cfg)
+    with torch.no_grad():
+        tiny(ids, oracle), tiny(ids, full)
+    cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected)
+    before = [kv.n_rows for kv in full.layers]
+    if given:
+        scores = torch.stack([torch.stack([oracle.layers[i].head_score(h)[n_protected:] for h in range(kv.n_heads)])
+                              for i, kv in ((i, oracle.layers[i]) for i in oracle.compressed)])
+        cache.adopt(full, scores=scores, keep_full=True)
+    else:
+        cache.adopt(full, inputs=full.inputs, keep_full=True)
+    assert cache.n_seen == oracle.n_seen and cache.peak_nbytes == full.peak_nbytes
+    for c in (cache, oracle):
+        c.evict(n_protected, len(ids) - 2, 0.3)
+    assert [kv.n_rows for kv in full.layers] == before
+    for a, b in zip(cache.layers, oracle.layers):
+        for h in range(a.n_heads):
+            assert torch.equal(a.head_pos(h), b.head_pos(h)) and torch.equal(a.head_score(h), b.head_score(h))
+        rows = lambda kv: torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(kv.starts, kv.lens)])
+        assert torch.equal(a.k[rows(a)], b.k[rows(b)]) and torch.equal(a.v[rows(a)], b.v[rows(b)])

@@ -341,3 +341,41 @@ def test_scorer_shapes_and_orders():
     assert not torch.equal(r1, RandomScorer(seed=2).score(0, hidden, q, k, pos))
     for scorer in (GateScorer(g), StreamingScorer(), RandomScorer(), SnapKVScorer()):
         assert scorer.level in ("global", "layer", "head")
+
+
+def test_agreement_counts_equal_a_naive_count():
+    """gate.agreement against literal set arithmetic on the kept positions, and Spearman against ranks
+    computed by sorting Python lists."""
+    torch.manual_seed(7)
+    L, H, n = 3, 2, 60
+    student, teacher = torch.rand(L, H, n), torch.rand(L, H, n)
+    teacher[1] = student[1] + 0.1 * torch.rand(H, n)  # one layer that agrees closely
+    is_digit = torch.rand(n) < 0.3
+    a = gate.agreement(student, teacher, is_digit, budgets=(0.5,), chunk_size=1000, window=0)
+    p = gate.pool_agreement([a, a], budgets=(0.5,))
+
+    def ranks(xs):
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        r = [0] * len(xs)
+        for rank, i in enumerate(order):
+            r[i] = rank
+        return r
+
+    ks, w = gate.kept_by_rule(student, 0.5, 1000, 0)
+    kt, _ = gate.kept_by_rule(teacher, 0.5, 1000, 0)
+    assert w == 1  # 2% of 60 tokens
+    for l in range(L):
+        rs, rt = ranks(student[l].flatten().tolist()), ranks(teacher[l].flatten().tolist())
+        m = (len(rs) - 1) / 2
+        cov = sum((x - m) * (y - m) for x, y in zip(rs, rt))
+        var = sum((x - m) ** 2 for x in rs)
+        assert a["spearman"][l] == pytest.approx(cov / var, abs=1e-12)
+        seg = range(n - w)
+        T = {(h, i) for h in range(H) for i in seg if kt[l, h, i]}
+        S = {(h, i) for h in range(H) for i in seg if ks[l, h, i]}
+        D = {(h, i) for h in range(H) for i in seg if is_digit[i]}
+        assert p["overlap@0.5"][l] == pytest.approx(len(T & S) / len(T))
+        assert p["chance@0.5"][l] == pytest.approx(len(S) / (H * len(seg)))
+        assert p["digits_student@0.5"][l] == pytest.approx(len(S & D) / len(D))
+        assert p["digits_teacher@0.5"][l] == pytest.approx(len(T & D) / len(D))
+    assert a["spearman"][1] > 0.9 > max(abs(a["spearman"][0]), abs(a["spearman"][2]))

@@ -72,14 +72,28 @@ def test_select_documents_budgets_and_concatenation():
     """Half the tokens in single documents (in order), half in concatenations walking the same documents
     from the start; the document arriving once a concatenation is full closes it and is dropped."""
     docs = [TG.Doc(f"d{i}", f"t{i}", n) for i, n in enumerate([50, 120, 150, 130, 400, 140, 160, 110])]
-    chosen, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=250)
+    chosen, _, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=250)
     singles = [d.name for d in chosen if not d.name.startswith("concatenation")]
     assert singles == ["d1", "d2", "d3"]  # 120+150+130 >= 300: the single-document half is full
     cats = [d for d in chosen if d.name.startswith("concatenation")]
     # d1+d2 = 270 >= 250, d3 closes it (dropped); d5+d6 = 300, d7 closes it: 570 >= 300
     assert [d.text for d in cats] == ["t1\n\nt2", "t5\n\nt6"] and [d.n for d in cats] == [270, 300]
-    only_short, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=0)
+    only_short, _, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=0)
     assert [d.name for d in only_short] == ["d1", "d2", "d3", "d5", "d6"]
+
+
+def test_held_out_documents_are_whole_and_never_in_a_training_sample():
+    """--val-docs f: whole documents held out so that they are at least a fraction f of those taken
+    (the first one is), each absent from every single-document and concatenated training sample."""
+    docs = [TG.Doc(f"d{i}", f"t{i}", 100 + i) for i in range(40)]
+    train, val, _ = TG.select_documents(iter(docs), tokens=2000, min_tokens=100, max_tokens=300,
+                                        long_tokens=250, val_fraction=0.2)
+    held = {d.text for d in val}
+    assert [d.name for d in val][:3] == ["d0", "d5", "d10"]
+    for d in train:
+        assert not held & set(d.text.split("\n\n")), d.name  # no held-out text in any training sample
+    taken = {t for d in train for t in d.text.split("\n\n")} | held
+    assert len(val) >= 0.2 * len(taken) - 1e-9  # the held-out share of the documents used
 
 
 def test_training_recovers_a_known_gate(tmp_path):
@@ -132,8 +146,8 @@ def test_training_beats_the_best_constant(qwen, tmp_path):
 
     gates = load_gate(out / "gate.safetensors", cfg)
     assert gates.meta["training"]["steps"] == 300 and gates.meta["layers"] == cfg.compressed_layers
-    val = (torch.arange(store.n_tokens) + 1) % 100 == 0
-    xv, yv = store.gather(val.nonzero().squeeze(1))
+    assert store.is_val_doc.any()  # --val-docs 0.05 (the default) held out whole documents
+    xv, yv = store.gather(store.is_val_doc.nonzero().squeeze(1))
     loss = TG.bce_per_layer(gates(xv), yv).tolist()
     assert loss == pytest.approx(m["val_loss"][-1], abs=1e-5)  # the file holds the gate that was measured
 
@@ -245,7 +259,7 @@ def test_fineweb_selection_uses_the_dataset_token_counts(tmp_path, monkeypatch):
     docs = list(TG.iter_fineweb(tokenizer=None))
     assert asked[0] == ("HuggingFaceFW/fineweb-edu", "sample/10BT/000_00000.parquet", "dataset")
     assert [(d.name, d.text, d.n) for d in docs[:2]] == [("fineweb-edu row 0", "doc 0", 50), ("fineweb-edu row 1", "doc 1", 200)]
-    chosen, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=300)
+    chosen, _, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=300)
     assert [d.n for d in chosen] == [200, 250, 450]  # rows 1, 2; then rows 1+2 concatenated, row 3 drops
 
 
@@ -255,3 +269,22 @@ def test_plot_curves_writes_a_png(tmp_path):
     path = TG.plot_curves(m, tmp_path / "curves.png")
     assert path and (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]  # no temporary file left behind
+
+
+def test_training_corpus_is_broad_and_holds_no_evaluation_text():
+    """tools/fetch_assets.py's training corpus: all three sources, documents of about 2K-7K tokens, and
+    not one paragraph of the Austen novels (the evaluation text) nor a planted pass key."""
+    from tools import fetch_assets
+    fetch_assets.require_for_test("corpus")
+    docs = fetch_assets.text_docs("corpus")
+    assert {p.name.split("-", 1)[1] for p in docs} == {"wiki.txt", "sotu.txt", "pydoc.txt"}
+    assert [p.name.split("-", 1)[1] for p in docs[:3]] == ["wiki.txt", "sotu.txt", "pydoc.txt"]  # interleaved
+    austen = {p for f in fetch_assets.text_docs("austen") for p in f.read_text().split("\n\n") if len(p) > 200}
+    lo, hi = fetch_assets.CORPUS_DOC_CHARS
+    lengths = []
+    for f in docs:
+        text = f.read_text()
+        lengths.append(len(text))
+        assert "'s pass key is" not in text, f.name  # the benchmark's needle sentence
+        assert not austen & set(text.split("\n\n")), f.name
+    assert max(lengths) <= hi + 1 and sum(n >= lo for n in lengths) >= 0.95 * len(docs)

