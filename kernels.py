@@ -16,7 +16,7 @@ This file holds, top to bottom:
                        all of them), keys split across programs for decode (flash-decoding).
                        Triton is optional: without it this module imports and the torch path works.
   RaggedKV             one layer's storage: per-head regions with slack, append / select / attend.
-  WindowKV             a sliding-window layer's storage: a ring of W rows per head (O(1) per token).
+  WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1) per token).
   a benchmark          python kernels.py (full sizes on CUDA; the reference on small shapes on CPU).
 
 The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's seqused_k):
@@ -452,7 +452,7 @@ class RaggedKV:
 
 
 class WindowKV(RaggedKV):
-    """A sliding-window layer's keys and values: per head a ring of W rows, so that a decode token
+    """A sliding-window layer's keys and values: per head a ring of at most W rows, so that a decode token
     costs one row write, not a re-layout of the whole window.
 
     Between forwards each head holds its last min(n, W) tokens: the W-1 the next token attends to and
@@ -460,43 +460,47 @@ class WindowKV(RaggedKV):
     attention over a set of keys does not depend on their order, and every key in the ring is inside
     the query's window. A prefill chunk (queries that need the causal order) gets a plain RaggedKV
     layout instead, the window's rows in position order followed by the chunk's, and `wrap()` turns it
-    back into a ring of the last W rows (one copy of W rows per chunk). Nothing is evicted from a
+    back into a ring of the last W rows (one copy of W rows per chunk). Until the ring is full it grows
+    like a RaggedKV (slack), so a short context holds only its own tokens. Nothing is evicted from a
     window layer: select (and keep_last, truncate) raise. pos / score rows are in ring order.
     """
 
     def __init__(self, n_heads, head_dim, window, dtype, device):
         super().__init__(n_heads, head_dim, dtype, device)
         self.window = window
-        self.ring = False  # True: regions of W rows whose oldest token sits at row `first` of every head
+        self.ring = False  # True between forwards: rows from 0, the oldest token of every head at row `first`
         self.first = 0
 
     def append(self, k, v, pos, score=None):
-        """k, v (t, H, d); pos (t,). One token into a ring: overwrite its oldest row; else RaggedKV.append."""
+        """k, v (t, H, d); pos (t,). One token into a ring with room: a row write; else RaggedKV.append."""
         t, H, d = k.shape
         n = int(self.lens[0])  # every head of a window layer holds the same tokens
-        if self.ring and t != 1:  # unroll: the window in position order, with room for the chunk after it
+        if self.ring and t == 1 and (n == self.window or n < int(self.caps[0])):
+            rows = (self.starts + (self.first + n) % self.window).to(self.device)  # (H,) after the newest
+            self.k[rows] = k[0].to(self.dtype)
+            self.v[rows] = v[0].to(self.dtype)
+            self.pos[rows] = pos.to(self.device, torch.long)
+            self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H)
+            if n == self.window:  # that row held the oldest token: the next one is now the oldest
+                self.first = (self.first + 1) % self.window
+            else:
+                self.lens = self.lens + 1
+            return
+        if self.first:  # the ring went round: the window back in position order, with room for the chunk
             order = (self.first + torch.arange(n)) % self.window
             self._relayout((self.starts[:, None] + order).reshape(-1), self.lens, self.lens + t)
-            self.ring = False
-        if not self.ring:
-            return super().append(k, v, pos, score)
-        rows = (self.starts + (self.first + n) % self.window).to(self.device)  # (H,) the row after the newest
-        self.k[rows] = k[0].to(self.dtype)
-        self.v[rows] = v[0].to(self.dtype)
-        self.pos[rows] = pos.to(self.device, torch.long)
-        self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H)
-        if n == self.window:  # that row held the oldest token: the next one is now the oldest
-            self.first = (self.first + 1) % self.window
-        else:
-            self.lens = self.lens + 1
+            self.first = 0
+        self.ring = False
+        super().append(k, v, pos, score)
 
     def wrap(self):
-        """After a chunk was attended: keep each head's last min(n, W) rows, as a ring starting at row 0."""
+        """After a forward: each head's last min(n, W) rows, in order from row 0, in at most W rows."""
         if self.ring:
             return
-        keep = torch.clamp(self.lens, max=self.window)
-        self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, torch.full_like(keep, self.window))
-        self.ring, self.first = True, 0
+        keep, caps = torch.clamp(self.lens, max=self.window), torch.clamp(self.caps, max=self.window)
+        if not (torch.equal(keep, self.lens) and torch.equal(caps, self.caps)):  # past the window: copy once
+            self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, caps)
+        self.ring = True
 
     def select(self, keep):
         raise NotImplementedError("a sliding-window layer keeps its last W tokens; nothing is evicted from it")

@@ -218,8 +218,8 @@ def test_slack_is_bounded_after_a_long_prefill():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_window_ring_matches_dense_window(backend):
     """WindowKV, fed prefill chunks and single tokens in any mix, gives what dense attention with the
-    window mask over every token gives, holds exactly the last min(n, W) tokens, and writes a decode
-    token into its ring in place (no re-layout)."""
+    window mask over every token gives, holds exactly the last min(n, W) tokens in at most W rows, and
+    writes a decode token into a full ring in place (no re-layout)."""
     if backend == "triton":
         pytest.importorskip("triton")
     H, G, d, W = 2, 2, 16, 6
@@ -233,15 +233,20 @@ def test_window_ring_matches_dense_window(backend):
         kv.append(k[n:n + t], v[n:n + t], torch.arange(n, n + t))
         outs.append(kv.attend(q[n:n + t], 0.25, window=W, backend=backend))
         kv.wrap()
-        if t == 1:  # into the ring in place: over the oldest row once it is full
+        if t == 1 and n >= W:  # a full ring: the token went over the oldest row, in place
             assert kv.k.data_ptr() == ptr, "a decode token re-laid out the ring"
         n += t
-        assert kv.lens.tolist() == [min(n, W)] * H and kv.k.shape[0] == H * W
+        assert kv.lens.tolist() == [min(n, W)] * H and kv.k.shape[0] <= H * W
+        assert n < W or kv.k.shape[0] == H * W
         for h in range(H):
             assert sorted(kv.head_pos(h).tolist()) == list(range(max(0, n - W), n))
     assert_close(torch.cat(outs), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, f"window ring ({backend})")
     with pytest.raises(NotImplementedError):
         kv.keep_last(2)
+    short = WindowKV(H, d, 512, torch.float32, "cpu")  # a context shorter than the window holds only itself
+    short.append(torch.randn(100, H, d), torch.randn(100, H, d), torch.arange(100))
+    short.wrap()
+    assert short.k.shape[0] == H * 100
 
 
 def test_imports_and_runs_without_triton():
