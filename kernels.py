@@ -6,16 +6,18 @@ not a (H, T, d) tensor any more. We store it the way FastKVzip does: each KV hea
 FlashAttention-varlen call in which the G query heads of a KV head are the heads of an MQA call.
 
 This file holds, top to bottom:
-  attention_reference  the plain-PyTorch spec (and the CPU path): a loop over sequences with
-                       explicit masks, fp32 softmax.
-  decode_attention     the CPU path for one query row per sequence: the same without masks.
-  varlen_attention     the single entry point; backend= "triton" | "torch", or the environment
-                       variable FASTKVZIP_ATTN_BACKEND, else Triton on CUDA tensors, torch otherwise.
+  attention_reference  the plain-PyTorch spec: a loop over sequences and query blocks with explicit
+                       masks, fp32 softmax.
+  sdpa_attention       the CPU path: the same blocks and masks through PyTorch's fused attention.
+  varlen_attention     the single entry point; backend= "torch" | "reference" | "triton", or the
+                       environment variable FASTKVZIP_ATTN_BACKEND, else Triton on CUDA tensors,
+                       torch otherwise.
   the Triton kernel    FlashAttention-style forward: online softmax in fp32, the G query heads of a
                        KV head packed into the rows of one tile (each key block is read once for
                        all of them), keys split across programs for decode (flash-decoding).
                        Triton is optional: without it this module imports and the torch path works.
-  RaggedKV             one layer's storage: per-head regions with slack, append / select / attend.
+  RaggedKV             one layer's storage: per-head regions with slack, append / select / attend
+                       (one new token on the torch path: per head softmax(q k^T) v, no masks).
   WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1) per token).
   a benchmark          python kernels.py (full sizes on CUDA; the reference on small shapes on CPU).
 
@@ -43,11 +45,46 @@ import os
 import torch
 
 # -----------------------------------------------------------------------------------------------
-# The reference: the readable spec of the varlen contract above.
+# The reference: the readable spec of the varlen contract above; and the CPU path, the same blocks
+# through PyTorch's fused attention.
 
 APPEND_EXACT = 64   # appends of at least this many tokens per head (prefill chunks) get no slack
 MAX_SLACK = 1024    # at most this many spare rows per head after a token-by-token append
 QUERY_BLOCK = 1024  # query rows per step of the reference: memory (Hq, 1024, N) instead of (Hq, M, N)
+SDPA_BLOCK = 256    # query rows per SDPA call: a window layer's block reads W + 255 keys, not W + 1023
+
+
+def _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block):
+    """Yield (q0, r0, r1, k0, j0, j1, M, N) for each block of at most `block` query rows of each sequence:
+    its rows q0+r0 .. q0+r1, and the keys k0+j0 .. k0+j1 that its rows can see at all. Rows that see no key
+    (an empty sequence; rows before the first diagonal when N < M) are never yielded: they stay zero."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    bounded = causal or window is not None
+    for b in range(len(cu_q) - 1):
+        q0, k0 = cu_q[b], cu_k[b]
+        M = cu_q[b + 1] - q0
+        N = cu_k[b + 1] - k0 if used is None else used[b]  # rows past seqused_k are slack
+        if N == 0:
+            continue
+        for r0 in range(max(0, M - N) if bounded else 0, M, block):  # row i's diagonal key is i + N - M >= 0
+            r1 = min(M, r0 + block)
+            j0 = max(0, r0 + N - M - window + 1) if window is not None else 0  # its first row's window start
+            j1 = min(N, r1 + N - M) if bounded else N                          # its last row's diagonal
+            yield q0, r0, r1, k0, j0, j1, M, N
+
+
+def _visible(r0, r1, j0, j1, M, N, causal, window, device):
+    """(r1 - r0, j1 - j0) bool: query row i may see key j, by the contract (bottom-right alignment)."""
+    i = torch.arange(r0, r1, device=device)[:, None]
+    j = torch.arange(j0, j1, device=device)[None, :]
+    diag = i + (N - M)  # the last query row sees the last key
+    allowed = torch.ones(r1 - r0, j1 - j0, dtype=torch.bool, device=device)
+    if causal or window is not None:
+        allowed &= j <= diag
+    if window is not None:
+        allowed &= j > diag - window  # W keys, the diagonal one included
+    return allowed
 
 
 def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -59,92 +96,66 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     assert n_q_heads % n_kv_heads == 0, "Hq must be a multiple of Hk (GQA)"
     group = n_q_heads // n_kv_heads
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    used = None if seqused_k is None else seqused_k.tolist()
     out = torch.zeros(total_q, n_q_heads, d, dtype=torch.float32, device=q.device)
-    for b in range(len(cu_q) - 1):
-        q0, q1, k0 = cu_q[b], cu_q[b + 1], cu_k[b]
-        k1 = cu_k[b + 1] if used is None else k0 + used[b]  # rows past seqused_k are slack
-        M, N = q1 - q0, k1 - k0
-        if M == 0 or N == 0:
-            continue  # no keys -> the rows stay zero
-        kb = k[k0:k1].float().transpose(0, 1)                                 # (Hk, N, d), a view in fp32
-        vb = v[k0:k1].float().transpose(0, 1)                                 # (Hk, N, d)
-        for r0 in range(0, M, QUERY_BLOCK):  # query blocks bound memory: a 16K prefill is not (Hq, 16K, 16K)
-            r1 = min(M, r0 + QUERY_BLOCK)
-            m = r1 - r0
-            # keys this block can see at all: up to its last diagonal, and from its first window start
-            j0 = max(0, r0 + N - M - window + 1) if window is not None else 0
-            j1 = min(N, r1 + N - M) if causal or window is not None else N
-            if j1 <= j0:
-                continue  # this block sees no key at all: its rows stay zero
-            # GQA: the G query heads of a KV head are G*m rows of ONE matmul with that head's keys,
-            # so K and V are read once per KV head and never repeated G times
-            qb = q[q0 + r0:q0 + r1].float().view(m, n_kv_heads, group, d)
-            qb = qb.permute(1, 2, 0, 3).reshape(n_kv_heads, group * m, d)    # (Hk, G*m, d), row g*m + i
-            s = (qb @ kb[:, j0:j1].transpose(1, 2)) * scale                   # (Hk, G*m, n)
-            i = torch.arange(r0, r1, device=q.device)[:, None]
-            j = torch.arange(j0, j1, device=q.device)[None, :]
-            diag = i + (N - M)  # bottom-right alignment: the last query row sees the last key
-            allowed = torch.ones(m, j.shape[1], dtype=torch.bool, device=q.device)
-            if causal or window is not None:
-                allowed &= j <= diag
-            if window is not None:
-                allowed &= j > diag - window  # W keys, the diagonal one included
-            # the same (m, n) mask for every head: (Hk, G, m, n) view of the scores
-            s = s.view(n_kv_heads, group, m, -1).masked_fill(~allowed, float("-inf")).view_as(s)
-            # softmax written out so that a row with no allowed key gives 0 instead of NaN
-            mx = s.amax(-1, keepdim=True)
-            mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
-            p = torch.exp(s - mx)
-            den = p.sum(-1, keepdim=True)
-            ob = (p @ vb[:, j0:j1]) / torch.where(den == 0, torch.ones_like(den), den)  # (Hk, G*m, d)
-            out[q0 + r0:q0 + r1] = ob.view(n_kv_heads, group, m, d).permute(2, 0, 1, 3).reshape(m, n_q_heads, d)
+    # query blocks bound memory: a 16K prefill is not (Hq, 16K, 16K)
+    for q0, r0, r1, k0, j0, j1, M, N in _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, QUERY_BLOCK):
+        m = r1 - r0
+        kb = k[k0 + j0:k0 + j1].float().transpose(0, 1)                       # (Hk, n, d), a view in fp32
+        vb = v[k0 + j0:k0 + j1].float().transpose(0, 1)                       # (Hk, n, d)
+        # GQA: the G query heads of a KV head are G*m rows of ONE matmul with that head's keys,
+        # so K and V are read once per KV head and never repeated G times
+        qb = q[q0 + r0:q0 + r1].float().view(m, n_kv_heads, group, d)
+        qb = qb.permute(1, 2, 0, 3).reshape(n_kv_heads, group * m, d)        # (Hk, G*m, d), row g*m + i
+        s = (qb @ kb.transpose(1, 2)) * scale                                 # (Hk, G*m, n)
+        allowed = _visible(r0, r1, j0, j1, M, N, causal, window, q.device)    # (m, n), the same for every head
+        s = s.view(n_kv_heads, group, m, -1).masked_fill(~allowed, float("-inf")).view_as(s)
+        ob = torch.softmax(s, dim=-1) @ vb                                    # (Hk, G*m, d); each row sees a key
+        out[q0 + r0:q0 + r1] = ob.view(n_kv_heads, group, m, d).permute(2, 0, 1, 3).reshape(m, n_q_heads, d)
     return out.to(q.dtype)
 
 
-def decode_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale=None, causal=True, window=None, seqused_k=None):
-    """The torch path for one query row per sequence (decoding): the reference without its masks.
-    A single row sees every key of its sequence under causal alignment, the last W with a window, so
-    each sequence is softmax(q k^T) v over a slice of its keys: a few ops per KV head instead of the
-    reference's mask building (tests/test_kernels.py checks the two agree)."""
-    assert max_seqlen_q <= 1, "decode_attention takes at most one query row per sequence"
+def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale=None, causal=True, window=None, seqused_k=None):
+    """The "torch" backend (the CPU path): the reference's blocks and masks, each block one call of
+    PyTorch's fused scaled_dot_product_attention (flash attention on CPUs: no (n_heads, m, n) score
+    tensor written and re-read four times), with smaller blocks so that a window layer reads fewer keys.
+    In fp32, as the reference; tests/test_kernels.py holds the two equal."""
+    import torch.nn.functional as F
     total_q, n_q_heads, d = q.shape
-    n_kv_heads = k.shape[1]
-    group = n_q_heads // n_kv_heads
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    used = None if seqused_k is None else seqused_k.tolist()
     out = torch.zeros(total_q, n_q_heads, d, dtype=q.dtype, device=q.device)
-    for b in range(len(cu_q) - 1):
-        k0 = cu_k[b]
-        N = cu_k[b + 1] - k0 if used is None else used[b]
-        if cu_q[b + 1] == cu_q[b] or N == 0:
-            continue  # no query, or no keys -> the row stays zero
-        j0 = k0 + max(0, N - window) if window is not None else k0  # the last W keys
-        qb = q[cu_q[b]].float().view(n_kv_heads, group, d)                   # (Hk, G, d)
-        kb = k[j0:k0 + N].float().transpose(0, 1)                             # (Hk, n, d)
-        p = torch.softmax((qb @ kb.transpose(1, 2)) * scale, dim=-1)          # (Hk, G, n)
-        out[cu_q[b]] = (p @ v[j0:k0 + N].float().transpose(0, 1)).view(n_q_heads, d)
+    for q0, r0, r1, k0, j0, j1, M, N in _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, SDPA_BLOCK):
+        qb, kb, vb = (x.float().transpose(0, 1)[None] for x in (q[q0 + r0:q0 + r1], k[k0 + j0:k0 + j1],
+                                                                 v[k0 + j0:k0 + j1]))  # (1, heads, rows, d)
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=_visible(r0, r1, j0, j1, M, N, causal, window,
+                                                                            q.device), scale=scale, enable_gqa=True)
+        out[q0 + r0:q0 + r1] = ob[0].transpose(0, 1)
     return out
 
 
 # -----------------------------------------------------------------------------------------------
 # The entry point.
 
+BACKENDS = ("torch", "reference", "triton")
+
+
+def resolve_backend(q, backend=None):
+    """backend, else env FASTKVZIP_ATTN_BACKEND, else "triton" for CUDA tensors and "torch" otherwise."""
+    backend = backend or os.environ.get("FASTKVZIP_ATTN_BACKEND") or ("triton" if q.is_cuda else "torch")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (expected one of {', '.join(BACKENDS)})")
+    return backend
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale=None, causal=True, window=None, seqused_k=None, backend=None):
-    """Varlen attention (contract in the module docstring). backend: "triton" | "torch"; None ->
-    env FASTKVZIP_ATTN_BACKEND, else "triton" for CUDA tensors and "torch" otherwise."""
-    backend = backend or os.environ.get("FASTKVZIP_ATTN_BACKEND") or ("triton" if q.is_cuda else "torch")
+    """Varlen attention (contract in the module docstring). backend: "torch" (sdpa_attention),
+    "reference" (attention_reference, the spec) or "triton"; None -> resolve_backend."""
+    backend = resolve_backend(q, backend)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
             window, seqused_k)
-    if backend == "torch":
-        return (decode_attention if max_seqlen_q == 1 else attention_reference)(*args)
-    if backend == "triton":
-        return triton_varlen_attention(*args)
-    raise ValueError(f"unknown attention backend {backend!r} (expected 'triton' or 'torch')")
+    fn = {"torch": sdpa_attention, "reference": attention_reference, "triton": triton_varlen_attention}[backend]
+    return fn(*args)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -421,6 +432,8 @@ class RaggedKV:
         t, n_q_heads, d = q.shape
         H = self.n_heads
         G = n_q_heads // H
+        if t == 1 and resolve_backend(q, backend) == "torch":
+            return self._attend_one(q, scale, window)
         # METHOD.md §8: each KV head is one sequence of t query rows whose G query heads are MQA heads
         qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)          # (H*t, G, d)
         k, v, cu_k, used, max_len = self.keys_values()
@@ -428,6 +441,22 @@ class RaggedKV:
         out = varlen_attention(qv, k, v, cu_q, cu_k, t, max_len, scale, causal=True, window=window,
                                seqused_k=used, backend=backend)                 # (H*t, G, d)
         return out.view(H, t, G, d).transpose(0, 1).reshape(t, H * G, d)      # head index h*G + g
+
+    def _attend_one(self, q, scale, window):
+        """One new token on the torch path (decoding on a CPU). A single query row sees all of its head's
+        rows, or the last W with a window, so each KV head is softmax(q k^T) v over a slice of its rows:
+        the reference's result for one row (tests/test_kernels.py holds them equal) without building
+        varlen offsets and masks, a few ops per head in all."""
+        H, d = self.n_heads, self.head_dim
+        qh = q.view(H, -1, d).float()                                         # (H, G, d): query head h*G + g
+        out = torch.zeros_like(qh)
+        for h, (s, n) in enumerate(zip(self.starts.tolist(), self.lens.tolist())):
+            if n == 0:
+                continue  # no keys: zeros
+            j0 = s + max(0, n - window) if window is not None else s
+            p = torch.softmax((qh[h] @ self.k[j0:s + n].float().T) * scale, dim=-1)  # (G, n)
+            out[h] = p @ self.v[j0:s + n].float()                             # (G, d)
+        return out.view(1, H * qh.shape[1], d).to(q.dtype)
 
     def select(self, keep):
         """keep: list of H bool tensors (len_h,) -> keep those rows, freeing everything else."""

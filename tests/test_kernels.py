@@ -99,25 +99,27 @@ def test_reference_varlen_is_per_sequence_and_ignores_slack():
         assert (out[q0:q1][~ok] == 0).all()
 
 
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 300)])
 @pytest.mark.parametrize("G", [1, 4])
-def test_decode_path_matches_reference(G):
-    """The torch backend's one-row path (decode_attention, no masks) against the reference: ragged
-    sequences with slack, an empty one, one with no query row, windows shorter and longer than N."""
-    k_lens, q_lens = [50, 0, 1, 300, 7], [1, 1, 1, 1, 0]
-    q, k, v, cu_q, cu_k, used = varlen_case(q_lens, k_lens, 2 * G, 2, 32, slack=4, seed=G)
-    for causal, window in [(True, None), (False, None), (True, 9), (True, 1000)]:
-        args = (q, k, v, cu_q, cu_k, 1, max(k_lens), 0.2, causal, window, used)
-        out = varlen_attention(*args, backend="torch")
-        assert_close(out, attention_reference(*args), 1e-5, f"decode path causal={causal} window={window}")
+def test_torch_path_matches_reference(monkeypatch, G, causal, window):
+    """sdpa_attention (the CPU path: PyTorch's fused attention on the reference's blocks) against the
+    reference: ragged sequences with slack, an empty one, one row, N < M, several blocks per sequence."""
+    monkeypatch.setattr(kernels, "SDPA_BLOCK", 16)
+    q_lens, k_lens = [3, 1, 5, 40, 30, 1], [10, 0, 20, 70, 12, 300]
+    q, k, v, cu_q, cu_k, used = varlen_case(q_lens, k_lens, 2 * G, 2, 32, slack=3, seed=G)
+    args = (q, k, v, cu_q, cu_k, 40, 300, 0.2, causal, window, used)
+    out = kernels.sdpa_attention(*args)
+    assert_close(out, attention_reference(*args), 1e-5, f"torch path causal={causal} window={window}")
 
 
 def test_backend_selection(monkeypatch):
     q, k, v, cu_q, cu_k, _ = varlen_case([4], [9], 4, 2, 16)
     ref = attention_reference(q, k, v, cu_q, cu_k, 4, 9)
-    monkeypatch.setenv("FASTKVZIP_ATTN_BACKEND", "torch")
+    fast = kernels.sdpa_attention(q, k, v, cu_q, cu_k, 4, 9)
+    monkeypatch.setenv("FASTKVZIP_ATTN_BACKEND", "reference")
     assert torch.equal(varlen_attention(q, k, v, cu_q, cu_k, 4, 9), ref)
     monkeypatch.delenv("FASTKVZIP_ATTN_BACKEND")
-    assert torch.equal(varlen_attention(q, k, v, cu_q, cu_k, 4, 9), ref)  # CPU tensors -> torch
+    assert torch.equal(varlen_attention(q, k, v, cu_q, cu_k, 4, 9), fast)  # CPU tensors -> torch
     with pytest.raises(ValueError):
         varlen_attention(q, k, v, cu_q, cu_k, 4, 9, backend="nope")
 
@@ -171,6 +173,25 @@ def test_ragged_select_window_and_companions():
     kv.keep_last(3)
     assert kv.lens.tolist() == [3] * H and kv.nbytes == kv.n_rows * 2 * d * 4
     assert torch.equal(kv.head_pos(0), torch.arange(100, 100 + T)[keep[0]][-4:-1])
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_one_token_path_matches_reference(G):
+    """RaggedKV.attend of one token on the torch path (per head softmax(q k^T) v, no masks) against the
+    reference on the same rows: ragged heads after eviction, an empty head, slack, windows < and > n."""
+    H, d = 3, 32
+    g = torch.Generator().manual_seed(G)
+    kv = RaggedKV(H, d, torch.float32, "cpu")
+    kv.append(torch.randn(60, H, d, generator=g), torch.randn(60, H, d, generator=g), torch.arange(60))
+    kv.select([torch.rand(60, generator=g) > 0.3, torch.zeros(60, dtype=torch.bool), torch.rand(60, generator=g) > 0.8])
+    kv.append(torch.randn(1, H, d, generator=g), torch.randn(1, H, d, generator=g), torch.tensor([60]))  # slack now
+    kv.lens[1] = 0  # head 1 keeps nothing at all
+    q = torch.randn(1, H * G, d, generator=g)
+    k, v, cu_k, used, max_len = kv.keys_values()
+    cu_q = torch.arange(H + 1, dtype=torch.int32)
+    for window in (None, 5, 1000):
+        ref = attention_reference(q.view(H, G, d), k, v, cu_q, cu_k, 1, max_len, 0.2, True, window, used)
+        assert_close(kv.attend(q, 0.2, window, backend="torch"), ref.view(1, H * G, d), 1e-5, f"window={window}")
 
 
 def test_ragged_window_attend():
