@@ -19,7 +19,7 @@ This file holds, top to bottom:
   RaggedKV             one layer's storage: per-head regions with slack, append / select / attend
                        (one new token on the torch path: per head softmax(q k^T) v, no masks).
   WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1) per token).
-  a benchmark          python kernels.py (full sizes on CUDA; the reference on small shapes on CPU).
+  a benchmark          python kernels.py (full sizes on CUDA; the torch path on small shapes on CPU).
 
 The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's seqused_k):
   q (total_q, Hq, d), k and v (total_k, Hk, d), Hq % Hk == 0; query head j reads KV head
@@ -592,7 +592,7 @@ def _bench_attend(name, kv, t, G, cuda):
 
     def sdpa(k_, v_, gqa):
         return F.scaled_dot_product_attention(qd, k_, v_, attn_mask=mask, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
-    cands = {"ours (" + ("triton" if cuda else "torch reference") + ")": lambda: kv.attend(q, scale),
+    cands = {"ours (" + ("triton" if cuda else "torch") + ")": lambda: kv.attend(q, scale),
              "sdpa dense padded": lambda: sdpa(k_pad, v_pad, True)}
     try:
         sdpa(k_pad, v_pad, True)
@@ -666,8 +666,9 @@ if __name__ == "__main__":
                       _ragged_cache([65536 + 16384] * H, d, dtype, dev), 16384, G, cuda)
         _bench_append([1024, 8192, 65536, 524288], H, d, dtype, dev, cuda)
     else:
-        print("No CUDA: timing the plain-PyTorch reference on SMALL shapes (fp32, 1 thread). These numbers\n"
-              "describe the CPU fallback, not the Triton kernel (the interpreter is for tests, not speed).")
+        print("No CUDA: timing the torch path (SDPA on the reference's blocks; one decode token: per-head\n"
+              "matmuls) on SMALL shapes (fp32, 1 thread). These numbers describe the CPU path, not the Triton\n"
+              "kernel (the interpreter is for tests, not speed).")
         torch.set_num_threads(1)
         for total in (2048, 8192):
             lens = (torch.rand(H) + 0.5)
