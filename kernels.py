@@ -416,8 +416,7 @@ class RaggedKV:
         self.k[rows] = k.transpose(0, 1).reshape(H * t, d).to(self.dtype)
         self.v[rows] = v.transpose(0, 1).reshape(H * t, d).to(self.dtype)
         self.pos[rows] = pos.to(self.device, torch.long).repeat(H)
-        self.score[rows] = (torch.full((H * t,), float("inf"), device=self.device) if score is None
-                            else score.to(self.device, torch.float32).reshape(H * t))
+        self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H * t)
         self.lens = need
 
     def keys_values(self):
