@@ -4,7 +4,8 @@ Measure every method side by side: how much quality it loses, how much time and 
 Quality (quality.py): contexts cut from Jane Austen's novels with needles at many depths, compressed
 before any question is seen, then asked pass keys, key-value pairs, and scored by teacher-forced NLL,
 each method relative to the full cache. Speed and memory (below): the real path, generate.prefill /
-prefill_kvzip then decode, on fresh caches; on a GPU also random weights in Qwen3-8B's shape.
+prefill_kvzip then decode, on fresh caches, beside transformers on the same checkpoint (the peer column,
+when transformers is installed); on a GPU also random weights in Qwen3-8B's shape.
 
 CPU examples (1 thread; times on 2 CPU cores when no other job runs, ~1.3x longer beside one):
     python bench.py --quick             # smoke run, ~2 min: 2 contexts, budgets 0.5/0.2, every method
@@ -100,26 +101,89 @@ class TimedTeacher:
         return out
 
 
-def speed(model, teacher, lengths, ids_for, args, tag="cpu"):
-    rows = []
+def speed(model, teacher, lengths, ids_for, args, tag="cpu", peer=None):
+    """Speed and memory rows, one per (length, method, budget), and the peer's rows (transformers on the same
+    checkpoint, peer_run) when a peer is given. Full, fastkvzip at --speed-budget and the peer are run
+    --speed-repeats times in turn (full, peer, fastkvzip, full, ...), so that load on the machine hits them
+    alike, and their rows hold the medians; those two of ours get vs_peer: prefill and decode speed as
+    multiples of the peer's (> 1: ours is faster)."""
+    rows, peer_rows = [], []
     for n in lengths:
         ids, n_protected = ids_for(n)
-        runs = [("full", 1.0), ("fastkvzip", args.speed_budget)] + [("kvzip", args.speed_budget)] * bool(teacher)
+        compared = [("full", 1.0)] + [("transformers", 1.0)] * bool(peer) + [("fastkvzip", args.speed_budget)]
+        runs = compared * args.speed_repeats + [("kvzip", args.speed_budget)] * bool(teacher)
         if n == lengths[0]:  # decode speed at every budget, on the shortest context (one prefill each)
             runs += [("fastkvzip", b) for b in args.budgets if b not in (1.0, args.speed_budget)]
+        done = {}
         for method, budget in runs:
-            row = timed_run(model, method, budget, ids, n_protected, teacher, args)
-            rows.append(row)
+            row = (peer_run(peer, ids, n_protected, args) if method == "transformers" else
+                   timed_run(model, method, budget, ids, n_protected, teacher, args))
+            done.setdefault((method, budget), []).append(row)
             log(f"speed[{tag}] {n} tokens {method} at {budget:g}: prefill {row['prefill_s']:.1f} s, "
-                f"KV {row['kv_bytes'] / 2**20:.1f} MiB (peak {row['peak_kv_bytes'] / 2**20:.1f}), "
+                f"KV {row['kv_bytes'] / 2**20:.1f} MiB (peak {(row['peak_kv_bytes'] or 0) / 2**20:.1f}), "
                 f"decode {row['decode_tok_s'] or 0:.1f} tok/s")
+        for (method, budget), reps in done.items():
+            (peer_rows if method == "transformers" else rows).append(median_row(reps))
     for r in rows:  # ratios against the full cache at the same length
         f = next(x for x in rows if x["context"] == r["context"] and x["method"] == "full")
         # KV held: against an exactly packed full cache (the full run itself may hold decode slack: <= 1,024
         # rows per head after a one-token last chunk); peak: against the full run's real peak
         r.update(prefill_vs_full=r["prefill_s"] / f["prefill_s"], kv_vs_full=r["kv_bytes"] / r["kv_bytes_full"],
                  peak_vs_full=r["peak_kv_bytes"] / f["peak_kv_bytes"])
-    return rows
+        p = next((x for x in peer_rows if x["context"] == r["context"]), None)
+        if p and (r["method"], r["budget"]) in (("full", 1.0), ("fastkvzip", args.speed_budget)):  # run in turn
+            decode = r["decode_tok_s"] / p["decode_tok_s"] if r["decode_tok_s"] and p["decode_tok_s"] else None
+            r["vs_peer"] = dict(prefill=p["prefill_s"] / r["prefill_s"], decode=decode)
+    return rows, peer_rows
+
+
+def median_row(reps):
+    """One row for repeated runs: the median prefill time and decode speed, each run's kept in *_runs."""
+    row = dict(reps[-1], repeats=len(reps))
+    for k in ("prefill_s", "prefill_tok_s", "decode_tok_s", "score_fraction"):
+        vals = [r[k] for r in reps if r.get(k) is not None]
+        if k in row:
+            row[k] = float(np.median(vals)) if vals else None
+    row.update(prefill_s_runs=[r["prefill_s"] for r in reps], decode_tok_s_runs=[r["decode_tok_s"] for r in reps])
+    return row
+
+
+def load_peer(folder):
+    """The same checkpoint in transformers (SDPA attention, fp32), or None when transformers is not installed."""
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        log("speed: transformers is not installed: no peer column (pip install -r requirements-test.txt)")
+        return None
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    model.version = transformers.__version__
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def peer_run(peer, ids, n_protected, args):
+    """timed_run's work through transformers: the same prefill chunks into its DynamicCache (logits of the
+    last position only), the same 4-token question, the same greedy decode timed the same way."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=peer.config)
+    forward = lambda x: peer(torch.tensor([x]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    t0 = time.perf_counter()
+    for i in range(0, len(ids), args.speed_chunk):
+        forward(ids[i:i + args.speed_chunk])
+    prefill_s = time.perf_counter() - t0
+    kv_bytes = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    logits, out = forward([ids[-1]] * 4), []
+    t0 = time.perf_counter()
+    for _ in range(args.speed_decode):  # as generate.answer: sample, stop at the last token, else one forward
+        out.append(generate.sample(logits))
+        if len(out) == args.speed_decode:
+            break
+        logits = forward([out[-1]])
+    decode_s = time.perf_counter() - t0
+    return dict(context=len(ids) - n_protected, method="transformers", budget=1.0, prefill_s=prefill_s,
+                prefill_tok_s=len(ids) / prefill_s, kv_bytes=kv_bytes, peak_kv_bytes=None,
+                decode_tok_s=(len(out) - 1) / decode_s if decode_s > 0 else None, version=peer.version)
 
 
 # Qwen3-8B's published shape (HF config), with the YaRN scaling the authors use for long contexts (METHOD.md §9)
@@ -169,7 +233,7 @@ def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
     def ids_for(n):
         return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist(), 0
     gargs.speed_chunk, gargs.speed_window = chunk, window
-    return speed(model, teacher, args.gpu_lengths, ids_for, gargs, tag=device.type)
+    return speed(model, teacher, args.gpu_lengths, ids_for, gargs, tag=device.type)[0]
 
 
 # ---- 2. Output: config.json, results.json, results.md, relative.png — each written atomically -------
@@ -240,8 +304,28 @@ def markdown(results):
                            f"{r['prefill_vs_full']:.2f} | {r['score_fraction']:.1%} | "
                            f"{mib(r['kv_bytes'], r['kv_vs_full'])} | {mib(r['peak_kv_bytes'], r['peak_vs_full'])} | "
                            f"{r['decode_tok_s'] or 0:.1f} |")
+            if key == "speed" and results.get("speed_peer"):
+                out += peer_markdown(results)
     out += ["", results.get("gpu_note", "")]
     return "\n".join(out) + "\n"
+
+
+def peer_markdown(results):
+    """The peer table: transformers on the same checkpoint, run in turn with ours, and ours / transformers."""
+    peer = results["speed_peer"]
+    fmt = lambda x: f"{x:.2f}×" if x is not None else "–"
+    out = ["", f"### Against transformers {peer[0].get('version', '')} (SDPA attention, DynamicCache, fp32)", "",
+           f"The same checkpoint, chunks, question and greedy decode, run in turn with ours in the same process "
+           f"({peer[0]['repeats']} runs each, medians). Speed ratio ours / transformers: > 1 means ours is faster "
+           "(prefill: its time over ours; decode: our tokens/s over its).", "",
+           "| context | transformers prefill s | transformers decode tok/s | transformers KV after prefill | "
+           "method | budget | prefill × transformers | decode × transformers |", "|---|---|---|---|---|---|---|---|"]
+    for p in peer:
+        for r in (r for r in results["speed"] if r["context"] == p["context"] and r.get("vs_peer")):
+            out.append(f"| {p['context']} | {p['prefill_s']:.2f} | {p['decode_tok_s'] or 0:.1f} | "
+                       f"{p['kv_bytes'] / 2**20:.1f} MiB | {r['method']} | {r['budget']:g} | "
+                       f"{fmt(r['vs_peer']['prefill'])} | {fmt(r['vs_peer']['decode'])} |")
+    return out
 
 
 # ---- 3. Command line --------------------------------------------------------------------------------
@@ -260,7 +344,7 @@ def ints(s):
 
 # --quick's settings; flags given explicitly win over them
 QUICK = dict(lengths=[512], contexts=2, budgets=[0.5, 0.2], speed_lengths=[256], passkeys=1, kv_questions=1,
-             probe_tokens=32, continue_tokens=0, speed_decode=4, bootstrap=200, extra_levels=[], gpu_lengths=[8192])
+             probe_tokens=32, continue_tokens=0, speed_decode=4, speed_repeats=1, bootstrap=200, extra_levels=[], gpu_lengths=[8192])
 
 
 def parse_args(argv=None):
@@ -291,6 +375,10 @@ def parse_args(argv=None):
                    "paper's 16K chunk over 170K contexts, scaled to 16K contexts")
     p.add_argument("--speed-window", type=int, default=512, help="local window of the CPU speed runs (scaled 4096)")
     p.add_argument("--speed-decode", type=int, default=32, help="tokens decoded per speed run")
+    p.add_argument("--speed-repeats", type=int, default=2, help="runs of full, transformers and fastkvzip at "
+                   "--speed-budget per length, taken in turn; their rows hold medians")
+    p.add_argument("--no-peer", action="store_true", help="CPU speed: skip transformers (the peer column; it "
+                   "runs whenever transformers is installed)")
     p.add_argument("--gpu-lengths", type=ints, default=[8192, 32768, 131072], help="GPU speed contexts")
     p.add_argument("--no-quality", action="store_true", help="skip the quality section")
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")

@@ -5,7 +5,8 @@ Two classes, one storage. Every layer keeps its keys and values in a `kernels.Ra
 region of rows (METHOD.md §8), so after eviction each head can hold a different number of tokens and
 the attention kernel reads exactly what is kept. Nothing is masked: evicted rows are gone from memory.
 
-- `KVCache` is the full cache. Gemma3's sliding-window layers keep only a rolling window of W tokens.
+- `KVCache` is the full cache. Gemma3's sliding-window layers keep only their last W tokens, in a ring
+  (`kernels.WindowKV`): a decode token overwrites the one that left the window, nothing is copied.
 - `EvictingCache` adds scores: every compressed layer asks a scorer (the gate, or a baseline, gate.py)
   how important each new KV pair is, stores the score beside the row, and `evict()` drops the least
   important rows of a segment of the context — one threshold over all compressed layers × heads by
@@ -23,17 +24,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import RaggedKV
+from kernels import RaggedKV, WindowKV
 
 
 class KVCache:
-    """Full KV cache for one sequence (batch 1). Sliding-window layers keep their last W-1 tokens."""
+    """Full KV cache for one sequence (batch 1). A sliding-window layer keeps its last W tokens in a ring
+    (WindowKV), unless it is a compressed layer: those (all of Qwen3's, whose released checkpoints never
+    slide) hold their context until it is evicted, and the window mask limits what they attend to."""
 
     def __init__(self, cfg, dtype=torch.float32, device="cpu"):
         self.cfg = cfg
         self.dtype, self.device = dtype, torch.device(device)
-        self.layers = [RaggedKV(cfg.num_key_value_heads, cfg.head_dim, dtype, self.device)
-                       for _ in range(cfg.num_hidden_layers)]
+        H, d, compressed = cfg.num_key_value_heads, cfg.head_dim, set(cfg.compressed_layers)
+        self.layers = [WindowKV(H, d, cfg.window(i), dtype, self.device)
+                       if cfg.window(i) is not None and i not in compressed else RaggedKV(H, d, dtype, self.device)
+                       for i in range(cfg.num_hidden_layers)]
         self.n_seen = 0  # absolute position of the next token (evicted tokens still count: RoPE positions)
         self.peak_nbytes = 0
 
@@ -58,8 +63,8 @@ class KVCache:
         kv.append(k, v, self.positions(q.shape[0]))
         self._track_peak(kv)
         out = kv.attend(q, scale, window)  # (T, Hq, d)
-        if window is not None and int(kv.lens.max()) > window - 1:
-            kv.keep_last(window - 1)  # the next token sees W keys: W-1 old ones and itself
+        if isinstance(kv, WindowKV):
+            kv.wrap()  # after a chunk: back to a ring of the last W tokens (after one token: nothing to do)
             self._track_peak(kv)
         return out
 
@@ -68,7 +73,7 @@ class KVCache:
 
     # -- questions on a shared context: answer, then roll back (METHOD.md §8 slice) --
     def checkpoint(self):
-        """State to roll back to after answering a question. Sliding layers drop old rows as new tokens
+        """State to roll back to after answering a question. Window layers overwrite old rows as new tokens
         arrive, so they are copied (W rows each); other layers only need their lengths."""
         sliding = {i: copy.deepcopy(kv) for i, kv in enumerate(self.layers) if self._is_sliding(i)}
         return dict(n_seen=self.n_seen, lens=[kv.lens.clone() for kv in self.layers], sliding=sliding)
@@ -85,7 +90,8 @@ class KVCache:
         self.n_seen = state["n_seen"]
 
     def _is_sliding(self, layer):
-        return self.cfg.layer_types[layer] == "sliding_attention"
+        """True for a sliding-window layer that keeps only its window (a WindowKV ring)."""
+        return isinstance(self.layers[layer], WindowKV)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -6,16 +6,20 @@ not a (H, T, d) tensor any more. We store it the way FastKVzip does: each KV hea
 FlashAttention-varlen call in which the G query heads of a KV head are the heads of an MQA call.
 
 This file holds, top to bottom:
-  attention_reference  the plain-PyTorch spec (and the CPU path): a loop over sequences with
-                       explicit masks, fp32 softmax.
-  varlen_attention     the single entry point; backend= "triton" | "torch", or the environment
-                       variable FASTKVZIP_ATTN_BACKEND, else Triton on CUDA tensors, torch otherwise.
+  attention_reference  the plain-PyTorch spec: a loop over sequences and query blocks with explicit
+                       masks, fp32 softmax.
+  sdpa_attention       the CPU path: the same blocks and masks through PyTorch's fused attention.
+  varlen_attention     the single entry point; backend= "torch" | "reference" | "triton", or the
+                       environment variable FASTKVZIP_ATTN_BACKEND, else Triton on CUDA tensors,
+                       torch otherwise.
   the Triton kernel    FlashAttention-style forward: online softmax in fp32, the G query heads of a
                        KV head packed into the rows of one tile (each key block is read once for
                        all of them), keys split across programs for decode (flash-decoding).
                        Triton is optional: without it this module imports and the torch path works.
-  RaggedKV             one layer's storage: per-head regions with slack, append / select / attend.
-  a benchmark          python kernels.py (full sizes on CUDA; the reference on small shapes on CPU).
+  RaggedKV             one layer's storage: per-head regions with slack, append / select / attend
+                       (one new token on the torch path: per head softmax(q k^T) v, no masks).
+  WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1) per token).
+  a benchmark          python kernels.py (full sizes on CUDA; the torch path on small shapes on CPU).
 
 The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's seqused_k):
   q (total_q, Hq, d), k and v (total_k, Hk, d), Hq % Hk == 0; query head j reads KV head
@@ -41,11 +45,46 @@ import os
 import torch
 
 # -----------------------------------------------------------------------------------------------
-# The reference: the readable spec of the varlen contract above.
+# The reference: the readable spec of the varlen contract above; and the CPU path, the same blocks
+# through PyTorch's fused attention.
 
 APPEND_EXACT = 64   # appends of at least this many tokens per head (prefill chunks) get no slack
 MAX_SLACK = 1024    # at most this many spare rows per head after a token-by-token append
 QUERY_BLOCK = 1024  # query rows per step of the reference: memory (Hq, 1024, N) instead of (Hq, M, N)
+SDPA_BLOCK = 256    # query rows per SDPA call: a window layer's block reads W + 255 keys, not W + 1023
+
+
+def _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block):
+    """Yield (q0, r0, r1, k0, j0, j1, M, N) for each block of at most `block` query rows of each sequence:
+    its rows q0+r0 .. q0+r1, and the keys k0+j0 .. k0+j1 that its rows can see at all. Rows that see no key
+    (an empty sequence; rows before the first diagonal when N < M) are never yielded: they stay zero."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    bounded = causal or window is not None
+    for b in range(len(cu_q) - 1):
+        q0, k0 = cu_q[b], cu_k[b]
+        M = cu_q[b + 1] - q0
+        N = cu_k[b + 1] - k0 if used is None else used[b]  # rows past seqused_k are slack
+        if N == 0:
+            continue
+        for r0 in range(max(0, M - N) if bounded else 0, M, block):  # row i's diagonal key is i + N - M >= 0
+            r1 = min(M, r0 + block)
+            j0 = max(0, r0 + N - M - window + 1) if window is not None else 0  # its first row's window start
+            j1 = min(N, r1 + N - M) if bounded else N                          # its last row's diagonal
+            yield q0, r0, r1, k0, j0, j1, M, N
+
+
+def _visible(r0, r1, j0, j1, M, N, causal, window, device):
+    """(r1 - r0, j1 - j0) bool: query row i may see key j, by the contract (bottom-right alignment)."""
+    i = torch.arange(r0, r1, device=device)[:, None]
+    j = torch.arange(j0, j1, device=device)[None, :]
+    diag = i + (N - M)  # the last query row sees the last key
+    allowed = torch.ones(r1 - r0, j1 - j0, dtype=torch.bool, device=device)
+    if causal or window is not None:
+        allowed &= j <= diag
+    if window is not None:
+        allowed &= j > diag - window  # W keys, the diagonal one included
+    return allowed
 
 
 def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -57,60 +96,66 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     assert n_q_heads % n_kv_heads == 0, "Hq must be a multiple of Hk (GQA)"
     group = n_q_heads // n_kv_heads
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    used = None if seqused_k is None else seqused_k.tolist()
     out = torch.zeros(total_q, n_q_heads, d, dtype=torch.float32, device=q.device)
-    for b in range(len(cu_q) - 1):
-        q0, q1, k0 = cu_q[b], cu_q[b + 1], cu_k[b]
-        k1 = cu_k[b + 1] if used is None else k0 + used[b]  # rows past seqused_k are slack
-        M, N = q1 - q0, k1 - k0
-        if M == 0 or N == 0:
-            continue  # no keys -> the rows stay zero
-        kb = k[k0:k1].float().transpose(0, 1).repeat_interleave(group, 0)     # (Hq, N, d)
-        vb = v[k0:k1].float().transpose(0, 1).repeat_interleave(group, 0)     # (Hq, N, d)
-        for r0 in range(0, M, QUERY_BLOCK):  # query blocks bound memory: a 16K prefill is not (Hq, 16K, 16K)
-            r1 = min(M, r0 + QUERY_BLOCK)
-            # keys this block can see at all: up to its last diagonal, and from its first window start
-            j0 = max(0, r0 + N - M - window + 1) if window is not None else 0
-            j1 = min(N, r1 + N - M) if causal or window is not None else N
-            if j1 <= j0:
-                continue  # this block sees no key at all: its rows stay zero
-            qb = q[q0 + r0:q0 + r1].float().transpose(0, 1)                   # (Hq, m, d)
-            s = (qb @ kb[:, j0:j1].transpose(1, 2)) * scale                   # (Hq, m, n)
-            i = torch.arange(r0, r1, device=q.device)[:, None]
-            j = torch.arange(j0, j1, device=q.device)[None, :]
-            diag = i + (N - M)  # bottom-right alignment: the last query row sees the last key
-            allowed = torch.ones(r1 - r0, j.shape[1], dtype=torch.bool, device=q.device)
-            if causal or window is not None:
-                allowed &= j <= diag
-            if window is not None:
-                allowed &= j > diag - window  # W keys, the diagonal one included
-            s = s.masked_fill(~allowed, float("-inf"))
-            # softmax written out so that a row with no allowed key gives 0 instead of NaN
-            m = s.amax(-1, keepdim=True)
-            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-            p = torch.exp(s - m)
-            den = p.sum(-1, keepdim=True)
-            ob = (p @ vb[:, j0:j1]) / torch.where(den == 0, torch.ones_like(den), den)  # (Hq, m, d)
-            out[q0 + r0:q0 + r1] = ob.transpose(0, 1)
+    # query blocks bound memory: a 16K prefill is not (Hq, 16K, 16K)
+    for q0, r0, r1, k0, j0, j1, M, N in _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, QUERY_BLOCK):
+        m = r1 - r0
+        kb = k[k0 + j0:k0 + j1].float().transpose(0, 1)                       # (Hk, n, d), a view in fp32
+        vb = v[k0 + j0:k0 + j1].float().transpose(0, 1)                       # (Hk, n, d)
+        # GQA: the G query heads of a KV head are G*m rows of ONE matmul with that head's keys,
+        # so K and V are read once per KV head and never repeated G times
+        qb = q[q0 + r0:q0 + r1].float().view(m, n_kv_heads, group, d)
+        qb = qb.permute(1, 2, 0, 3).reshape(n_kv_heads, group * m, d)        # (Hk, G*m, d), row g*m + i
+        s = (qb @ kb.transpose(1, 2)) * scale                                 # (Hk, G*m, n)
+        allowed = _visible(r0, r1, j0, j1, M, N, causal, window, q.device)    # (m, n), the same for every head
+        s = s.view(n_kv_heads, group, m, -1).masked_fill(~allowed, float("-inf")).view_as(s)
+        ob = torch.softmax(s, dim=-1) @ vb                                    # (Hk, G*m, d); each row sees a key
+        out[q0 + r0:q0 + r1] = ob.view(n_kv_heads, group, m, d).permute(2, 0, 1, 3).reshape(m, n_q_heads, d)
     return out.to(q.dtype)
+
+
+def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale=None, causal=True, window=None, seqused_k=None):
+    """The "torch" backend (the CPU path): the reference's blocks and masks, each block one call of
+    PyTorch's fused scaled_dot_product_attention (flash attention on CPUs: no (n_heads, m, n) score
+    tensor written and re-read four times), with smaller blocks so that a window layer reads fewer keys.
+    In fp32, as the reference; tests/test_kernels.py holds the two equal."""
+    import torch.nn.functional as F
+    total_q, n_q_heads, d = q.shape
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    out = torch.zeros(total_q, n_q_heads, d, dtype=q.dtype, device=q.device)
+    for q0, r0, r1, k0, j0, j1, M, N in _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, SDPA_BLOCK):
+        qb, kb, vb = (x.float().transpose(0, 1)[None] for x in (q[q0 + r0:q0 + r1], k[k0 + j0:k0 + j1],
+                                                                 v[k0 + j0:k0 + j1]))  # (1, heads, rows, d)
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=_visible(r0, r1, j0, j1, M, N, causal, window,
+                                                                            q.device), scale=scale, enable_gqa=True)
+        out[q0 + r0:q0 + r1] = ob[0].transpose(0, 1)
+    return out
 
 
 # -----------------------------------------------------------------------------------------------
 # The entry point.
 
+BACKENDS = ("torch", "reference", "triton")
+
+
+def resolve_backend(q, backend=None):
+    """backend, else env FASTKVZIP_ATTN_BACKEND, else "triton" for CUDA tensors and "torch" otherwise."""
+    backend = backend or os.environ.get("FASTKVZIP_ATTN_BACKEND") or ("triton" if q.is_cuda else "torch")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (expected one of {', '.join(BACKENDS)})")
+    return backend
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale=None, causal=True, window=None, seqused_k=None, backend=None):
-    """Varlen attention (contract in the module docstring). backend: "triton" | "torch"; None ->
-    env FASTKVZIP_ATTN_BACKEND, else "triton" for CUDA tensors and "torch" otherwise."""
-    backend = backend or os.environ.get("FASTKVZIP_ATTN_BACKEND") or ("triton" if q.is_cuda else "torch")
+    """Varlen attention (contract in the module docstring). backend: "torch" (sdpa_attention),
+    "reference" (attention_reference, the spec) or "triton"; None -> resolve_backend."""
+    backend = resolve_backend(q, backend)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
             window, seqused_k)
-    if backend == "torch":
-        return attention_reference(*args)
-    if backend == "triton":
-        return triton_varlen_attention(*args)
-    raise ValueError(f"unknown attention backend {backend!r} (expected 'triton' or 'torch')")
+    fn = {"torch": sdpa_attention, "reference": attention_reference, "triton": triton_varlen_attention}[backend]
+    return fn(*args)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -371,8 +416,7 @@ class RaggedKV:
         self.k[rows] = k.transpose(0, 1).reshape(H * t, d).to(self.dtype)
         self.v[rows] = v.transpose(0, 1).reshape(H * t, d).to(self.dtype)
         self.pos[rows] = pos.to(self.device, torch.long).repeat(H)
-        self.score[rows] = (torch.full((H * t,), float("inf"), device=self.device) if score is None
-                            else score.to(self.device, torch.float32).reshape(H * t))
+        self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H * t)
         self.lens = need
 
     def keys_values(self):
@@ -387,6 +431,8 @@ class RaggedKV:
         t, n_q_heads, d = q.shape
         H = self.n_heads
         G = n_q_heads // H
+        if t == 1 and resolve_backend(q, backend) == "torch":
+            return self._attend_one(q, scale, window)
         # METHOD.md §8: each KV head is one sequence of t query rows whose G query heads are MQA heads
         qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)          # (H*t, G, d)
         k, v, cu_k, used, max_len = self.keys_values()
@@ -394,6 +440,22 @@ class RaggedKV:
         out = varlen_attention(qv, k, v, cu_q, cu_k, t, max_len, scale, causal=True, window=window,
                                seqused_k=used, backend=backend)                 # (H*t, G, d)
         return out.view(H, t, G, d).transpose(0, 1).reshape(t, H * G, d)      # head index h*G + g
+
+    def _attend_one(self, q, scale, window):
+        """One new token on the torch path (decoding on a CPU). A single query row sees all of its head's
+        rows, or the last W with a window, so each KV head is softmax(q k^T) v over a slice of its rows:
+        the reference's result for one row (tests/test_kernels.py holds them equal) without building
+        varlen offsets and masks, a few ops per head in all."""
+        H, d = self.n_heads, self.head_dim
+        qh = q.view(H, -1, d).float()                                         # (H, G, d): query head h*G + g
+        out = torch.zeros_like(qh)
+        for h, (s, n) in enumerate(zip(self.starts.tolist(), self.lens.tolist())):
+            if n == 0:
+                continue  # no keys: zeros
+            j0 = s + max(0, n - window) if window is not None else s
+            p = torch.softmax((qh[h] @ self.k[j0:s + n].float().T) * scale, dim=-1)  # (G, n)
+            out[h] = p @ self.v[j0:s + n].float()                             # (G, d)
+        return out.view(1, H * qh.shape[1], d).to(q.dtype)
 
     def select(self, keep):
         """keep: list of H bool tensors (len_h,) -> keep those rows, freeing everything else."""
@@ -415,6 +477,61 @@ class RaggedKV:
         H, t = score.shape
         rows = ((self.starts + self.lens - t)[:, None] + torch.arange(t)).reshape(-1).to(self.device)
         self.score[rows] = score.to(self.device, torch.float32).reshape(-1)
+
+
+class WindowKV(RaggedKV):
+    """A sliding-window layer's keys and values: per head a ring of at most W rows, so that a decode token
+    costs one row write, not a re-layout of the whole window.
+
+    Between forwards each head holds its last min(n, W) tokens: the W-1 the next token attends to and
+    the oldest, whose row that token overwrites. A decode query attends over the ring as it lies:
+    attention over a set of keys does not depend on their order, and every key in the ring is inside
+    the query's window. A prefill chunk (queries that need the causal order) gets a plain RaggedKV
+    layout instead, the window's rows in position order followed by the chunk's, and `wrap()` turns it
+    back into a ring of the last W rows (one copy of W rows per chunk). Until the ring is full it grows
+    like a RaggedKV (slack), so a short context holds only its own tokens. Nothing is evicted from a
+    window layer: select (and keep_last, truncate) raise. pos / score rows are in ring order.
+    """
+
+    def __init__(self, n_heads, head_dim, window, dtype, device):
+        super().__init__(n_heads, head_dim, dtype, device)
+        self.window = window
+        self.ring = False  # True between forwards: rows from 0, the oldest token of every head at row `first`
+        self.first = 0
+
+    def append(self, k, v, pos, score=None):
+        """k, v (t, H, d); pos (t,). One token into a ring with room: a row write; else RaggedKV.append."""
+        t, H, d = k.shape
+        n = int(self.lens[0])  # every head of a window layer holds the same tokens
+        if self.ring and t == 1 and (n == self.window or n < int(self.caps[0])):
+            rows = (self.starts + (self.first + n) % self.window).to(self.device)  # (H,) after the newest
+            self.k[rows] = k[0].to(self.dtype)
+            self.v[rows] = v[0].to(self.dtype)
+            self.pos[rows] = pos.to(self.device, torch.long)
+            self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H)
+            if n == self.window:  # that row held the oldest token: the next one is now the oldest
+                self.first = (self.first + 1) % self.window
+            else:
+                self.lens = self.lens + 1
+            return
+        if self.first:  # the ring went round: the window back in position order, with room for the chunk
+            order = (self.first + torch.arange(n)) % self.window
+            self._relayout((self.starts[:, None] + order).reshape(-1), self.lens, self.lens + t)
+            self.first = 0
+        self.ring = False
+        super().append(k, v, pos, score)
+
+    def wrap(self):
+        """After a forward: each head's last min(n, W) rows, in order from row 0, in at most W rows."""
+        if self.ring:
+            return
+        keep, caps = torch.clamp(self.lens, max=self.window), torch.clamp(self.caps, max=self.window)
+        if not (torch.equal(keep, self.lens) and torch.equal(caps, self.caps)):  # past the window: copy once
+            self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, caps)
+        self.ring = True
+
+    def select(self, keep):
+        raise NotImplementedError("a sliding-window layer keeps its last W tokens; nothing is evicted from it")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -474,7 +591,7 @@ def _bench_attend(name, kv, t, G, cuda):
 
     def sdpa(k_, v_, gqa):
         return F.scaled_dot_product_attention(qd, k_, v_, attn_mask=mask, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
-    cands = {"ours (" + ("triton" if cuda else "torch reference") + ")": lambda: kv.attend(q, scale),
+    cands = {"ours (" + ("triton" if cuda else "torch") + ")": lambda: kv.attend(q, scale),
              "sdpa dense padded": lambda: sdpa(k_pad, v_pad, True)}
     try:
         sdpa(k_pad, v_pad, True)
@@ -548,8 +665,9 @@ if __name__ == "__main__":
                       _ragged_cache([65536 + 16384] * H, d, dtype, dev), 16384, G, cuda)
         _bench_append([1024, 8192, 65536, 524288], H, d, dtype, dev, cuda)
     else:
-        print("No CUDA: timing the plain-PyTorch reference on SMALL shapes (fp32, 1 thread). These numbers\n"
-              "describe the CPU fallback, not the Triton kernel (the interpreter is for tests, not speed).")
+        print("No CUDA: timing the torch path (SDPA on the reference's blocks; one decode token: per-head\n"
+              "matmuls) on SMALL shapes (fp32, 1 thread). These numbers describe the CPU path, not the Triton\n"
+              "kernel (the interpreter is for tests, not speed).")
         torch.set_num_threads(1)
         for total in (2048, 8192):
             lens = (torch.rand(H) + 0.5)

@@ -381,6 +381,36 @@ def test_contexts_that_cannot_be_made_are_refused_before_any_work(real, tmp_path
     assert not (tmp_path / "out" / "contexts").exists() and not (tmp_path / "out" / "results.json").exists()
 
 
+def test_peer_column_on_a_tiny_gemma3(tmp_path):
+    """The transformers column: the same runs through transformers' own cache, taken in turn with full and
+    fastkvzip --speed-repeats times; medians, ratios ours / transformers, and the table in results.md."""
+    pytest.importorskip("transformers")
+    import model as M
+    from tests.helpers import tiny_checkpoint
+    folder = tiny_checkpoint("gemma3", tmp_path / "tiny", max_position_embeddings=512)
+    model = M.load_model(folder, "cpu", torch.float32)
+    cfg = model.config
+    args = bench.parse_args(["--speed-decode", "3", "--speed-chunk", "32", "--speed-window", "16", "--budgets", "0.3"])
+    args.gate = str(tmp_path / "random-gate.safetensors")
+    G.save_gate(args.gate, G.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                                   cfg.group_size), {"note": "random, tests only"})
+    g = torch.Generator().manual_seed(0)
+    ids_for = lambda n: ([cfg.bos_token_id] + torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist(), 1)
+    rows, peer = bench.speed(model, None, [80], ids_for, args, peer=bench.load_peer(folder))  # 3 chunks
+    assert [(r["method"], r["budget"], r["repeats"]) for r in rows] == [("full", 1.0, 2), ("fastkvzip", 0.3, 2)]
+    assert len(peer) == 1 and peer[0]["repeats"] == 2 and peer[0]["context"] == 80
+    # transformers keeps every token of the global layer and at most the window of the sliding ones
+    L, H, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    assert 81 * H * d * 2 * 4 < peer[0]["kv_bytes"] <= L * 81 * H * d * 2 * 4
+    for r in rows + peer:
+        assert len(r["prefill_s_runs"]) == 2 and r["prefill_s"] == float(np.median(r["prefill_s_runs"]))
+    for r in rows:
+        assert r["vs_peer"]["prefill"] == peer[0]["prefill_s"] / r["prefill_s"]
+        assert r["vs_peer"]["decode"] == r["decode_tok_s"] / peer[0]["decode_tok_s"] > 0
+    md = bench.peer_markdown(dict(speed=rows, speed_peer=peer))
+    assert sum(line.startswith("| 80 |") for line in md) == 2
+
+
 def test_bad_shard_and_merge_flags_are_refused(tmp_path, capsys):
     for shard in ("3/2", "x", "1/0"):
         with pytest.raises(SystemExit) as e:

@@ -157,7 +157,7 @@ def test_budget_one_matches_full_cache_and_chunking_is_exact(tiny):
 
 def test_decode_budget_and_sliding_window_bounds(tiny):
     """During decoding the compressed layers never hold more than the budget plus one buffer, and
-    sliding-window layers never more than W-1 tokens between forwards."""
+    sliding-window layers exactly their last W tokens between forwards."""
     cfg = tiny.config
     torch.manual_seed(4)
     ids = torch.randint(0, cfg.vocab_size, (80,)).tolist()
@@ -181,9 +181,9 @@ def test_decode_budget_and_sliding_window_bounds(tiny):
             evicted |= held <= B * L * H < cache.n_seen * L * H
             for i, kv in enumerate(cache.layers):
                 if cfg.layer_types[i] == "sliding_attention":
-                    assert int(kv.lens.max()) <= cfg.sliding_window - 1
+                    assert kv.lens.tolist() == [cfg.sliding_window] * kv.n_heads  # a full ring of W
                     assert kv.nbytes == kv.n_rows * 2 * cfg.head_dim * kv.k.element_size()
-                    assert int(kv.head_pos(0).min()) == cache.n_seen - kv.n_rows // kv.n_heads
+                    assert int(kv.head_pos(0).min()) == cache.n_seen - cfg.sliding_window
         assert evicted, "the decode budget was never enforced"
         heads = [(layer, h) for layer in cache.compressed for h in range(H)]
         for (layer, h), sink in zip(heads, sinks):  # what the first 4 positions kept, and the decode window, survive
@@ -220,7 +220,8 @@ def test_peak_counts_old_buffers_while_a_layer_is_relaid_out():
     peak says so (the last layer copied: every layer at 200 rows, plus its old 100)."""
     from types import SimpleNamespace
     H, d, L = 2, 8, 3
-    cfg = SimpleNamespace(num_key_value_heads=H, head_dim=d, num_hidden_layers=L, layer_types=["full_attention"] * L)
+    cfg = SimpleNamespace(num_key_value_heads=H, head_dim=d, num_hidden_layers=L, layer_types=["full_attention"] * L,
+                          compressed_layers=list(range(L)), window=lambda layer: None)
     cache = KVCache(cfg)
     for T in (100, 100):  # prefill-sized appends are allocated exactly, so the second one copies the first
         for layer in range(L):

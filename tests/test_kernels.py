@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import RaggedKV, attention_reference, varlen_attention
+from kernels import RaggedKV, WindowKV, attention_reference, varlen_attention
 from tests.helpers import assert_close
 
 torch.set_num_threads(1)
@@ -90,13 +90,27 @@ def test_reference_varlen_is_per_sequence_and_ignores_slack():
         assert (out[q0:q1][~ok] == 0).all()
 
 
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 300)])
+@pytest.mark.parametrize("G", [1, 4])
+def test_torch_path_matches_reference(monkeypatch, G, causal, window):
+    """sdpa_attention (the CPU path: PyTorch's fused attention on the reference's blocks) against the
+    reference: ragged sequences with slack, an empty one, one row, N < M, several blocks per sequence."""
+    monkeypatch.setattr(kernels, "SDPA_BLOCK", 16)
+    q_lens, k_lens = [3, 1, 5, 40, 30, 1], [10, 0, 20, 70, 12, 300]
+    q, k, v, cu_q, cu_k, used = varlen_case(q_lens, k_lens, 2 * G, 2, 32, slack=3, seed=G)
+    args = (q, k, v, cu_q, cu_k, 40, 300, 0.2, causal, window, used)
+    out = kernels.sdpa_attention(*args)
+    assert_close(out, attention_reference(*args), 1e-5, f"torch path causal={causal} window={window}")
+
+
 def test_backend_selection(monkeypatch):
     q, k, v, cu_q, cu_k, _ = varlen_case([4], [9], 4, 2, 16)
     ref = attention_reference(q, k, v, cu_q, cu_k, 4, 9)
-    monkeypatch.setenv("FASTKVZIP_ATTN_BACKEND", "torch")
+    fast = kernels.sdpa_attention(q, k, v, cu_q, cu_k, 4, 9)
+    monkeypatch.setenv("FASTKVZIP_ATTN_BACKEND", "reference")
     assert torch.equal(varlen_attention(q, k, v, cu_q, cu_k, 4, 9), ref)
     monkeypatch.delenv("FASTKVZIP_ATTN_BACKEND")
-    assert torch.equal(varlen_attention(q, k, v, cu_q, cu_k, 4, 9), ref)  # CPU tensors -> torch
+    assert torch.equal(varlen_attention(q, k, v, cu_q, cu_k, 4, 9), fast)  # CPU tensors -> torch
     with pytest.raises(ValueError):
         varlen_attention(q, k, v, cu_q, cu_k, 4, 9, backend="nope")
 
@@ -152,6 +166,25 @@ def test_ragged_select_window_and_companions():
     assert torch.equal(kv.head_pos(0), torch.arange(100, 100 + T)[keep[0]][-4:-1])
 
 
+@pytest.mark.parametrize("G", [1, 4])
+def test_one_token_path_matches_reference(G):
+    """RaggedKV.attend of one token on the torch path (per head softmax(q k^T) v, no masks) against the
+    reference on the same rows: ragged heads after eviction, an empty head, slack, windows < and > n."""
+    H, d = 3, 32
+    g = torch.Generator().manual_seed(G)
+    kv = RaggedKV(H, d, torch.float32, "cpu")
+    kv.append(torch.randn(60, H, d, generator=g), torch.randn(60, H, d, generator=g), torch.arange(60))
+    kv.select([torch.rand(60, generator=g) > 0.3, torch.zeros(60, dtype=torch.bool), torch.rand(60, generator=g) > 0.8])
+    kv.append(torch.randn(1, H, d, generator=g), torch.randn(1, H, d, generator=g), torch.tensor([60]))  # slack now
+    kv.lens[1] = 0  # head 1 keeps nothing at all
+    q = torch.randn(1, H * G, d, generator=g)
+    k, v, cu_k, used, max_len = kv.keys_values()
+    cu_q = torch.arange(H + 1, dtype=torch.int32)
+    for window in (None, 5, 1000):
+        ref = attention_reference(q.view(H, G, d), k, v, cu_q, cu_k, 1, max_len, 0.2, True, window, used)
+        assert_close(kv.attend(q, 0.2, window, backend="torch"), ref.view(1, H * G, d), 1e-5, f"window={window}")
+
+
 def test_ragged_window_attend():
     H, G, d, T, W = 2, 2, 16, 12, 4
     g = torch.Generator().manual_seed(3)
@@ -192,6 +225,40 @@ def test_slack_is_bounded_after_a_long_prefill():
     kv.append(torch.randn(6000, H, d), torch.randn(6000, H, d), torch.arange(6000))
     kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([6000]))
     assert kv.caps.tolist() == [6001 + MAX_SLACK] * H and kv.k.shape[0] == H * (6001 + MAX_SLACK)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_window_ring_matches_dense_window(backend):
+    """WindowKV, fed prefill chunks and single tokens in any mix, gives what dense attention with the
+    window mask over every token gives, holds exactly the last min(n, W) tokens in at most W rows, and
+    writes a decode token into a full ring in place (no re-layout)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    H, G, d, W = 2, 2, 16, 6
+    steps = [4, 1, 1, 3, 1, 1, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 2, 1]  # tokens per forward
+    T = sum(steps)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g), torch.randn(T, H, d, generator=g)
+    kv, outs, n = WindowKV(H, d, W, torch.float32, "cpu"), [], 0
+    for t in steps:
+        ptr = kv.k.data_ptr()
+        kv.append(k[n:n + t], v[n:n + t], torch.arange(n, n + t))
+        outs.append(kv.attend(q[n:n + t], 0.25, window=W, backend=backend))
+        kv.wrap()
+        if t == 1 and n >= W:  # a full ring: the token went over the oldest row, in place
+            assert kv.k.data_ptr() == ptr, "a decode token re-laid out the ring"
+        n += t
+        assert kv.lens.tolist() == [min(n, W)] * H and kv.k.shape[0] <= H * W
+        assert n < W or kv.k.shape[0] == H * W
+        for h in range(H):
+            assert sorted(kv.head_pos(h).tolist()) == list(range(max(0, n - W), n))
+    assert_close(torch.cat(outs), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, f"window ring ({backend})")
+    with pytest.raises(NotImplementedError):
+        kv.keep_last(2)
+    short = WindowKV(H, d, 512, torch.float32, "cpu")  # a context shorter than the window holds only itself
+    short.append(torch.randn(100, H, d), torch.randn(100, H, d), torch.arange(100))
+    short.wrap()
+    assert short.k.shape[0] == H * 100
 
 
 def test_imports_and_runs_without_triton():
