@@ -478,7 +478,7 @@ def main(argv=None):
                                  f"use a new --out, or the flags of the run that wrote them")
             results[k] = old[k]
     write_text(out / "config.json", json.dumps(config, indent=1))
-    model = M.load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower here)
+    model = M.load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower without bf16 units)
     records = list(done.values())
 
     def save():
