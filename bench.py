@@ -477,6 +477,8 @@ def main(argv=None):
                                  f"{differing(old['config'].get(f'{k}_key') or {}, config[f'{k}_key'])} differ); "
                                  f"use a new --out, or the flags of the run that wrote them")
             results[k] = old[k]
+            if k == "speed" and old.get("speed_peer"):  # the peer rows were measured in the same run
+                results["speed_peer"] = old["speed_peer"]
     write_text(out / "config.json", json.dumps(config, indent=1))
     model = M.load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower without bf16 units)
     records = list(done.values())
@@ -500,7 +502,9 @@ def main(argv=None):
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
         system = tok.encode(fmt.system, add_special_tokens=False).ids
         stream = [t for _, d in load_docs(tok) for t in d]
-        results["speed"] = speed(model, teacher, args.speed_lengths, lambda n: (system + stream[:n], len(system)), args)
+        peer = None if args.no_peer else load_peer(folder)
+        results["speed"], results["speed_peer"] = speed(model, teacher, args.speed_lengths,
+                                                        lambda n: (system + stream[:n], len(system)), args, peer=peer)
     if gpu:
         results["gpu"] = gpu_section(args)
     elif not results.get("gpu"):
@@ -571,6 +575,8 @@ def merge(args):
                                  f"({differing(results['config'].get(f'{k}_key') or {}, row_key or {})} differ)")
             results[k] = results.get(k, []) + old[k]
             results["config"][f"{k}_key"] = row_key
+            if k == "speed" and old.get("speed_peer"):  # measured in the same run as these rows
+                results["speed_peer"] = results.get("speed_peer", []) + old["speed_peer"]
         results["compressed_layers"] = old.get("compressed_layers", results.get("compressed_layers"))
         results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))  # shards run side by side
     expected = len(key["lengths"]) * key["contexts"]
