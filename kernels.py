@@ -535,7 +535,7 @@ class WindowKV(RaggedKV):
 
 
 # -----------------------------------------------------------------------------------------------
-# Benchmark: python kernels.py (CUDA: full sizes against SDPA / flash-attn; CPU: reference, small)
+# Benchmark: python kernels.py (CUDA: full sizes against SDPA / flash-attn; CPU: the torch path, small)
 
 def _timeit(fn, cuda):
     """Seconds per call: triton's do_bench on CUDA, a plain loop of at least 0.3 s on CPU."""
