@@ -100,7 +100,7 @@ def test_torch_path_matches_reference(monkeypatch, G, causal, window):
     q, k, v, cu_q, cu_k, used = varlen_case(q_lens, k_lens, 2 * G, 2, 32, slack=3, seed=G)
     args = (q, k, v, cu_q, cu_k, 40, 300, 0.2, causal, window, used)
     out = kernels.sdpa_attention(*args)
-    assert_close(out, attention_reference(*args), 1e-5, f"torch path causal={causal} window={window}")
+    assert_close(out, attention_reference(*args), 1e-5, name=f"torch path causal={causal} window={window}")
 
 
 def test_backend_selection(monkeypatch):
@@ -182,7 +182,7 @@ def test_one_token_path_matches_reference(G):
     cu_q = torch.arange(H + 1, dtype=torch.int32)
     for window in (None, 5, 1000):
         ref = attention_reference(q.view(H, G, d), k, v, cu_q, cu_k, 1, max_len, 0.2, True, window, used)
-        assert_close(kv.attend(q, 0.2, window, backend="torch"), ref.view(1, H * G, d), 1e-5, f"window={window}")
+        assert_close(kv.attend(q, 0.2, window, backend="torch"), ref.view(1, H * G, d), 1e-5, name=f"window={window}")
 
 
 def test_ragged_window_attend():
@@ -252,7 +252,7 @@ def test_window_ring_matches_dense_window(backend):
         assert n < W or kv.k.shape[0] == H * W
         for h in range(H):
             assert sorted(kv.head_pos(h).tolist()) == list(range(max(0, n - W), n))
-    assert_close(torch.cat(outs), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, f"window ring ({backend})")
+    assert_close(torch.cat(outs), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, name=f"window ring ({backend})")
     with pytest.raises(NotImplementedError):
         kv.keep_last(2)
     short = WindowKV(H, d, 512, torch.float32, "cpu")  # a context shorter than the window holds only itself
