@@ -281,9 +281,10 @@ def markdown(results):
     out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
            f"Model `{f['model']}`, gate `{cfg['gate']['source']}` (sha256 {str(cfg['gate']['sha256'])[:12]}), "
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
-           f"{results.get('n_contexts', 0)} Austen contexts of {f['lengths']} tokens, {f['passkeys']} pass keys and "
-           f"{f['kv_questions']} of {f['kv_pairs']} JSON pairs asked per context; chunk {f['chunk_size']}, "
-           f"seed {f['seed']}. Run time {results.get('seconds', 0) / 60:.1f} min"
+           + (f"{results['n_contexts']} Austen contexts of {f['lengths']} tokens, {f['passkeys']} pass keys and "
+              f"{f['kv_questions']} of {f['kv_pairs']} JSON pairs asked per context; chunk {f['chunk_size']}, "
+              f"seed {f['seed']}. " if results.get("n_contexts") else "No quality section (speed and memory only). ")
+           + f"Run time {results.get('seconds', 0) / 60:.1f} min"
            + (f" ({len(cfg['merged_from'])} runs side by side, merged)." if cfg.get("merged_from") else "."), ""]
     out += quality.markdown(results)
     mib = lambda x, ratio: f"{x / 2**20:.1f} MiB ({ratio:.0%})"
