@@ -62,17 +62,18 @@ def swap_cache(full, n_protected, scores, keep, combo):
     return cache
 
 
-def swap_context(model, tok, sample, full, scores, budgets, chunk_size, window, stops):
-    """Every (combination, budget) on one context -> {"full@1" | "TGT@0.5" ...: quality.entry}."""
+def swap_context(model, tok, sample, full, scores, budgets, chunk_size, window, stops, combos=None):
+    """Every (combination, budget) on one context, or those in `combos` ("TTT", ...) -> {"full@1" |
+    "TGT@0.5" ...: quality.entry}."""
     ref = quality.evaluate(model, tok, full, sample, stops)
     p, n = sample.n_protected, len(sample.ids)
     out = {"full@1": quality.entry(sample, ref, ref, [1.0] * len(scores["T"]), full.nbytes)}
     for r in budgets:
         keep = {s: G.kept_by_rule(x, r, chunk_size, window)[0] for s, x in scores.items()}
-        for combo in itertools.product("TG", repeat=len(scores["T"])):
+        for combo in combos or ["".join(c) for c in itertools.product("TG", repeat=len(scores["T"]))]:
             cache = swap_cache(full, p, scores, keep, combo)
             res = quality.evaluate(model, tok, cache, sample, stops)
-            out[f"{''.join(combo)}@{r:g}"] = quality.entry(sample, res, ref, cache.kept_fraction_per_layer(p, n),
+            out[f"{combo}@{r:g}"] = quality.entry(sample, res, ref, cache.kept_fraction_per_layer(p, n),
                                                            cache.nbytes)
     return out
 
@@ -115,13 +116,17 @@ def run(args):
     fmt = M.prompt_format(cfg, args.model)
     gates = G.resolve_gate(args.gate, cfg, args.model)
     _, samples = quality.make_samples(tok, fmt, bargs)
+    L = len(cfg.compressed_layers)
+    if args.combos and any(len(c) != L or set(c) - set("TG") for c in args.combos):
+        raise UsageError(f"--combos: each is {L} letters T (teacher) or G (gate), one per compressed layer "
+                         f"{cfg.compressed_layers}, e.g. {'T' * L},{'G' * L}")
     if max(len(s.ids) for s in samples) > args.chunk_size:
         raise UsageError(f"--length {args.length} with its system prompt exceeds --chunk-size {args.chunk_size}: the "
                          "swap needs one-chunk prefills (every scorer then sees the same hidden states)")
     out = Path(args.out)
     (out / "contexts").mkdir(parents=True, exist_ok=True)
     source = gates.meta.get("source")  # what makes two runs' contexts the same experiment
-    key = dict(flags=flags, budgets=args.budgets, gate=bench.sha256(source) if source else None)
+    key = dict(flags=flags, budgets=args.budgets, gate=bench.sha256(source) if source else None, combos=args.combos)
     model = M.load_model(folder, "cpu", torch.float32)
     teacher, scorer = G.KVzipTeacher(model, tok, fmt), G.GateScorer(gates)
     stops = quality.answer_stops(cfg, tok)
@@ -135,15 +140,23 @@ def run(args):
         t0 = time.perf_counter()
         with torch.no_grad():
             full, scores = capture(model, sample, teacher, scorer, args.chunk_size)
-            entries = swap_context(model, tok, sample, full, scores, args.budgets, args.chunk_size, args.window, stops)
-        rec = dict(key=key, context=c, doc=sample.doc, n_tokens=len(sample.ids), entries=entries)
+            entries = swap_context(model, tok, sample, full, scores, args.budgets, args.chunk_size, args.window, stops,
+                                   args.combos)
+        agreement = G.agreement(scores["G"], scores["T"], G.digit_tokens(tok, sample.ids[sample.n_protected:]),
+                                chunk_size=args.chunk_size, window=args.window)  # gate.agreement, as bench.py
+        rec = dict(key=key, context=c, doc=sample.doc, n_tokens=len(sample.ids), entries=entries, agreement=agreement)
         cli.write_text(path, json.dumps(rec))
         records.append(rec)
         print(f"context {c + 1}/{len(samples)} ({sample.doc}): {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = pool(records)
     md = table(rows, cfg.compressed_layers)
+    agreement = G.pool_agreement([r["agreement"] for r in records])
+    md += ("\n\nGate vs teacher on these contexts, layers " + "/".join(map(str, cfg.compressed_layers)) + ": Spearman "
+           + " / ".join(f"{x:.2f}" for x in agreement["spearman"]) + "; overlap@0.5 " + " / ".join(
+               "–" if x is None else f"{x:.0%}" for x in agreement["overlap@0.5"]))
     cli.write_text(out / "layer_swap.json", json.dumps(dict(key=key, command=" ".join(sys.argv), rows=rows,
-                                                            contexts=[r["doc"] for r in records]), indent=1))
+                                                            agreement=agreement, contexts=[r["doc"] for r in records]),
+                                                       indent=1))
     cli.write_text(out / "layer_swap.md", md + "\n")
     print(md)
 
@@ -158,6 +171,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="the benchmark's seed for contexts and needles")
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk: a context must fit in one")
     p.add_argument("--window", type=int, default=4096, help="recent tokens always kept (contexts shorter than a chunk: 2%%)")
+    p.add_argument("--combos", type=lambda s: s.upper().split(","), help="only these combinations, e.g. TTT,GGG "
+                   "(default: all 2^L)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", required=True, help="folder for contexts/, layer_swap.json and layer_swap.md")
     return p.parse_args(argv)
