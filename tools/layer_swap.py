@@ -73,8 +73,7 @@ def swap_context(model, tok, sample, full, scores, budgets, chunk_size, window, 
         for combo in combos or ["".join(c) for c in itertools.product("TG", repeat=len(scores["T"]))]:
             cache = swap_cache(full, p, scores, keep, combo)
             res = quality.evaluate(model, tok, cache, sample, stops)
-            out[f"{combo}@{r:g}"] = quality.entry(sample, res, ref, cache.kept_fraction_per_layer(p, n),
-                                                           cache.nbytes)
+            out[f"{combo}@{r:g}"] = quality.entry(sample, res, ref, cache.kept_fraction_per_layer(p, n), cache.nbytes)
     return out
 
 
@@ -94,7 +93,7 @@ def table(rows, layers):
     """Markdown: counts correct for the accuracies, ppl_full / ppl for the NLLs (1 = lossless)."""
     full = rows["full@1"]["tally"]
     nll = lambda t, x: math.exp(full[t][0] / full[t][1] - x[t][0] / x[t][1])
-    lines = [f"| layers {'/'.join(map(str, layers))} | budget | pass keys | JSON KV | agreement | nll_next rel | "
+    lines = [f"| layers {'/'.join(map(str, layers))} | budget | pass keys | JSON KV | answers as full | nll_next rel | "
              f"nll_repeat rel | kept per layer | compressed pairs kept | KV bytes |", "|---" * 10 + "|"]
     for key, row in rows.items():
         combo, budget = key.rsplit("@", 1)
@@ -140,6 +139,8 @@ def run(args):
         t0 = time.perf_counter()
         with torch.no_grad():
             full, scores = capture(model, sample, teacher, scorer, args.chunk_size)
+            print(f"context {c + 1}/{len(samples)}: prefilled, scored by teacher and gate in {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr)
             entries = swap_context(model, tok, sample, full, scores, args.budgets, args.chunk_size, args.window, stops,
                                    args.combos)
         agreement = G.agreement(scores["G"], scores["T"], G.digit_tokens(tok, sample.ids[sample.n_protected:]),
