@@ -420,6 +420,23 @@ def contrasts(tallies, n_boot, seed):
 
 # ---- 5. The quality run -----------------------------------------------------------------------------
 
+def answer_stops(cfg, tok):
+    """Token ids that end a greedy answer: end of sequence, or a line break."""
+    return set(cfg.eos_token_ids) | {i for s in ("\n", "\n\n") for i in tok.encode(s, add_special_tokens=False).ids}
+
+
+def make_samples(tok, fmt, args):
+    """-> (lengths, samples): args.contexts contexts of each of args.lengths, with their needles,
+    questions and probes. Every sample is made up front, also those a shard skips (each depends on the
+    ones before: one RNG), so a length that cannot be made fails now, not hours into the run."""
+    docs = load_docs(tok)
+    random.Random(args.seed).shuffle(docs)
+    maker = SampleMaker(tok, fmt, docs, args.seed, args.passkeys, args.kv_pairs, args.kv_questions,
+                        args.probe_tokens, args.continue_tokens)
+    lengths = [n for n in args.lengths for _ in range(args.contexts)]
+    return lengths, [maker.make(n) for n in lengths]
+
+
 def run(model, tok, fmt, args, done=(), on_context=None):
     """Every configuration on every context of this shard (args.shard = (k, n): contexts c with c % n == k)
     but those in `done` (finished by an earlier run: resume). on_context(record) after each context, with
@@ -430,17 +447,10 @@ def run(model, tok, fmt, args, done=(), on_context=None):
     configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in args.extra_levels
                 if lv != DEFAULT_LEVEL[m]]  # '--extra-levels global' would run the default twice
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
-    stop_ids = set(cfg.eos_token_ids) | {i for s in ("\n", "\n\n") for i in tok.encode(s, add_special_tokens=False).ids}
-    docs = load_docs(tok)
-    random.Random(args.seed).shuffle(docs)
-    maker = SampleMaker(tok, fmt, docs, args.seed, args.passkeys, args.kv_pairs, args.kv_questions,
-                        args.probe_tokens, args.continue_tokens)
-    lengths = [n for n in args.lengths for _ in range(args.contexts)]
+    stop_ids = answer_stops(cfg, tok)
+    lengths, samples = make_samples(tok, fmt, args)
     k_shard, n_shard = args.shard
     todo = [c for c in range(len(lengths)) if c % n_shard == k_shard and c not in done]
-    # every sample made first, also those skipped (each depends on the ones before: one RNG): a length that
-    # cannot be made fails now, not hours into the run
-    samples = [maker.make(n) for n in lengths]
     n_done, t_start = 0, time.perf_counter()
     for c, (n, sample) in enumerate(zip(lengths, samples)):
         if c not in todo:

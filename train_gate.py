@@ -74,6 +74,8 @@ ACC_THRESHOLD = 0.05  # accuracy: both sides of 0.05 agree (METHOD.md §5.3)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP16_FEATURES_ABOVE = 16 * 1024  # --feature-dtype auto: fp32 features above 16 KB per token are stored as fp16
 BASE_LR, MOMENTUM = 0.2, 0.9  # METHOD.md §5.4
+LOSSES = ("bce", "rank")  # bce: the paper's; rank: BCE + RANK_WEIGHT · rank_per_layer (an option beyond it)
+RANK_WEIGHT = 1.0  # the pairwise term's weight beside BCE: equal footing (both are ~0.7 for an untrained gate), not tuned
 
 
 # -------------------------------------------------------------------------------------------------
@@ -493,6 +495,25 @@ def bce_per_layer(pred, target):
     return F.binary_cross_entropy(pred, target.to(pred.dtype), reduction="none").mean(-1).sum(-1)
 
 
+def rank_per_layer(pred, target, pairs):
+    """(L, H, B) -> (L,): a pairwise logistic (RankNet) loss, not in the paper (--loss rank). For each
+    pair (i, j) of the batch's tokens (pairs: (2, P) indices), within each layer and head, with the gate's
+    log-odds z = log(p / (1 − p)) and the teacher's targets t:
+        |t_i − t_j| · softplus(−sign(t_i − t_j) · (z_i − z_j)),
+    averaged with the weights |t_i − t_j| and summed over heads (as BCE). BCE fits each score on its own;
+    the cache keeps the top of a ranking, and in a layer whose targets are flat (Gemma 3 270M's layer 11:
+    half of them between 0.36 and 0.68) small BCE errors reorder many tokens. The term penalises each misordered pair by its
+    log-odds gap; weighting by the target gap makes pairs the teacher barely tells apart count little
+    (ties not at all), so near-ties do not turn into noise."""
+    p = pred.float().clamp(1e-7, 1 - 1e-7)
+    z = torch.log(p) - torch.log1p(-p)
+    i, j = pairs
+    dt = target[..., i].float() - target[..., j].float()
+    w = dt.abs()
+    per_pair = w * F.softplus(-torch.sign(dt) * (z[..., i] - z[..., j]))
+    return (per_pair.sum(-1) / w.sum(-1).clamp_min(1e-12)).sum(-1)
+
+
 def acc_per_layer(pred, target):
     """(L, H, B) -> (L,): agreement of pred >= 0.05 and target >= 0.05 over heads and tokens."""
     return ((pred >= ACC_THRESHOLD) == (target >= ACC_THRESHOLD)).float().mean(dim=(1, 2))
@@ -540,8 +561,10 @@ def sgd_step(params, momentum, lr):
         p.grad = None
 
 
-def train(store, cfg, device, steps, batch_tokens, seed=0, log=print):
-    """METHOD.md §5.2-5.4. Returns (gates, metrics dict)."""
+def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, loss="bce"):
+    """METHOD.md §5.2-5.4. Returns (gates, metrics dict). loss "rank" adds RANK_WEIGHT · rank_per_layer
+    over B random token pairs of each batch, drawn from a generator of their own: the batches are the same
+    as with "bce"."""
     N = store.n_tokens
     is_val = store.is_val_doc
     if not is_val.any():  # the authors' split: every 100th token, 1-based (load_data.py:split_fn)
@@ -565,6 +588,9 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print):
     L = store.n_layers
     metrics = dict(step=[], train_loss=[], train_acc=[], val_loss=[], val_acc=[], layers=list(cfg.compressed_layers),
                    const_val_loss=constant_bce(y_val), floor_val_loss=floor_bce(y_val), n_train=n_train, n_val=len(val_idx))
+    if loss == "rank":
+        pair_rng = torch.Generator().manual_seed(seed)
+        metrics.update(loss=loss, rank_weight=RANK_WEIGHT, train_rank_loss=[])
     t0 = time.perf_counter()
     for i in range(steps):
         if i % n_split == 0:
@@ -574,14 +600,21 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print):
         x, y = x.to(device), y.to(device)
         pred = gates(x)                         # (L, H, B): all layers in one batched call
         per_layer = bce_per_layer(pred, y)      # (L,)
-        per_layer.sum().backward()              # sum over layers: disjoint parameters, shared batch
+        total = per_layer.sum()                 # sum over layers: disjoint parameters, shared batch
+        if loss == "rank":
+            pairs = torch.stack([torch.randperm(B, generator=pair_rng) for _ in range(2)]).to(device)
+            rank = rank_per_layer(pred, y, pairs)
+            total = total + RANK_WEIGHT * rank.sum()
+        total.backward()
         lr = BASE_LR * lr_multiplier(i, steps)
         sgd_step(params, momentum, lr)
         if i % EVAL_EVERY == 0 or i == steps - 1:
             # as the authors: this batch's loss (before its update), validation after the update
             val_loss, val_acc = evaluate(gates, x_val, y_val, device)
             metrics["step"].append(i)
-            metrics["train_loss"].append(per_layer.tolist())
+            metrics["train_loss"].append(per_layer.tolist())  # BCE alone, with either loss
+            if loss == "rank":
+                metrics["train_rank_loss"].append(rank.tolist())
             metrics["train_acc"].append(acc_per_layer(pred.detach(), y).tolist())
             metrics["val_loss"].append(val_loss)
             metrics["val_acc"].append(val_acc)
@@ -707,13 +740,14 @@ def run(args):
         return
     store = FeatureStore(out, manifest)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
-    gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log)
+    gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log, args.loss)
     metrics["n_val_docs"] = sum(d.get("split") == "val" for d in manifest["documents"])
     metrics["agreement"] = agreement_with_teacher(gates, store, manifest, docs, tokenizer, device)
     metrics["command"] = " ".join(sys.argv)
     from gate import save_gate
     summary = dict(command=metrics["command"], data=args.data, documents=len(docs), tokens=store.n_tokens,
                    steps=args.steps, batch_tokens=args.batch_tokens, lr=BASE_LR, momentum=MOMENTUM, seed=args.seed,
+                   loss=args.loss, **(dict(rank_weight=RANK_WEIGHT) if args.loss == "rank" else {}),
                    val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
                    const_val_loss=metrics["const_val_loss"], teacher=manifest["teacher"],
                    val_docs=metrics["n_val_docs"], agreement=metrics["agreement"])
@@ -780,6 +814,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5000, help="SGD steps (0 = compute features only)")
     p.add_argument("--batch-tokens", type=int, default=1000, help="tokens per step, shared by all layers")
     p.add_argument("--seed", type=int, default=0, help="seed of the gate init and the batch order")
+    p.add_argument("--loss", choices=LOSSES, default="bce", help="bce: the paper's (METHOD.md §5.3); rank: BCE plus "
+                   "a pairwise ranking term within each layer and head (beyond the paper, see rank_per_layer)")
     p.add_argument("--teacher-chunk", type=int, default=2000, help="context tokens scored per repeat "
                    "query (METHOD.md §4.2)")
     p.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward of the teacher (default 16000 "

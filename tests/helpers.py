@@ -100,3 +100,18 @@ def edit_config(folder: str | Path, fn) -> dict:
     d = fn(json.loads(path.read_text()))
     path.write_text(json.dumps(d, indent=2))
     return d
+
+
+SPECIALS = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def tiny_tokenizer(folder):
+    """A byte-level tokenizer (one token per byte, 263 ids) with both families' template tokens, so the
+    real prompt strings of METHOD.md §4.1 encode inside the tiny models' 384-token vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))

@@ -11,23 +11,8 @@ import torch
 
 import model as M
 from cache import KVCache
-from helpers import assert_close, tiny_checkpoint
+from helpers import assert_close, tiny_checkpoint, tiny_tokenizer
 from gate import KVzipTeacher, PREV_TOKENS, REPEAT_FIRST, REPEAT_NEXT
-
-SPECIALS = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-
-
-def tiny_tokenizer(folder):
-    """A byte-level tokenizer (one token per byte, 263 ids) with both families' template tokens, so the
-    real prompt strings of METHOD.md §4.1 encode inside the tiny models' 384-token vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(folder / "tokenizer.json"))
-
 
 def tiny_model_folder(root, arch, seed=0):
     """A tiny random checkpoint with a tokenizer and room for the template + repeat prompts."""

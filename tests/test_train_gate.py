@@ -1,5 +1,6 @@
 """train_gate.py: data selection, resumable features, torchrun, training (METHOD.md §5), bad input."""
 import json
+import math
 import os
 import random
 import subprocess
@@ -117,6 +118,56 @@ def test_training_recovers_a_known_gate(tmp_path):
     _, m = TG.train(store, cfg, torch.device("cpu"), steps=400, batch_tokens=200, seed=0, log=lambda s: None)
     for v, c, floor in zip(m["val_loss"][-1], m["const_val_loss"], m["floor_val_loss"]):
         assert v - floor < 0.6 * (c - floor), (v, c, floor)
+
+
+def test_rank_loss_is_its_literal_formula():
+    """rank_per_layer against the formula written out pair by pair, on a small (L, H, B) example with a tie."""
+    torch.manual_seed(0)
+    L, H, B = 2, 3, 5
+    pred, target = torch.rand(L, H, B) * 0.9 + 0.05, torch.rand(L, H, B)
+    target[1, 2, 3] = target[1, 2, 0]  # a tie: weight 0
+    pairs = torch.tensor([[0, 1, 2, 3, 4, 1], [1, 4, 2, 0, 3, 3]])  # the pair (2, 2): i == j, weight 0
+    want = torch.zeros(L, dtype=torch.float64)
+    for l in range(L):
+        for h in range(H):
+            num = den = 0.0
+            for i, j in pairs.T.tolist():
+                ti, tj = float(target[l, h, i]), float(target[l, h, j])
+                zi, zj = (math.log(float(pred[l, h, k]) / (1 - float(pred[l, h, k]))) for k in (i, j))
+                sign = (ti > tj) - (ti < tj)
+                num += abs(ti - tj) * math.log1p(math.exp(-sign * (zi - zj)))
+                den += abs(ti - tj)
+            want[l] += num / den
+    got = TG.rank_per_layer(pred, target, pairs)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6), (got, want)
+    # ordered as the teacher: small; reversed: large
+    order = torch.arange(1.0, 6.0).view(1, 1, 5)
+    all_pairs = torch.tensor([[a, b] for a in range(5) for b in range(5) if a != b]).T
+    p = torch.sigmoid(3 * (order - 3))
+    assert TG.rank_per_layer(p, order / 5, all_pairs) < 0.2 < 2.0 < TG.rank_per_layer(1 - p, order / 5, all_pairs)
+
+
+def test_loss_bce_trains_as_before_and_rank_changes_only_the_loss(tmp_path, monkeypatch):
+    """--loss rank with its pairwise term weighted 0 gives the BCE training bit for bit (same batches, the
+    pairs come from a generator of their own); weighted as shipped, it trains another gate."""
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(compressed_layers=[0, 3], hidden_size=16, num_key_value_heads=2, group_size=2)
+    torch.manual_seed(5)
+    docs = []
+    for i, n in enumerate([700, 500]):
+        TG.write_shard(TG.shard_path(tmp_path, i), torch.randn(2, n, 16), torch.rand(2, 2, n), {})
+        docs.append(dict(shard=TG.shard_path("", i).as_posix()))
+    store = TG.FeatureStore(tmp_path, dict(documents=docs))
+    run = lambda loss: TG.train(store, cfg, torch.device("cpu"), steps=60, batch_tokens=100, seed=3,
+                                log=lambda s: None, loss=loss)
+    bce_gates, bce_m = run("bce")
+    for weight, same in ((0.0, True), (TG.RANK_WEIGHT, False)):
+        monkeypatch.setattr(TG, "RANK_WEIGHT", weight)
+        gates, m = run("rank")
+        equal = [torch.equal(a, b) for a, b in zip(gates.parameters(), bce_gates.parameters())]
+        assert all(equal) if same else not any(equal), (weight, equal)
+        assert (m["val_loss"] == bce_m["val_loss"]) == same and len(m["train_rank_loss"]) == len(m["step"])
+    assert "loss" not in bce_m
 
 
 def test_training_beats_the_best_constant(qwen, tmp_path):
