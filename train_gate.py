@@ -502,9 +502,9 @@ def rank_per_layer(pred, target, pairs):
         |t_i − t_j| · softplus(−sign(t_i − t_j) · (z_i − z_j)),
     averaged with the weights |t_i − t_j| and summed over heads (as BCE). BCE fits each score on its own;
     the cache keeps the top of a ranking, and in a layer whose targets are flat (Gemma 3 270M's layer 11:
-    half of them between 0.36 and 0.68) small BCE errors reorder many tokens. The term penalises each misordered pair by its
-    log-odds gap; weighting by the target gap makes pairs the teacher barely tells apart count little
-    (ties not at all), so near-ties do not turn into noise."""
+    half of them between 0.36 and 0.68) small BCE errors reorder many tokens. The term penalises each
+    misordered pair by its log-odds gap; weighting by the target gap makes pairs the teacher barely tells
+    apart count little (ties not at all), so near-ties do not turn into noise."""
     p = pred.float().clamp(1e-7, 1 - 1e-7)
     z = torch.log(p) - torch.log1p(-p)
     i, j = pairs
