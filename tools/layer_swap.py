@@ -12,8 +12,10 @@ same kept tokens (tests/test_layer_swap.py). A mixed cache holds what each layer
 its KV held differs from the budget when T and G split the budget differently among the layers: it is
 printed beside the scores.
 
-    python tools/layer_swap.py --out ~/.cache/fastkvzip/runs/layer-swap       # 3 x 4096 tokens at 0.5
-    python tools/layer_swap.py --budgets 0.5,0.4 --gate other.safetensors --out ...
+    python -m tools.layer_swap --out ~/.cache/fastkvzip/runs/layer-swap       # 3 x 4096 tokens at 0.5
+    python -m tools.layer_swap --budgets 0.5,0.4 --gate other.safetensors --out ...
+
+(run from the repository root: `-m` puts it on the import path.)
 
 Each finished context is written to --out/contexts/ at once; a rerun with the same flags resumes.
 """
@@ -27,14 +29,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's modules
-import bench  # noqa: E402
-import cli  # noqa: E402
-import gate as G  # noqa: E402
-import model as M  # noqa: E402
-import quality  # noqa: E402
-from cache import EvictingCache  # noqa: E402
-from cli import UsageError  # noqa: E402
+import bench
+import cli
+import gate as G
+import model as M
+import quality
+from cache import EvictingCache
+from cli import UsageError
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
 

@@ -5,6 +5,8 @@ on the same checkpoint and the same context, with torch's profiler over a few gr
     python -m tools.profile_decode                    # Gemma 3 270M, 8K-token context, 16 steps, 2 threads
     python -m tools.profile_decode --length 2048 --steps 32
 
+(run from the repository root: `-m` puts it on the import path.)
+
 Prints, for each of the three: ms per decode step, the share of it the vocabulary projection (lm_head)
 alone takes, and the top operators by self time. Memory traffic is the usual
 limit of one-token decode on a CPU: each step reads every weight once, so the script also prints the bytes
