@@ -27,10 +27,9 @@ from quality import load_docs
 
 def prefill_ours(model, method, budget, ids, n_protected, args):
     cache = generate.make_cache(method, model, args.model, n_protected)  # fastkvzip: the bundled gate
-    generate.prefill(model, cache, ids, n_protected, budget, args.chunk, args.window)
+    logits = generate.prefill(model, cache, ids, n_protected, budget, args.chunk, args.window)
     if isinstance(cache, EvictingCache):
         cache.start_decoding()  # as generate.answer
-    logits = model(torch.tensor([ids[-1]]), cache, num_logits=1)[-1]
     return lambda token: generate.decode_one(model, cache, token), logits, cache.nbytes
 
 
@@ -39,8 +38,7 @@ def prefill_peer(peer, ids, args):
     cache = DynamicCache(config=peer.config)
     forward = lambda x: peer(torch.tensor([x]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
     for i in range(0, len(ids), args.chunk):
-        forward(ids[i:i + args.chunk])
-    logits = forward([ids[-1]])
+        logits = forward(ids[i:i + args.chunk])
     kv = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
     return lambda token: forward([token]), logits, kv
 
@@ -84,12 +82,16 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=12)
     args = p.parse_args()
+    if not 0 < args.budget <= 1 or min(args.length, args.steps, args.chunk, args.threads) < 1 or args.window < 0:
+        p.error("--budget must be in (0, 1]; --length, --steps, --chunk and --threads >= 1; --window >= 0")
     torch.set_num_threads(args.threads)
     folder = M.resolve_model(args.model)
     tok, model = M.load_tokenizer(folder), M.load_model(folder, "cpu", torch.float32)
     fmt = M.prompt_format(model.config, args.model)
     system = tok.encode(fmt.system, add_special_tokens=False).ids
     ids = system + [t for _, d in load_docs(tok) for t in d][:args.length]
+    if len(ids) - len(system) < args.length:
+        p.error(f"--length {args.length}: the evaluation text holds only {len(ids) - len(system)} tokens")
     weight = model.lm_head.weight.detach()
     args.head_bytes = weight.nbytes
     # what one decode step reads: every matrix once, the embedding table only as lm_head (one row otherwise)
