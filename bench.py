@@ -161,18 +161,24 @@ def load_peer(folder):
     return model.eval().requires_grad_(False)
 
 
-@torch.no_grad()
-def peer_run(peer, ids, n_protected, args):
-    """timed_run's work through transformers: the same prefill chunks into its DynamicCache (logits of the
-    last position only), the same 4-token question, the same greedy decode timed the same way."""
+def peer_prefill(peer, ids, chunk):
+    """ids through transformers in chunks into its DynamicCache (logits of the last position only) ->
+    (forward(token ids) -> last logits, the prefill's last logits, KV bytes held)."""
     from transformers import DynamicCache
     cache = DynamicCache(config=peer.config)
     forward = lambda x: peer(torch.tensor([x]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    for i in range(0, len(ids), chunk):
+        logits = forward(ids[i:i + chunk])
+    return forward, logits, sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.no_grad()
+def peer_run(peer, ids, n_protected, args):
+    """timed_run's work through transformers: the same prefill chunks (peer_prefill), the same 4-token
+    question, the same greedy decode timed the same way."""
     t0 = time.perf_counter()
-    for i in range(0, len(ids), args.speed_chunk):
-        forward(ids[i:i + args.speed_chunk])
+    forward, _, kv_bytes = peer_prefill(peer, ids, args.speed_chunk)
     prefill_s = time.perf_counter() - t0
-    kv_bytes = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
     logits, out = forward([ids[-1]] * 4), []
     t0 = time.perf_counter()
     for _ in range(args.speed_decode):  # as generate.answer: sample, stop at the last token, else one forward

@@ -228,14 +228,19 @@ class EvictingCache(KVCache):
                                for kv, rows in zip((self.layers[i] for i in self.compressed), in_seg)],
                               device=scores.device)
         keep = select_segment(scores, ratio, level, others)
-        for li, layer in enumerate(self.compressed):
+        for li in range(len(self.compressed)):
             masks = []
             for h, m in enumerate(in_seg[li]):
                 mask = ~m
                 mask[m] = keep[li, h]
                 masks.append(mask)
-            self.layers[layer].select(masks)
-            self._track_peak(self.layers[layer])
+            self.keep_rows(li, masks)
+
+    def keep_rows(self, li, masks):
+        """Keep, in compressed layer li, the rows masks[h] (bool, one per row held) of each head h; free the rest."""
+        kv = self.layers[self.compressed[li]]
+        kv.select(masks)
+        self._track_peak(kv)
 
     # -- decoding: score the buffer every 128 tokens, evict back to the budget (METHOD.md §7) --
     def start_decoding(self):
@@ -277,11 +282,10 @@ class EvictingCache(KVCache):
         # protected rows are kept even when they alone exceed the budget (the authors' ties-kept rule)
         keep = top_k_mask(scores, max(int(budget), int(scores.isinf().sum()))).split(shapes)
         i = 0
-        for layer in self.compressed:
-            kv = self.layers[layer]
-            kv.select(list(keep[i:i + kv.n_heads]))
-            self._track_peak(kv)
-            i += kv.n_heads
+        for li, layer in enumerate(self.compressed):
+            n_heads = self.layers[layer].n_heads
+            self.keep_rows(li, list(keep[i:i + n_heads]))
+            i += n_heads
 
     def checkpoint(self):
         state = super().checkpoint()

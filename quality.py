@@ -256,13 +256,17 @@ def prefill_from_capture(model, full, logits, cache, method, sample, budget, chu
         generate.prefill(model, cache, ids, p, budget, chunk_size, window)
 
 
+def captured_scores(model, scorer, full):
+    """A scorer's scores of every compressed layer, (L_c, H, T), from a CaptureCache's prefill inputs."""
+    return torch.stack([scorer.score(l, *full.captured[layer]) for l, layer in enumerate(model.config.compressed_layers)])
+
+
 def gate_agreement(model, tok, full, tscores, sample, args, seed):
     """The bundled (or --gate) gate's agreement with its teacher on this context (gate.agreement), from
     the captured full prefill; counts, pooled over contexts in the report."""
-    cfg, _, _ = model_info(model)
     scorer = method_cache(model, "fastkvzip", "global", sample.n_protected, args, seed).scorer
     p = sample.n_protected
-    student = torch.stack([scorer.score(l, *full.captured[layer]) for l, layer in enumerate(cfg.compressed_layers)])
+    student = captured_scores(model, scorer, full)
     return G.agreement(student[..., p:].float().cpu(), tscores[..., p:].float(), G.digit_tokens(tok, sample.ids[p:]),
                        chunk_size=args.chunk_size, window=args.window)
 

@@ -44,8 +44,7 @@ def capture(model, sample, teacher, scorer, chunk_size):
     """One full prefill of the context -> (full cache, {"T": teacher's, "G": gate's scores}), each
     (L, H, n_context): the gate scores the prefill's attention inputs, as the benchmark's replay does."""
     full, _, tscores = quality.capture_prefill(model, sample.ids, chunk_size, teacher, sample.n_protected)
-    gscores = torch.stack([scorer.score(l, *full.captured[layer]).float().cpu()
-                           for l, layer in enumerate(model.config.compressed_layers)])
+    gscores = quality.captured_scores(model, scorer, full).float().cpu()
     p = sample.n_protected
     return full, dict(T=tscores[..., p:].float(), G=gscores[..., p:])
 
@@ -57,9 +56,8 @@ def swap_cache(full, n_protected, scores, keep, combo):
     cache = EvictingCache(full.cfg, None, full.dtype, full.device, n_protected=n_protected)
     cache.adopt(full, scores=torch.stack([scores[s][l] for l, s in enumerate(combo)]), keep_full=True)
     system = torch.ones(n_protected, dtype=torch.bool)
-    for l, (layer, s) in enumerate(zip(cache.compressed, combo)):
-        cache.layers[layer].select([torch.cat([system, k]) for k in keep[s][l]])  # rows = system ⊕ context
-        cache._track_peak(cache.layers[layer])
+    for l, s in enumerate(combo):
+        cache.keep_rows(l, [torch.cat([system, k]) for k in keep[s][l]])  # rows = system ⊕ context
     return cache
 
 
@@ -133,8 +131,9 @@ def run(args):
     records = []
     for c, sample in enumerate(samples):
         path = out / "contexts" / f"context-{c}.json"
-        if path.is_file() and json.loads(path.read_text())["key"] == key:
-            records.append(json.loads(path.read_text()))
+        rec = json.loads(path.read_text()) if path.is_file() else None
+        if rec and rec["key"] == key:
+            records.append(rec)
             print(f"context {c + 1}/{len(samples)}: done in an earlier run", file=sys.stderr)
             continue
         t0 = time.perf_counter()

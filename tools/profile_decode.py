@@ -33,16 +33,6 @@ def prefill_ours(model, method, budget, ids, n_protected, args):
     return lambda token: generate.decode_one(model, cache, token), logits, cache.nbytes
 
 
-def prefill_peer(peer, ids, args):
-    from transformers import DynamicCache
-    cache = DynamicCache(config=peer.config)
-    forward = lambda x: peer(torch.tensor([x]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-    for i in range(0, len(ids), args.chunk):
-        logits = forward(ids[i:i + args.chunk])
-    kv = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
-    return lambda token: forward([token]), logits, kv
-
-
 def lm_head_ms(weight, repeats=20):
     """One token through the vocabulary projection alone (the same F.linear both models call)."""
     h = torch.randn(1, weight.shape[1])
@@ -103,7 +93,8 @@ def main():
         profile_decode(f"ours, {method} at {budget:g}", step, logits, kv, weight_bytes, head_ms, args)
     peer = bench.load_peer(folder)
     if peer is not None:
-        step, logits, kv = prefill_peer(peer, ids, args)
+        forward, logits, kv = bench.peer_prefill(peer, ids, args.chunk)
+        step = lambda token: forward([token])
         profile_decode(f"transformers {peer.version}, full", step, logits, kv, weight_bytes, head_ms, args)
 
 
