@@ -389,6 +389,9 @@ def parse_args(argv=None):
     p.add_argument("--gpu-lengths", type=ints, default=[8192, 32768, 131072], help="GPU speed contexts")
     p.add_argument("--no-quality", action="store_true", help="skip the quality section")
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
+    p.add_argument("--average", type=lambda s: s.split(","), default=list(quality.AVERAGED),
+                   help="tasks in the relative-performance average (default: all four, as the paper's Figure 10); "
+                        "a summary choice: --merge can recompute it from finished runs")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
     p.add_argument("--seed", type=int, default=0, help="seed for contexts, needles, random scores, bootstrap")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default). 1: on the "
@@ -429,7 +432,9 @@ def check_args(p, args):
         p.error(f"--budgets {','.join(map(str, args.budgets)) or '(none)'}: each must be in (0, 1]")
     if not 0 < args.speed_budget <= 1:
         p.error(f"--speed-budget {args.speed_budget}: must be in (0, 1]")
-    for name in ("methods", "budgets", "extra_levels"):  # a repeated value would run (and count) twice
+    if not args.average or any(t not in quality.AVERAGED for t in args.average):
+        p.error(f"--average {','.join(args.average) or '(none)'}: tasks are {','.join(quality.AVERAGED)}")
+    for name in ("methods", "budgets", "extra_levels", "average"):  # a repeated value would run (and count) twice
         setattr(args, name, list(dict.fromkeys(getattr(args, name))))
     for flag, low in (("contexts", 1), ("chunk_size", 1), ("speed_chunk", 1), ("speed_decode", 1), ("bootstrap", 1),
                       ("window", 0), ("speed_window", 0), ("passkeys", 0), ("kv_pairs", 0), ("kv_questions", 0),

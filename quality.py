@@ -355,9 +355,9 @@ def finite_or_none(x):
     return x if math.isfinite(x) else None
 
 
-def summarize(tallies, extras, n_boot, seed):
+def summarize(tallies, extras, n_boot, seed, averaged=AVERAGED):
     """tallies[(config, budget)][task] -> Tally; extras[(config, budget)] -> kept fractions, bytes, speed.
-    Returns the result rows (one per task, config, budget, plus the "average" task)."""
+    Returns the result rows (one per task, config, budget, plus the "average" task over `averaged`)."""
     full, idx = tallies[("full", 1.0)], resamples(tallies, n_boot, seed)
     n_ctx = idx.shape[1]
     rows = []
@@ -376,7 +376,7 @@ def summarize(tallies, extras, n_boot, seed):
             if task.startswith("nll"):
                 row["increase"] = finite_or_none(score - f)
             rows.append({**row, **extras[(config, budget)]})
-        avg, avg_boot = average_relative(tasks, full, idx)
+        avg, avg_boot = average_relative(tasks, full, idx, averaged)
         rows.append(dict(task="average", method=method, level=level, budget=budget, score=finite_or_none(avg),
                          relative=finite_or_none(avg), n=n_ctx, n_contexts=n_ctx, score_ci=ci(avg_boot),
                          ci=ci(avg_boot), **extras[(config, budget)]))
@@ -389,11 +389,11 @@ def resamples(tallies, n_boot, seed):
     return np.random.default_rng(seed).integers(0, n_ctx, size=(n_boot, n_ctx))
 
 
-def average_relative(tasks, full, idx):
-    """The Figure-10 average: mean relative over the AVERAGED tasks the full cache scores above 0
+def average_relative(tasks, full, idx, averaged=AVERAGED):
+    """The Figure-10 average: mean relative over the `averaged` tasks the full cache scores above 0
     -> (point, bootstrap values; NaN resamples are dropped by ci)."""
     point, boot = [], []
-    for task in AVERAGED:
+    for task in averaged:
         rel = relative(task, tasks[task].value(), full[task].value())
         if np.isfinite(rel):
             point.append(rel), boot.append(relative(task, tasks[task].value(idx), full[task].value(idx)))
@@ -408,7 +408,7 @@ CONTRASTS = (("fastkvzip", "kvzip", "the gate minus its teacher"),
              ("kvzip/calibrated", "kvzip", "calibrated minus the paper's global level (teacher)"))
 
 
-def contrasts(tallies, n_boot, seed):
+def contrasts(tallies, n_boot, seed, averaged=AVERAGED):
     """Paired differences of the average relative performance, a - b, per budget, with a 95% bootstrap
     interval over the same resampled contexts: a difference whose interval excludes 0 is beyond the noise."""
     full, idx = tallies[("full", 1.0)], resamples(tallies, n_boot, seed)
@@ -417,7 +417,7 @@ def contrasts(tallies, n_boot, seed):
         for (config, budget) in tallies:
             if config != a or (b, budget) not in tallies:
                 continue
-            (pa, ba), (pb, bb) = (average_relative(tallies[(c, budget)], full, idx) for c in (a, b))
+            (pa, ba), (pb, bb) = (average_relative(tallies[(c, budget)], full, idx, averaged) for c in (a, b))
             out.append(dict(a=a, b=b, question=question, budget=budget, diff=finite_or_none(pa - pb), ci=ci(ba - bb)))
     return out
 
@@ -565,8 +565,8 @@ def load_records(folder, key):
 def quality_results(records, args):
     """The quality part of results.json, from the finished contexts' records (any order)."""
     tallies, extras = accumulate(records)
-    out = dict(rows=summarize(tallies, extras, args.bootstrap, args.seed), n_contexts=len(records),
-               contrasts=contrasts(tallies, args.bootstrap, args.seed),
+    out = dict(rows=summarize(tallies, extras, args.bootstrap, args.seed, args.average), averaged=list(args.average),
+               n_contexts=len(records), contrasts=contrasts(tallies, args.bootstrap, args.seed, args.average),
                answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
                         for r in sorted(records, key=lambda r: r["context"])])
     agreements = [r["agreement"] for r in records if r.get("agreement")]
@@ -600,7 +600,7 @@ def markdown(results):
                                "|---|" + "---|" * len(budgets)] + [
         f"| {c} | " + " | ".join(cell(get(task, c, b)) if get(task, c, b) else "" for b in budgets) + " |"
         for c in configs]
-    out = ["## Relative performance (mean of passkey, kv, nll_next, nll_repeat; 1 = full cache)", "",
+    out = [f"## Relative performance (mean of {', '.join(results.get('averaged', AVERAGED))}; 1 = full cache)", "",
             "Cells: relative [95% bootstrap interval over contexts]. Budget = fraction of the context's KV "
             "pairs kept in the compressed layers. At budget 1.0 nothing is evicted (checked per context: every "
             "layer keeps everything), the cache is the full cache and its answers are reused.", ""]

@@ -94,6 +94,21 @@ def test_average_leaves_out_tasks_the_full_cache_fails():
     assert next(r for r in rows if r["task"] == "kv" and r["method"] == "streaming")["relative"] is None
 
 
+def test_average_over_chosen_tasks():
+    """--average picks the tasks of the Figure-10 average, in the rows and in the paired differences alike."""
+    tallies, extras = fake_run()
+    rows = quality.summarize(tallies, extras, n_boot=50, seed=0, averaged=("passkey", "nll_next"))
+    avg = next(r for r in rows if r["task"] == "average" and r["method"] == "streaming")
+    assert avg["relative"] == pytest.approx((0.5 + math.exp(-0.1)) / 2)
+    tallies[("fastkvzip", 0.5)], tallies[("kvzip", 0.5)] = tallies.pop(("streaming", 0.5)), tallies[("full", 1.0)]
+    (c,) = quality.contrasts(tallies, n_boot=50, seed=0, averaged=("nll_repeat",))
+    assert c["diff"] == pytest.approx(math.exp(-0.1) - 1.0)
+    assert bench.parse_args(["--average", "passkey,nll_next,passkey"]).average == ["passkey", "nll_next"]
+    for bad in ("passkey,json", ""):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--average", bad])
+
+
 def test_contrasts_are_paired_differences_of_the_average():
     tallies, extras = fake_run()
     tallies[("fastkvzip", 0.5)] = tallies.pop(("streaming", 0.5))  # half as accurate, 0.1 nats worse
