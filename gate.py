@@ -595,24 +595,55 @@ def check_fits(dims, n_layers, cfg, source):
                         f"the model has {fmt(want)} (compressed layers, hidden size, KV heads, group)")
 
 
-def save_gate(path, gates, meta=None):
-    """Write `gates` as safetensors: per-layer tensors `layers.{i}.<authors' key>` in the authors' shapes
-    and dtypes, plus JSON metadata in the header under "fastkvzip". meta: free-form
-    JSON-able dict; conventional keys "model" (id), "layers" (compressed layer ids), "training" (summary).
-    The write is atomic (cli.atomic_path)."""
-    from safetensors.torch import save_file
+AUTHORS_KEY_ORDER = ("k_base", "b", "q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight",
+                     "k_norm.weight")  # their Weight.state_dict(): own parameters, then q_proj, k_proj, the norms
 
+
+def authors_file_name(gates):
+    """The name the authors' loaders look for (METHOD.md §2): q{G}_dim{D'}_sink{S}.pt. Keep it: kvpress reads
+    the number of sink keys from "sink(\\d+)" in the name, not from the tensors."""
+    return f"q{gates.group}_dim{gates.dim}_sink{gates.sinks}.pt"
+
+
+def save_gate(path, gates, meta=None, curves=None):
+    """Write `gates` to `path`, atomically (cli.atomic_path), in one of two layouts:
+    - safetensors (any other suffix): per-layer tensors `layers.{i}.<authors' key>` in the authors' shapes
+      and dtypes, plus JSON metadata in the header under "fastkvzip". meta: free-form JSON-able dict;
+      conventional keys "model" (id), "layers" (compressed layer ids), "training" (summary).
+    - the authors' layout (`path` ends in .pt, METHOD.md §2), which their code and kvpress's FastKVzipPress
+      load: torch.save({"module": [layer l's state dict, in their key order]}), with the validation curves
+      "loss" and "acc", (evaluations, layers), when `curves` = (loss, acc) is given. Only tensors inside, so
+      torch.load(weights_only=True) reads it; `meta` does not travel in this layout."""
     from cli import atomic_path
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".pt":
+        layers = []
+        for l in range(gates.n_layers):
+            sd = gates.layer_state_dict(l)
+            layers.append({key: sd[key].to("cpu").clone().contiguous() for key in AUTHORS_KEY_ORDER})
+        obj = {"module": layers}
+        if curves is not None:
+            obj["loss"], obj["acc"] = (torch.tensor(c, dtype=torch.float32) for c in curves)
+        with atomic_path(path) as tmp:
+            torch.save(obj, tmp)
+        return
+    from safetensors.torch import save_file
     tensors = {f"layers.{l}.{key}": t.to("cpu").clone().contiguous()  # clone: no shared storage
                for l in range(gates.n_layers) for key, t in gates.layer_state_dict(l).items()}
     header = dict(meta or {})
     header.update(format=GATE_FORMAT, n_layers=gates.n_layers, hidden_size=gates.hidden,
                   n_kv_heads=gates.n_kv_heads, group=gates.group, dim=gates.dim, sinks=gates.sinks,
                   dtype=str(gates.dtype).removeprefix("torch."), bias="added once")
-    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt", "fastkvzip": json.dumps(header)})
+
+
+def gate_metadata(path):
+    """The JSON metadata of one of our gate files, without reading its tensors ({} if it has none)."""
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads((f.metadata() or {}).get("fastkvzip", "{}"))
 
 
 def _read_safetensors(path):

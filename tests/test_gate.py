@@ -128,6 +128,56 @@ def save_authors_file(path, module, legacy=False):
                path, _use_new_zipfile_serialization=not legacy)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_our_gate_travels_in_the_authors_layout(tmp_path, dtype):
+    """Our file -> the authors' layout (save_gate to a .pt path) -> load_gate: the same tensors, dtypes and
+    scores. The file is what the authors' loaders read (METHOD.md §2): torch.load(weights_only=True) with no
+    allowed globals gives {"module": [state dicts in their key order], "loss", "acc"}, each layer loads into
+    their Weight module's names and shapes (literal_gate), and the name carries G, D' and S."""
+    cfg = make_cfg(3, 32, 2, 3)
+    ours = random_gates(3, dtype=dtype, dim=16, sinks=16)
+    save_gate(tmp_path / "mine.safetensors", ours, {"model": "m"})
+    mine = load_gate(tmp_path / "mine.safetensors", cfg)
+    name = gate.authors_file_name(mine)
+    assert name == "q3_dim16_sink16.pt"
+    save_gate(tmp_path / name, mine, curves=([[0.5, 0.4, 0.3]] * 2, [[0.9, 0.8, 0.7]] * 2))
+    raw = torch.load(tmp_path / name, weights_only=True)  # no safe_globals: tensors only
+    assert sorted(raw) == ["acc", "loss", "module"] and raw["loss"].shape == (2, 3)
+    released = authors_state_dict(32, 2, 3)
+    for l, sd in enumerate(raw["module"]):
+        assert list(sd) == list(released)  # the authors' key order, shapes and the fp32 norms / sinks
+        assert all(sd[k].shape == released[k].shape for k in sd)
+        assert sd["k_base"].dtype == sd["q_norm.weight"].dtype == torch.float32 and sd["q_proj.weight"].dtype == dtype
+    back = load_gate(tmp_path / name, cfg)
+    assert back.meta["format"] == "authors-pt" and back.meta["val_acc_final"] == pytest.approx([0.9, 0.8, 0.7])
+    hidden = torch.randn(7, 32)
+    for l in range(3):
+        assert torch.equal(back.score_layer(l, hidden), mine.score_layer(l, hidden))
+        assert_close(back.score_layer(l, hidden), literal_gate(raw["module"][l], hidden),
+                     atol=1e-2 if dtype == torch.bfloat16 else 1e-5, name=f"layer {l}")
+        for key, t in back.layer_state_dict(l).items():
+            assert torch.equal(t, mine.layer_state_dict(l)[key]) and t.dtype == mine.layer_state_dict(l)[key].dtype
+
+
+def test_kvpress_scores_our_exported_gate_as_we_do(tmp_path):
+    """NVIDIA/kvpress's FastKVzipPress gate module (`FastKVzipGate` in kvpress 0.5, built and loaded as its
+    load_fastkvzip does) on our exported file. kvpress 0.5.5 requires transformers < 5.3, so beside this
+    project's pinned transformers it does not install: skipped then."""
+    press = pytest.importorskip("kvpress.presses.fastkvzip_press")
+    cfg = make_cfg(2, 32, 2, 3)
+    ours = random_gates(2, dim=16, sinks=16)
+    path = tmp_path / gate.authors_file_name(ours)
+    save_gate(path, ours)
+    module = torch.load(path, weights_only=True)["module"]
+    hidden = torch.randn(11, 32)
+    for l, sd in enumerate(module):
+        w = press.FastKVzipGate(l, 32, 2, 3, torch.float32, output_dim=16, sink=16)
+        w.load_state_dict(sd)
+        with torch.no_grad():
+            assert_close(w(hidden[None])[0], ours.score_layer(l, hidden), atol=1e-5, name=f"layer {l}")
+    assert load_gate(path, cfg).n_layers == 2
+
+
 @pytest.mark.parametrize("legacy", [False, True])
 def test_authors_file_loads_and_scores_like_the_state_dict(tmp_path, legacy):
     D, H, G = 48, 2, 4
