@@ -49,12 +49,13 @@ import datetime
 import glob
 import hashlib
 import json
+import math
 import os
 import socket
 import struct
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -73,9 +74,28 @@ EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
 ACC_THRESHOLD = 0.05  # accuracy: both sides of 0.05 agree (METHOD.md §5.3)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP16_FEATURES_ABOVE = 16 * 1024  # --feature-dtype auto: fp32 features above 16 KB per token are stored as fp16
-BASE_LR, MOMENTUM = 0.2, 0.9  # METHOD.md §5.4
-LOSSES = ("bce", "rank")  # bce: the paper's; rank: BCE + RANK_WEIGHT · rank_per_layer (an option beyond it)
+MOMENTUM = 0.9  # SGD's (METHOD.md §5.4)
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
+LOSSES = ("bce", "rank", "logmse")  # bce: the paper's; rank: BCE + RANK_WEIGHT · rank_per_layer; logmse: KVzap's
 RANK_WEIGHT = 1.0  # the pairwise term's weight beside BCE: equal footing (both are ~0.7 for an untrained gate), not tuned
+LOG_FLOOR = 1e-6   # logmse: scores below this count as this (a teacher score is a max attention weight, > 0)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the gates are trained. The paper's recipe (METHOD.md §5.3-5.4) is the default of every field;
+    RECIPES names the ones train_gate.py offers, each field can be overridden by its own flag."""
+    optimizer: str = "sgd"       # "sgd": momentum 0.9 (the paper's); "adam": Adam, AdamW with weight_decay
+    lr: float = 0.2              # base learning rate
+    schedule: str = "step"       # "step": the authors' piecewise schedule; "cosine": 1% warm-up, then cosine to 0
+    weight_decay: float = 0.0    # decoupled (AdamW); SGD takes none, as the paper
+    loss: str = "bce"            # one of LOSSES
+    select: str = "last"         # "last": the gates after the last step; "spearman": per layer, the gates of
+                                 # the validation step whose held-out rank correlation with the teacher was best
+
+
+RECIPES = {"paper": Recipe()}
+DEFAULT_LR = {"sgd": 0.2, "adam": 3e-3}  # an --optimizer other than the recipe's, without --lr, gets its own
 
 
 # -------------------------------------------------------------------------------------------------
@@ -165,6 +185,40 @@ def iter_files(spec, tokenizer):
         else:
             text = open(f, encoding="utf-8", errors="replace").read().strip()
             yield Doc(f, text, count(text))
+
+
+def data_sha256(spec):
+    """The hash of local --data as tools/fetch_assets.py records a part's in MANIFEST.txt (tree_sha256 over
+    the files read, by path relative to the folder given, the parent of a single file, or the common folder
+    of a glob's files), so a gate's metadata says exactly which text it was trained on. None for fineweb-edu
+    (a pinned file of the hub: FINEWEB_REPO/FINEWEB_FILE)."""
+    if spec == "fineweb-edu":
+        return None
+    from tools.fetch_assets import tree_sha256
+    files = [Path(f) for f in list_files(spec)]
+    p = Path(spec).expanduser()
+    root = p if p.is_dir() else p.parent if p.is_file() else Path(os.path.commonpath([f.parent for f in files]))
+    return tree_sha256(files, root)
+
+
+def note_bundled_corpus(model_name, data_hash):
+    """One line when the model has a bundled gate: whether --data is the text that gate was trained on (its
+    metadata's training.data_sha256), i.e. whether the gate's recorded command reproduces it exactly."""
+    from gate import GATES_DIR, gate_metadata
+    path = GATES_DIR / f"{model_name}.safetensors"
+    if not path.is_file():
+        return
+    trained_on = (gate_metadata(path).get("training") or {}).get("data_sha256")
+    where = f"the bundled gate {path.parent.name}/{path.name}"
+    if trained_on is None:
+        print(f"note: {where} records no hash of its training text; cannot tell whether --data is it",
+              file=sys.stderr)
+    elif trained_on == data_hash:
+        print(f"note: --data is the text {where} was trained on (sha256 {data_hash[:12]}): its recorded "
+              f"command reproduces it", file=sys.stderr)
+    else:
+        print(f"note: --data (sha256 {str(data_hash)[:12]}) is not the text {where} was trained on "
+              f"({trained_on[:12]}): this run will not reproduce that gate exactly", file=sys.stderr)
 
 
 def select_documents(docs, tokens, min_tokens, max_tokens, long_tokens, val_fraction=0.0):
@@ -477,10 +531,16 @@ class FeatureStore:
         return x, self.scores[:, :, idx]
 
 
-def lr_multiplier(step, max_steps):
-    """The authors' schedule (METHOD.md §5.4, utils.py:lr_schedule): 0.01·step during the first 1% of
+def lr_multiplier(step, max_steps, schedule="step"):
+    """The learning rate's multiplier at `step`. "cosine": linear warm-up over the first 1% of the steps,
+    then half a cosine down to 0. "step", the authors' schedule (METHOD.md §5.4, utils.py:lr_schedule): 0.01·step during the first 1% of
     steps (it jumps from 0.49 to 1 at step 50 of 5000, and step 0 has lr 0), then 1, 0.5 from half-way,
     0.25 from three quarters."""
+    if schedule == "cosine":
+        warm = max(1, int(0.01 * max_steps))
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, max_steps - warm)))
     if step < 0.01 * max_steps:
         return 0.01 * step
     if step < 0.5 * max_steps:
@@ -514,15 +574,30 @@ def rank_per_layer(pred, target, pairs):
     return (per_pair.sum(-1) / w.sum(-1).clamp_min(1e-12)).sum(-1)
 
 
+def logmse_per_layer(pred, target):
+    """(L, H, B) -> (L,): KVzap's regression (NVIDIA/kvpress:kvzap/train.py fits log scores by MSE), here
+    on the gate's own output: (log p − log t)², both floored at LOG_FLOOR, mean over tokens, sum over heads.
+    In log space a layer whose scores are all small (0.001-0.05) has errors as large as any other's, where
+    BCE's gradient p − t is tiny there."""
+    lp = torch.log(pred.float().clamp_min(LOG_FLOOR))
+    lt = torch.log(target.float().clamp_min(LOG_FLOOR))
+    return (lp - lt).square().mean(-1).sum(-1)
+
+
 def acc_per_layer(pred, target):
     """(L, H, B) -> (L,): agreement of pred >= 0.05 and target >= 0.05 over heads and tokens."""
     return ((pred >= ACC_THRESHOLD) == (target >= ACC_THRESHOLD)).float().mean(dim=(1, 2))
 
 
-def evaluate(gates, x, y, device, block=8192):
-    """Validation loss and accuracy per layer over the whole held-out set, in blocks of tokens."""
+def evaluate(gates, x, y, segments, device, block=8192):
+    """Validation BCE, accuracy and Spearman with the teacher per layer over the whole held-out set (in
+    blocks of tokens). Spearman is gate.spearman over each layer's H·n pairs of one segment (a held-out
+    document), averaged over the segments: what gate.agreement reports, and what the cache's ranking
+    depends on."""
+    from gate import spearman
     loss = torch.zeros(x.shape[0], dtype=torch.float64)
     acc = torch.zeros(x.shape[0], dtype=torch.float64)
+    preds = []
     with torch.no_grad():
         for s in range(0, x.shape[1], block):
             xb, yb = x[:, s:s + block].to(device), y[:, :, s:s + block].to(device)
@@ -530,7 +605,11 @@ def evaluate(gates, x, y, device, block=8192):
             w = xb.shape[1] / x.shape[1]
             loss += bce_per_layer(pred, yb).double().cpu() * w
             acc += acc_per_layer(pred, yb).double().cpu() * w
-    return loss.tolist(), acc.tolist()
+            preds.append(pred.float().cpu())
+    pred = torch.cat(preds, dim=-1)
+    rho = [sum(spearman(pred[l, :, a:b].flatten().double(), y[l, :, a:b].flatten().double())
+               for a, b in segments) / len(segments) for l in range(x.shape[0])]
+    return loss.tolist(), acc.tolist(), rho
 
 
 def floor_bce(y):
@@ -561,10 +640,39 @@ def sgd_step(params, momentum, lr):
         p.grad = None
 
 
-def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, loss="bce"):
-    """METHOD.md §5.2-5.4. Returns (gates, metrics dict). loss "rank" adds RANK_WEIGHT · rank_per_layer
-    over B random token pairs of each batch, drawn from a generator of their own: the batches are the same
-    as with "bce"."""
+@torch.no_grad()
+def adam_step(params, state, lr, t, weight_decay=0.0):
+    """torch.optim.AdamW exactly (torch.optim.Adam for weight_decay 0), at step t = 1, 2, ...: decoupled
+    decay p *= 1 − lr·wd, moments m = β1·m + (1 − β1)·g and v = β2·v + (1 − β2)·g², then
+    p -= lr · m̂ / (√v̂ + ε) with the bias-corrected m̂ = m / (1 − β1^t), v̂ = v / (1 − β2^t). Written out as
+    sgd_step is, for the same reason. Adam is elementwise: every layer still trains on its own."""
+    b1, b2 = ADAM_BETAS
+    for j, p in enumerate(params):
+        g = p.grad
+        if state[j] is None:
+            state[j] = (torch.zeros_like(p), torch.zeros_like(p))
+        m, v = state[j]
+        if weight_decay:
+            p.mul_(1 - lr * weight_decay)
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(ADAM_EPS)
+        p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+        p.grad = None
+
+
+def val_segments(store, val_idx):
+    """[start, end) ranges of the validation tokens (positions in val_idx) that belong to one document."""
+    doc = torch.searchsorted(store.starts, val_idx, right=True) - 1
+    cut = [0] + ((doc[1:] != doc[:-1]).nonzero().squeeze(1) + 1).tolist() + [len(val_idx)]
+    return list(zip(cut[:-1], cut[1:]))
+
+
+def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Recipe()):
+    """METHOD.md §5.2-5.4 with the paper's Recipe(); the others are §13. Returns (gates, metrics dict).
+    Loss "rank" adds RANK_WEIGHT · rank_per_layer over B random token pairs of each batch, drawn from a
+    generator of their own: the batches are the same as with "bce". The batches never depend on the
+    recipe."""
     N = store.n_tokens
     is_val = store.is_val_doc
     if not is_val.any():  # the authors' split: every 100th token, 1-based (load_data.py:split_fn)
@@ -582,15 +690,22 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, loss="bce"
     # projections and b in the model's dtype, norms and sink keys in fp32 (METHOD.md §1.2)
     gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
                   dtype=dtype, device=device)
-    params = list(gates.parameters())
-    momentum = [None] * len(params)
+    params = list(gates.parameters())  # each (L, ...): layer l's parameters are row l of every tensor
+    state = [None] * len(params)  # SGD's momentum buffers, or Adam's moments
     n_split = n_train // B  # epoch-style sampling: a fresh permutation every n_split steps
     L = store.n_layers
-    metrics = dict(step=[], train_loss=[], train_acc=[], val_loss=[], val_acc=[], layers=list(cfg.compressed_layers),
-                   const_val_loss=constant_bce(y_val), floor_val_loss=floor_bce(y_val), n_train=n_train, n_val=len(val_idx))
+    segments = val_segments(store, val_idx)
+    loss = recipe.loss
+    metrics = dict(step=[], train_loss=[], train_acc=[], val_loss=[], val_acc=[], val_spearman=[],
+                   layers=list(cfg.compressed_layers), const_val_loss=constant_bce(y_val), floor_val_loss=floor_bce(y_val),
+                   n_train=n_train, n_val=len(val_idx), recipe=asdict(recipe))
     if loss == "rank":
         pair_rng = torch.Generator().manual_seed(seed)
         metrics.update(loss=loss, rank_weight=RANK_WEIGHT, train_rank_loss=[])
+    if loss == "logmse":
+        metrics.update(train_logmse=[])
+    best_rho, best = [-2.0] * L, [p.detach().clone() for p in params]  # recipe.select "spearman"
+    selected = [steps - 1] * L
     t0 = time.perf_counter()
     for i in range(steps):
         if i % n_split == 0:
@@ -600,27 +715,50 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, loss="bce"
         x, y = x.to(device), y.to(device)
         pred = gates(x)                         # (L, H, B): all layers in one batched call
         per_layer = bce_per_layer(pred, y)      # (L,)
-        total = per_layer.sum()                 # sum over layers: disjoint parameters, shared batch
+        if loss == "logmse":
+            logmse = logmse_per_layer(pred, y)
+            total = logmse.sum()
+        else:
+            total = per_layer.sum()             # sum over layers: disjoint parameters, shared batch
         if loss == "rank":
             pairs = torch.stack([torch.randperm(B, generator=pair_rng) for _ in range(2)]).to(device)
             rank = rank_per_layer(pred, y, pairs)
             total = total + RANK_WEIGHT * rank.sum()
         total.backward()
-        lr = BASE_LR * lr_multiplier(i, steps)
-        sgd_step(params, momentum, lr)
+        lr = recipe.lr * lr_multiplier(i, steps, recipe.schedule)
+        if recipe.optimizer == "adam":
+            adam_step(params, state, lr, i + 1, recipe.weight_decay)
+        else:
+            sgd_step(params, state, lr)
         if i % EVAL_EVERY == 0 or i == steps - 1:
             # as the authors: this batch's loss (before its update), validation after the update
-            val_loss, val_acc = evaluate(gates, x_val, y_val, device)
+            val_loss, val_acc, val_rho = evaluate(gates, x_val, y_val, segments, device)
             metrics["step"].append(i)
-            metrics["train_loss"].append(per_layer.tolist())  # BCE alone, with either loss
+            metrics["train_loss"].append(per_layer.tolist())  # BCE, whatever the loss
             if loss == "rank":
                 metrics["train_rank_loss"].append(rank.tolist())
+            if loss == "logmse":
+                metrics["train_logmse"].append(logmse.tolist())
             metrics["train_acc"].append(acc_per_layer(pred.detach(), y).tolist())
             metrics["val_loss"].append(val_loss)
             metrics["val_acc"].append(val_acc)
-            log(f"step {i:5d}  lr {lr:.3f}  train BCE {sum(per_layer.tolist()) / L:.4f}  "
+            metrics["val_spearman"].append(val_rho)
+            if recipe.select == "spearman":
+                with torch.no_grad():
+                    for l in range(L):  # layers share no parameters: each keeps its own best step
+                        if val_rho[l] > best_rho[l]:
+                            best_rho[l], selected[l] = val_rho[l], i
+                            for b, p in zip(best, params):
+                                b[l] = p[l]
+            log(f"step {i:5d}  lr {lr:.2g}  train BCE {sum(per_layer.tolist()) / L:.4f}  "
                 f"val BCE {sum(val_loss) / L:.4f}  val acc {100 * sum(val_acc) / L:.1f}%  "
-                f"({time.perf_counter() - t0:.0f} s)")
+                f"val spearman {sum(val_rho) / L:.3f} (min {min(val_rho):.3f})  ({time.perf_counter() - t0:.0f} s)")
+    if recipe.select == "spearman":
+        with torch.no_grad():
+            for b, p in zip(best, params):
+                p.copy_(b)
+        metrics["selected_step"] = selected
+        metrics["selected_val_spearman"] = best_rho
     metrics["seconds"] = time.perf_counter() - t0
     metrics["steps_per_s"] = steps / max(metrics["seconds"], 1e-9)
     return gates, metrics
@@ -718,6 +856,9 @@ def run(args):
                          f"than --min-doc-tokens {args.min_doc_tokens}; lower them")
     docs = load_documents(args.data, args.tokens, args.min_doc_tokens, args.max_doc_tokens, args.long_doc_tokens,
                           args.val_docs, tokenizer, max_context)
+    data_hash = data_sha256(args.data)
+    if rank == 0:
+        note_bundled_corpus(model_name, data_hash)
     manifest = make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk, args.teacher_softmax, chat,
                              stored_dtype)
     check_manifest(out, manifest)
@@ -740,19 +881,25 @@ def run(args):
         return
     store = FeatureStore(out, manifest)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
-    gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log, args.loss)
+    recipe = make_recipe(args)
+    gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log, recipe)
     metrics["n_val_docs"] = sum(d.get("split") == "val" for d in manifest["documents"])
     metrics["agreement"] = agreement_with_teacher(gates, store, manifest, docs, tokenizer, device)
     metrics["command"] = " ".join(sys.argv)
-    from gate import save_gate
-    summary = dict(command=metrics["command"], data=args.data, documents=len(docs), tokens=store.n_tokens,
-                   steps=args.steps, batch_tokens=args.batch_tokens, lr=BASE_LR, momentum=MOMENTUM, seed=args.seed,
-                   loss=args.loss, **(dict(rank_weight=RANK_WEIGHT) if args.loss == "rank" else {}),
+    from gate import authors_file_name, save_gate
+    summary = dict(command=metrics["command"], data=args.data, data_sha256=data_hash, documents=len(docs),
+                   tokens=store.n_tokens,
+                   steps=args.steps, batch_tokens=args.batch_tokens, seed=args.seed, recipe_name=args.recipe,
+                   **asdict(recipe), **(dict(momentum=MOMENTUM) if recipe.optimizer == "sgd" else {}),
+                   **(dict(rank_weight=RANK_WEIGHT) if recipe.loss == "rank" else {}),
+                   **({"selected_step": metrics["selected_step"]} if recipe.select == "spearman" else {}),
                    val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
                    const_val_loss=metrics["const_val_loss"], teacher=manifest["teacher"],
                    val_docs=metrics["n_val_docs"], agreement=metrics["agreement"])
     gate_path = Path(out) / "gate.safetensors"
     save_gate(str(gate_path), gates, dict(model=model_name, layers=metrics["layers"], training=summary))
+    if args.export_pt:  # the authors' layout, for their code and kvpress (METHOD.md §2)
+        save_gate(str(Path(out) / authors_file_name(gates)), gates, curves=(metrics["val_loss"], metrics["val_acc"]))
     write_json(Path(out) / "metrics.json", metrics)
     print(summary_table(metrics))
     if args.plot:
@@ -761,6 +908,15 @@ def run(args):
     print(f"trained {args.steps} steps on {store.n_tokens} tokens in {metrics['seconds']:.0f} s "
           f"({metrics['steps_per_s']:.1f} steps/s); val BCE {sum(metrics['val_loss'][-1]) / L:.4f} "
           f"(constant {sum(metrics['const_val_loss']) / L:.4f}); gate -> {gate_path}")
+
+
+def make_recipe(args):
+    """RECIPES[--recipe] with the fields its own flags set."""
+    recipe = RECIPES[args.recipe]
+    given = {f: getattr(args, f) for f in ("optimizer", "lr", "schedule", "weight_decay", "loss", "select")}
+    if args.optimizer not in (None, recipe.optimizer) and args.lr is None:
+        given["lr"] = DEFAULT_LR[args.optimizer]
+    return replace(recipe, **{f: v for f, v in given.items() if v is not None})
 
 
 def check_out(out):
@@ -811,11 +967,24 @@ def parse_args(argv=None):
                    "whole for validation, never part of a training sample (default 0.05); 0 = the "
                    "authors' split, every 100th token of the training documents")
     p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>)")
-    p.add_argument("--steps", type=int, default=5000, help="SGD steps (0 = compute features only)")
+    p.add_argument("--steps", type=int, default=5000, help="optimiser steps (0 = compute features only)")
     p.add_argument("--batch-tokens", type=int, default=1000, help="tokens per step, shared by all layers")
     p.add_argument("--seed", type=int, default=0, help="seed of the gate init and the batch order")
-    p.add_argument("--loss", choices=LOSSES, default="bce", help="bce: the paper's (METHOD.md §5.3); rank: BCE plus "
-                   "a pairwise ranking term within each layer and head (beyond the paper, see rank_per_layer)")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="paper", help="the training recipe whose settings "
+                   "the next five flags default to: paper = the paper's (SGD momentum 0.9, lr 0.2, the authors' "
+                   "schedule, BCE, the last step; METHOD.md §5.3-5.4)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), help="sgd (momentum 0.9) or adam (AdamW with "
+                   "--weight-decay)")
+    p.add_argument("--lr", type=float, help="base learning rate")
+    p.add_argument("--schedule", choices=("step", "cosine"), help="step: the authors' piecewise schedule; "
+                   "cosine: 1%% warm-up, then cosine to 0")
+    p.add_argument("--weight-decay", type=float, help="decoupled weight decay (adam only)")
+    p.add_argument("--loss", choices=LOSSES, help="bce: the paper's (METHOD.md §5.3); rank: BCE plus a pairwise "
+                   "ranking term within each layer and head (see rank_per_layer); logmse: MSE of log scores, "
+                   "as KVzap (see logmse_per_layer)")
+    p.add_argument("--select", choices=("last", "spearman"), help="last: the gates after the last step; "
+                   "spearman: per layer, the gates of the validation step (every 50) with the best held-out "
+                   "rank correlation with the teacher")
     p.add_argument("--teacher-chunk", type=int, default=2000, help="context tokens scored per repeat "
                    "query (METHOD.md §4.2)")
     p.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward of the teacher (default 16000 "
@@ -835,13 +1004,19 @@ def parse_args(argv=None):
                    "for float32 features of more than 16 KB per token, e.g. SmolLM2-135M's 69 KB)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). On small or "
                    "shared CPUs 1 is often much faster: the gate's small ops pay for every thread hand-off")
+    p.add_argument("--export-pt", action="store_true", help="also write the gate in the authors' layout, "
+                   "--out/q{G}_dim16_sink16.pt, which their code and kvpress's FastKVzipPress load (METHOD.md §2)")
     p.add_argument("--plot", action="store_true", help="also write curves.png (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or step log")
     args = p.parse_args(argv)
     for flag in ("tokens", "min_doc_tokens", "max_doc_tokens", "batch_tokens", "teacher_chunk", "prefill_chunk",
-                 "threads"):
+                 "threads", "lr"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.weight_decay is not None and not 0 <= args.weight_decay < 1:
+        p.error(f"--weight-decay must be in [0, 1), got {args.weight_decay}")
+    if args.weight_decay and (args.optimizer or RECIPES[args.recipe].optimizer) == "sgd":
+        p.error("--weight-decay applies to --optimizer adam (the paper's SGD takes none)")
     if args.steps < 0 or args.long_doc_tokens < 0:
         p.error("--steps and --long-doc-tokens must be >= 0")
     if not -2**63 <= args.seed < 2**63:

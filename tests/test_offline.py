@@ -432,6 +432,21 @@ def test_text_assets():
     assert [s[:2] for s in sources["pydoc"]] == [("debian", A.PYDOC_DEB)] and sorted(sources) == sorted(A.PARTS)
 
 
+def test_bundled_gates_were_trained_on_the_built_corpus():
+    """Each bundled gate's metadata records the hash of its training text, which is the corpus part as
+    tools/fetch_assets.py builds it (MANIFEST.txt's tree_sha256) and as train_gate.py hashes --data: so the
+    gate's recorded command reproduces it on a fresh machine."""
+    import gate
+    import train_gate
+    corpus = require_for_test("corpus")
+    manifest = (corpus.parent / "MANIFEST.txt").read_text().splitlines()
+    built = {line.split("\t")[2] for line in manifest if line.startswith("part\tcorpus\t")}
+    assert built == {train_gate.data_sha256(str(corpus))}
+    for path in sorted(gate.GATES_DIR.glob("*.safetensors")):
+        training = gate.gate_metadata(path)["training"]
+        assert Path(training["data"]).name == "corpus" and {training["data_sha256"]} == built, path.name
+
+
 def test_dotted_pydoc_page_names_survive_the_build(tmp_path):
     """A page name holds dots (library/email.charset): each page gets its own file, none overwrites
     another (with_suffix(".txt") once mapped every library/email.* page to library/email.txt)."""
