@@ -367,7 +367,10 @@ def parse_args(argv=None):
     p.add_argument("--extra-levels", type=lambda s: [x for x in s.split(",") if x], default=["calibrated"],
                    help="eviction levels run beside the paper's for fastkvzip and kvzip (cache.LEVELS; '' = none)")
     p.add_argument("--lengths", type=ints, default=[2048, 4096, 8192], help="context lengths in tokens (quality)")
-    p.add_argument("--contexts", type=int, default=6, help="contexts per length (each from another Austen part)")
+    p.add_argument("--contexts", type=int, default=6, help="contexts per length (each from another document)")
+    p.add_argument("--text", choices=quality.TEXTS, default="austen", help="the documents the quality contexts are "
+                   "cut from: austen (the novels, by chapters) or prose (held-out documents of the gates' training "
+                   "corpus: Wikipedia, State of the Union addresses, the Python library reference)")
     p.add_argument("--passkeys", type=int, default=3, help="pass keys hidden per context, at stratified depths")
     p.add_argument("--kv-pairs", type=int, default=8, help="key-value pairs in each context's JSON block")
     p.add_argument("--kv-questions", type=int, default=3, help="of those, how many are asked")

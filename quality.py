@@ -1,9 +1,9 @@
 """
 The quality harness of bench.py: how much each method loses against the full cache.
 
-METHOD.md §11's query-agnostic setting, scaled to a CPU. Contexts are cut from Jane Austen's
-novels, which the gate never saw in training (it learns on Python docs), with needles inserted at many
-depths. The context is compressed before any question is seen; then every question is answered from
+METHOD.md §11's query-agnostic setting, scaled to a CPU. Contexts are cut from text the gates never saw in
+training (--text): Jane Austen's novels, or held-out prose of their training corpus (prose_texts), with
+needles inserted at many depths. The context is compressed before any question is seen; then every question is answered from
 the same compressed cache, rolled back after each answer. Tasks:
     passkey     pass keys hidden at many depths; accuracy = the greedy answer contains the key
     kv          a JSON object of random key-value pairs (SCBench.KV style); accuracy as above
@@ -155,14 +155,42 @@ class SampleMaker:
         return Sample(self.system + ctx, len(self.system), questions, probes, name)
 
 
-def load_docs(tok, corpus="austen_parts", _memo={}):
-    """Held-out documents (Austen, cut at chapters: 5K-20K tokens each) as (name, token ids)."""
+TEXTS = ("austen", "prose")  # bench.py --text: the haystack the needles are hidden in
+PROSE_PER_SOURCE, PROSE_JOIN = 45, 3  # held-out prose: the last 45 corpus documents of each source, 3 to a text
+
+
+def prose_texts():
+    """Held-out prose, not Austen: the last PROSE_PER_SOURCE documents of each source of the gates' training
+    corpus (Wikipedia leads, State of the Union addresses, the Python library reference; tools/fetch_assets.py),
+    consecutive ones of a source joined PROSE_JOIN at a time into texts of ~6K-21K tokens, as (name, text).
+    train_gate.py takes documents in file order, and the first of these is document 672 of 1,272 (the sources
+    are interleaved there), so a gate trained on fewer documents never saw them (the bundled gates'
+    selections end before document 100)."""
     sys.path.insert(0, str(ROOT / "tools"))
     import fetch_assets
-    if (id(tok), corpus) not in _memo:
-        _memo[id(tok), corpus] = [(p.stem, tok.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids)
-                                  for p in fetch_assets.text_docs(corpus)]
-    return list(_memo[id(tok), corpus])
+    by_source = {}
+    for path in fetch_assets.text_docs("corpus"):  # NNNNN-<source>.txt, in file order
+        by_source.setdefault(path.stem.split("-", 1)[1], []).append(path)
+    texts = []
+    for source, paths in sorted(by_source.items()):
+        held = paths[-PROSE_PER_SOURCE:]
+        for i in range(0, len(held) - PROSE_JOIN + 1, PROSE_JOIN):
+            group = held[i:i + PROSE_JOIN]
+            texts.append((f"{source} {group[0].stem.split('-')[0]}-{group[-1].stem.split('-')[0]}",
+                          "\n\n".join(p.read_text(encoding="utf-8").strip() for p in group)))
+    return texts
+
+
+def load_docs(tok, text="austen", _memo={}):
+    """Held-out documents as (name, token ids): "austen", the novels cut at chapters (5K-20K tokens each),
+    or "prose" (prose_texts)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import fetch_assets
+    if (id(tok), text) not in _memo:
+        named = ([(p.stem, p.read_text(encoding="utf-8")) for p in fetch_assets.text_docs("austen_parts")]
+                 if text == "austen" else prose_texts())
+        _memo[id(tok), text] = [(name, tok.encode(t, add_special_tokens=False).ids) for name, t in named]
+    return list(_memo[id(tok), text])
 
 
 # ---- 2. The fast path: one captured full prefill, replayed into every method's evicting cache -------
@@ -433,7 +461,7 @@ def make_samples(tok, fmt, args):
     """-> (lengths, samples): args.contexts contexts of each of args.lengths, with their needles,
     questions and probes. Every sample is made up front, also those a shard skips (each depends on the
     ones before: one RNG), so a length that cannot be made fails now, not hours into the run."""
-    docs = load_docs(tok)
+    docs = load_docs(tok, args.text)
     random.Random(args.seed).shuffle(docs)
     maker = SampleMaker(tok, fmt, docs, args.seed, args.passkeys, args.kv_pairs, args.kv_questions,
                         args.probe_tokens, args.continue_tokens)
@@ -544,7 +572,10 @@ def quality_key(args, config):
     """What makes two runs' contexts the same experiment: they may be resumed or merged only if equal."""
     names = ("methods", "budgets", "extra_levels", "lengths", "contexts", "passkeys", "kv_pairs", "kv_questions",
              "probe_tokens", "continue_tokens", "chunk_size", "window", "seed")
-    return dict({k: getattr(args, k) for k in names}, model=config["model"]["sha256"], gate=config["gate"]["sha256"])
+    key = dict({k: getattr(args, k) for k in names}, model=config["model"]["sha256"], gate=config["gate"]["sha256"])
+    if args.text != "austen":  # absent for Austen, so the runs written before the choice existed still match
+        key["text"] = args.text
+    return key
 
 
 def load_records(folder, key):

@@ -251,6 +251,30 @@ def test_needles_and_probes_are_where_they_claim(real):
     assert depths[0] < 1 / 3 + 1e-9 and depths[-1] >= 2 / 3 - 1e-9  # stratified over the context
 
 
+@pytest.mark.slow
+def test_prose_contexts_are_held_out_corpus_text(real):
+    """--text prose: contexts cut from the last documents of each source of the gates' training corpus
+    (none of which train_gate.py selects before document 672), with needles as in Austen's; the experiment's
+    key names the text, and an Austen run's key is the one it always was."""
+    texts = quality.prose_texts()
+    corpus = fetch_assets.text_docs("corpus")
+    index = {p.stem.split("-")[0]: i for i, p in enumerate(corpus)}
+    sources = {p.stem.split("-")[1] for p in corpus}
+    assert {name.split()[0] for name, _ in texts} == sources
+    for name, text in texts:
+        first, last = (index[x] for x in name.split()[1].split("-"))
+        assert first >= 672 and text.startswith(corpus[first].read_text(encoding="utf-8").strip())
+    args = bench.parse_args(["--gate", real["gate"], "--text", "prose", "--lengths", "1500", "--contexts", "2"])
+    _, samples = quality.make_samples(real["tok"], real["fmt"], args)
+    prose = dict(quality.load_docs(real["tok"], "prose"))
+    for s in samples:
+        hay = s.ids[s.n_protected:s.n_protected + 50]  # the context starts with its document's text
+        assert s.doc in prose and any(prose[s.doc][i:i + 50] == hay for i in range(len(prose[s.doc]) - 49))
+    config = dict(model=dict(sha256="m"), gate=dict(sha256="g"))
+    assert quality.quality_key(args, config)["text"] == "prose"
+    assert "text" not in quality.quality_key(bench.parse_args(["--gate", real["gate"]]), config)
+
+
 @pytest.fixture(scope="module")
 def quick(real, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "quick"
