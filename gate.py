@@ -521,8 +521,9 @@ def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=
 
 def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
     """Pool agreement() over contexts, per layer: mean Spearman; at each budget, overlap = the share of
-    the teacher's kept pairs the student keeps too (chance level: the student's kept share), and the
-    share of digit-token pairs each side keeps. None where a denominator is zero."""
+    the teacher's kept pairs the student keeps too (chance level: the student's kept share), the share of
+    the layer's segment each side keeps, and the share of digit-token pairs each side keeps. None where a
+    denominator is zero."""
     ratio = lambda a, b: a / b if b else None
     L = len(per_context[0]["spearman"])
     out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context) for l in range(L)])
@@ -530,6 +531,7 @@ def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
         tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)] for k in per_context[0][f"{r:g}"]}
         out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
         out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
+        out[f"kept_teacher@{r}"] = [ratio(tot["teacher"][l], tot["segment"][l]) for l in range(L)]
         out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l]) for l in range(L)]
         out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][l], tot["digits"][l]) for l in range(L)]
     return out

@@ -796,11 +796,12 @@ def summary_table(m):
         rows.append(f"\nagreement with the teacher on the {m['n_val_docs']} held-out documents (kept sets by the "
                     f"cache's rule; overlap = share of the teacher's kept pairs the gate keeps, chance in brackets)")
         rows.append(f"{'layer':>5}  {'spearman':>8}  {'overlap@0.5':>15}  {'overlap@0.3':>15}  "
-                    f"{'digits kept@0.5 gate/teacher':>28}  {'@0.3':>10}")
+                    f"{'kept@0.3 gate/teacher':>21}  {'digits kept@0.5 gate/teacher':>28}  {'@0.3':>10}")
         for j, layer in enumerate(m["layers"]):
             rows.append(f"{layer:>5}  {a['spearman'][j]:8.3f}  {pct(a['overlap@0.5'][j])} ({pct(a['chance@0.5'][j])})     "
                         f"{pct(a['overlap@0.3'][j])} ({pct(a['chance@0.3'][j])})     "
-                        f"{pct(a['digits_student@0.5'][j])} / {pct(a['digits_teacher@0.5'][j])}{'':>16}"
+                        f"{pct(a['chance@0.3'][j])} / {pct(a.get('kept_teacher@0.3', [None] * len(m['layers']))[j])}"
+                        f"{'':>11}{pct(a['digits_student@0.5'][j])} / {pct(a['digits_teacher@0.5'][j])}{'':>16}"
                         f"{pct(a['digits_student@0.3'][j])} / {pct(a['digits_teacher@0.3'][j])}")
     return "\n".join(rows)
 

@@ -471,6 +471,7 @@ def test_agreement_counts_equal_a_naive_count():
         D = {(h, i) for h in range(H) for i in seg if is_digit[i]}
         assert p["overlap@0.5"][l] == pytest.approx(len(T & S) / len(T))
         assert p["chance@0.5"][l] == pytest.approx(len(S) / (H * len(seg)))
+        assert p["kept_teacher@0.5"][l] == pytest.approx(len(T) / (H * len(seg)))
         assert p["digits_student@0.5"][l] == pytest.approx(len(S & D) / len(D))
         assert p["digits_teacher@0.5"][l] == pytest.approx(len(T & D) / len(D))
     assert a["spearman"][1] > 0.9 > max(abs(a["spearman"][0]), abs(a["spearman"][2]))
