@@ -457,7 +457,10 @@ def check_args(p, args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args):
     if args.merge:
         return merge(args)
     if args.threads:
@@ -465,7 +468,8 @@ def main(argv=None):
     t_start = time.perf_counter()
     folder = M.resolve_model(args.model)
     # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
-    cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
+    cfg = M.ModelConfig.from_json(folder)
+    tok = M.load_tokenizer(folder, cfg.vocab_size)
     fmt = M.prompt_format(cfg, args.model)
     gates = G.resolve_gate(args.gate, cfg, args.model)
     check_lengths(args, cfg, tok, len(tok.encode(fmt.system, add_special_tokens=False).ids))
@@ -483,7 +487,7 @@ def main(argv=None):
     gpu = torch.cuda.is_available() and not args.no_gpu
     previous = out / "results.json"
     if previous.exists():  # keep the speed rows of an earlier run of this folder if this one does not redo them
-        old = json.loads(previous.read_text(encoding="utf-8"))
+        old = read_json(previous, "delete it: the finished contexts in contexts/ are kept, only speed rows are lost")
         for k, redo in (("speed", bool(args.speed_lengths)), ("gpu", gpu)):
             if not old.get(k) or redo:
                 continue  # nothing to keep, or replaced by this run
@@ -551,6 +555,31 @@ def check_lengths(args, cfg, tok, n_system):
                          f"tokens)")
 
 
+def read_json(path, fix):
+    """A JSON object this script wrote (atomically): damaged by something else (a copy cut short) -> UsageError
+    naming the file and `fix`, what to do about it."""
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise UsageError(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"{path} holds a JSON {type(obj).__name__}, not a bench result; {fix}")
+    return obj
+
+
+def kept(args):
+    """What an interrupted run (Ctrl-C, SIGTERM, a full disk) keeps, and how to resume it: a clause for
+    cli.main."""
+    out = getattr(args, "out_dir", None)  # set once --out exists
+    if args.merge or out is None:
+        return None
+    n = len(list((Path(out) / "contexts").glob("context-*.json")))
+    again = "the same command" + ("" if args.out else f" with --out {out}")  # the default --out is a new folder
+    return f"{n} finished contexts are kept in {out}; rerun {again} to resume"
+
+
 def write_results(out, results):
     write_text(out / "results.json", json.dumps(results, indent=1))
     write_text(out / "results.md", markdown(results))
@@ -573,14 +602,16 @@ def merge(args):
     missing = [str(f) for f in folders if not (f / "config.json").exists()]
     if missing:
         raise UsageError(f"no bench run in {', '.join(missing)} (config.json missing)")
-    configs = [json.loads((f / "config.json").read_text(encoding="utf-8")) for f in folders]
+    configs = [read_json(f / "config.json", "rerun that folder's command to rewrite it, or leave it out of --merge")
+               for f in folders]
     key = configs[0]["quality_key"]
     records, results = {}, dict(config=dict(configs[0], merged_from=[str(f) for f in folders],
                                             commands=[c["command"] for c in configs]), rows=[])
     for f in folders:
         for c, rec in load_records(f, key).items():
             records.setdefault(c, rec)  # a context run twice (same seed, same flags) is the same context
-        old = json.loads((f / "results.json").read_text(encoding="utf-8")) if (f / "results.json").exists() else {}
+        old = read_json(f / "results.json", "delete it: the contexts are merged from contexts/, its speed rows are "
+                        "lost") if (f / "results.json").exists() else {}
         for k in ("speed", "gpu"):
             if not old.get(k):
                 continue
@@ -607,4 +638,4 @@ def merge(args):
 
 
 if __name__ == "__main__":
-    cli.main(main, None, M.ModelError, G.GateError)  # bad --model / --gate / folders: one line, exit 2
+    cli.main(run, parse_args(), M.ModelError, G.GateError, kept=kept)  # bad --model / --gate / folders: one line

@@ -1,7 +1,11 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with exit
-code 2, Ctrl-C as one line with exit code 130, outputs written atomically, and matplotlib for --plot."""
+code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how to
+resume, outputs written atomically, one rule for what counts as text, and matplotlib for --plot."""
 import os
+import re
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -10,29 +14,85 @@ class UsageError(Exception):
     """Bad input (flags, files, folders): printed by `main` as one line, exit code 2."""
 
 
-def main(run, args, *errors, interrupted=lambda args: "interrupted"):
+class WriteError(UsageError):
+    """An output that could not be written (a full disk, a read-only folder): atomic_path raises it,
+    `main` adds what the run has kept."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised wherever the program is, so that it unwinds as after Ctrl-C: every `finally`
+    removes its temporaries."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def main(run, args, *errors, kept=lambda args: None):
     """run(args), with a UsageError or any of `errors` (model.ModelError, gate.GateError, ...) reported as
-    one line `error: message` and exit code 2 instead of a traceback, and Ctrl-C as the line
-    interrupted(args) (what was kept, how to resume) and exit code 130."""
+    one line `error: message` and exit code 2 instead of a traceback; Ctrl-C (exit code 130) and SIGTERM
+    (143) as one line `interrupted: ...`. kept(args): what the run keeps and how to resume it (a clause,
+    or None when nothing is kept), added to the interrupt line and to a failed write."""
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         return run(args)
+    except WriteError as e:
+        note = kept(args)
+        print(f"error: {e}" + (f"; {note}" if note else ""), file=sys.stderr)
+        sys.exit(2)
     except (UsageError, *errors) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print(f"\n{interrupted(args)}", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        note = str(e) or kept(args)  # an exception may carry its own (offline.py's conversion)
+        print(f"\ninterrupted" + (f": {note}" if note else ""), file=sys.stderr)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def decode_text(data, name):
+    """The text in `data` (bytes), or a UsageError naming `name` (a file, a flag) when they cannot be text:
+    NUL bytes (a binary file) or bytes that are not UTF-8. A leading byte-order mark is not part of the text.
+    The one rule for generate.py's --context-file and --prompt and train_gate.py's --data documents."""
+    if b"\0" in data:
+        raise UsageError(f"{name} holds NUL bytes: a binary file, not text")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def _write_failure(e):
+    """The reason a write failed, when `e` is a failed write (OSError, or safetensors' own error type,
+    which wraps the OS's), else None."""
+    from safetensors import SafetensorError
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    if isinstance(e, SafetensorError):  # "Error while serializing: I/O error: No space left on device (os error 28)"
+        m = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", " ".join(str(e).split()))
+        return m.group(1) if m else None  # not I/O: a bug, left to its traceback
+    return None
 
 
 @contextmanager
 def atomic_path(path):
     """A temporary name beside `path` to write to; it replaces `path` when the block ends without error
-    (os.replace), so a killed run never leaves half a file, and is removed otherwise."""
+    (os.replace), so a killed run never leaves half a file, and is removed otherwise. A failed write (a
+    full disk) is a WriteError naming `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
         os.replace(tmp, path)
+    except Exception as e:
+        why = _write_failure(e)
+        if why is None:
+            raise
+        raise WriteError(f"cannot write {path}: {why}") from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import stat
 from pathlib import Path
 
 import torch
@@ -549,6 +550,7 @@ def digit_tokens(tokenizer, ids):
 LAYER_KEYS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight",
               "k_base", "b")
 GATE_FORMAT = "fastkvzip-gate/1"
+GATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GATES_DIR = Path(__file__).resolve().parent / "gates"  # gates bundled with the repository
 RELEASED_REPO = "Jang-Hyun/Fast-KVzip"  # the authors' released gates on the HF hub (METHOD.md §2)
 RELEASED_MODELS = ("qwen2.5-7b-instruct-1m", "qwen2.5-14b-instruct-1m", "qwen3-8b", "qwen3-14b",
@@ -563,8 +565,15 @@ def infer_dims(layers):
     sd = layers[0]
     if not isinstance(sd, dict) or any(key not in sd or not torch.is_tensor(sd[key]) for key in LAYER_KEYS):
         raise GateError(f"gate layer 0 must be a state dict with tensors {', '.join(LAYER_KEYS)}")
-    if sd["k_proj.weight"].dim() != 2 or sd["q_norm.weight"].dim() != 1 or sd["k_proj.weight"].shape[0] == 0:
-        raise GateError("gate layer 0: k_proj.weight must be (H·D', D) and q_norm.weight (D',)")
+    for i, layer in enumerate(layers):  # the gate computes in its file's dtype, beside the model's
+        for key in LAYER_KEYS:
+            t = layer.get(key) if isinstance(layer, dict) else None
+            if torch.is_tensor(t) and t.dtype not in GATE_DTYPES:
+                raise GateError(f"gate layer {i}: {key} is {str(t.dtype).removeprefix('torch.')}; a gate holds "
+                                f"float32, bfloat16 or float16 tensors")
+    if sd["k_proj.weight"].dim() != 2 or sd["q_norm.weight"].dim() != 1 or 0 in (
+            sd["k_proj.weight"].shape[0], sd["q_norm.weight"].shape[0]):
+        raise GateError("gate layer 0: k_proj.weight must be (H·D', D) and q_norm.weight (D',), D' > 0")
     Dp = sd["q_norm.weight"].shape[-1]
     HDp, D = sd["k_proj.weight"].shape
     H, G = HDp // Dp, sd["q_proj.weight"].shape[0] // HDp
@@ -653,6 +662,9 @@ def _read_safetensors(path):
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("fastkvzip", "{}"))
+            if not isinstance(meta, dict):
+                raise GateError(f"gate {path}: its \"fastkvzip\" metadata is a JSON {type(meta).__name__}, "
+                                f"not an object")
             layers = {}
             for name in f.keys():
                 m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
@@ -731,13 +743,23 @@ def load_gate(path, cfg, dtype=None, device=None):
     `.meta` holding the file's metadata. Raises GateError if the file is unsafe, malformed or shaped
     for another model (compressed-layer count, hidden size, KV heads, group size)."""
     path = Path(path)
-    if path.is_dir():
-        raise GateError(f"gate {path} is a folder, not a gate file")
-    if not path.is_file():
-        raise GateError(f"gate file not found: {path}")
     try:
+        if not path.exists():
+            raise GateError(f"gate file not found: {path}")
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise GateError(f"gate {path} is a folder, not a gate file")
+        if stat.S_ISCHR(mode):  # /dev/null reads as empty, /dev/zero as endless zeros
+            with open(path, "rb") as f:
+                empty = not f.read(1)
+        else:
+            empty = stat.S_ISREG(mode) and path.stat().st_size == 0
+        if empty:
+            raise GateError(f"gate {path} is empty (0 bytes): not a gate file")
+        if not stat.S_ISREG(mode):
+            raise GateError(f"gate {path} is not a regular file (a device or a pipe)")
         kind = _file_kind(path)
-    except OSError as e:
+    except OSError as e:  # also pathlib's PermissionError for a path inside a folder this user may not read
         raise GateError(f"cannot read gate {path}: {e.strerror or e}") from None
     if kind == "safetensors":
         layers, meta = _read_safetensors(path)
@@ -756,7 +778,9 @@ def load_gate(path, cfg, dtype=None, device=None):
     if m and int(m.group(1)) != dims["sinks"]:
         raise GateError(f"gate {path}: the name says {m.group(0)} but k_base holds {dims['sinks']} sink keys")
     ids = meta.get("layers")
-    if ids is not None and list(ids) != list(cfg.compressed_layers):
+    if ids is not None and not (isinstance(ids, list) and all(type(i) is int for i in ids)):
+        raise GateError(f"gate {path}: its metadata's \"layers\" must be a list of layer ids, got {ids!r:.60}")
+    if ids is not None and ids != list(cfg.compressed_layers):
         raise GateError(f"gate {path} was trained for layers {list(ids)}; the model compresses layers "
                         f"{list(cfg.compressed_layers)}")
     gates = Gates.from_layer_state_dicts(layers, dtype=dtype, device=device)

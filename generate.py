@@ -106,6 +106,9 @@ def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0
         logits = model(torch.tensor(question_ids, device=cache.device), cache, num_logits=1)[-1]
     out, t0 = [], time.perf_counter()
     for _ in range(max_new_tokens):
+        if not torch.isfinite(logits).all():  # argmax of NaN is token 0: never answer that
+            raise M.ModelError(f"the model's logits are inf/NaN after {len(out)} generated tokens: its activations "
+                               f"overflowed {cache.dtype}; use --dtype float32 (or bfloat16)")
         token = sample(logits, temperature, top_p, generator)
         if token in stop_ids:
             break
@@ -178,25 +181,25 @@ def check_args(args):
         raise UsageError("pass --prompt TEXT or --context-file FILE, not both")
     if args.prompt is None and not args.context_file:
         raise UsageError("nothing to do: pass --prompt TEXT, or --context-file FILE with --question")
+    for flag, text in [("--prompt", args.prompt)] + [("--question", q) for q in args.question or []]:
+        if text is not None:  # the shell's bytes: Python keeps those that are not UTF-8 as lone surrogates
+            cli.decode_text(os.fsencode(text), flag)
 
 
 def read_context(path):
-    """The text of --context-file, refusing what cannot be a text context with one line."""
+    """The text of --context-file, refusing what cannot be a text context with one line (cli.decode_text)."""
     import stat
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode) and not stat.S_ISFIFO(os.stat(path).st_mode):
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
             raise UsageError(f"--context-file {path} is not a regular file")  # a folder, /dev/zero, ...
+        if stat.S_ISFIFO(mode):  # open() waits for a writer, read() for it to close: say why nothing happens
+            print(f"reading --context-file {path}: a pipe, until its writer closes it", file=sys.stderr, flush=True)
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise UsageError(f"cannot read --context-file {path}: {e.strerror or e}") from None
-    if b"\0" in data:
-        raise UsageError(f"--context-file {path} holds NUL bytes: a binary file, not text")
-    try:
-        text = data.decode("utf-8-sig")  # a leading byte-order mark is not part of the text
-    except UnicodeDecodeError as e:
-        raise UsageError(f"--context-file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                         f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+    text = cli.decode_text(data, f"--context-file {path}")
     if not text.strip():
         raise UsageError(f"--context-file {path} is empty: there is no context to compress")
     return text
@@ -219,7 +222,10 @@ def run(args):
         raise UsageError("--prompt is empty: there is no context to continue")
     # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes on a large model
     folder = M.resolve_model(args.model)
-    cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
+    cfg = M.ModelConfig.from_json(folder)
+    tok = M.load_tokenizer(folder, cfg.vocab_size)
+    dtype = M.compute_dtype(args.dtype, device)
+    M.check_dtype(cfg, dtype)
     if args.thinking and not (cfg.arch == "qwen3" and M.uses_chat(args.model, args.chat)
                               and "instruct" not in args.model.lower()):
         raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model and template "
@@ -237,7 +243,7 @@ def run(args):
     if method == "fastkvzip" or args.gate:  # a --gate given is checked even where budget 1.0 leaves it unused
         import gate
         gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
-    model = M.load_model(folder, device, M.compute_dtype(args.dtype, device))
+    model = M.load_model(folder, device, dtype)
     cache = make_cache(method, model, args.model, n_protected, level=args.level, decode_budget=args.decode_budget,
                        seed=args.seed, gates=gates)
 

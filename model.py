@@ -131,15 +131,17 @@ class ModelConfig:
         """config.json (or its folder); eos ids from a sibling generation_config.json are merged in, the
         chat layout is read from the tokenizer's own template when the folder has one."""
         path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ModelError(f"no config.json in {path.parent}: pass a Hugging Face model folder "
-                             "(config.json, tokenizer.json, *.safetensors)")
         try:
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise ModelError(f"no config.json in {path.parent}: pass a Hugging Face model folder "
+                                 "(config.json, tokenizer.json, *.safetensors)")
             d = json.loads(path.read_text())
             gen_path = path.parent / "generation_config.json"
             gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        except OSError as e:  # a folder or file this user may not read
+            raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelError(f"{path.parent}: unreadable JSON ({e}); re-download the config files") from None
         for name, obj in (("config.json", d), ("generation_config.json", gen)):
@@ -252,15 +254,26 @@ def _check_types(d: dict) -> None:
 def _template_chat_format(folder: Path) -> str | None:
     """The chat layout of the tokenizer's own template (tokenizer_config.json's chat_template, or
     chat_template.jinja), None without one. SmolLM2 is a Llama whose template is ChatML: the template,
-    not the architecture, decides the prompt."""
-    template = ""
+    not the architecture, decides the prompt, so a tokenizer_config.json that cannot be read is refused
+    rather than read as "no template" (which would silently give another prompt layout)."""
+    template, path = "", folder / "tokenizer_config.json"
     try:
-        t = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template") or ""
-        template = t if isinstance(t, str) else " ".join(str(x.get("template", "")) for x in t)  # named templates
-    except (OSError, ValueError, AttributeError):  # none, or unreadable: the family's layout
-        pass
-    if (folder / "chat_template.jinja").is_file():
-        template += (folder / "chat_template.jinja").read_text(errors="replace")
+        if path.is_file():
+            d = json.loads(path.read_text(encoding="utf-8"))
+            t = d.get("chat_template") if isinstance(d, dict) else None
+            if isinstance(t, list) and all(isinstance(x, dict) and isinstance(x.get("template"), str) for x in t):
+                t = " ".join(x["template"] for x in t)  # named templates: [{"name": ..., "template": ...}]
+            if not isinstance(d, dict) or not isinstance(t, (str, type(None))):
+                raise ModelError(f"{path}: expected an object whose chat_template is a string or a list of "
+                                 f"{{name, template}} objects; re-download the tokenizer files")
+            template = t or ""
+        if (folder / "chat_template.jinja").is_file():
+            template += (folder / "chat_template.jinja").read_text(errors="replace")
+    except OSError as e:
+        raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise ModelError(f"{path} is not valid JSON ({e}); re-download the tokenizer files: its chat template "
+                         f"decides the prompt layout") from None
     return next((fmt for marker, fmt in _CHAT_MARKERS if marker in template), None)
 
 
@@ -550,6 +563,18 @@ def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def check_dtype(cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """Refuse a compute dtype the model cannot run in. Gemma 3's residual stream outgrows float16's range
+    (max 65504): in Gemma 3 270M it grows every layer (3.0e3 after layer 0, 5.5e4 after layer 6) and passes
+    65504 in layer 7 (0-based) of 18 already on a 4-token prompt; every value after that is inf or NaN,
+    and greedy decoding answered token 0. Refused for the whole family, which shares the architecture
+    (sandwich norms add each sub-layer's normalised output to an unnormalised stream); its checkpoints
+    are bfloat16, whose range is float32's."""
+    if cfg.arch == "gemma3" and dtype == torch.float16:
+        raise ModelError("Gemma 3 cannot run in float16: its activations outgrow float16's range (65504) and "
+                         "turn to inf/NaN; use --dtype bfloat16 or float32")
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -585,6 +610,7 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
     cfg = ModelConfig.from_json(folder / "config.json")
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or compute_dtype(None, device)
+    check_dtype(cfg, dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
     shapes = {k: tuple(t.shape) for k, t in model.state_dict().items()}
@@ -623,17 +649,27 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
 
 # --------------------------------------------------------------------------------- tokenizer/prompt
 
-def load_tokenizer(folder: str | Path):
-    """tokenizers.Tokenizer from the folder's tokenizer.json (encode pieces with add_special_tokens=False)."""
+def load_tokenizer(folder: str | Path, vocab_size: int | None = None):
+    """tokenizers.Tokenizer from the folder's tokenizer.json (encode pieces with add_special_tokens=False).
+    vocab_size (the model's config): refuse a tokenizer with ids beyond it, another model's tokenizer,
+    whose ids would index past the embedding."""
     from tokenizers import Tokenizer
 
     path = Path(folder).expanduser() / "tokenizer.json"
-    if not path.is_file():
-        raise ModelError(f"no tokenizer.json in {path.parent}: add the model's tokenizer.json to the folder")
     try:
-        return Tokenizer.from_file(str(path))
+        if not path.is_file():
+            raise ModelError(f"no tokenizer.json in {path.parent}: add the model's tokenizer.json to the folder")
+    except OSError as e:
+        raise ModelError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        tok = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise ModelError(f"{path}: unreadable tokenizer ({' '.join(str(e).split())}); re-download it") from None
+    n = max(tok.get_vocab_size(with_added_tokens=True), max(tok.get_added_tokens_decoder(), default=-1) + 1)
+    if vocab_size is not None and n > vocab_size:
+        raise ModelError(f"{path} has {n} token ids, more than the model's vocab_size {vocab_size} (config.json): "
+                         f"another model's tokenizer; put the model's own tokenizer.json in the folder")
+    return tok
 
 
 @dataclass
@@ -706,12 +742,15 @@ def resolve_model(name_or_path: str | Path) -> Path:
     """A local folder, an alias (qwen3-8b, gemma3-12b, ...), a Hugging Face repo id (downloads only the
     files above), or an offline model ("gemma3-270m-gguf", "smollm2-135m-gguf") -> the model folder."""
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelError(f"no config.json in {path}: pass a Hugging Face model folder")
-        return path
-    if path.exists():
-        raise ModelError(f"{path} is a file: pass the model's folder")
+    try:
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelError(f"no config.json in {path}: pass a Hugging Face model folder")
+            return path
+        if path.exists():
+            raise ModelError(f"{path} is a file: pass the model's folder")
+    except OSError as e:  # pathlib raises PermissionError for a path inside a folder this user may not read
+        raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
     name = str(name_or_path)
     if name.lower() in OFFLINE_MODELS:
         import offline  # lazy: only this path needs gguf and the PyPI weight packages

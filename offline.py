@@ -122,7 +122,11 @@ def ensure_offline_model(name: str = NAME, progress: bool = True) -> Path:
     _remove_abandoned(final)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:  # a read-only FASTKVZIP_CACHE
+        raise OfflineModelError(f"cannot create a folder in {final.parent} ({e.strerror}): set FASTKVZIP_CACHE "
+                                "to a writable folder") from None
     t0 = time.time()
     say(f"first use: converting {name} from the PyPI GGUF into {final} (about a minute, once)")
     try:
@@ -131,6 +135,10 @@ def ensure_offline_model(name: str = NAME, progress: bool = True) -> Path:
     except OSError as e:
         raise OfflineModelError(f"cannot write the offline model under {final.parent} ({e}): free ~1 GB "
                                 "or set FASTKVZIP_CACHE to another folder") from None
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as cli.Terminated: the same type goes on, with a note
+        e.args = (f"the first-use conversion of {name} was stopped and its temporary folder removed; rerun the "
+                  f"same command to convert it again",)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"ready in {time.time() - t0:.0f} s: {final}")
@@ -584,7 +592,5 @@ def write_json(path: Path, obj: dict, indent: int | None = 2) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        print(ensure_offline_model(*sys.argv[1:2]))
-    except OfflineModelError as e:
-        sys.exit(f"offline model: {e}")
+    import cli  # one-line errors, Ctrl-C and SIGTERM as the other scripts
+    cli.main(lambda argv: print(ensure_offline_model(*argv)), sys.argv[1:2], OfflineModelError)

@@ -156,8 +156,14 @@ def iter_files(spec, tokenizer):
     ("text" field). Token counts with the model's own tokenizer."""
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
     for f in list_files(spec):
+        if not f.endswith(".parquet"):  # a binary or non-UTF-8 file is refused, as generate.py's --context-file
+            try:
+                with open(f, "rb") as fh:
+                    text = cli.decode_text(fh.read(), f"--data file {f}")
+            except OSError as e:
+                raise UsageError(f"cannot read --data file {f}: {e.strerror or e}") from None
         if f.endswith(".jsonl"):
-            for i, line in enumerate(open(f, encoding="utf-8", errors="replace")):  # as .txt files below
+            for i, line in enumerate(text.split("\n")):
                 if line.strip():
                     try:
                         obj = json.loads(line)
@@ -183,7 +189,7 @@ def iter_files(spec, tokenizer):
                     raise UsageError(f"{f}: row {i} has no \"text\" string (got {type(text).__name__})")
                 yield Doc(f"{f}:{i}", text.strip(), count(text.strip()))
         else:
-            text = open(f, encoding="utf-8", errors="replace").read().strip()
+            text = text.strip()
             yield Doc(f, text, count(text))
 
 
@@ -843,7 +849,8 @@ def run(args):
     if rank == 0 and world > 1:
         dist.barrier()
     cfg = M.ModelConfig.from_json(folder)
-    tokenizer = M.load_tokenizer(folder)
+    M.check_dtype(cfg, dtype)
+    tokenizer = M.load_tokenizer(folder, cfg.vocab_size)
     prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
     chat = M.uses_chat(args.model, args.chat)
     fmt = M.prompt_format(cfg, args.model, chat=chat)
@@ -863,6 +870,7 @@ def run(args):
     manifest = make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk, args.teacher_softmax, chat,
                              stored_dtype)
     check_manifest(out, manifest)
+    make_out(out)  # only now that the input is accepted: a refused run leaves no empty folder
     if rank == 0:
         write_json(Path(out) / "manifest.json", manifest)
         n_val = sum(split == "val" for _, _, split in docs)
@@ -921,11 +929,23 @@ def make_recipe(args):
 
 
 def check_out(out):
-    """--out must be a folder we can write into: checked before hours of work go into it."""
+    """--out must be a folder we can write into, or create: checked before hours of work go into it,
+    without creating it (make_out does, once the input is accepted)."""
+    import errno
     import tempfile
+    path = Path(out).absolute()
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists())  # the folder, or where it will be
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise UsageError(f"--out {out} is not a writable folder ({e.strerror or e}); pass another --out") from None
+
+
+def make_out(out):
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
     except OSError as e:
         raise UsageError(f"--out {out} is not a writable folder ({e.strerror or e}); pass another --out") from None
 
@@ -937,19 +957,19 @@ def names(model, out):
     return name, out or str(Path("out") / name)
 
 
-def interrupted(out, steps):
-    """What a Ctrl-C leaves behind in `out`, in one line: the finished feature shards are kept; training
-    (`steps` > 0) restarts."""
+def kept(out, steps):
+    """What a stopped run (Ctrl-C, SIGTERM, a full disk) leaves in `out`, as a clause for cli.main: the
+    finished feature shards are kept; training (`steps` > 0) restarts."""
     try:
         docs = json.loads((Path(out) / "manifest.json").read_text())["documents"]
-    except (OSError, ValueError, KeyError):  # no manifest written yet
-        return "interrupted before any feature was computed; nothing to keep"
+    except (OSError, ValueError, KeyError, TypeError):  # no manifest written yet
+        return "no feature was computed yet; nothing is kept"
     done = sum((Path(out) / d["shard"]).is_file() for d in docs)
     if done < len(docs):
-        return (f"interrupted: {done} of {len(docs)} feature shards are kept in {out}/features; rerun the "
-                f"same command to compute the other {len(docs) - done}{' and train' if steps else ''}")
-    return (f"interrupted: all {len(docs)} feature shards are kept in {out}/features; rerun the same "
-            f"command to train (training itself restarts from step 0)")
+        return (f"{done} of {len(docs)} feature shards are kept in {out}/features; rerun the same command to "
+                f"compute the other {len(docs) - done}{' and train' if steps else ''}")
+    return (f"all {len(docs)} feature shards are kept in {out}/features; rerun the same command to train "
+            f"(training itself restarts from step 0)")
 
 
 def parse_args(argv=None):
@@ -1035,7 +1055,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cli.main(run, args, M.ModelError, interrupted=lambda a: interrupted(names(a.model, a.out)[1], a.steps))
+    cli.main(run, args, M.ModelError, kept=lambda a: kept(names(a.model, a.out)[1], a.steps))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -115,3 +116,30 @@ def tiny_tokenizer(folder):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
     tok.save(str(folder / "tokenizer.json"))
+
+
+@contextmanager
+def no_access(folder, mode):
+    """chmod `folder` to `mode` for the block: 0o000, nothing inside it can be looked at (pathlib raises
+    PermissionError); 0o555, nothing can be created in it. Root ignores permissions, so for root the OS
+    call they stop (os.stat, os.mkdir) raises the same PermissionError inside `folder`."""
+    import errno
+    import os
+    folder, real = Path(folder).absolute(), {name: getattr(os, name) for name in ("stat", "mkdir")}
+    denied = "stat" if mode == 0o000 else "mkdir"
+
+    def refuse(path, *a, **kw):
+        p = Path(os.fsdecode(path)) if not isinstance(path, int) else None
+        if p is not None and p != folder and p.is_relative_to(folder):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(path))
+        return real[denied](path, *a, **kw)
+
+    old = folder.stat().st_mode
+    folder.chmod(mode)
+    if os.geteuid() == 0:
+        setattr(os, denied, refuse)
+    try:
+        yield folder
+    finally:
+        setattr(os, denied, real[denied])
+        folder.chmod(old)

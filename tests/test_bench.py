@@ -5,6 +5,7 @@ assets; together they take about 2.5 minutes on 2 cores.
 """
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -459,3 +460,71 @@ def test_bad_shard_and_merge_flags_are_refused(tmp_path, capsys):
         bench.main(["--merge", str(tmp_path)])
     with pytest.raises(UsageError, match="config.json missing"):
         bench.main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "merged")])
+
+
+# ------------------------------------------------------------------------------------ damaged or failing outputs
+
+def test_corrupt_json_in_out_or_merge_is_named(tmp_path):
+    """A results.json cut short in --out, a corrupt config.json given to --merge: one line naming the file
+    and what to do (a JSONDecodeError traceback before)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"config": {"speed_key": {"bud')  # a copy that stopped half-way
+    with pytest.raises(UsageError, match=r"out/results.json is not valid JSON .*delete it: the finished contexts"):
+        bench.main(["--quick", "--no-gpu", "--no-quality", "--speed-lengths", "0", "--out", str(out)])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text('{"quality_key": {}, "comm')
+    with pytest.raises(UsageError, match=r"a/config.json is not valid JSON .*leave it out of --merge"):
+        bench.main(["--merge", str(tmp_path / "a"), "--out", str(tmp_path / "merged")])
+    (tmp_path / "a" / "config.json").write_text('[]')
+    with pytest.raises(UsageError, match=r"a/config.json holds a JSON list, not a bench result"):
+        bench.main(["--merge", str(tmp_path / "a"), "--out", str(tmp_path / "merged")])
+
+
+def test_full_disk_while_writing_results_says_what_is_kept(tmp_path, monkeypatch, capsys):
+    """cli.write_text on a full disk: one line naming the file, the finished contexts kept, how to resume;
+    the temporary file removed."""
+    import errno
+    import os
+
+    import cli
+    out = tmp_path / "out"
+    (out / "contexts").mkdir(parents=True)
+    for c in range(2):
+        (out / "contexts" / f"context-{c:03d}.json").write_text("{}")
+    real = Path.write_text
+
+    def full(self, *a, **kw):
+        if self.name.startswith(".results.json"):
+            real(self, "half a fi")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    for given in (True, False):  # an --out of the default (a new timestamp folder each run) must be named
+        args = bench.parse_args(["--out", str(out)] if given else [])
+        args.out_dir = str(out)
+        with pytest.raises(SystemExit) as e:
+            cli.main(lambda a: bench.write_results(out, {"rows": []}), args, kept=bench.kept)
+        again = "the same command" + ("" if given else f" with --out {out}")
+        assert e.value.code == 2 and capsys.readouterr().err == (
+            f"error: cannot write {out}/results.json: No space left on device; 2 finished contexts are kept in "
+            f"{out}; rerun {again} to resume\n")
+        assert sorted(p.name for p in out.iterdir()) == ["contexts"]
+
+
+def test_sigterm_says_what_is_kept(tmp_path):
+    """`python bench.py` stopped by SIGTERM (here as the weights start to load): one line, exit code 143."""
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "out"
+    driver = ("import os, signal, sys, model\n"
+              "model.load_model = lambda *a, **kw: os.kill(os.getpid(), signal.SIGTERM)\n"
+              "sys.argv[0] = 'bench.py'\n"
+              "import runpy; runpy.run_path('bench.py', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", driver, "--quick", "--no-gpu", "--out", str(out)], cwd=bench.ROOT,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 143 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"interrupted: 0 finished contexts are kept in {out}; rerun the "
+                                                 f"same command to resume"), r.stderr

@@ -475,3 +475,59 @@ def test_agreement_counts_equal_a_naive_count():
         assert p["digits_student@0.5"][l] == pytest.approx(len(S & D) / len(D))
         assert p["digits_teacher@0.5"][l] == pytest.approx(len(T & D) / len(D))
     assert a["spearman"][1] > 0.9 > max(abs(a["spearman"][0]), abs(a["spearman"][2]))
+
+
+# -------------------------------------------------------------------------------------------------
+# odd gate files: one GateError line each, before any model work
+# -------------------------------------------------------------------------------------------------
+
+def write_raw_gate(path, layers, meta):
+    """A safetensors gate written by hand: tensors layers.<i>.<key>, `meta` (any JSON) as its metadata."""
+    import json
+    from safetensors.torch import save_file
+    save_file({f"layers.{i}.{k}": t.contiguous() for i, sd in enumerate(layers) for k, t in sd.items()}, str(path),
+              metadata={"format": "pt", "fastkvzip": json.dumps(meta)})
+
+
+@pytest.mark.parametrize("case,words", [
+    ("int32 q_proj", "q_proj.weight is int32; a gate holds float32, bfloat16 or float16"),
+    ("bool k_base", "k_base is bool"),
+    ("float64 everywhere", "is float64"),
+    ("zero-size q_norm", "D' > 0"),
+    ("layers is a number", "\"layers\" must be a list of layer ids, got 5"),
+    ("metadata is a list", "metadata is a JSON list, not an object"),
+])
+def test_odd_gate_files_are_one_line_errors(tmp_path, case, words):
+    sd = {k: v.clone() for k, v in authors_state_dict(32, 2, 3).items()}
+    meta = {}
+    if case == "int32 q_proj":
+        sd["q_proj.weight"] = sd["q_proj.weight"].to(torch.int32)
+    elif case == "bool k_base":
+        sd["k_base"] = sd["k_base"] > 0
+    elif case == "float64 everywhere":
+        sd = {k: v.double() for k, v in sd.items()}
+    elif case == "zero-size q_norm":
+        sd["q_norm.weight"] = torch.zeros(0)
+    elif case == "layers is a number":
+        meta = {"layers": 5}
+    elif case == "metadata is a list":
+        meta = [1, 2]
+    write_raw_gate(tmp_path / "g.safetensors", [sd], meta)
+    with pytest.raises(GateError) as err:
+        load_gate(tmp_path / "g.safetensors", make_cfg(1, 32, 2, 3))
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_empty_and_unreadable_gates_say_so(tmp_path):
+    """/dev/null exists and is empty (not "not found"); a gate inside a folder that cannot be read is a
+    GateError, not pathlib's PermissionError."""
+    from tests.helpers import no_access
+    with pytest.raises(GateError, match=r"gate /dev/null is empty"):
+        load_gate("/dev/null", make_cfg())
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    with pytest.raises(GateError, match=r"empty.safetensors is empty \(0 bytes\)"):
+        load_gate(tmp_path / "empty.safetensors", make_cfg())
+    (tmp_path / "locked").mkdir()
+    save_gate(tmp_path / "locked" / "g.safetensors", random_gates())
+    with no_access(tmp_path / "locked", 0o000), pytest.raises(GateError, match=r"cannot read gate .*Permission denied"):
+        load_gate(tmp_path / "locked" / "g.safetensors", make_cfg())

@@ -13,7 +13,7 @@ import model as M
 from cache import EvictingCache, KVCache
 from gate import Gates, GateScorer, RandomScorer, save_gate
 from generate import answer, prefill
-from tests.helpers import tiny_checkpoint
+from tests.helpers import tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,9 +35,9 @@ def assert_usage_error(res, *words):
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    """A tiny random Gemma3 with a (large) real tokenizer beside it: enough to reach the checks."""
-    folder = tiny_checkpoint("gemma3", tmp_path_factory.mktemp("tiny"), max_position_embeddings=64)
-    shutil.copy(M.resolve_model(M.OFFLINE_DEFAULT) / "tokenizer.json", folder / "tokenizer.json")
+    """A tiny random Gemma3 with a byte-level tokenizer that fits its 384-token vocabulary."""
+    folder = tiny_checkpoint("gemma3", tmp_path_factory.mktemp("tiny"), max_position_embeddings=512)
+    tiny_tokenizer(folder)
     return folder
 
 
@@ -195,3 +195,65 @@ def test_json_output_and_questions_share_the_context(tmp_path):
         assert key in s, key
     assert abs(s["kept_fraction"] - 0.5) < 0.02 and len(s["kept_fraction_per_layer"]) == 3
     assert s["kv_bytes"] < s["kv_bytes_full"] and s["prompt_tokens"] == len(out["prompt_ids"])
+
+
+# -------------------------------------------------------------------------------------------------
+# bad input, second round
+
+def test_float16_gemma3_is_refused_and_nan_logits_never_answer(capsys, no_weights, tmp_path):
+    """--dtype float16 on a Gemma 3 stops before the weights load (its activations overflow float16: see
+    tests/test_model.py); and should any model's logits turn non-finite, answer() raises instead of
+    returning argmax(NaN) = token 0 over and over."""
+    line = main_error(capsys, "--model", str(no_weights), "--prompt", "Water boils at", "--dtype", "float16")
+    assert "float16" in line and "bfloat16 or float32" in line, line
+    from tests.test_model import overflowing_gemma3
+    half = overflowing_gemma3(tmp_path / "g").half()
+    cache = KVCache(half.config, torch.float16)
+    with torch.no_grad(), pytest.raises(M.ModelError, match=r"inf/NaN .*overflowed torch.float16.*--dtype float32"):
+        last = prefill(half, cache, [2, 10, 11, 12], 1)
+        answer(half, cache, [], 3, set(), last_logits=last)
+
+
+def test_foreign_tokenizer_and_invalid_utf8_prompt_are_one_line(capsys, no_weights, tmp_path):
+    """A tokenizer larger than the model's vocabulary (Gemma's in a 384-token model): refused at load, not an
+    IndexError in the embedding. Bytes that are not UTF-8 in --prompt / --question (the shell passes them,
+    Python keeps them as lone surrogates): the same rule as --context-file, not a TypeError from tokenizers."""
+    foreign = tmp_path / "foreign"
+    shutil.copytree(no_weights, foreign)
+    shutil.copy(M.resolve_model(M.OFFLINE_DEFAULT) / "tokenizer.json", foreign / "tokenizer.json")
+    line = main_error(capsys, "--model", str(foreign), "--prompt", "hi")
+    assert "262144 token ids, more than the model's vocab_size 384" in line, line
+    bad = os.fsdecode(b"a \xff b")  # what argv holds for $'a \xff b'
+    line = main_error(capsys, "--model", str(no_weights), "--prompt", bad)
+    assert line == "error: --prompt is not UTF-8 text (byte 0xff at offset 2); convert it, e.g. iconv -f latin1 -t utf-8"
+    (tmp_path / "ctx.txt").write_text("some context")
+    line = main_error(capsys, "--model", str(no_weights), "--context-file", str(tmp_path / "ctx.txt"),
+                      "--question", "fine?", "--question", bad)
+    assert "--question is not UTF-8 text (byte 0xff" in line, line
+
+
+def test_gate_dev_null_is_empty_not_missing(capsys, no_weights):
+    line = main_error(capsys, "--model", str(no_weights), "--prompt", "hi", "--gate", "/dev/null",
+                      "--max-new-tokens", "4")
+    assert "gate /dev/null is empty" in line and "not found" not in line, line
+
+
+def test_fifo_context_file_says_it_waits(no_weights, tmp_path):
+    """A --context-file that is a pipe blocks until its writer closes it: one line on stderr says so first."""
+    fifo = tmp_path / "ctx.fifo"
+    os.mkfifo(fifo)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--model", str(no_weights), "--context-file",
+                          str(fifo), "--question", "q", "--method", "full", "--max-new-tokens", "4"],
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        import select
+        assert select.select([p.stderr], [], [], 120)[0], "nothing on stderr while it waits for the pipe"
+        first = p.stderr.readline()  # written before the pipe is opened, while it still waits
+        assert first == f"reading --context-file {fifo}: a pipe, until its writer closes it\n", first
+        with open(fifo, "w") as w:
+            w.write("Emma lives in Highbury.")
+        rest = p.stderr.read()
+        assert p.wait(timeout=120) == 2 and "no *.safetensors" in rest, rest  # read, then the missing weights
+    finally:
+        p.kill()

@@ -431,3 +431,59 @@ def test_prompt_pieces_tokenize_to_the_special_tokens():
         assert tok.encode(fmt.system, add_special_tokens=False).ids[:len(head)] == head
         assert tok.encode(fmt.postfix, add_special_tokens=False).ids == postfix
         assert tok.encode(M.question_text(fmt, "Who?"), add_special_tokens=False).ids[-len(postfix):] == postfix
+
+
+@pytest.mark.parametrize("text,words", [
+    ('{"chat_template": 5', "is not valid JSON"),  # cut short: read as "no template", it gave the LLaMA-3 layout
+    ('{"chat_template": 5}', "chat_template is a string"),
+    ('["chat_template"]', "expected an object"),
+    (b'{"chat_template": "\xff"}', "is not valid JSON"),
+])
+def test_unreadable_tokenizer_config_is_refused(checkpoints, tmp_path, text, words):
+    """The tokenizer's template decides the prompt layout: a tokenizer_config.json that cannot be read is
+    refused, not taken for a folder without a template."""
+    shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "m")
+    path = tmp_path / "m" / "tokenizer_config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    _one_line_error(lambda: M.ModelConfig.from_json(tmp_path / "m"), "tokenizer_config.json", words)
+
+
+def test_unreadable_model_folder_and_foreign_tokenizer(checkpoints, tmp_path):
+    """A model inside a folder this user may not read: one ModelError line (pathlib raises PermissionError).
+    A tokenizer with more ids than the model's vocab_size (Gemma's beside a 384-token model) is refused
+    when loaded, instead of an IndexError in the embedding."""
+    from tests.helpers import no_access
+    shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "locked" / "m")
+    with no_access(tmp_path / "locked", 0o000):
+        _one_line_error(lambda: M.resolve_model(tmp_path / "locked" / "m"), "cannot read", "Permission denied")
+        _one_line_error(lambda: M.ModelConfig.from_json(tmp_path / "locked" / "m"), "cannot read")
+        _one_line_error(lambda: M.load_tokenizer(tmp_path / "locked" / "m"), "cannot read")
+    shutil.copy(M.resolve_model(M.OFFLINE_DEFAULT) / "tokenizer.json", tmp_path / "locked" / "m")
+    cfg = M.ModelConfig.from_json(tmp_path / "locked" / "m")
+    _one_line_error(lambda: M.load_tokenizer(tmp_path / "locked" / "m", cfg.vocab_size), "262144 token ids",
+                    f"vocab_size {cfg.vocab_size}")
+    assert M.load_tokenizer(M.resolve_model(M.OFFLINE_DEFAULT), 262144).get_vocab_size() == 262144  # its own fits
+
+
+def overflowing_gemma3(folder):
+    """A tiny Gemma3 whose residual stream grows layer by layer as the real one's does, past float16's 65504
+    (post-feedforward norms of weight 1 + 3e4: each block adds ~3e4 to the stream)."""
+    tiny_checkpoint("gemma3", folder)
+    model = M.load_model(folder, "cpu", torch.float32)
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.post_feedforward_layernorm.weight.fill_(3e4)
+    return model
+
+
+def test_gemma3_in_float16_overflows_and_is_refused(tmp_path):
+    """Gemma 3's activations outgrow float16 (the real 270M passes 65504 at layer 7 of 18): the output turns
+    to NaN, whose argmax is token 0. load_model refuses float16 for Gemma 3, naming the dtypes that work."""
+    model = overflowing_gemma3(tmp_path / "g")
+    ids = torch.tensor([2, 10, 11, 12])
+    assert torch.isfinite(model(ids)).all()  # fp32: fine
+    half = model.half()
+    logits = half(ids, KVCache(half.config, torch.float16))
+    assert not torch.isfinite(logits).any() and int(logits[-1].argmax()) == 0  # what --dtype float16 answered
+    _one_line_error(lambda: M.load_model(tmp_path / "g", "cpu", torch.float16), "float16", "bfloat16 or float32")
+    M.load_model(tmp_path / "g", "cpu", torch.bfloat16)  # bfloat16 has float32's range

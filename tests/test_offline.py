@@ -166,6 +166,39 @@ def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
     assert offline.ensure_offline_model(progress=False) == tmp_path / offline.NAME
 
 
+def test_read_only_cache_is_a_one_line_error(tmp_path, monkeypatch):
+    """FASTKVZIP_CACHE pointing at a folder this user may not write: OfflineModelError, not pathlib's
+    PermissionError at the conversion's temporary folder."""
+    from tests.helpers import no_access
+    monkeypatch.setenv("FASTKVZIP_CACHE", str(tmp_path))
+    with no_access(tmp_path, 0o555), pytest.raises(offline.OfflineModelError,
+                                                    match=r"cannot create a folder in .*set FASTKVZIP_CACHE"):
+        offline.ensure_offline_model(progress=False)
+
+
+def test_sigterm_during_conversion_cleans_up_in_one_line(tmp_path):
+    """SIGTERM during the first-use conversion (through generate.py): handled as Ctrl-C, the temporary
+    folder removed at once (not at the next run), one line saying how to resume, exit code 143."""
+    import os
+    import subprocess
+    import sys
+    driver = ("import os, signal, sys, offline\n"
+              "def convert(name, out, say, progress):\n"
+              "    (out / 'model.safetensors').write_bytes(b'half')\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "offline.convert = convert\n"
+              "import generate\n"
+              "generate.main(sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-c", driver, "--prompt", "hi"], cwd=Path(offline.__file__).parent,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "FASTKVZIP_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 143 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"interrupted: the first-use conversion of {offline.NAME} was "
+                                                 f"stopped and its temporary folder removed; rerun the same command "
+                                                 f"to convert it again"), r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
     import sys
 

@@ -522,7 +522,8 @@ def test_torchrun_two_processes_match_one(qwen, tmp_path):
 
 @pytest.mark.parametrize("case", ["empty folder", "too short", "unknown model", "other run in --out",
                                   "--out under a file", "teacher chunk fills the model", "bad .jsonl line",
-                                  "corrupt .parquet", "damaged manifest"])
+                                  "corrupt .parquet", "damaged manifest", "random bytes .txt", "latin-1 .md",
+                                  "binary .jsonl"])
 def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
     data = write_docs(tmp_path / "data", 2, lo=100, hi=200)
     argv = ["--model", qwen, "--data", data, "--tokens", 1000, "--long-doc-tokens", 0, "--steps", 0, *SMALL,
@@ -531,8 +532,18 @@ def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
               "unknown model": "model folder not found", "other run in --out": "holds features of a different run",
               "--out under a file": "is not a writable folder", "teacher chunk fills the model": "fewer than --min-doc",
               "bad .jsonl line": "x.jsonl:2: not a JSON line", "corrupt .parquet": "not a readable .parquet file",
-              "damaged manifest": "manifest.json is unreadable"}
-    if case == "bad .jsonl line":
+              "damaged manifest": "manifest.json is unreadable",
+              # the rule of generate.py's --context-file (cli.decode_text): trained on as text before
+              "random bytes .txt": "noise.txt holds NUL bytes: a binary file, not text",
+              "latin-1 .md": "latin1.md is not UTF-8 text (byte 0xc9 at offset 0)",
+              "binary .jsonl": "x.jsonl holds NUL bytes"}
+    if case == "random bytes .txt":
+        (data / "noise.txt").write_bytes(random.Random(0).randbytes(5000))
+    elif case == "latin-1 .md":
+        (data / "latin1.md").write_bytes("Émile à Paris ".encode("latin-1") * 100)
+    elif case == "binary .jsonl":
+        (data / "x.jsonl").write_bytes(b'{"text": "fine"}\n\x00\x01\x02\n')
+    elif case == "bad .jsonl line":
         (data / "x.jsonl").write_text('{"text": "fine"}\n{"text": cut short\n')
     elif case == "corrupt .parquet":
         (data / "x.parquet").write_bytes(b"PAR1 not really")
@@ -560,6 +571,53 @@ def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
     assert expect[case] in err[0], err[0]
+    if case != "other run in --out" and case != "damaged manifest":  # --out is made once the input is accepted
+        assert not (tmp_path / "out").exists()
+
+
+def test_gate_write_on_a_full_disk_says_what_is_kept(features_run, tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as its own SafetensorError: one line naming the file, and what is kept."""
+    import shutil
+    import safetensors.torch
+    from safetensors import SafetensorError
+    args, fresh = features_run
+    out = tmp_path / "out"
+    shutil.copytree(fresh, out)
+
+    def disk_full(tensors, filename, metadata=None):  # what safetensors raises when the disk is full
+        open(filename, "wb").write(bytes(100))
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(SystemExit) as e:
+        run_main([*args, "--out", out, "--steps", 10])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err == (
+        f"error: cannot write {out}/gate.safetensors: No space left on device; all {len(shards(fresh))} feature "
+        f"shards are kept in {out}/features; rerun the same command to train (training itself restarts from step 0)")
+    assert sorted(p.name for p in out.iterdir()) == ["features", "manifest.json"]  # no temporary left
+
+
+def test_sigterm_cleans_up_and_says_how_to_resume(features_run, tmp_path):
+    """SIGTERM (a scheduler, `kill`) while a shard is written: handled as Ctrl-C, its partial folder removed,
+    one line with what is kept and how to resume, exit code 143."""
+    args, fresh = features_run
+    out = tmp_path / "out"
+    driver = ("import os, signal, sys, safetensors.torch as st\n"
+              "real = st.save_file\n"
+              "def terminated(tensors, filename, metadata=None):\n"
+              "    real(tensors, filename, metadata)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "st.save_file = terminated\n"
+              "import train_gate\n"
+              "train_gate.main(sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-c", driver, *args, "--out", str(out)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    n = len(shards(fresh))
+    assert r.returncode == 143 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"interrupted: 0 of {n} feature shards are kept in {out}/features; "
+                                                 f"rerun the same command to compute the other {n}"), r.stderr
+    assert leftovers(out) == [] and shards(out) == []
 
 
 @pytest.mark.parametrize("flags", [["--threads", "0"], ["--long-doc-tokens", "300"], ["--device", "foo"],

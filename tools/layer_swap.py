@@ -110,7 +110,8 @@ def run(args):
              "--seed", str(args.seed), "--chunk-size", str(args.chunk_size), "--window", str(args.window)]
     bargs = bench.parse_args(flags + (["--gate", args.gate] if args.gate else []))  # the benchmark's defaults
     folder = M.resolve_model(args.model)
-    cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
+    cfg = M.ModelConfig.from_json(folder)
+    tok = M.load_tokenizer(folder, cfg.vocab_size)
     fmt = M.prompt_format(cfg, args.model)
     gates = G.resolve_gate(args.gate, cfg, args.model)
     _, samples = quality.make_samples(tok, fmt, bargs)
