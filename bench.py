@@ -36,13 +36,14 @@ import numpy as np
 import torch
 
 import cli
-import gate as G
+import gate
 import generate
-import model as M
 import quality
 from cache import LEVELS, KVCache
 from cli import UsageError, write_text
 from gate import KVzipTeacher
+from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, Transformer, load_model, load_tokenizer,
+                   prompt_format, resolve_model)
 from quality import (DEFAULT_LEVEL, label, load_docs, load_records, log, method_cache, model_info,
                      quality_key, quality_results)
 
@@ -203,10 +204,10 @@ QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, interme
 def random_model(shape, device, dtype, seed=0):
     """A model of the given config dict with random weights (speed and memory only: no real 8B weights
     exist offline). Norm weights 1, matrices N(0, 1/fan_in): activations stay finite through the layers."""
-    cfg = M.ModelConfig.from_dict(shape)
+    cfg = ModelConfig.from_dict(shape)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
-        model = M.Transformer(cfg)
+        model = Transformer(cfg)
     with torch.no_grad():
         for p in model.parameters():  # parameters only: the RoPE buffers stay fp32
             p.data = torch.ones_like(p, dtype=dtype) if p.dim() == 1 else \
@@ -221,17 +222,17 @@ def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(shape, device, dtype, args.seed)
     cfg = model_info(model)[0]
-    gates = G.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
+    gates = gate.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
                     dtype=dtype, device=device)
     gargs = copy.copy(args)
     gargs.gate = str(Path(args.out_dir) / "random-gate.safetensors")  # a random gate: timing only
-    G.save_gate(gargs.gate, gates, {"note": "random weights, for timing only"})
+    gate.save_gate(gargs.gate, gates, {"note": "random weights, for timing only"})
     teacher = None
     try:
         sys.path.insert(0, str(ROOT / "tools"))
         import fetch_assets
-        tok = M.load_tokenizer(fetch_assets.tokenizer_file("qwen3").parent)
-        teacher = KVzipTeacher(model, tok, M.prompt_format(cfg, "qwen3-8b"))
+        tok = load_tokenizer(fetch_assets.tokenizer_file("qwen3").parent)
+        teacher = KVzipTeacher(model, tok, prompt_format(cfg, "qwen3-8b"))
     except Exception as e:  # no tokenizer asset: KVzip's repeat prompt cannot be written
         log(f"gpu: no KVzip timing ({e})")
     gen = torch.Generator().manual_seed(args.seed)
@@ -359,7 +360,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="smoke run (< 3 min on 2 CPU cores): 2 contexts of 512 "
                    "tokens, 2 questions each, budgets 0.5 and 0.2, every method at its own level; speed at 256 tokens "
                    "(flags given explicitly win over these)")
-    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="model folder, repo id or alias")
+    p.add_argument("--model", default=OFFLINE_DEFAULT, help="model folder, repo id or alias")
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
                    help="comma list of " + ",".join(METHODS))
@@ -463,11 +464,11 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    folder = M.resolve_model(args.model)
+    folder = resolve_model(args.model)
     # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
-    cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
-    fmt = M.prompt_format(cfg, args.model)
-    gates = G.resolve_gate(args.gate, cfg, args.model)
+    cfg, tok = ModelConfig.from_json(folder), load_tokenizer(folder)
+    fmt = prompt_format(cfg, args.model)
+    gates = gate.resolve_gate(args.gate, cfg, args.model)
     check_lengths(args, cfg, tok, len(tok.encode(fmt.system, add_special_tokens=False).ids))
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
     try:
@@ -495,7 +496,7 @@ def main(argv=None):
             if k == "speed" and old.get("speed_peer"):  # the peer rows were measured in the same run
                 results["speed_peer"] = old["speed_peer"]
     write_text(out / "config.json", json.dumps(config, indent=1))
-    model = M.load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower without bf16 units)
+    model = load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower without bf16 units)
     records = list(done.values())
 
     def save():
@@ -607,4 +608,4 @@ def merge(args):
 
 
 if __name__ == "__main__":
-    cli.main(main, None, M.ModelError, G.GateError)  # bad --model / --gate / folders: one line, exit 2
+    cli.main(main, None, ModelError, gate.GateError)  # bad --model / --gate / folders: one line, exit 2

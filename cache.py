@@ -145,17 +145,18 @@ class EvictingCache(KVCache):
 
     scorer: gate.Scorer, called as scorer.score(l, hidden, q, k, pos) -> (H, T) for compressed layer l.
     n_protected: the first n_protected positions (the system prompt) are never evicted (METHOD.md §4.4).
-    decode_budget: average kept tokens per compressed head during decoding (None = keep generated tokens).
+    decode_tokens_per_head: average kept tokens per compressed head during decoding (a count, not a fraction;
+    None = keep generated tokens).
     """
 
     def __init__(self, cfg, scorer, dtype=torch.float32, device="cpu", n_protected=0, level="global",
-                 decode_budget=None, decode_buffer=128, decode_window=128, decode_sinks=4):
+                 decode_tokens_per_head=None, decode_buffer=128, decode_window=128, decode_sinks=4):
         super().__init__(cfg, dtype, device)
         assert level in LEVELS, f"level must be one of {LEVELS}"
         self.scorer, self.level, self.n_protected = scorer, level, n_protected
         self.compressed = list(cfg.compressed_layers)
         self.index = {layer: l for l, layer in enumerate(self.compressed)}  # model layer -> gate index
-        self.decode_budget, self.decode_buffer = decode_budget, decode_buffer
+        self.decode_tokens_per_head, self.decode_buffer = decode_tokens_per_head, decode_buffer
         self.decode_window, self.decode_sinks = decode_window, decode_sinks
         self.decoding = False  # True after prefill: new tokens are buffered, scored every 128 tokens
         self.buffer = {layer: [] for layer in self.compressed}  # hidden states waiting to be scored
@@ -168,7 +169,7 @@ class EvictingCache(KVCache):
         score = None
         if self.decoding:
             # score later, 128 tokens at a time (METHOD.md §7); +inf until then = not evictable
-            if self.decode_budget is not None:
+            if self.decode_tokens_per_head is not None:
                 self.buffer[layer].append(hidden)
         elif self.scorer is not None:  # None: scores arrive later (KVzip scores the whole context at once)
             score = self._score(self.index[layer], hidden, q, k, pos)
@@ -248,9 +249,9 @@ class EvictingCache(KVCache):
 
     def after_step(self):
         """Call after every decode forward. Every `decode_buffer` buffered tokens the gate scores them in
-        one call; then, if the compressed layers hold more than decode_budget·L·H pairs, the least
+        one call; then, if the compressed layers hold more than decode_tokens_per_head·L·H pairs, the least
         important are evicted, always keeping the last `decode_window` tokens and the first 4."""
-        if self.decode_budget is None:
+        if self.decode_tokens_per_head is None:
             return
         first = self.compressed[0]
         if sum(h.shape[0] for h in self.buffer[first]) < self.decode_buffer:
@@ -264,7 +265,7 @@ class EvictingCache(KVCache):
         self._evict_to_budget()
 
     def _evict_to_budget(self):
-        budget = self.decode_budget * len(self.compressed) * self.cfg.num_key_value_heads
+        budget = self.decode_tokens_per_head * len(self.compressed) * self.cfg.num_key_value_heads
         total = sum(int(self.layers[layer].n_rows) for layer in self.compressed)
         if total <= budget:
             return
@@ -289,7 +290,7 @@ class EvictingCache(KVCache):
 
     def checkpoint(self):
         state = super().checkpoint()
-        if self.decode_budget is not None:  # decode-time eviction may touch the context: copy everything
+        if self.decode_tokens_per_head is not None:  # decode-time eviction may touch the context: copy all
             state["all"] = [copy.deepcopy(kv) for kv in self.layers]
         return state
 

@@ -247,8 +247,9 @@ class RandomScorer(Scorer):
 
 
 class SnapKVScorer(Scorer):
-    """SnapKV as the authors run it in chunked prefill (METHOD.md §10, baseline.py:SnapKV), query-
-    agnostic: the chunk's own last queries (the observation window) vote for the chunk's keys.
+    """SnapKV as the authors run it in chunked prefill (METHOD.md §10,
+    Janghyun1230/FastKVzip:prefill/attention/baseline.py:SnapKV), query-agnostic: the chunk's own last
+    queries (the observation window) vote for the chunk's keys.
 
     - window = the last 32 queries of the chunk (16 while the sequence, current chunk included, is
       shorter than 1000 tokens: the authors test the key length of their retain cache, = pos[-1] + 1);
@@ -368,7 +369,8 @@ class TeacherCache(KVCache):
 
     def kvzip_scores(self, layer, q):
         """Scores (H, chunk) of the context chunk self.span for the repeat queries q (T, Hq, d) that were
-        just appended (METHOD.md §4.3, score.py:KVScore._get_score)."""
+        just appended (METHOD.md §4.3,
+        Janghyun1230/FastKVzip:prefill/attention/score.py:KVScore._get_score)."""
         n_sys, start, end = self.span
         kv = self.layers[layer]
         T, n_q_heads, d = q.shape
@@ -409,7 +411,8 @@ class KVzipTeacher:
         return self.tokenizer.encode(text, add_special_tokens=False).ids  # every piece alone (METHOD.md §4.1)
 
     def repeat_inputs(self, ctx):
-        """[(start, end, repeat ids)] for the context chunks (METHOD.md §4.2 / wrapper.py:self_task)."""
+        """[(start, end, repeat ids)] for the context chunks (METHOD.md §4.2,
+        Janghyun1230/FastKVzip:prefill/model/wrapper.py:self_task)."""
         out = []
         for start in range(0, len(ctx), self.chunk_size):
             end = min(start + self.chunk_size, len(ctx))

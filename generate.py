@@ -21,9 +21,10 @@ import time
 import torch
 
 import cli
-import model as M
 from cache import EvictingCache, KVCache, LEVELS, plan_prefill
 from cli import UsageError
+from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, compute_dtype, load_model, load_tokenizer,
+                   parse_device, prompt_format, question_text, resolve_model, uses_chat)
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 
@@ -91,7 +92,7 @@ def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=1.0, chunk_siz
 def decode_one(model, cache, token):
     logits = model(torch.tensor([token], device=cache.device), cache)[-1]
     if isinstance(cache, EvictingCache):
-        cache.after_step()  # every 128 tokens: gate the buffer, evict back to --decode-budget
+        cache.after_step()  # every 128 tokens: gate the buffer, evict back to --decode-tokens-per-head
     return logits
 
 
@@ -121,11 +122,11 @@ def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0
 # -------------------------------------------------------------------------------------------------
 # wiring: model, cache, scorer
 
-def make_cache(method, model, model_name, n_protected, gate_file=None, level=None, decode_budget=None, seed=0,
-               gates=None):
+def make_cache(method, model, model_name, n_protected, gate_file=None, level=None, decode_tokens_per_head=None,
+               seed=0, gates=None):
     """An empty cache for `method` in model's dtype and device. fastkvzip: `gates` when already loaded, else the
     gate in gate_file (default: the bundled or released gate for model_name); random: scores seeded by seed;
-    level: the eviction structure (default: the scorer's own); decode_budget: see EvictingCache."""
+    level: the eviction structure (default: the scorer's own); decode_tokens_per_head: see EvictingCache."""
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
     if method == "full":
@@ -139,19 +140,19 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     elif method == "streaming":
         scorer = gate.StreamingScorer(n_kv_heads=H)
     elif method == "snapkv":
-        if decode_budget is not None:
-            raise UsageError("--method snapkv scores prefill chunks only; drop --decode-budget")
+        if decode_tokens_per_head is not None:
+            raise UsageError("--method snapkv scores prefill chunks only; drop --decode-tokens-per-head")
         scorer = gate.SnapKVScorer(scale=cfg.attn_scale)
     elif method == "random":
         scorer = gate.RandomScorer(seed, n_kv_heads=H)
     elif method == "kvzip":
-        if decode_budget is not None:
-            raise UsageError("--method kvzip scores the context once; drop --decode-budget")
+        if decode_tokens_per_head is not None:
+            raise UsageError("--method kvzip scores the context once; drop --decode-tokens-per-head")
         scorer = None  # the teacher scores the whole context after prefill (prefill_kvzip)
     # the authors run the baselines per head, the gate and KVzip with one global threshold
     level = level or (scorer.level if scorer else "global")
     return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected, level=level,
-                         decode_budget=decode_budget)
+                         decode_tokens_per_head=decode_tokens_per_head)
 
 
 def check_args(args):
@@ -159,7 +160,8 @@ def check_args(args):
     if not 0 < args.budget <= 1:  # also refuses nan
         raise UsageError(f"--budget must be in (0, 1] (the fraction of context KV pairs kept), got {args.budget}")
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 0), ("--chunk-size", args.chunk_size, 1),
-                             ("--window", args.window, 0), ("--decode-budget", args.decode_budget, 1)):
+                             ("--window", args.window, 0),
+                             ("--decode-tokens-per-head", args.decode_tokens_per_head, 1)):
         if value is not None and value < low:
             raise UsageError(f"{flag} must be {'positive' if low else '>= 0'}, got {value}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -168,10 +170,10 @@ def check_args(args):
         raise UsageError(f"--seed {args.seed} does not fit in 64 bits")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (the probability mass sampled from), got {args.top_p}")
-    if args.decode_budget is not None and args.method in ("kvzip", "snapkv", "full"):
+    if args.decode_tokens_per_head is not None and args.method in ("kvzip", "snapkv", "full"):
         why = {"kvzip": "scores the context once", "snapkv": "scores prefill chunks only",
                "full": "keeps every pair"}[args.method]
-        raise UsageError(f"--method {args.method} {why}; drop --decode-budget")
+        raise UsageError(f"--method {args.method} {why}; drop --decode-tokens-per-head")
     if args.gate and args.method != "fastkvzip":
         raise UsageError(f"--gate is read by --method fastkvzip only, not by --method {args.method}; drop it")
     if args.prompt is not None and args.context_file:
@@ -207,24 +209,24 @@ def build_inputs(tok, fmt, args, context):
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     system = enc(fmt.system)
     # a question about a context in the evaluation format (METHOD.md §11); a bare prompt just ends its turn
-    qs = [(q, enc(M.question_text(fmt, q) if q else fmt.postfix)) for q in args.question or [""]]
+    qs = [(q, enc(question_text(fmt, q) if q else fmt.postfix)) for q in args.question or [""]]
     return system + enc(context), len(system), qs
 
 
 def run(args):
     check_args(args)
-    device = M.parse_device(args.device)
+    device = parse_device(args.device)
     context = read_context(args.context_file) if args.context_file else args.prompt
     if not context.strip():
         raise UsageError("--prompt is empty: there is no context to continue")
     # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes on a large model
-    folder = M.resolve_model(args.model)
-    cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
-    if args.thinking and not (cfg.arch == "qwen3" and M.uses_chat(args.model, args.chat)
+    folder = resolve_model(args.model)
+    cfg, tok = ModelConfig.from_json(folder), load_tokenizer(folder)
+    if args.thinking and not (cfg.arch == "qwen3" and uses_chat(args.model, args.chat)
                               and "instruct" not in args.model.lower()):
         raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model and template "
                          "have no such switch: drop it")
-    fmt = M.prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
+    fmt = prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
     ids, n_protected, questions = build_inputs(tok, fmt, args, context)
     longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens
     if longest > cfg.max_position_embeddings:
@@ -232,14 +234,14 @@ def run(args):
                          f"of {cfg.max_position_embeddings}; shorten the context or lower --max-new-tokens")
     budget = args.budget
     # budget 1.0 without decode-time eviction keeps every pair: no scorer (and no gate file) is needed
-    method = "full" if budget == 1.0 and args.decode_budget is None else args.method
+    method = "full" if budget == 1.0 and args.decode_tokens_per_head is None else args.method
     gates = None
     if method == "fastkvzip" or args.gate:  # a --gate given is checked even where budget 1.0 leaves it unused
         import gate
         gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
-    model = M.load_model(folder, device, M.compute_dtype(args.dtype, device))
-    cache = make_cache(method, model, args.model, n_protected, level=args.level, decode_budget=args.decode_budget,
-                       seed=args.seed, gates=gates)
+    model = load_model(folder, device, compute_dtype(args.dtype, device))
+    cache = make_cache(method, model, args.model, n_protected, level=args.level,
+                       decode_tokens_per_head=args.decode_tokens_per_head, seed=args.seed, gates=gates)
 
     generator = torch.Generator().manual_seed(args.seed)
     stop_ids = set(cfg.eos_token_ids)
@@ -322,8 +324,8 @@ def retention_map(ret, layers):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, "
-                   f"gemma3-12b, ...); default: {M.OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
+    p.add_argument("--model", default=OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, "
+                   f"gemma3-12b, ...); default: {OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
     p.add_argument("--prompt", help="text to continue (it is the context that gets compressed)")
     p.add_argument("--context-file", help="a text file to prefill and compress before any question")
     p.add_argument("--question", action="append", help="a question about the context (repeatable; "
@@ -347,9 +349,10 @@ def parse_args(argv=None):
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (the authors use 16000)")
     p.add_argument("--window", type=int, default=4096,
                    help="recent context tokens always kept (contexts shorter than one chunk keep their last 2%%)")
-    p.add_argument("--decode-budget", type=int, default=None,
+    p.add_argument("--decode-tokens-per-head", "--decode-budget", type=int, default=None, metavar="N",
                    help="during decoding, evict back to this many tokens per compressed head on average "
-                        "every 128 tokens (default: keep generated tokens)")
+                        "every 128 tokens (default: keep generated tokens; a count, where --budget is a "
+                        "fraction; --decode-budget is its old name)")
     p.add_argument("--level", choices=LEVELS, default=None,
                    help="eviction structure: one global threshold over layers x heads (fastkvzip default), "
                         "uniform per layer, or uniform per head (baselines' default)")
@@ -363,7 +366,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     import gate
-    cli.main(run, parse_args(argv), M.ModelError, gate.GateError)
+    cli.main(run, parse_args(argv), ModelError, gate.GateError)
 
 
 if __name__ == "__main__":

@@ -35,11 +35,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import gate as G
+import gate
 import generate
 from cache import EvictingCache, plan_prefill
 from cli import UsageError, pyplot, save_figure
 from gate import KVzipTeacher, TeacherCache
+from model import question_text
 
 ROOT = Path(__file__).resolve().parent
 AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
@@ -96,8 +97,7 @@ class SampleMaker:
     def question(self, text, cue):
         """The question turn (METHOD.md §11's "\\n\\nQ: ..." + postfix), then the start of the answer,
         so that even a base model answers in a checkable form."""
-        import model as M
-        turn = M.question_text(self.fmt, text)
+        turn = question_text(self.fmt, text)
         return self.enc(turn + ("\nA: " if not self.fmt.postfix else "") + cue)
 
     def sentence_end(self, hay, i):
@@ -227,7 +227,7 @@ class Replay:
         return self.logits
 
 
-class Precomputed(G.Scorer):
+class Precomputed(gate.Scorer):
     """Scores computed beforehand for the whole prompt (KVzip's teacher): (L_g, H, n) indexed by position."""
     level = "global"
 
@@ -240,8 +240,8 @@ class Precomputed(G.Scorer):
 
 
 # each method's eviction structure when none is asked for: its scorer's (the authors' choices, METHOD.md §6, §10)
-DEFAULT_LEVEL = dict(fastkvzip=G.GateScorer.level, kvzip=Precomputed.level, snapkv=G.SnapKVScorer.level,
-                     streaming=G.StreamingScorer.level, random=G.RandomScorer.level)
+DEFAULT_LEVEL = dict(fastkvzip=gate.GateScorer.level, kvzip=Precomputed.level, snapkv=gate.SnapKVScorer.level,
+                     streaming=gate.StreamingScorer.level, random=gate.RandomScorer.level)
 
 
 def method_cache(model, method, level, n_protected, args, seed, teacher_scores=None):
@@ -295,7 +295,7 @@ def gate_agreement(model, tok, full, tscores, sample, args, seed):
     scorer = method_cache(model, "fastkvzip", "global", sample.n_protected, args, seed).scorer
     p = sample.n_protected
     student = captured_scores(model, scorer, full)
-    return G.agreement(student[..., p:].float().cpu(), tscores[..., p:].float(), G.digit_tokens(tok, sample.ids[p:]),
+    return gate.agreement(student[..., p:].float().cpu(), tscores[..., p:].float(), gate.digit_tokens(tok, sample.ids[p:]),
                        chunk_size=args.chunk_size, window=args.window)
 
 
@@ -602,7 +602,7 @@ def quality_results(records, args):
                         for r in sorted(records, key=lambda r: r["context"])])
     agreements = [r["agreement"] for r in records if r.get("agreement")]
     if agreements:  # runs with both fastkvzip and kvzip (older records have none)
-        out["agreement"] = G.pool_agreement(agreements)
+        out["agreement"] = gate.pool_agreement(agreements)
     return out
 
 

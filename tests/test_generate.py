@@ -90,8 +90,9 @@ def no_weights(tiny_folder, tmp_path_factory):
 
 @pytest.mark.parametrize("flags,words", [
     (["--window", "-5"], ["--window", "-5"]),
-    (["--decode-budget", "-5"], ["--decode-budget", "-5"]),
-    (["--decode-budget", "0"], ["--decode-budget", "positive"]),
+    (["--decode-tokens-per-head", "-5"], ["--decode-tokens-per-head", "-5"]),
+    (["--decode-tokens-per-head", "0"], ["--decode-tokens-per-head", "positive"]),
+    (["--decode-budget", "0"], ["--decode-tokens-per-head", "positive"]),  # the flag's old name still works
     (["--chunk-size", "0"], ["--chunk-size", "positive"]),
     (["--max-new-tokens", "-1"], ["--max-new-tokens", "-1"]),
     (["--temperature", "-1"], ["--temperature", "-1"]),
@@ -100,8 +101,8 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--top-p", "2"], ["--top-p", "2"]),
     (["--budget", "nan"], ["--budget"]),
     (["--seed", str(2**70)], ["--seed", "64 bits"]),
-    (["--method", "kvzip", "--decode-budget", "100"], ["kvzip", "--decode-budget"]),
-    (["--method", "full", "--decode-budget", "100"], ["full", "--decode-budget"]),
+    (["--method", "kvzip", "--decode-tokens-per-head", "100"], ["kvzip", "--decode-tokens-per-head"]),
+    (["--method", "full", "--decode-tokens-per-head", "100"], ["full", "--decode-tokens-per-head"]),
     (["--method", "snapkv", "--gate", "g.safetensors"], ["--gate", "snapkv"]),
     (["--device", "foo"], ["--device 'foo'"]),
     (["--context-file", "ctx.txt"], ["--prompt", "--context-file", "not both"]),

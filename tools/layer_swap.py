@@ -31,11 +31,12 @@ import torch
 
 import bench
 import cli
-import gate as G
-import model as M
+import gate
 import quality
 from cache import EvictingCache
 from cli import UsageError
+from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format,
+                   resolve_model)
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
 
@@ -68,7 +69,7 @@ def swap_context(model, tok, sample, full, scores, budgets, chunk_size, window, 
     p, n = sample.n_protected, len(sample.ids)
     out = {"full@1": quality.entry(sample, ref, ref, [1.0] * len(scores["T"]), full.nbytes)}
     for r in budgets:
-        keep = {s: G.kept_by_rule(x, r, chunk_size, window)[0] for s, x in scores.items()}
+        keep = {s: gate.kept_by_rule(x, r, chunk_size, window)[0] for s, x in scores.items()}
         for combo in combos or ["".join(c) for c in itertools.product("TG", repeat=len(scores["T"]))]:
             cache = swap_cache(full, p, scores, keep, combo)
             res = quality.evaluate(model, tok, cache, sample, stops)
@@ -109,10 +110,10 @@ def run(args):
     flags = ["--model", args.model, "--lengths", str(args.length), "--contexts", str(args.contexts),
              "--seed", str(args.seed), "--chunk-size", str(args.chunk_size), "--window", str(args.window)]
     bargs = bench.parse_args(flags + (["--gate", args.gate] if args.gate else []))  # the benchmark's defaults
-    folder = M.resolve_model(args.model)
-    cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
-    fmt = M.prompt_format(cfg, args.model)
-    gates = G.resolve_gate(args.gate, cfg, args.model)
+    folder = resolve_model(args.model)
+    cfg, tok = ModelConfig.from_json(folder), load_tokenizer(folder)
+    fmt = prompt_format(cfg, args.model)
+    gates = gate.resolve_gate(args.gate, cfg, args.model)
     _, samples = quality.make_samples(tok, fmt, bargs)
     L = len(cfg.compressed_layers)
     if args.combos and any(len(c) != L or set(c) - set("TG") for c in args.combos):
@@ -125,8 +126,8 @@ def run(args):
     (out / "contexts").mkdir(parents=True, exist_ok=True)
     source = gates.meta.get("source")  # what makes two runs' contexts the same experiment
     key = dict(flags=flags, budgets=args.budgets, gate=bench.sha256(source) if source else None, combos=args.combos)
-    model = M.load_model(folder, "cpu", torch.float32)
-    teacher, scorer = G.KVzipTeacher(model, tok, fmt), G.GateScorer(gates)
+    model = load_model(folder, "cpu", torch.float32)
+    teacher, scorer = gate.KVzipTeacher(model, tok, fmt), gate.GateScorer(gates)
     stops = quality.answer_stops(cfg, tok)
     records = []
     for c, sample in enumerate(samples):
@@ -143,7 +144,7 @@ def run(args):
                   file=sys.stderr)
             entries = swap_context(model, tok, sample, full, scores, args.budgets, args.chunk_size, args.window, stops,
                                    args.combos)
-        agreement = G.agreement(scores["G"], scores["T"], G.digit_tokens(tok, sample.ids[sample.n_protected:]),
+        agreement = gate.agreement(scores["G"], scores["T"], gate.digit_tokens(tok, sample.ids[sample.n_protected:]),
                                 chunk_size=args.chunk_size, window=args.window)  # gate.agreement, as bench.py
         rec = dict(key=key, context=c, doc=sample.doc, n_tokens=len(sample.ids), entries=entries, agreement=agreement)
         cli.write_text(path, json.dumps(rec))
@@ -151,7 +152,7 @@ def run(args):
         print(f"context {c + 1}/{len(samples)} ({sample.doc}): {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = pool(records)
     md = table(rows, cfg.compressed_layers)
-    agreement = G.pool_agreement([r["agreement"] for r in records])
+    agreement = gate.pool_agreement([r["agreement"] for r in records])
     md += ("\n\nGate vs teacher on these contexts, layers " + "/".join(map(str, cfg.compressed_layers)) + ": Spearman "
            + " / ".join(f"{x:.2f}" for x in agreement["spearman"]) + "; overlap@0.5 " + " / ".join(
                "–" if x is None else f"{x:.0%}" for x in agreement["overlap@0.5"]))
@@ -164,7 +165,7 @@ def run(args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="model folder, repo id or alias")
+    p.add_argument("--model", default=OFFLINE_DEFAULT, help="model folder, repo id or alias")
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--length", type=int, default=4096, help="context length in tokens")
     p.add_argument("--contexts", type=int, default=3, help="contexts (each from another Austen part)")
@@ -180,4 +181,4 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    cli.main(run, parse_args(), M.ModelError, G.GateError)
+    cli.main(run, parse_args(), ModelError, gate.GateError)
