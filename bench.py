@@ -229,8 +229,7 @@ def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
     gate.save_gate(gargs.gate, gates, {"note": "random weights, for timing only"})
     teacher = None
     try:
-        sys.path.insert(0, str(ROOT / "tools"))
-        import fetch_assets
+        from tools import fetch_assets
         tok = load_tokenizer(fetch_assets.tokenizer_file("qwen3").parent)
         teacher = KVzipTeacher(model, tok, prompt_format(cfg, "qwen3-8b"))
     except Exception as e:  # no tokenizer asset: KVzip's repeat prompt cannot be written

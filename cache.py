@@ -101,7 +101,6 @@ class KVCache:
 class PrefillPlan:
     window: int        # trailing context tokens kept in full
     segment_ratio: float  # r': fraction kept of every evicted segment, so that the total is r
-    chunk_size: int
 
 
 def plan_prefill(n_context, ratio, chunk_size=16384, window=4096):
@@ -116,10 +115,10 @@ def plan_prefill(n_context, ratio, chunk_size=16384, window=4096):
         window = int(0.02 * n_context)
     window = min(window, n_context)
     if ratio * n_context < window:
-        return PrefillPlan(int(ratio * n_context), 0.0, chunk_size)
+        return PrefillPlan(int(ratio * n_context), 0.0)
     if n_context == window:
-        return PrefillPlan(window, 1.0, chunk_size)
-    return PrefillPlan(window, (ratio * n_context - window) / (n_context - window), chunk_size)
+        return PrefillPlan(window, 1.0)
+    return PrefillPlan(window, (ratio * n_context - window) / (n_context - window))
 
 
 def top_k_mask(scores, k):

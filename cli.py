@@ -1,5 +1,6 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with exit
 code 2, Ctrl-C as one line with exit code 130, outputs written atomically, and matplotlib for --plot."""
+import json
 import os
 import sys
 from contextlib import contextmanager
@@ -40,6 +41,11 @@ def atomic_path(path):
 def write_text(path, text):
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path, obj, indent=2):
+    """obj as UTF-8 JSON text (non-ASCII characters as they are) ending in a newline, written atomically."""
+    write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
 
 
 def pyplot():

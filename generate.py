@@ -54,7 +54,7 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
 # -------------------------------------------------------------------------------------------------
 # prefill, one decode step, answering
 
-def prefill(model, cache, ids, n_protected, budget=1.0, chunk_size=16384, window=4096, on_chunk=None):
+def prefill(model, cache, ids, n_protected, budget=1.0, chunk_size=16384, window=4096):
     """Feed ids (system prompt ⊕ context) in chunks, evicting after each chunk (METHOD.md §6).
 
     Returns the last position's logits. With a full KVCache nothing is evicted."""
@@ -70,8 +70,6 @@ def prefill(model, cache, ids, n_protected, budget=1.0, chunk_size=16384, window
             if end > start:
                 cache.evict(start, end, plan.segment_ratio)
                 start = end
-        if on_chunk:
-            on_chunk(cache.n_seen, len(ids))
     return logits
 
 
@@ -84,9 +82,15 @@ def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=1.0, chunk_siz
     last = model(torch.tensor(ids[-1:], device=full.device), full, num_logits=1)[-1]
     assert cache.n_protected == n_protected, "the cache protects another system prompt length"
     cache.adopt(full, scores=teacher.score(full, n_protected, ids[n_protected:]))  # (L_g, H, n_context)
-    plan = plan_prefill(len(ids) - n_protected, budget, chunk_size, window)
-    cache.evict(n_protected, len(ids) - plan.window, plan.segment_ratio)
+    evict_once(cache, len(ids), n_protected, budget, chunk_size, window)
     return last
+
+
+def evict_once(cache, n_tokens, n_protected, budget, chunk_size=16384, window=4096):
+    """KVzip's one eviction, once the whole prompt of n_tokens is in the cache with its scores: the same
+    budget rule as the chunked prefill (plan_prefill), applied to the whole context at once."""
+    plan = plan_prefill(n_tokens - n_protected, budget, chunk_size, window)
+    cache.evict(n_protected, n_tokens - plan.window, plan.segment_ratio)
 
 
 def decode_one(model, cache, token):

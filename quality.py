@@ -37,12 +37,11 @@ import torch
 
 import gate
 import generate
-from cache import EvictingCache, plan_prefill
+from cache import EvictingCache
 from cli import UsageError, pyplot, save_figure
 from gate import KVzipTeacher, TeacherCache
 from model import question_text
 
-ROOT = Path(__file__).resolve().parent
 AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
 TASKS = AVERAGED + ("agreement",)
 # owners of the pass keys: names that occur in no Austen novel. A name right before "'s pass key is" lets even
@@ -166,8 +165,7 @@ def prose_texts():
     train_gate.py takes documents in file order, and the first of these is document 672 of 1,272 (the sources
     are interleaved there), so a gate trained on fewer documents never saw them (the bundled gates'
     selections end before document 100)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import fetch_assets
+    from tools import fetch_assets
     by_source = {}
     for path in fetch_assets.text_docs("corpus"):  # NNNNN-<source>.txt, in file order
         by_source.setdefault(path.stem.split("-", 1)[1], []).append(path)
@@ -184,8 +182,7 @@ def prose_texts():
 def load_docs(tok, text="austen", _memo={}):
     """Held-out documents as (name, token ids): "austen", the novels cut at chapters (5K-20K tokens each),
     or "prose" (prose_texts)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import fetch_assets
+    from tools import fetch_assets
     if (id(tok), text) not in _memo:
         named = ([(p.stem, p.read_text(encoding="utf-8")) for p in fetch_assets.text_docs("austen_parts")]
                  if text == "austen" else prose_texts())
@@ -276,8 +273,7 @@ def prefill_from_capture(model, full, logits, cache, method, sample, budget, chu
     ids, p = sample.ids, sample.n_protected
     if method == "kvzip":  # cache.scorer holds the teacher's precomputed scores (Precomputed)
         cache.adopt(full, inputs=full.captured, keep_full=True)
-        plan = plan_prefill(len(ids) - p, budget, chunk_size, window)
-        cache.evict(p, len(ids) - plan.window, plan.segment_ratio)
+        generate.evict_once(cache, len(ids), p, budget, chunk_size, window)
     elif len(ids) <= chunk_size:
         generate.prefill(Replay(full, logits), cache, ids, p, budget, chunk_size, window)  # evicts as the real path
     else:

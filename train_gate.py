@@ -63,8 +63,8 @@ import torch
 import torch.nn.functional as F
 
 import cli
-from cli import UsageError, pyplot, save_figure, write_text
-from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, compute_dtype, load_model, load_tokenizer,
+from cli import UsageError, pyplot, save_figure, write_json
+from model import (DTYPES, ModelConfig, ModelError, OFFLINE_DEFAULT, compute_dtype, load_model, load_tokenizer,
                    parse_device, prompt_format, resolve_model, uses_chat)
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
@@ -73,7 +73,6 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".parquet")
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
 EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
 ACC_THRESHOLD = 0.05  # accuracy: both sides of 0.05 agree (METHOD.md §5.3)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP16_FEATURES_ABOVE = 16 * 1024  # --feature-dtype auto: fp32 features above 16 KB per token are stored as fp16
 MOMENTUM = 0.9  # SGD's (METHOD.md §5.4)
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
@@ -413,10 +412,6 @@ def check_manifest(out, manifest):
             diff = [k for k in manifest if old.get(k) != manifest[k]]
             raise UsageError(f"--out {out} holds features of a different run ({', '.join(diff)} differ); "
                              f"pass another --out or delete {out}/features and {path}")
-
-
-def write_json(path, obj):
-    write_text(path, json.dumps(obj, indent=1))
 
 
 def assign_ranks(lengths, world):
@@ -865,7 +860,7 @@ def run(args):
                              stored_dtype)
     check_manifest(out, manifest)
     if rank == 0:
-        write_json(Path(out) / "manifest.json", manifest)
+        write_json(Path(out) / "manifest.json", manifest, indent=1)
         n_val = sum(split == "val" for _, _, split in docs)
         n_tok = sum(len(ids) for _, ids, _ in docs)
         print(f"{len(docs)} documents ({n_val} held out for validation), {n_tok} context tokens -> "
@@ -902,7 +897,7 @@ def run(args):
     save_gate(str(gate_path), gates, dict(model=model_name, layers=metrics["layers"], training=summary))
     if args.export_pt:  # the authors' layout, for their code and kvpress (METHOD.md §2)
         save_gate(str(Path(out) / authors_file_name(gates)), gates, curves=(metrics["val_loss"], metrics["val_acc"]))
-    write_json(Path(out) / "metrics.json", metrics)
+    write_json(Path(out) / "metrics.json", metrics, indent=1)
     print(summary_table(metrics))
     if args.plot:
         plot_curves(metrics, Path(out) / "curves.png")

@@ -102,7 +102,7 @@ def test_converted_config(folder):
     assert {k: cfg[k] for k in expected} == expected
     assert [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"] == [5, 11, 17]
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
-    assert json.loads((folder / "conversion.json").read_text())["version"] == offline.CONVERTER_VERSION
+    assert json.loads((folder / "conversion.json").read_text())["version"] == offline.CONVERTER_VERSIONS[offline.NAME]
 
 
 @pytest.mark.slow
@@ -158,7 +158,7 @@ def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # no half folder, no temporary folder, stale one removed
 
     def fake(name, out, say, progress):
-        (out / "conversion.json").write_text(json.dumps({"version": offline.CONVERTER_VERSION}))
+        (out / "conversion.json").write_text(json.dumps({"version": offline.CONVERTER_VERSIONS[offline.NAME]}))
 
     monkeypatch.setattr(offline, "convert", fake)
     assert offline.ensure_offline_model(progress=False) == tmp_path / offline.NAME
