@@ -65,7 +65,7 @@ def timed_run(model, method, budget, ids, n_protected, teacher, args):
     cfg, dtype, device = model_info(model)
     # the cache is made (and the gate loaded) before the clock starts
     cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
-        model, method, DEFAULT_LEVEL[method], n_protected, args, args.seed)
+        model, method, DEFAULT_LEVEL[method], n_protected, args.model, args.gate, args.seed)
     teacher = TimedTeacher(teacher) if method == "kvzip" else None
     sync(device)
     t0 = time.perf_counter()

@@ -145,13 +145,13 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
         scorer = gate.StreamingScorer(n_kv_heads=H)
     elif method == "snapkv":
         if decode_tokens_per_head is not None:
-            raise UsageError("--method snapkv scores prefill chunks only; drop --decode-tokens-per-head")
+            raise ValueError("snapkv scores prefill chunks only: it cannot evict during decoding")
         scorer = gate.SnapKVScorer(scale=cfg.attn_scale)
     elif method == "random":
         scorer = gate.RandomScorer(seed, n_kv_heads=H)
     elif method == "kvzip":
         if decode_tokens_per_head is not None:
-            raise UsageError("--method kvzip scores the context once; drop --decode-tokens-per-head")
+            raise ValueError("kvzip scores the context once: it cannot evict during decoding")
         scorer = None  # the teacher scores the whole context after prefill (prefill_kvzip)
     # the authors run the baselines per head, the gate and KVzip with one global threshold
     level = level or (scorer.level if scorer else "global")
@@ -208,12 +208,13 @@ def read_context(path):
     return text
 
 
-def build_inputs(tok, fmt, args, context):
-    """(prefill ids, number of protected system-prompt ids, list of (question text, question ids))."""
+def build_inputs(tok, fmt, context, questions=None):
+    """(prefill ids, number of protected system-prompt ids, list of (question text, question ids)), for
+    a list of question strings; without any, one empty question: generation continues the context."""
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     system = enc(fmt.system)
     # a question about a context in the evaluation format (METHOD.md §11); a bare prompt just ends its turn
-    qs = [(q, enc(question_text(fmt, q) if q else fmt.postfix)) for q in args.question or [""]]
+    qs = [(q, enc(question_text(fmt, q) if q else fmt.postfix)) for q in questions or [""]]
     return system + enc(context), len(system), qs
 
 
@@ -231,7 +232,7 @@ def run(args):
         raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model and template "
                          "have no such switch: drop it")
     fmt = prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
-    ids, n_protected, questions = build_inputs(tok, fmt, args, context)
+    ids, n_protected, questions = build_inputs(tok, fmt, context, args.question)
     longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens
     if longest > cfg.max_position_embeddings:
         raise UsageError(f"context + question + --max-new-tokens = {longest} tokens exceeds the model's maximum "

@@ -241,10 +241,11 @@ DEFAULT_LEVEL = dict(fastkvzip=gate.GateScorer.level, kvzip=Precomputed.level, s
                      streaming=gate.StreamingScorer.level, random=gate.RandomScorer.level)
 
 
-def method_cache(model, method, level, n_protected, args, seed, teacher_scores=None):
+def method_cache(model, method, level, n_protected, model_name, gate_file, seed, teacher_scores=None):
     """An empty evicting cache for one method, made by generate.make_cache as `generate.py --method`
-    makes it. KVzip's scores arrive after prefill; for the replay they come precomputed."""
-    cache = generate.make_cache(method, model, args.model, n_protected, gate_file=args.gate, level=level, seed=seed)
+    makes it (gate_file None: the bundled or released gate of model_name). KVzip's scores arrive after
+    prefill; for the replay they come precomputed."""
+    cache = generate.make_cache(method, model, model_name, n_protected, gate_file=gate_file, level=level, seed=seed)
     if method == "kvzip" and teacher_scores is not None:  # only KVzip: every other method keeps its own scorer
         cache.scorer = Precomputed(teacher_scores)
     return cache
@@ -285,14 +286,14 @@ def captured_scores(model, scorer, full):
     return torch.stack([scorer.score(l, *full.captured[layer]) for l, layer in enumerate(model.config.compressed_layers)])
 
 
-def gate_agreement(model, tok, full, tscores, sample, args, seed):
-    """The bundled (or --gate) gate's agreement with its teacher on this context (gate.agreement), from
-    the captured full prefill; counts, pooled over contexts in the report."""
-    scorer = method_cache(model, "fastkvzip", "global", sample.n_protected, args, seed).scorer
+def gate_agreement(model, tok, full, tscores, sample, model_name, gate_file, chunk_size, window):
+    """The gate's (gate_file, or model_name's bundled gate) agreement with its teacher on this context
+    (gate.agreement), from the captured full prefill; counts, pooled over contexts in the report."""
+    scorer = method_cache(model, "fastkvzip", "global", sample.n_protected, model_name, gate_file, 0).scorer
     p = sample.n_protected
     student = captured_scores(model, scorer, full)
-    return gate.agreement(student[..., p:].float().cpu(), tscores[..., p:].float(), gate.digit_tokens(tok, sample.ids[p:]),
-                       chunk_size=args.chunk_size, window=args.window)
+    return gate.agreement(student[..., p:].float().cpu(), tscores[..., p:].float(),
+                          gate.digit_tokens(tok, sample.ids[p:]), chunk_size=chunk_size, window=window)
 
 
 def model_info(model):
@@ -495,7 +496,8 @@ def run(model, tok, fmt, args, done=(), on_context=None):
             for method, level in configs:
                 config = method if level == DEFAULT_LEVEL[method] else f"{method}/{level}"
                 for budget in args.budgets:
-                    cache = method_cache(model, method, level, sample.n_protected, args, args.seed + c, tscores)
+                    cache = method_cache(model, method, level, sample.n_protected, args.model, args.gate, args.seed + c,
+                                         tscores)
                     prefill_from_capture(model, full, logits, cache, method, sample, budget, args.chunk_size,
                                          args.window)
                     kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
@@ -503,7 +505,8 @@ def run(model, tok, fmt, args, done=(), on_context=None):
                     res = ref if min(kept) == 1.0 else evaluate(model, tok, cache, sample, stop_ids)
                     entries[entry_key(config, budget)] = entry(sample, res, ref, kept, cache.nbytes)
                     del cache
-            agreement = (gate_agreement(model, tok, full, tscores, sample, args, args.seed + c)
+            agreement = (gate_agreement(model, tok, full, tscores, sample, args.model, args.gate, args.chunk_size,
+                                        args.window)
                          if {"fastkvzip", "kvzip"} <= set(methods) else None)
         record = dict(context=c, n_tokens=len(sample.ids), doc=sample.doc, seconds=time.perf_counter() - t0,
                       entries=entries, agreement=agreement, answers=[dict(task=q.task, depth=round(q.depth, 3), expected=q.answer,

@@ -198,9 +198,9 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
     teacher = gate.KVzipTeacher(model, tok, real["fmt"]) if method == "kvzip" else None
     with torch.no_grad():
         full, logits, tscores = quality.capture_prefill(model, s.ids, args.chunk_size, teacher, s.n_protected)
-        fast = quality.method_cache(model, method, level, s.n_protected, args, 7, tscores)
+        fast = quality.method_cache(model, method, level, s.n_protected, args.model, args.gate, 7, tscores)
         quality.prefill_from_capture(model, full, logits, fast, method, s, budget, args.chunk_size, args.window)
-        real_cache = quality.method_cache(model, method, level, s.n_protected, args, 7)
+        real_cache = quality.method_cache(model, method, level, s.n_protected, args.model, args.gate, 7)
         if method == "kvzip":
             generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
         else:
@@ -228,7 +228,8 @@ def test_each_method_keeps_its_own_scorer(real):
     want = dict(fastkvzip=gate.GateScorer, kvzip=quality.Precomputed, snapkv=gate.SnapKVScorer,
                 streaming=gate.StreamingScorer, random=gate.RandomScorer)
     for method, cls in want.items():
-        cache = quality.method_cache(real["model"], method, quality.DEFAULT_LEVEL[method], 1, args, 0, scores)
+        cache = quality.method_cache(real["model"], method, quality.DEFAULT_LEVEL[method], 1, args.model, args.gate, 0,
+                                     scores)
         assert type(cache.scorer) is cls, (method, type(cache.scorer))
         assert cache.level == quality.DEFAULT_LEVEL[method]
 

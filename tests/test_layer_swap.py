@@ -41,7 +41,7 @@ def test_swap_caches_are_the_methods_own_caches(tmp_path):
         ref_full, logits, tscores = quality.capture_prefill(model, sample.ids, args.chunk_size, teacher, p)
         methods = {}
         for s, method in (("T", "kvzip"), ("G", "fastkvzip")):
-            methods[s] = quality.method_cache(model, method, "global", p, args, 0, tscores)
+            methods[s] = quality.method_cache(model, method, "global", p, args.model, args.gate, 0, tscores)
             quality.prefill_from_capture(model, ref_full, logits, methods[s], method, sample, budget,
                                          args.chunk_size, args.window)
         for combo in ("TT", "GG", "TG", "GT"):
