@@ -41,11 +41,11 @@ import generate
 import quality
 from cache import LEVELS, KVCache
 from cli import UsageError, write_text
-from gate import KVzipTeacher
 from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, Transformer, load_model, load_tokenizer,
                    prompt_format, resolve_model)
 from quality import (DEFAULT_LEVEL, label, load_docs, load_records, log, method_cache, model_info,
                      quality_key, quality_results)
+from teacher import KVzipTeacher
 
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")

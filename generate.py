@@ -137,19 +137,20 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     if method == "full":
         return KVCache(cfg, dtype, device)
     import gate
+    import scorers
     H = cfg.num_key_value_heads
     if method == "fastkvzip":
         if gates is None:
             gates = gate.resolve_gate(gate_file, cfg, model_name, device=device)
-        scorer = gate.GateScorer(gates)
+        scorer = scorers.GateScorer(gates)
     elif method == "streaming":
-        scorer = gate.StreamingScorer(n_kv_heads=H)
+        scorer = scorers.StreamingScorer(n_kv_heads=H)
     elif method == "snapkv":
         if decode_tokens_per_head is not None:
             raise ValueError("snapkv scores prefill chunks only: it cannot evict during decoding")
-        scorer = gate.SnapKVScorer(scale=cfg.attn_scale)
+        scorer = scorers.SnapKVScorer(scale=cfg.attn_scale)
     elif method == "random":
-        scorer = gate.RandomScorer(seed, n_kv_heads=H)
+        scorer = scorers.RandomScorer(seed, n_kv_heads=H)
     elif method == "kvzip":
         if decode_tokens_per_head is not None:
             raise ValueError("kvzip scores the context once: it cannot evict during decoding")
@@ -259,7 +260,7 @@ def run(args):
     t0 = time.perf_counter()
     with torch.no_grad():
         if method == "kvzip":
-            from gate import KVzipTeacher
+            from teacher import KVzipTeacher
             teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
             last = prefill_kvzip(model, teacher, cache, ids, n_protected, budget, args.chunk_size, args.window)
         else:

@@ -14,7 +14,9 @@ import bench
 import gate
 import generate
 import quality
+import scorers
 from cli import UsageError
+from teacher import KVzipTeacher
 from tests.helpers import QWEN3_TINY, assert_close
 from tools import fetch_assets
 
@@ -195,7 +197,7 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
     args = bench.parse_args(["--gate", real["gate"], "--chunk-size", str(chunk), "--window", "32"])
     maker = quality.SampleMaker(tok, real["fmt"], real["docs"], seed=1, n_passkeys=2, n_kv_questions=1, n_probe=16)
     s = maker.make(400)
-    teacher = gate.KVzipTeacher(model, tok, real["fmt"]) if method == "kvzip" else None
+    teacher = KVzipTeacher(model, tok, real["fmt"]) if method == "kvzip" else None
     with torch.no_grad():
         full, logits, tscores = quality.capture_prefill(model, s.ids, args.chunk_size, teacher, s.n_protected)
         fast = quality.method_cache(model, method, level, s.n_protected, args.model, args.gate, 7, tscores)
@@ -225,8 +227,8 @@ def test_each_method_keeps_its_own_scorer(real):
     every method's scorer, which made all methods identical)."""
     args = bench.parse_args(["--gate", real["gate"]])
     scores = torch.rand(3, 1, 101)
-    want = dict(fastkvzip=gate.GateScorer, kvzip=quality.Precomputed, snapkv=gate.SnapKVScorer,
-                streaming=gate.StreamingScorer, random=gate.RandomScorer)
+    want = dict(fastkvzip=scorers.GateScorer, kvzip=quality.Precomputed, snapkv=scorers.SnapKVScorer,
+                streaming=scorers.StreamingScorer, random=scorers.RandomScorer)
     for method, cls in want.items():
         cache = quality.method_cache(real["model"], method, quality.DEFAULT_LEVEL[method], 1, args.model, args.gate, 0,
                                      scores)

@@ -11,8 +11,9 @@ import torch
 
 import model as M
 from cache import EvictingCache, KVCache
-from gate import Gates, GateScorer, RandomScorer, save_gate
+from gate import Gates, save_gate
 from generate import answer, prefill
+from scorers import GateScorer, RandomScorer
 from tests.helpers import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,8 @@ import bench
 import gate
 import model as M
 import quality
+from scorers import GateScorer
+from teacher import KVzipTeacher
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 from tests.test_bench import same_cache
 from tools import layer_swap
@@ -30,12 +32,12 @@ def test_swap_caches_are_the_methods_own_caches(tmp_path):
     sample = quality.Sample(ids=[cfg.bos_token_id] + rnd(300), n_protected=1, doc="random", questions=[
         quality.Question("passkey", rnd(6), tok.decode(rnd(1)), 4), quality.Question("kv", rnd(6), tok.decode(rnd(1)), 4)],
         probes=dict(nll_next=(rnd(1), rnd(12)), nll_repeat=(rnd(8), rnd(12))))
-    teacher, stops = gate.KVzipTeacher(model, tok, fmt), quality.answer_stops(cfg, tok)
+    teacher, stops = KVzipTeacher(model, tok, fmt), quality.answer_stops(cfg, tok)
     budget, p = 0.4, sample.n_protected
     with torch.no_grad():
-        full, scores = layer_swap.capture(model, sample, teacher, gate.GateScorer(gate.load_gate(gate_file, cfg)),
+        full, scores = layer_swap.capture(model, sample, teacher, GateScorer(gate.load_gate(gate_file, cfg)),
                                           args.chunk_size)
-        keep = {s: gate.kept_by_rule(x, budget, args.chunk_size, args.window)[0] for s, x in scores.items()}
+        keep = {s: quality.kept_by_rule(x, budget, args.chunk_size, args.window)[0] for s, x in scores.items()}
         assert not torch.equal(keep["T"], keep["G"]), "teacher and gate must keep different sets here"
         # the oracle: each method's cache, made by the benchmark from its own capture
         ref_full, logits, tscores = quality.capture_prefill(model, sample.ids, args.chunk_size, teacher, p)

@@ -366,6 +366,8 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     import gate
     import model as M
     import quality
+    from scorers import GateScorer
+    from teacher import KVzipTeacher
 
     cfg = smollm2_model.config
     gates = gate.resolve_gate(None, cfg, "smollm2-135m-gguf")
@@ -376,11 +378,11 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     text = require_for_test("austen", "emma.txt").read_text(encoding="utf-8")
     ids = system + tok.encode(text[20000:30000], add_special_tokens=False).ids[:1000]
     p = len(system)
-    full, _, teacher = quality.capture_prefill(smollm2_model, ids, 16384, gate.KVzipTeacher(smollm2_model, tok, fmt), p)
+    full, _, teacher = quality.capture_prefill(smollm2_model, ids, 16384, KVzipTeacher(smollm2_model, tok, fmt), p)
 
     def rho(gates):
-        student = quality.captured_scores(smollm2_model, gate.GateScorer(gates), full)
-        return [gate.spearman(s[..., p:].flatten().float(), t[..., p:].flatten().float()) for s, t in zip(student, teacher)]
+        student = quality.captured_scores(smollm2_model, GateScorer(gates), full)
+        return [quality.spearman(s[..., p:].flatten().float(), t[..., p:].flatten().float()) for s, t in zip(student, teacher)]
 
     ours = rho(gates)
     torch.manual_seed(0)
