@@ -36,15 +36,16 @@ import numpy as np
 import torch
 
 import cli
-import gate as G
+import gate
 import generate
-import model as M
 import quality
 from cache import LEVELS, KVCache
 from cli import UsageError, write_text
-from gate import KVzipTeacher
+from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, Transformer, load_model, load_tokenizer,
+                   prompt_format, resolve_model)
 from quality import (DEFAULT_LEVEL, label, load_docs, load_records, log, method_cache, model_info,
                      quality_key, quality_results)
+from teacher import KVzipTeacher
 
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
@@ -64,7 +65,7 @@ def timed_run(model, method, budget, ids, n_protected, teacher, args):
     cfg, dtype, device = model_info(model)
     # the cache is made (and the gate loaded) before the clock starts
     cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
-        model, method, DEFAULT_LEVEL[method], n_protected, args, args.seed)
+        model, method, DEFAULT_LEVEL[method], n_protected, args.model, args.gate, args.seed)
     teacher = TimedTeacher(teacher) if method == "kvzip" else None
     sync(device)
     t0 = time.perf_counter()
@@ -203,10 +204,10 @@ QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, interme
 def random_model(shape, device, dtype, seed=0):
     """A model of the given config dict with random weights (speed and memory only: no real 8B weights
     exist offline). Norm weights 1, matrices N(0, 1/fan_in): activations stay finite through the layers."""
-    cfg = M.ModelConfig.from_dict(shape)
+    cfg = ModelConfig.from_dict(shape)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
-        model = M.Transformer(cfg)
+        model = Transformer(cfg)
     with torch.no_grad():
         for p in model.parameters():  # parameters only: the RoPE buffers stay fp32
             p.data = torch.ones_like(p, dtype=dtype) if p.dim() == 1 else \
@@ -221,17 +222,16 @@ def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(shape, device, dtype, args.seed)
     cfg = model_info(model)[0]
-    gates = G.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
+    gates = gate.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
                     dtype=dtype, device=device)
     gargs = copy.copy(args)
     gargs.gate = str(Path(args.out_dir) / "random-gate.safetensors")  # a random gate: timing only
-    G.save_gate(gargs.gate, gates, {"note": "random weights, for timing only"})
+    gate.save_gate(gargs.gate, gates, {"note": "random weights, for timing only"})
     teacher = None
     try:
-        sys.path.insert(0, str(ROOT / "tools"))
-        import fetch_assets
-        tok = M.load_tokenizer(fetch_assets.tokenizer_file("qwen3").parent)
-        teacher = KVzipTeacher(model, tok, M.prompt_format(cfg, "qwen3-8b"))
+        from tools import fetch_assets
+        tok = load_tokenizer(fetch_assets.tokenizer_file("qwen3").parent)
+        teacher = KVzipTeacher(model, tok, prompt_format(cfg, "qwen3-8b"))
     except Exception as e:  # no tokenizer asset: KVzip's repeat prompt cannot be written
         log(f"gpu: no KVzip timing ({e})")
     gen = torch.Generator().manual_seed(args.seed)
@@ -359,7 +359,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="smoke run (< 3 min on 2 CPU cores): 2 contexts of 512 "
                    "tokens, 2 questions each, budgets 0.5 and 0.2, every method at its own level; speed at 256 tokens "
                    "(flags given explicitly win over these)")
-    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="model folder, repo id or alias")
+    p.add_argument("--model", default=OFFLINE_DEFAULT, help="model folder, repo id or alias")
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
                    help="comma list of " + ",".join(METHODS))
@@ -466,12 +466,12 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    folder = M.resolve_model(args.model)
+    folder = resolve_model(args.model)
     # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
-    cfg = M.ModelConfig.from_json(folder)
-    tok = M.load_tokenizer(folder, cfg.vocab_size)
-    fmt = M.prompt_format(cfg, args.model)
-    gates = G.resolve_gate(args.gate, cfg, args.model)
+    cfg = ModelConfig.from_json(folder)
+    tok = load_tokenizer(folder, cfg.vocab_size)
+    fmt = prompt_format(cfg, args.model)
+    gates = gate.resolve_gate(args.gate, cfg, args.model)
     check_lengths(args, cfg, tok, len(tok.encode(fmt.system, add_special_tokens=False).ids))
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
     try:
@@ -499,7 +499,7 @@ def run(args):
             if k == "speed" and old.get("speed_peer"):  # the peer rows were measured in the same run
                 results["speed_peer"] = old["speed_peer"]
     write_text(out / "config.json", json.dumps(config, indent=1))
-    model = M.load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower without bf16 units)
+    model = load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower without bf16 units)
     records = list(done.values())
 
     def save():
@@ -638,4 +638,4 @@ def merge(args):
 
 
 if __name__ == "__main__":
-    cli.main(run, parse_args(), M.ModelError, G.GateError, kept=kept)  # bad --model / --gate / folders: one line
+    cli.main(run, parse_args(), ModelError, gate.GateError, kept=kept)  # bad --model / --gate / folders: one line

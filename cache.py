@@ -7,7 +7,7 @@ the attention kernel reads exactly what is kept. Nothing is masked: evicted rows
 
 - `KVCache` is the full cache. Gemma3's sliding-window layers keep only their last W tokens, in a ring
   (`kernels.WindowKV`): a decode token overwrites the one that left the window, nothing is copied.
-- `EvictingCache` adds scores: every compressed layer asks a scorer (the gate, or a baseline, gate.py)
+- `EvictingCache` adds scores: every compressed layer asks a scorer (the gate, or a baseline, scorers.py)
   how important each new KV pair is, stores the score beside the row, and `evict()` drops the least
   important rows of a segment of the context — one threshold over all compressed layers × heads by
   default (the paper's non-uniform structure, METHOD.md §6), or per layer / per head as ablations.
@@ -101,7 +101,6 @@ class KVCache:
 class PrefillPlan:
     window: int        # trailing context tokens kept in full
     segment_ratio: float  # r': fraction kept of every evicted segment, so that the total is r
-    chunk_size: int
 
 
 def plan_prefill(n_context, ratio, chunk_size=16384, window=4096):
@@ -116,10 +115,10 @@ def plan_prefill(n_context, ratio, chunk_size=16384, window=4096):
         window = int(0.02 * n_context)
     window = min(window, n_context)
     if ratio * n_context < window:
-        return PrefillPlan(int(ratio * n_context), 0.0, chunk_size)
+        return PrefillPlan(int(ratio * n_context), 0.0)
     if n_context == window:
-        return PrefillPlan(window, 1.0, chunk_size)
-    return PrefillPlan(window, (ratio * n_context - window) / (n_context - window), chunk_size)
+        return PrefillPlan(window, 1.0)
+    return PrefillPlan(window, (ratio * n_context - window) / (n_context - window))
 
 
 def top_k_mask(scores, k):
@@ -143,19 +142,20 @@ LEVELS = ("global", "layer", "head", "calibrated")
 class EvictingCache(KVCache):
     """A KV cache whose compressed layers score every new KV pair and evict on request.
 
-    scorer: gate.Scorer, called as scorer.score(l, hidden, q, k, pos) -> (H, T) for compressed layer l.
+    scorer: scorers.Scorer, called as scorer.score(l, hidden, q, k, pos) -> (H, T) for compressed layer l.
     n_protected: the first n_protected positions (the system prompt) are never evicted (METHOD.md §4.4).
-    decode_budget: average kept tokens per compressed head during decoding (None = keep generated tokens).
+    decode_tokens_per_head: average kept tokens per compressed head during decoding (a count, not a fraction;
+    None = keep generated tokens).
     """
 
     def __init__(self, cfg, scorer, dtype=torch.float32, device="cpu", n_protected=0, level="global",
-                 decode_budget=None, decode_buffer=128, decode_window=128, decode_sinks=4):
+                 decode_tokens_per_head=None, decode_buffer=128, decode_window=128, decode_sinks=4):
         super().__init__(cfg, dtype, device)
         assert level in LEVELS, f"level must be one of {LEVELS}"
         self.scorer, self.level, self.n_protected = scorer, level, n_protected
         self.compressed = list(cfg.compressed_layers)
         self.index = {layer: l for l, layer in enumerate(self.compressed)}  # model layer -> gate index
-        self.decode_budget, self.decode_buffer = decode_budget, decode_buffer
+        self.decode_tokens_per_head, self.decode_buffer = decode_tokens_per_head, decode_buffer
         self.decode_window, self.decode_sinks = decode_window, decode_sinks
         self.decoding = False  # True after prefill: new tokens are buffered, scored every 128 tokens
         self.buffer = {layer: [] for layer in self.compressed}  # hidden states waiting to be scored
@@ -168,7 +168,7 @@ class EvictingCache(KVCache):
         score = None
         if self.decoding:
             # score later, 128 tokens at a time (METHOD.md §7); +inf until then = not evictable
-            if self.decode_budget is not None:
+            if self.decode_tokens_per_head is not None:
                 self.buffer[layer].append(hidden)
         elif self.scorer is not None:  # None: scores arrive later (KVzip scores the whole context at once)
             score = self._score(self.index[layer], hidden, q, k, pos)
@@ -248,9 +248,9 @@ class EvictingCache(KVCache):
 
     def after_step(self):
         """Call after every decode forward. Every `decode_buffer` buffered tokens the gate scores them in
-        one call; then, if the compressed layers hold more than decode_budget·L·H pairs, the least
+        one call; then, if the compressed layers hold more than decode_tokens_per_head·L·H pairs, the least
         important are evicted, always keeping the last `decode_window` tokens and the first 4."""
-        if self.decode_budget is None:
+        if self.decode_tokens_per_head is None:
             return
         first = self.compressed[0]
         if sum(h.shape[0] for h in self.buffer[first]) < self.decode_buffer:
@@ -264,7 +264,7 @@ class EvictingCache(KVCache):
         self._evict_to_budget()
 
     def _evict_to_budget(self):
-        budget = self.decode_budget * len(self.compressed) * self.cfg.num_key_value_heads
+        budget = self.decode_tokens_per_head * len(self.compressed) * self.cfg.num_key_value_heads
         total = sum(int(self.layers[layer].n_rows) for layer in self.compressed)
         if total <= budget:
             return
@@ -289,7 +289,7 @@ class EvictingCache(KVCache):
 
     def checkpoint(self):
         state = super().checkpoint()
-        if self.decode_budget is not None:  # decode-time eviction may touch the context: copy everything
+        if self.decode_tokens_per_head is not None:  # decode-time eviction may touch the context: copy all
             state["all"] = [copy.deepcopy(kv) for kv in self.layers]
         return state
 

@@ -1,6 +1,7 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with exit
 code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how to
 resume, outputs written atomically, one rule for what counts as text, and matplotlib for --plot."""
+import json
 import os
 import re
 import signal
@@ -100,6 +101,11 @@ def atomic_path(path):
 def write_text(path, text):
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path, obj, indent=2):
+    """obj as UTF-8 JSON text (non-ASCII characters as they are) ending in a newline, written atomically."""
+    write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
 
 
 def pyplot():

@@ -350,8 +350,7 @@ class RaggedKV:
 
     Each region has capacity caps[h] >= lens[h]; the rows between are slack, so appending a decode
     token writes H rows and copies nothing. When some head runs out of room, every region is
-    re-laid out with headroom: half the length, at most MAX_SLACK rows per head. select / keep_last / truncate
-    compact to exactly the kept rows: eviction frees memory, and nbytes reports what is held.
+    re-laid out with headroom: half the length, at most MAX_SLACK rows per head. select / truncate compact to exactly the kept rows: eviction frees memory, and nbytes reports what is held.
     Row companions pos (absolute position, int64) and score (importance, float32, +inf = never
     evict) live in flat tensors aligned with k's rows and move with them.
     """
@@ -464,10 +463,6 @@ class RaggedKV:
         new_lens = torch.tensor([int(kp.sum()) for kp in keep], dtype=torch.long)
         self._relayout(_ranges(self.starts, self.lens).to(self.device)[mask], new_lens, new_lens)
 
-    def keep_last(self, n):
-        """Keep only the last n rows of every head (sliding-window layers)."""
-        self.select([torch.arange(int(l)) >= int(l) - n for l in self.lens])
-
     def truncate(self, n):
         """Drop the last n rows of every head (e.g. remove a question's tokens)."""
         self.select([torch.arange(int(l)) < int(l) - n for l in self.lens])
@@ -490,7 +485,7 @@ class WindowKV(RaggedKV):
     layout instead, the window's rows in position order followed by the chunk's, and `wrap()` turns it
     back into a ring of the last W rows (one copy of W rows per chunk). Until the ring is full it grows
     like a RaggedKV (slack), so a short context holds only its own tokens. Nothing is evicted from a
-    window layer: select (and keep_last, truncate) raise. pos / score rows are in ring order.
+    window layer: select (and truncate) raise. pos / score rows are in ring order.
     """
 
     def __init__(self, n_heads, head_dim, window, dtype, device):

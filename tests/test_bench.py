@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import bench
-import gate as G
+import gate
 import generate
 import quality
+import scorers
 from cli import UsageError
+from teacher import KVzipTeacher
 from tests.helpers import QWEN3_TINY, assert_close
 from tools import fetch_assets
 
@@ -154,13 +156,13 @@ def real(tmp_path_factory):
     model = M.load_model(folder, "cpu", torch.float32)
     tok = M.load_tokenizer(folder)
     fmt = M.prompt_format(model.config, M.OFFLINE_DEFAULT, chat=False)
-    gate_path = G.GATES_DIR / f"{M.OFFLINE_DEFAULT}.safetensors"
+    gate_path = gate.GATES_DIR / f"{M.OFFLINE_DEFAULT}.safetensors"
     if not gate_path.is_file():  # before train_gate.py has bundled one: a random gate exercises the same code
         cfg = model.config
         torch.manual_seed(0)
-        gates = G.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size)
+        gates = gate.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size)
         gate_path = tmp_path_factory.mktemp("gate") / "random.safetensors"
-        G.save_gate(gate_path, gates, {"note": "random, tests only"})
+        gate.save_gate(gate_path, gates, {"note": "random, tests only"})
     return dict(model=model, tok=tok, fmt=fmt, gate=str(gate_path), docs=quality.load_docs(tok)[:4])
 
 
@@ -196,12 +198,12 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
     args = bench.parse_args(["--gate", real["gate"], "--chunk-size", str(chunk), "--window", "32"])
     maker = quality.SampleMaker(tok, real["fmt"], real["docs"], seed=1, n_passkeys=2, n_kv_questions=1, n_probe=16)
     s = maker.make(400)
-    teacher = G.KVzipTeacher(model, tok, real["fmt"]) if method == "kvzip" else None
+    teacher = KVzipTeacher(model, tok, real["fmt"]) if method == "kvzip" else None
     with torch.no_grad():
         full, logits, tscores = quality.capture_prefill(model, s.ids, args.chunk_size, teacher, s.n_protected)
-        fast = quality.method_cache(model, method, level, s.n_protected, args, 7, tscores)
+        fast = quality.method_cache(model, method, level, s.n_protected, args.model, args.gate, 7, tscores)
         quality.prefill_from_capture(model, full, logits, fast, method, s, budget, args.chunk_size, args.window)
-        real_cache = quality.method_cache(model, method, level, s.n_protected, args, 7)
+        real_cache = quality.method_cache(model, method, level, s.n_protected, args.model, args.gate, 7)
         if method == "kvzip":
             generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
         else:
@@ -226,10 +228,11 @@ def test_each_method_keeps_its_own_scorer(real):
     every method's scorer, which made all methods identical)."""
     args = bench.parse_args(["--gate", real["gate"]])
     scores = torch.rand(3, 1, 101)
-    want = dict(fastkvzip=G.GateScorer, kvzip=quality.Precomputed, snapkv=G.SnapKVScorer,
-                streaming=G.StreamingScorer, random=G.RandomScorer)
+    want = dict(fastkvzip=scorers.GateScorer, kvzip=quality.Precomputed, snapkv=scorers.SnapKVScorer,
+                streaming=scorers.StreamingScorer, random=scorers.RandomScorer)
     for method, cls in want.items():
-        cache = quality.method_cache(real["model"], method, quality.DEFAULT_LEVEL[method], 1, args, 0, scores)
+        cache = quality.method_cache(real["model"], method, quality.DEFAULT_LEVEL[method], 1, args.model, args.gate, 0,
+                                     scores)
         assert type(cache.scorer) is cls, (method, type(cache.scorer))
         assert cache.level == quality.DEFAULT_LEVEL[method]
 
@@ -349,11 +352,10 @@ def test_speed_rows_of_another_configuration_are_refused(real, quick, tmp_path):
     """A run that measures no speed keeps the speed rows already in its --out only if they were measured with
     the same settings (gate, budgets, chunk, ...); rows of another gate are refused, not credited to it."""
     import shutil
-    G = bench.G
     cfg = real["model"].config
     torch.manual_seed(1)
     other = tmp_path / "other.safetensors"
-    G.save_gate(other, G.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size))
+    gate.save_gate(other, gate.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size))
     out = tmp_path / "out"
     shutil.copytree(quick, out)
     shutil.rmtree(out / "contexts")  # speed rows alone, as a --no-quality run leaves them
@@ -432,7 +434,7 @@ def test_peer_column_on_a_tiny_gemma3(tmp_path):
     cfg = model.config
     args = bench.parse_args(["--speed-decode", "3", "--speed-chunk", "32", "--speed-window", "16", "--budgets", "0.3"])
     args.gate = str(tmp_path / "random-gate.safetensors")
-    G.save_gate(args.gate, G.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+    gate.save_gate(args.gate, gate.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
                                    cfg.group_size), {"note": "random, tests only"})
     g = torch.Generator().manual_seed(0)
     ids_for = lambda n: ([cfg.bos_token_id] + torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist(), 1)

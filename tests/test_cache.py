@@ -7,8 +7,9 @@ import torch
 
 import model as M
 from cache import EvictingCache, KVCache, plan_prefill
-from gate import Gates, GateScorer
+from gate import Gates
 from generate import answer, prefill
+from scorers import GateScorer
 from tests.helpers import assert_close, tiny_checkpoint
 
 
@@ -79,7 +80,7 @@ def test_eviction_equals_masked_dense_attention(tiny):
     torch.manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (90,))
     n_protected, chunk, window, budget = 5, 32, 8, 0.4
-    ev = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected, decode_budget=24,
+    ev = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected, decode_tokens_per_head=24,
                        decode_buffer=8, decode_window=6)
     dense = DenseMaskedCache(cfg)
     plan = plan_prefill(len(ids) - n_protected, budget, chunk_size=chunk, window=window)
@@ -155,14 +156,14 @@ def test_budget_one_matches_full_cache_and_chunking_is_exact(tiny):
     assert outs[0] == outs[1] == outs[2]
 
 
-def test_decode_budget_and_sliding_window_bounds(tiny):
+def test_decode_tokens_per_head_and_sliding_window_bounds(tiny):
     """During decoding the compressed layers never hold more than the budget plus one buffer, and
     sliding-window layers exactly their last W tokens between forwards."""
     cfg = tiny.config
     torch.manual_seed(4)
     ids = torch.randint(0, cfg.vocab_size, (80,)).tolist()
     B, buf = 20, 8
-    cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=2, decode_budget=B, decode_buffer=buf,
+    cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=2, decode_tokens_per_head=B, decode_buffer=buf,
                           decode_window=6)
     L, H = len(cache.compressed), cfg.num_key_value_heads
     with torch.no_grad():
@@ -246,9 +247,9 @@ class FixedScorer:
 
 @pytest.mark.parametrize("budget", [0.5, 0.3, 0.01])
 def test_kept_by_rule_is_what_the_cache_keeps(tiny, budget):
-    """gate.kept_by_rule (the agreement metrics' kept sets) against the cache itself: one prefill chunk
+    """quality.kept_by_rule (the agreement metrics' kept sets) against the cache itself: one prefill chunk
     of the same scores keeps exactly the same pairs, window and empty-layer floor included."""
-    from gate import kept_by_rule
+    from quality import kept_by_rule
     cfg = tiny.config
     torch.manual_seed(6)
     n, L, H = 100, len(cfg.compressed_layers), cfg.num_key_value_heads

@@ -11,8 +11,9 @@ import torch
 
 import model as M
 from cache import EvictingCache, KVCache
-from gate import Gates, GateScorer, RandomScorer, save_gate
+from gate import Gates, save_gate
 from generate import answer, prefill
+from scorers import GateScorer, RandomScorer
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +91,9 @@ def no_weights(tiny_folder, tmp_path_factory):
 
 @pytest.mark.parametrize("flags,words", [
     (["--window", "-5"], ["--window", "-5"]),
-    (["--decode-budget", "-5"], ["--decode-budget", "-5"]),
-    (["--decode-budget", "0"], ["--decode-budget", "positive"]),
+    (["--decode-tokens-per-head", "-5"], ["--decode-tokens-per-head", "-5"]),
+    (["--decode-tokens-per-head", "0"], ["--decode-tokens-per-head", "positive"]),
+    (["--decode-budget", "0"], ["--decode-tokens-per-head", "positive"]),  # the flag's old name still works
     (["--chunk-size", "0"], ["--chunk-size", "positive"]),
     (["--max-new-tokens", "-1"], ["--max-new-tokens", "-1"]),
     (["--temperature", "-1"], ["--temperature", "-1"]),
@@ -100,8 +102,8 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--top-p", "2"], ["--top-p", "2"]),
     (["--budget", "nan"], ["--budget"]),
     (["--seed", str(2**70)], ["--seed", "64 bits"]),
-    (["--method", "kvzip", "--decode-budget", "100"], ["kvzip", "--decode-budget"]),
-    (["--method", "full", "--decode-budget", "100"], ["full", "--decode-budget"]),
+    (["--method", "kvzip", "--decode-tokens-per-head", "100"], ["kvzip", "--decode-tokens-per-head"]),
+    (["--method", "full", "--decode-tokens-per-head", "100"], ["full", "--decode-tokens-per-head"]),
     (["--method", "snapkv", "--gate", "g.safetensors"], ["--gate", "snapkv"]),
     (["--device", "foo"], ["--device 'foo'"]),
     (["--context-file", "ctx.txt"], ["--prompt", "--context-file", "not both"]),
@@ -257,3 +259,38 @@ def test_fifo_context_file_says_it_waits(no_weights, tmp_path):
         assert p.wait(timeout=120) == 2 and "no *.safetensors" in rest, rest  # read, then the missing weights
     finally:
         p.kill()
+
+
+def test_build_inputs_takes_plain_values():
+    """The prefill ids, the protected system prompt and one question turn per question string; a base
+    model's turn (no chat postfix) ends with the start of its answer, a chat model's with its postfix."""
+    from types import SimpleNamespace
+    from generate import build_inputs
+    tok = SimpleNamespace(encode=lambda s, add_special_tokens=False: SimpleNamespace(ids=list(s.encode())))
+    ids, n_protected, qs = build_inputs(tok, M.PromptFormat("<s>", ""), "ctx", ["Who?", "Where?"])
+    assert ids == list(b"<s>ctx")
+    assert n_protected == 3 and [q for q, _ in qs] == ["Who?", "Where?"]
+    assert qs[0][1] == list(b"\n\nQ: Who?\nA:")
+    _, _, qs = build_inputs(tok, M.PromptFormat("<s>", "<end>"), "ctx")
+    assert qs == [("", list(b"<end>"))]  # no question: the prompt's turn just ends
+    assert build_inputs(tok, M.PromptFormat("<s>", "<end>"), "ctx", ["Who?"])[2][0][1] == list(b"\n\nQ: Who?<end>")
+
+
+def test_summary_line_says_what_was_kept_where():
+    """Context tokens, the compressed layers' kept share (per layer when there are few), what the other
+    layers keep, and the KV held against a full cache."""
+    from generate import summary_line
+    s = dict(method="fastkvzip", context_tokens=3296, compressed_layers=[5, 11, 17], n_layers=18,
+             sliding_layers=[i for i in range(18) if i not in (5, 11, 17)], sliding_window=512, kept_fraction=0.3,
+             kept_fraction_per_layer=[0.6, 0.28, 0.02], kv_bytes=20.8 * 2**20, kv_bytes_full=34.3 * 2**20,
+             peak_kv_bytes=38.2 * 2**20, prefill_seconds=30.0, prefill_tokens_per_s=110.0, decode_tokens_per_s=1.1)
+    line = summary_line(s)
+    for words in ("3296 context tokens", "compressed layers 5, 11, 17 kept 30.0% of it (60% / 28% / 2%)",
+                  "the 15 sliding-window layers their last 512 tokens", "KV held 20.8 of 34.3 MiB full (61%)"):
+        assert words in line, (words, line)
+    every = dict(s, compressed_layers=list(range(30)), n_layers=30, sliding_layers=[],
+                 kept_fraction_per_layer=[0.3] * 30)
+    line = summary_line(every)
+    assert "compressed all layers 0-29 kept 30.0% of it;" in line and "sliding" not in line, line
+    line = summary_line(dict(s, method="full", kv_bytes=34.3 * 2**20))
+    assert "full cache, nothing evicted; KV held 34.3 MiB;" in line, line

@@ -161,7 +161,7 @@ def test_ragged_select_window_and_companions():
     lens = kv.lens.clone()
     kv.truncate(1)
     assert torch.equal(kv.lens, lens - 1) and kv.nbytes == kv.n_rows * 2 * d * 4
-    kv.keep_last(3)
+    kv.select([torch.arange(int(n)) >= int(n) - 3 for n in kv.lens])  # the last 3 rows of every head
     assert kv.lens.tolist() == [3] * H and kv.nbytes == kv.n_rows * 2 * d * 4
     assert torch.equal(kv.head_pos(0), torch.arange(100, 100 + T)[keep[0]][-4:-1])
 
@@ -254,7 +254,7 @@ def test_window_ring_matches_dense_window(backend):
             assert sorted(kv.head_pos(h).tolist()) == list(range(max(0, n - W), n))
     assert_close(torch.cat(outs), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, name=f"window ring ({backend})")
     with pytest.raises(NotImplementedError):
-        kv.keep_last(2)
+        kv.select([torch.ones(int(n), dtype=torch.bool) for n in kv.lens])
     short = WindowKV(H, d, 512, torch.float32, "cpu")  # a context shorter than the window holds only itself
     short.append(torch.randn(100, H, d), torch.randn(100, H, d), torch.arange(100))
     short.wrap()

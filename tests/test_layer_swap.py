@@ -4,9 +4,11 @@ all-gate IS Fast KVzip, answers included. A tiny random Gemma3 with two global (
 import torch
 
 import bench
-import gate as G
+import gate
 import model as M
 import quality
+from scorers import GateScorer
+from teacher import KVzipTeacher
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 from tests.test_bench import same_cache
 from tools import layer_swap
@@ -22,7 +24,7 @@ def test_swap_caches_are_the_methods_own_caches(tmp_path):
     fmt = M.prompt_format(cfg, "gemma3")
     torch.manual_seed(0)
     gate_file = str(tmp_path / "gate.safetensors")
-    G.save_gate(gate_file, G.Gates(2, cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size), {"note": "random"})
+    gate.save_gate(gate_file, gate.Gates(2, cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size), {"note": "random"})
     args = bench.parse_args(["--gate", gate_file])
     # a sample in the benchmark's shape (Austen needs a real tokenizer, which a tiny vocabulary cannot hold)
     g = torch.Generator().manual_seed(1)
@@ -30,18 +32,18 @@ def test_swap_caches_are_the_methods_own_caches(tmp_path):
     sample = quality.Sample(ids=[cfg.bos_token_id] + rnd(300), n_protected=1, doc="random", questions=[
         quality.Question("passkey", rnd(6), tok.decode(rnd(1)), 4), quality.Question("kv", rnd(6), tok.decode(rnd(1)), 4)],
         probes=dict(nll_next=(rnd(1), rnd(12)), nll_repeat=(rnd(8), rnd(12))))
-    teacher, stops = G.KVzipTeacher(model, tok, fmt), quality.answer_stops(cfg, tok)
+    teacher, stops = KVzipTeacher(model, tok, fmt), quality.answer_stops(cfg, tok)
     budget, p = 0.4, sample.n_protected
     with torch.no_grad():
-        full, scores = layer_swap.capture(model, sample, teacher, G.GateScorer(G.load_gate(gate_file, cfg)),
+        full, scores = layer_swap.capture(model, sample, teacher, GateScorer(gate.load_gate(gate_file, cfg)),
                                           args.chunk_size)
-        keep = {s: G.kept_by_rule(x, budget, args.chunk_size, args.window)[0] for s, x in scores.items()}
+        keep = {s: quality.kept_by_rule(x, budget, args.chunk_size, args.window)[0] for s, x in scores.items()}
         assert not torch.equal(keep["T"], keep["G"]), "teacher and gate must keep different sets here"
         # the oracle: each method's cache, made by the benchmark from its own capture
         ref_full, logits, tscores = quality.capture_prefill(model, sample.ids, args.chunk_size, teacher, p)
         methods = {}
         for s, method in (("T", "kvzip"), ("G", "fastkvzip")):
-            methods[s] = quality.method_cache(model, method, "global", p, args, 0, tscores)
+            methods[s] = quality.method_cache(model, method, "global", p, args.model, args.gate, 0, tscores)
             quality.prefill_from_capture(model, ref_full, logits, methods[s], method, sample, budget,
                                          args.chunk_size, args.window)
         for combo in ("TT", "GG", "TG", "GT"):

@@ -102,7 +102,7 @@ def test_converted_config(folder):
     assert {k: cfg[k] for k in expected} == expected
     assert [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"] == [5, 11, 17]
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
-    assert json.loads((folder / "conversion.json").read_text())["version"] == offline.CONVERTER_VERSION
+    assert json.loads((folder / "conversion.json").read_text())["version"] == offline.CONVERTER_VERSIONS[offline.NAME]
 
 
 @pytest.mark.slow
@@ -158,7 +158,7 @@ def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # no half folder, no temporary folder, stale one removed
 
     def fake(name, out, say, progress):
-        (out / "conversion.json").write_text(json.dumps({"version": offline.CONVERTER_VERSION}))
+        (out / "conversion.json").write_text(json.dumps({"version": offline.CONVERTER_VERSIONS[offline.NAME]}))
 
     monkeypatch.setattr(offline, "convert", fake)
     assert offline.ensure_offline_model(progress=False) == tmp_path / offline.NAME
@@ -396,12 +396,14 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     the KV pairs of text it never saw (Austen is not in its training corpus) as its KVzip teacher does,
     the teacher computed here: Spearman of gate and teacher scores per layer over 1,000 tokens, against a
     random gate of the same shape beside it."""
-    import gate as G
+    import gate
     import model as M
     import quality
+    from scorers import GateScorer
+    from teacher import KVzipTeacher
 
     cfg = smollm2_model.config
-    gates = G.resolve_gate(None, cfg, "smollm2-135m-gguf")
+    gates = gate.resolve_gate(None, cfg, "smollm2-135m-gguf")
     assert gates.meta["model"] == "smollm2-135m-gguf" and len(cfg.compressed_layers) == 30
     tok = M.load_tokenizer(smollm2)
     fmt = M.prompt_format(cfg, "smollm2-135m-gguf")
@@ -409,15 +411,15 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     text = require_for_test("austen", "emma.txt").read_text(encoding="utf-8")
     ids = system + tok.encode(text[20000:30000], add_special_tokens=False).ids[:1000]
     p = len(system)
-    full, _, teacher = quality.capture_prefill(smollm2_model, ids, 16384, G.KVzipTeacher(smollm2_model, tok, fmt), p)
+    full, _, teacher = quality.capture_prefill(smollm2_model, ids, 16384, KVzipTeacher(smollm2_model, tok, fmt), p)
 
     def rho(gates):
-        student = quality.captured_scores(smollm2_model, G.GateScorer(gates), full)
-        return [G.spearman(s[..., p:].flatten().float(), t[..., p:].flatten().float()) for s, t in zip(student, teacher)]
+        student = quality.captured_scores(smollm2_model, GateScorer(gates), full)
+        return [quality.spearman(s[..., p:].flatten().float(), t[..., p:].flatten().float()) for s, t in zip(student, teacher)]
 
     ours = rho(gates)
     torch.manual_seed(0)
-    chance = rho(G.Gates(30, cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size))
+    chance = rho(gate.Gates(30, cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size))
     mean = lambda xs: sum(xs) / len(xs)
     print(f"\nSpearman with the teacher per layer (mean {mean(ours):.2f}; a random gate: mean {mean(chance):.2f}):\n"
           + " ".join(f"{x:.2f}" for x in ours))

@@ -1,4 +1,4 @@
-"""The KVzip teacher (gate.py) against a naive O(n²) computation of METHOD.md §4.
+"""The KVzip teacher (teacher.py) against a naive O(n²) computation of METHOD.md §4.
 
 The oracle rebuilds every repeat input from the spec's strings, runs system ⊕ context ⊕ repeat in one
 plain forward (no chunked prefill, no cache tricks), materialises every attention probability of the
@@ -12,7 +12,7 @@ import torch
 import model as M
 from cache import KVCache
 from helpers import assert_close, tiny_checkpoint, tiny_tokenizer
-from gate import KVzipTeacher, PREV_TOKENS, REPEAT_FIRST, REPEAT_NEXT
+from teacher import KVzipTeacher, PREV_TOKENS, REPEAT_FIRST, REPEAT_NEXT
 
 def tiny_model_folder(root, arch, seed=0):
     """A tiny random checkpoint with a tokenizer and room for the template + repeat prompts."""
@@ -60,7 +60,7 @@ def naive_scores(model, system, ctx, repeat, start, end):
 
 
 def spec_repeat_inputs(tok, postfix, ctx, chunk):
-    """METHOD.md §4.2 written out independently of gate.py."""
+    """METHOD.md §4.2 written out independently of teacher.py."""
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     out = []
     for i, start in enumerate(range(0, len(ctx), chunk)):

@@ -13,8 +13,10 @@ from dataclasses import replace
 from safetensors.torch import load_file, save_file
 
 import model as M
+import features
 import train_gate as TG
 from gate import load_gate
+from teacher import KVzipTeacher
 from test_teacher import tiny_model_folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,18 +115,18 @@ def test_logmse_is_its_literal_formula():
 
 
 def test_validation_spearman_is_the_agreement_and_select_keeps_each_layers_best(tmp_path):
-    """The validation Spearman logged every 50 steps is gate.agreement's, pooled over the held-out documents;
+    """The validation Spearman logged every 50 steps is quality.agreement's, pooled over the held-out documents;
     --select spearman returns, per layer, the parameters of the step where it was best (the returned gates
     score exactly that again), where --select last returns the last step's."""
-    from gate import agreement, pool_agreement
+    from quality import agreement, pool_agreement
     from types import SimpleNamespace
     cfg = SimpleNamespace(compressed_layers=[0, 3], hidden_size=16, num_key_value_heads=2, group_size=2)
     torch.manual_seed(5)
     docs = []  # random targets: the validation Spearman wanders, and peaks before the end
     for i, (n, split) in enumerate([(1500, "train"), (800, "val"), (2500, "train"), (700, "val")]):
-        TG.write_shard(TG.shard_path(tmp_path, i), torch.randn(2, n, 16), torch.rand(2, 2, n), {})
-        docs.append(dict(shard=TG.shard_path("", i).as_posix(), split=split))
-    store = TG.FeatureStore(tmp_path, dict(documents=docs))
+        features.write_shard(features.shard_path(tmp_path, i), torch.randn(2, n, 16), torch.rand(2, 2, n), {})
+        docs.append(dict(shard=features.shard_path("", i).as_posix(), split=split))
+    store = features.FeatureStore(tmp_path, dict(documents=docs))
     recipe = TG.Recipe(optimizer="adam", lr=0.01, schedule="cosine")
     run = lambda select: TG.train(store, cfg, torch.device("cpu"), steps=301, batch_tokens=100, seed=0,
                                   log=lambda s: None, recipe=replace(recipe, select=select))
@@ -187,8 +189,8 @@ def known_gate_store(tmp_path, lengths=(1500, 2500, 2000)):
     for i, n in enumerate(lengths):
         x = torch.randn(2, n, 32)
         with torch.no_grad():
-            TG.write_shard(TG.shard_path(tmp_path, i), x, teacher(x), {})
-        docs.append(dict(shard=TG.shard_path("", i).as_posix()))  # no split: every 100th token validates
+            features.write_shard(features.shard_path(tmp_path, i), x, teacher(x), {})
+        docs.append(dict(shard=features.shard_path("", i).as_posix()))  # no split: every 100th token validates
     return cfg, dict(documents=docs)
 
 
@@ -198,7 +200,7 @@ def test_training_recovers_a_known_gate(tmp_path, recipe):
     the recipe must close a good part of the way from the best constant to the floor (pred = target).
     (Measured, SGD: 71% and 56% of the KL gap, and it keeps creeping down with more steps.)"""
     cfg, manifest = known_gate_store(tmp_path)
-    store = TG.FeatureStore(tmp_path, manifest)
+    store = features.FeatureStore(tmp_path, manifest)
     _, m = TG.train(store, cfg, torch.device("cpu"), steps=400, batch_tokens=200, seed=0, log=lambda s: None,
                     recipe=recipe)
     for v, c, floor in zip(m["val_loss"][-1], m["const_val_loss"], m["floor_val_loss"]):
@@ -240,9 +242,9 @@ def test_loss_bce_trains_as_before_and_rank_changes_only_the_loss(tmp_path, monk
     torch.manual_seed(5)
     docs = []
     for i, n in enumerate([700, 500]):
-        TG.write_shard(TG.shard_path(tmp_path, i), torch.randn(2, n, 16), torch.rand(2, 2, n), {})
-        docs.append(dict(shard=TG.shard_path("", i).as_posix()))
-    store = TG.FeatureStore(tmp_path, dict(documents=docs))
+        features.write_shard(features.shard_path(tmp_path, i), torch.randn(2, n, 16), torch.rand(2, 2, n), {})
+        docs.append(dict(shard=features.shard_path("", i).as_posix()))
+    store = features.FeatureStore(tmp_path, dict(documents=docs))
     run = lambda loss: TG.train(store, cfg, torch.device("cpu"), steps=60, batch_tokens=100, seed=3,
                                 log=lambda s: None, recipe=TG.Recipe(loss=loss))
     bce_gates, bce_m = run("bce")
@@ -272,7 +274,7 @@ def test_training_beats_the_best_constant(qwen, tmp_path):
 
     manifest = json.loads((out / "manifest.json").read_text())
     cfg = M.ModelConfig.from_json(qwen)
-    store = TG.FeatureStore(out, manifest)
+    store = features.FeatureStore(out, manifest)
     assert store.n_tokens == sum(d["tokens"] for d in manifest["documents"])
     x, y = store.gather(torch.arange(store.n_tokens))
     first = load_file(str(shards(out)[0]))
@@ -315,12 +317,11 @@ def test_data_hash_and_the_bundled_gates_corpus_note(tmp_path, monkeypatch, caps
 def test_resume_after_a_kill_between_documents(qwen, tmp_path, monkeypatch):
     """Killed after the first document: the rerun keeps that shard (not recomputed), ignores a stray
     temporary file, and ends with exactly the files of an uninterrupted run."""
-    import gate
     data = write_docs(tmp_path / "data", 4, seed=3)
     args = ["--model", qwen, "--data", data, "--tokens", 1500, "--long-doc-tokens", 0, "--steps", 0, *SMALL]
     run_main([*args, "--out", tmp_path / "fresh"])
 
-    calls, real = [], gate.KVzipTeacher.__call__
+    calls, real = [], KVzipTeacher.__call__
 
     def dies_on_second(self, *a, **kw):
         calls.append(1)
@@ -328,7 +329,7 @@ def test_resume_after_a_kill_between_documents(qwen, tmp_path, monkeypatch):
             raise KeyboardInterrupt  # the process dies between documents
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(gate.KVzipTeacher, "__call__", dies_on_second)
+    monkeypatch.setattr(KVzipTeacher, "__call__", dies_on_second)
     out = tmp_path / "resumed"
     with pytest.raises(SystemExit) as e:
         run_main([*args, "--out", out])
@@ -337,7 +338,7 @@ def test_resume_after_a_kill_between_documents(qwen, tmp_path, monkeypatch):
     before = shards(out)[0].stat().st_mtime_ns
     (out / "features" / "doc00001.tmp999").write_bytes(b"half a shard")  # a write cut short (older versions)
     calls.clear()
-    monkeypatch.setattr(gate.KVzipTeacher, "__call__", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
+    monkeypatch.setattr(KVzipTeacher, "__call__", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
     run_main([*args, "--out", out])
     n_docs = len(shards(tmp_path / "fresh"))
     assert n_docs >= 3 and len(calls) == n_docs - 1  # only the missing documents were computed
@@ -466,13 +467,12 @@ def test_features_stored_as_fp16_train_in_the_model_dtype(qwen, tmp_path, monkey
     """--feature-dtype float16 halves the shards (the fp32 features rounded once); the gates still train
     in the model's fp32. auto picks fp16 only for large fp32 features (SmolLM2-135M's 30 x 576, not
     Gemma 3 270M's 3 x 640). Features beyond fp16's range stop the run with a one-line error."""
-    import gate
     from types import SimpleNamespace as NS
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
     smollm2 = NS(compressed_layers=range(30), hidden_size=576)
     gemma3 = NS(compressed_layers=[5, 11, 17], hidden_size=640)
-    assert TG.feature_dtype("auto", f32, smollm2) == f16 and TG.feature_dtype("auto", f32, gemma3) == f32
-    assert TG.feature_dtype("auto", bf16, smollm2) == bf16 and TG.feature_dtype("float32", f32, smollm2) == f32
+    assert features.feature_dtype("auto", f32, smollm2) == f16 and features.feature_dtype("auto", f32, gemma3) == f32
+    assert features.feature_dtype("auto", bf16, smollm2) == bf16 and features.feature_dtype("float32", f32, smollm2) == f32
 
     data = write_docs(tmp_path / "data", 4, seed=5)
     args = ["--model", qwen, "--data", data, "--tokens", 1500, "--long-doc-tokens", 0, "--val-docs", 0, *SMALL]
@@ -485,18 +485,18 @@ def test_features_stored_as_fp16_train_in_the_model_dtype(qwen, tmp_path, monkey
         a, b = load_file(str(a)), load_file(str(b))
         assert b["hidden"].dtype == f16 and torch.equal(b["hidden"], a["hidden"].half())
         assert torch.equal(b["scores"], a["scores"])
-    store = TG.FeatureStore(tmp_path / "f16", manifest)
+    store = features.FeatureStore(tmp_path / "f16", manifest)
     x, _ = store.gather(torch.arange(store.n_tokens))
     assert x.dtype == f32 and torch.equal(x[:, :store.hidden[0].shape[1]], store.hidden[0].float())
     assert load_gate(tmp_path / "f16" / "gate.safetensors", M.ModelConfig.from_json(qwen)).dtype == f32
 
-    real = gate.KVzipTeacher.__call__
+    real = KVzipTeacher.__call__
 
     def huge(self, *a, **kw):
         scores, hidden = real(self, *a, **kw)
         return scores, hidden * 1e6
 
-    monkeypatch.setattr(gate.KVzipTeacher, "__call__", huge)
+    monkeypatch.setattr(KVzipTeacher, "__call__", huge)
     with pytest.raises(SystemExit) as e:
         run_main([*args, "--steps", 0, "--out", tmp_path / "big", "--feature-dtype", "float16"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -638,8 +638,8 @@ def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
 
 def test_documents_spread_over_ranks_by_length():
     """Longest first to the least-loaded rank: the long concatenations land on different GPUs."""
-    assert TG.assign_ranks([100, 30, 100, 50, 20, 40], 2) == [0, 1, 1, 0, 0, 1]  # loads 170 and 170
-    assert TG.assign_ranks([5, 7], 1) == [0, 0]
+    assert features.assign_ranks([100, 30, 100, 50, 20, 40], 2) == [0, 1, 1, 0, 0, 1]  # loads 170 and 170
+    assert features.assign_ranks([5, 7], 1) == [0, 0]
 
 
 def test_fineweb_selection_uses_the_dataset_token_counts(tmp_path, monkeypatch):

@@ -20,8 +20,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import bench
 import generate
-import model as M
 from cache import EvictingCache
+from model import OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format, resolve_model
 from quality import load_docs
 
 
@@ -63,7 +63,7 @@ def profile_decode(name, step, logits, kv_bytes, weight_bytes, head_ms, args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=M.OFFLINE_DEFAULT)
+    p.add_argument("--model", default=OFFLINE_DEFAULT)
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--budget", type=float, default=0.3)
     p.add_argument("--steps", type=int, default=16)
@@ -75,9 +75,9 @@ def main():
     if not 0 < args.budget <= 1 or min(args.length, args.steps, args.chunk, args.threads) < 1 or args.window < 0:
         p.error("--budget must be in (0, 1]; --length, --steps, --chunk and --threads >= 1; --window >= 0")
     torch.set_num_threads(args.threads)
-    folder = M.resolve_model(args.model)
-    tok, model = M.load_tokenizer(folder), M.load_model(folder, "cpu", torch.float32)
-    fmt = M.prompt_format(model.config, args.model)
+    folder = resolve_model(args.model)
+    tok, model = load_tokenizer(folder), load_model(folder, "cpu", torch.float32)
+    fmt = prompt_format(model.config, args.model)
     system = tok.encode(fmt.system, add_special_tokens=False).ids
     ids = system + [t for _, d in load_docs(tok) for t in d][:args.length]
     if len(ids) - len(system) < args.length:

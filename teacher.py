@@ -1,0 +1,172 @@
+r"""
+The KVzip teacher: how important each context KV pair is, judged by the model itself (METHOD.md §4).
+KVzip asks the model to repeat the context and reads, for every context KV pair, the largest
+attention probability any query of that repetition gives it. Pairs the model needs to reproduce its
+context score high; the gates (gate.py) are trained to predict these scores from one hidden state.
+It is also a scorer at inference (`generate.py --method kvzip`), at ~2x a prefill.
+
+    1. prefill system prompt ⊕ context with a full cache (chunks of 16,000 tokens, nothing evicted)
+    2. cut the context into chunks of 2,000 tokens; for chunk i run the repeat input
+           "\n\nRepeat the previous context exactly." ⊕ postfix ⊕ chunk_0                        (i = 0)
+           "\n\nRepeat the part of the previous context exactly, starting with "
+               ⊕ last 8 tokens of chunk_{i-1} ⊕ postfix ⊕ chunk_i                              (i > 0)
+       on top of the full cache. In each compressed layer its queries (all of them: instruction,
+       template and copied chunk) attend over keys [system prompt ; chunk i ; the repeat input itself]
+       with logits q·k/√d_h and a causal mask inside the repeat; the softmax probabilities of the
+       chunk's keys, maximised over the G query heads of each KV head and over all repeat queries,
+       are chunk i's scores (H, chunk). Other chunks are not in that softmax.
+    3. roll the cache back: the repeat tokens never stay.
+
+Output: (compressed layers, KV heads, context length) in [0, 1]. Memory beyond the model's own
+forward: one chunk's score matrix (Hq, repeat length, system + chunk + repeat length), never the
+whole context's. Compressed layers: all for Qwen3, only the global ones for Gemma3 (METHOD.md §9).
+
+Softmax dtype: fp32 by default. The authors compute the logits and the softmax in the model dtype
+(bf16, METHOD.md §4.3, §12.10): a bf16 logit of ~20 is only known to ±0.06, i.e. ±6% on its
+probability, and the max over ~2,000 queries picks the rounding errors that went up. In fp32 the
+targets depend only on the model, not on the device (CPU fp32 and GPU bf16 runs agree up to the
+model's own rounding), at the cost of one fp32 (Hq, 2K, 4K) matrix per layer — small next to the
+forward pass. softmax_dtype="model" reproduces the authors.
+
+Cost: one prefill plus one forward of (context + ~1.1% prompt tokens) on top of the full cache, i.e.
+about two prefills (the cost Fast KVzip's gate removes at inference).
+"""
+import math
+
+import torch
+
+from cache import KVCache
+
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."                              # METHOD.md §4.2
+REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "      # trailing space
+PREV_TOKENS = 8         # the next repeat starts from the previous chunk's last 8 tokens
+SCORE_CHUNK = 2000      # context tokens scored per repeat input (METHOD.md §4.2)
+PREFILL_CHUNK = 16000   # prefill chunk of the authors' pipeline (METHOD.md §4.3, §6)
+
+
+class TeacherCache(KVCache):
+    """A full KV cache that, in compressed layers, can also
+    - keep the attention-input hidden states of tokens at positions >= capture_from (gate features,
+      METHOD.md §1.7, §3), moved to the CPU as they come: an 8B model's 100K-token document is ~30 GB;
+    - score a context chunk while a repeat input runs (span = (n_system, chunk start, chunk end)).
+    """
+
+    def __init__(self, cfg, dtype=torch.float32, device="cpu", softmax_dtype=torch.float32):
+        super().__init__(cfg, dtype, device)
+        self.index = {layer: l for l, layer in enumerate(cfg.compressed_layers)}  # model layer -> row of the output
+        self.softmax_dtype = softmax_dtype  # None = the cache (model) dtype, as the authors
+        self.capture_from = None
+        self.captured = [[] for _ in self.index]
+        self.span = None
+        self.scores = [[] for _ in self.index]
+
+    def attend(self, layer, q, k, v, hidden, scale, window=None):
+        out = super().attend(layer, q, k, v, hidden, scale, window)  # the model's own attention, unchanged
+        l = self.index.get(layer)
+        if l is None:
+            return out
+        if self.capture_from is not None:
+            first = max(0, self.capture_from - self.n_seen)  # skip the system prompt's tokens
+            if first < hidden.shape[0]:
+                self.captured[l].append(hidden[first:].to("cpu", copy=True))
+        if self.span is not None:
+            self.scores[l].append(self.kvzip_scores(layer, q))
+        return out
+
+    def kvzip_scores(self, layer, q):
+        """Scores (H, chunk) of the context chunk self.span for the repeat queries q (T, Hq, d) that were
+        just appended (METHOD.md §4.3,
+        Janghyun1230/FastKVzip:prefill/attention/score.py:KVScore._get_score)."""
+        n_sys, start, end = self.span
+        kv = self.layers[layer]
+        T, n_q_heads, d = q.shape
+        H = kv.n_heads
+        G = n_q_heads // H
+        n_rows = self.n_seen + T  # a full cache: every head holds positions 0 .. n_rows-1, in order
+        assert bool((kv.lens == n_rows).all()), "KVzip scoring needs the full, unevicted cache"
+        pos = torch.cat([torch.arange(n_sys), torch.arange(start, end), torch.arange(n_rows - T, n_rows)])
+        rows = (kv.starts[:, None] + pos[None, :]).to(kv.k.device)                # (H, K)
+        dtype = self.softmax_dtype or kv.k.dtype
+        keys = kv.k[rows].to(dtype)                                              # (H, K, d)
+        qh = q.to(dtype).view(T, H, G, d).permute(1, 2, 0, 3)                    # (H, G, T, d)
+        logits = qh @ keys[:, None].transpose(-1, -2) / math.sqrt(d)             # (H, G, T, K)
+        # 1/sqrt(d_h) even for Gemma3 (whose attention uses query_pre_attn_scalar): METHOD.md §4.3
+        causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()  # repeat query i sees repeat key j <= i
+        logits[..., -T:].masked_fill_(~causal, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)                                    # in `dtype` (not forced to fp32)
+        c = end - start
+        return probs[..., n_sys:n_sys + c].amax(dim=(1, 2)).float()             # (H, c): max over group and queries
+
+
+class KVzipTeacher:
+    """KVzip scores (and optionally gate features) for one context.
+
+    model: model.Transformer; tokenizer: tokenizers.Tokenizer; fmt: model.PromptFormat (system, postfix).
+    softmax_dtype: "float32" or "model" (the authors compute logits and softmax in bf16)."""
+
+    def __init__(self, model, tokenizer, fmt, chunk_size=SCORE_CHUNK, prefill_chunk=PREFILL_CHUNK,
+                 softmax_dtype="float32"):
+        self.model, self.tokenizer = model, tokenizer
+        self.cfg = model.config
+        self.system = self.encode(fmt.system)
+        self.postfix = self.encode(fmt.postfix)
+        self.chunk_size, self.prefill_chunk = chunk_size, prefill_chunk
+        self.softmax_dtype = torch.float32 if softmax_dtype == "float32" else None
+
+    def encode(self, text):
+        return self.tokenizer.encode(text, add_special_tokens=False).ids  # every piece alone (METHOD.md §4.1)
+
+    def repeat_inputs(self, ctx):
+        """[(start, end, repeat ids)] for the context chunks (METHOD.md §4.2,
+        Janghyun1230/FastKVzip:prefill/model/wrapper.py:self_task)."""
+        out = []
+        for start in range(0, len(ctx), self.chunk_size):
+            end = min(start + self.chunk_size, len(ctx))
+            if start == 0:
+                prompt = self.encode(REPEAT_FIRST)
+            else:
+                prompt = self.encode(REPEAT_NEXT) + list(ctx[max(0, start - PREV_TOKENS):start])
+            out.append((start, end, prompt + self.postfix + list(ctx[start:end])))
+        return out
+
+    def new_cache(self):
+        w = self.model.model.embed_tokens.weight  # the model's dtype and device
+        return TeacherCache(self.cfg, w.dtype, w.device, self.softmax_dtype)
+
+    def prefill(self, cache, ids, on_chunk=None):
+        """Feed ids in prefill_chunk pieces into a full cache."""
+        for i in range(0, len(ids), self.prefill_chunk):
+            piece = torch.tensor(ids[i:i + self.prefill_chunk], device=cache.device)
+            self.model(piece, cache, num_logits=0)  # no logits needed
+            if on_chunk:
+                on_chunk(len(piece))
+
+    def score(self, cache, n_system, ctx, on_chunk=None):
+        """Scores (L_g, H, len(ctx)) float32 of a context already prefilled after n_system system-prompt
+        tokens in `cache` (a TeacherCache holding exactly system ⊕ context). The cache is unchanged."""
+        assert cache.n_seen == n_system + len(ctx), "the cache must hold exactly system prompt + context"
+        cache.scores = [[] for _ in cache.index]
+        for start, end, ids in self.repeat_inputs(ctx):
+            state = cache.checkpoint()
+            cache.span = (n_system, n_system + start, n_system + end)
+            self.model(torch.tensor(ids, device=cache.device), cache, num_logits=0)
+            cache.span = None
+            cache.rollback(state)  # the repeat tokens never stay (sliding layers restored too)
+            if on_chunk:
+                on_chunk(end - start)
+        scores = torch.stack([torch.cat(s, dim=-1) for s in cache.scores])  # (L_g, H, n)
+        cache.scores = [[] for _ in cache.index]
+        return scores
+
+    def __call__(self, ctx, capture_hidden=False, on_chunk=None):
+        """-> scores (L_g, H, n) float32 in [0, 1], and hidden (L_g, n, D) in the model dtype on the CPU
+        (the attention inputs of the context tokens) when capture_hidden, else None.
+        on_chunk(n) is called after each scored chunk of n context tokens (progress bars)."""
+        cache = self.new_cache()
+        if capture_hidden:
+            cache.capture_from = len(self.system)
+        self.prefill(cache, self.system + list(ctx))
+        cache.capture_from = None
+        hidden = torch.stack([torch.cat(h) for h in cache.captured]) if capture_hidden else None
+        cache.captured = [[] for _ in cache.index]
+        return self.score(cache, len(self.system), ctx, on_chunk), hidden
