@@ -22,7 +22,7 @@ import torch
 
 import cli
 import model as M
-from cache import EvictingCache, KVCache, LEVELS, plan_prefill
+from cache import Batch, EvictingCache, KVCache, LEVELS, plan_prefill
 from cli import UsageError
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
@@ -95,15 +95,20 @@ def decode_one(model, cache, token):
     return logits
 
 
+def begin_answer(model, cache, question_ids, last_logits=None):
+    """Switch the cache to decoding and append the question; -> the logits its answer starts from."""
+    if isinstance(cache, EvictingCache):
+        cache.start_decoding()  # from here on new tokens are buffered and gated 128 at a time
+    if not question_ids:
+        return last_logits
+    return model(torch.tensor(question_ids, device=cache.device), cache, num_logits=1)[-1]
+
+
 def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0, top_p=1.0,
            generator=None, on_token=None, last_logits=None):
     """Append the question, generate until a stop id; returns (output ids, decode seconds).
     With no question ids, generation continues the prefill (whose last logits are last_logits)."""
-    if isinstance(cache, EvictingCache):
-        cache.start_decoding()  # from here on new tokens are buffered and gated 128 at a time
-    logits = last_logits
-    if question_ids:
-        logits = model(torch.tensor(question_ids, device=cache.device), cache, num_logits=1)[-1]
+    logits = begin_answer(model, cache, question_ids, last_logits)
     out, t0 = [], time.perf_counter()
     for _ in range(max_new_tokens):
         token = sample(logits, temperature, top_p, generator)
@@ -116,6 +121,119 @@ def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0
             break
         logits = decode_one(model, cache, token)
     return out, time.perf_counter() - t0
+
+
+# -------------------------------------------------------------------------------------------------
+# many requests at once: each prefills alone (its own budget plan), all decode together (cache.Batch)
+
+class _Member:
+    """One request inside generate_batch: its own cache, the question being answered, its answers so far."""
+
+    def __init__(self, index, req, cache, seed):
+        self.index, self.req, self.cache = index, req, cache
+        self.generator = torch.Generator().manual_seed(seed)  # as a run of this request alone
+        self.q, self.out, self.answers, self.logits = -1, [], [], None
+        self.decode_s, self.n_decoded = 0.0, 0
+
+    def next_question(self, model, last_logits=None):
+        """Start the next question alone (checkpoint, question forward): True, or False when none is left."""
+        self.q += 1
+        if self.q == len(self.req["questions"]):
+            return False
+        self.state = self.cache.checkpoint()
+        self.logits = begin_answer(model, self.cache, self.req["questions"][self.q][1], last_logits)
+        self.out = []
+        return True
+
+
+def generate_batch(model, requests, batch_size=8, method="fastkvzip", model_name=M.OFFLINE_DEFAULT, gates=None,
+                   level=None, decode_budget=None, chunk_size=16384, window=4096, stop_ids=(), temperature=0.0,
+                   top_p=1.0, seed=0, teacher=None, on_done=None, on_answer=None, retention=False):
+    """Answer many requests, at most batch_size decoding at once. requests: dicts of plain values
+    {"ids": system prompt ⊕ context ids, "n_protected": system prompt length, "questions": [(text, ids)],
+    "budget", "max_new_tokens"}. Each request is prefilled alone, exactly as `prefill` (or prefill_kvzip,
+    with `teacher`) on a cache of its own; its questions are answered one after another from that cache,
+    each rolled back afterwards, as run() does; while a question is answered the request's rows sit in one
+    cache.Batch with the others', and every step is one forward of one token per member. A request whose
+    question ends leaves the batch (its rows go back to its own cache), starts its next question alone and
+    rejoins; a request with none left is done, its cache freed, and the next request is prefilled.
+    Greedy answers equal the ones each request gets alone (tests/test_batch.py).
+
+    Returns a list, in request order, of {"answers": [{"question", "output_ids"}], "stats"} (request_stats:
+    decode_tokens_per_s is this request's own rate, its tokens over the steps it took part in);
+    on_done(index, result) as each request finishes; on_answer(index, cache) after each answer, before the
+    rollback (tests read the kept rows there); retention: add stats["retention"] (compressed layers x heads)."""
+    cfg, emb = model.config, model.model.embed_tokens.weight
+    pending, active, results = list(enumerate(requests))[::-1], [], [None] * len(requests)
+    batch = Batch(cfg, emb.dtype, emb.device)
+    stop_ids = set(stop_ids)
+
+    def admit(index, req):
+        # budget 1.0 without decode-time eviction keeps every pair: no scorer is needed (as run())
+        m_method = "full" if req["budget"] == 1.0 and decode_budget is None else method
+        cache = make_cache(m_method, model, model_name, req["n_protected"], level=level,
+                           decode_budget=decode_budget, seed=seed, gates=gates)
+        t0 = time.perf_counter()
+        if m_method == "kvzip":
+            last = prefill_kvzip(model, teacher, cache, req["ids"], req["n_protected"], req["budget"], chunk_size,
+                                 window)
+        else:
+            last = prefill(model, cache, req["ids"], req["n_protected"], req["budget"], chunk_size, window)
+        m = _Member(index, req, cache, seed)
+        m.method, m.prefill_s, m.kv_bytes, m.peak = m_method, time.perf_counter() - t0, cache.nbytes, cache.peak_nbytes
+        start(m, last)
+
+    def start(m, last_logits=None):
+        """The member's next question, in the batch; or its result, when it has none left."""
+        while m.next_question(model, last_logits):
+            if m.req["max_new_tokens"] > 0:
+                batch.join(m.cache)
+                active.append(m)
+                return
+            finish_answer(m)  # nothing to generate: an empty answer, as answer() gives
+        req, cache = m.req, m.cache
+        stats = request_stats(m.method, req["budget"], cache, len(req["ids"]), req["n_protected"], m.prefill_s,
+                              m.decode_s, m.n_decoded, m.kv_bytes, m.peak)
+        results[m.index] = {"answers": m.answers, "stats": stats}
+        if retention and isinstance(cache, EvictingCache):  # (compressed layers, KV heads), as --show-retention
+            results[m.index]["stats"]["retention"] = cache.retention(req["n_protected"], len(req["ids"])).tolist()
+        if on_done:
+            on_done(m.index, results[m.index])
+
+    def finish_answer(m):
+        m.answers.append({"question": m.req["questions"][m.q][0], "output_ids": m.out})
+        m.n_decoded += len(m.out)
+        if on_answer:
+            on_answer(m.index, m.cache)
+        m.cache.rollback(m.state)
+
+    with torch.no_grad():
+        while pending or active:
+            while pending and len(active) < batch_size:
+                admit(*pending.pop())
+            # every member samples its next token, as answer() does; those that stop leave the batch
+            tokens, ended = [], []
+            for m in list(active):
+                token = sample(m.logits, temperature, top_p, m.generator)
+                if token not in stop_ids:
+                    m.out.append(token)
+                if token in stop_ids or len(m.out) == m.req["max_new_tokens"]:
+                    batch.leave(m.cache)
+                    active.remove(m)
+                    ended.append(m)
+                else:
+                    tokens.append(token)
+            if tokens:  # one forward for every member still decoding: one token each
+                t0 = time.perf_counter()
+                logits = model(torch.tensor(tokens, device=batch.device), batch)  # (B, vocab)
+                batch.after_step()  # every member's decode-time eviction, on its own rows
+                secs = time.perf_counter() - t0
+                for m, row in zip(active, logits):
+                    m.logits, m.decode_s = row, m.decode_s + secs
+            for m in ended:
+                finish_answer(m)
+                start(m)
+    return results
 
 
 # -------------------------------------------------------------------------------------------------
@@ -174,45 +292,113 @@ def check_args(args):
         raise UsageError(f"--method {args.method} {why}; drop --decode-budget")
     if args.gate and args.method != "fastkvzip":
         raise UsageError(f"--gate is read by --method fastkvzip only, not by --method {args.method}; drop it")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.batch is not None:
+        given = [f for f, v in (("--prompt", args.prompt), ("--context-file", args.context_file),
+                                ("--question", args.question)) if v is not None]
+        if given:
+            raise UsageError(f"--batch reads contexts and questions from its file: drop {given[0]}")
+        return
     if args.prompt is not None and args.context_file:
         raise UsageError("pass --prompt TEXT or --context-file FILE, not both")
     if args.prompt is None and not args.context_file:
-        raise UsageError("nothing to do: pass --prompt TEXT, or --context-file FILE with --question")
+        raise UsageError("nothing to do: pass --prompt TEXT, or --context-file FILE with --question, "
+                         "or --batch FILE")
 
 
-def read_context(path):
-    """The text of --context-file, refusing what cannot be a text context with one line."""
+def read_context(path, what="--context-file"):
+    """The text of --context-file (or what names it), refusing what cannot be a text context with one line."""
     import stat
     try:
         if not stat.S_ISREG(os.stat(path).st_mode) and not stat.S_ISFIFO(os.stat(path).st_mode):
-            raise UsageError(f"--context-file {path} is not a regular file")  # a folder, /dev/zero, ...
+            raise UsageError(f"{what} {path} is not a regular file")  # a folder, /dev/zero, ...
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise UsageError(f"cannot read --context-file {path}: {e.strerror or e}") from None
+        raise UsageError(f"cannot read {what} {path}: {e.strerror or e}") from None
     if b"\0" in data:
-        raise UsageError(f"--context-file {path} holds NUL bytes: a binary file, not text")
+        raise UsageError(f"{what} {path} holds NUL bytes: a binary file, not text")
     try:
         text = data.decode("utf-8-sig")  # a leading byte-order mark is not part of the text
     except UnicodeDecodeError as e:
-        raise UsageError(f"--context-file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+        raise UsageError(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
                          f"convert it, e.g. iconv -f latin1 -t utf-8") from None
     if not text.strip():
-        raise UsageError(f"--context-file {path} is empty: there is no context to compress")
+        raise UsageError(f"{what} {path} is empty: there is no context to compress")
     return text
 
 
-def build_inputs(tok, fmt, args, context):
+def build_inputs(tok, fmt, questions, context):
     """(prefill ids, number of protected system-prompt ids, list of (question text, question ids))."""
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     system = enc(fmt.system)
     # a question about a context in the evaluation format (METHOD.md §11); a bare prompt just ends its turn
-    qs = [(q, enc(M.question_text(fmt, q) if q else fmt.postfix)) for q in args.question or [""]]
+    qs = [(q, enc(M.question_text(fmt, q) if q else fmt.postfix)) for q in questions or [""]]
     return system + enc(context), len(system), qs
+
+
+REQUEST_KEYS = ("context", "context_file", "questions", "budget", "max_new_tokens")
+
+
+def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens):
+    """--batch FILE: one JSON object a line -> generate_batch's requests, every line checked before any model
+    work; a bad one is a UsageError naming its line. budget / max_new_tokens: the flags, the defaults."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read --batch {path}: {getattr(e, 'strerror', None) or e}") from None
+    reqs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue  # blank lines (a trailing newline) are not requests
+        where = f"--batch {path} line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON object a line") from None
+        if not isinstance(obj, dict):
+            raise UsageError(f"{where}: a JSON {type(obj).__name__}, not an object like "
+                             '{"context": "...", "questions": ["..."]}')
+        unknown = sorted(set(obj) - set(REQUEST_KEYS))
+        if unknown:
+            raise UsageError(f"{where}: unknown key {unknown[0]!r} (expected {', '.join(REQUEST_KEYS)})")
+        if ("context" in obj) == ("context_file" in obj):
+            raise UsageError(f"{where}: give exactly one of \"context\" (the text) or \"context_file\" (a path)")
+        if "context" in obj:
+            context = obj["context"]
+            if not isinstance(context, str) or not context.strip():
+                raise UsageError(f"{where}: \"context\" must be a non-empty string")
+        elif not isinstance(obj["context_file"], str):
+            raise UsageError(f"{where}: \"context_file\" must be a path (a string)")
+        else:
+            context = read_context(obj["context_file"], what=f"{where}: context_file")
+        questions = obj.get("questions", [])
+        if not (isinstance(questions, list) and all(isinstance(q, str) and q.strip() for q in questions)):
+            raise UsageError(f"{where}: \"questions\" must be a list of non-empty strings")
+        r_budget = obj.get("budget", budget)
+        if isinstance(r_budget, bool) or not isinstance(r_budget, (int, float)) or not 0 < r_budget <= 1:
+            raise UsageError(f"{where}: \"budget\" must be a number in (0, 1], got {r_budget!r}")
+        r_new = obj.get("max_new_tokens", max_new_tokens)
+        if isinstance(r_new, bool) or not isinstance(r_new, int) or r_new < 0:
+            raise UsageError(f"{where}: \"max_new_tokens\" must be an integer >= 0, got {r_new!r}")
+        ids, n_protected, qs = build_inputs(tok, fmt, questions, context)
+        longest = len(ids) + max(len(q) for _, q in qs) + r_new
+        if longest > max_positions:
+            raise UsageError(f"{where}: context + question + max_new_tokens = {longest} tokens exceeds the model's "
+                             f"maximum of {max_positions}; shorten the context or lower max_new_tokens")
+        reqs.append(dict(ids=ids, n_protected=n_protected, questions=qs, budget=float(r_budget),
+                         max_new_tokens=r_new))
+    if not reqs:
+        raise UsageError(f"--batch {path} holds no request: one JSON object a line")
+    return reqs
 
 
 def run(args):
     check_args(args)
+    if args.batch is not None:
+        return run_batch(args)
     device = M.parse_device(args.device)
     context = read_context(args.context_file) if args.context_file else args.prompt
     if not context.strip():
@@ -225,7 +411,7 @@ def run(args):
         raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model and template "
                          "have no such switch: drop it")
     fmt = M.prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
-    ids, n_protected, questions = build_inputs(tok, fmt, args, context)
+    ids, n_protected, questions = build_inputs(tok, fmt, args.question, context)
     longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens
     if longest > cfg.max_position_embeddings:
         raise UsageError(f"context + question + --max-new-tokens = {longest} tokens exceeds the model's maximum "
@@ -266,16 +452,7 @@ def run(args):
             cache.rollback(state)
             if not args.json:
                 print(flush=True)
-    stats = dict(method=method, budget=budget if method != "full" else 1.0, prompt_tokens=len(ids),
-                 prefill_seconds=prefill_s, prefill_tokens_per_s=len(ids) / prefill_s,
-                 decode_tokens_per_s=n_decoded / decode_s if decode_s > 0 else None,
-                 kv_bytes=kv_bytes, kv_bytes_full=full_cache_bytes(cache, len(ids)), peak_kv_bytes=peak,
-                 gate_seconds=getattr(cache, "gate_seconds", 0.0))
-    if isinstance(cache, EvictingCache):
-        per_layer = cache.kept_fraction_per_layer(n_protected, len(ids))
-        stats.update(kept_fraction=sum(per_layer) / len(per_layer), kept_fraction_per_layer=per_layer)
-    else:
-        stats.update(kept_fraction=1.0, kept_fraction_per_layer=[1.0] * len(cfg.compressed_layers))
+    stats = request_stats(method, budget, cache, len(ids), n_protected, prefill_s, decode_s, n_decoded, kv_bytes, peak)
     retention = cache.retention(n_protected, len(ids)) if isinstance(cache, EvictingCache) else None
     if args.json:
         if args.show_retention and retention is not None:  # (compressed layers, KV heads)
@@ -285,6 +462,64 @@ def run(args):
         if args.show_retention and retention is not None:
             print(retention_map(retention, cache.compressed), file=sys.stderr)
         print(summary_line(stats), file=sys.stderr)
+
+
+def run_batch(args):
+    """--batch FILE: every line checked, then generate_batch; one JSON line per request on stdout, in order."""
+    from tqdm import tqdm
+    device = M.parse_device(args.device)
+    folder = M.resolve_model(args.model)
+    cfg, tok = M.ModelConfig.from_json(folder), M.load_tokenizer(folder)
+    if args.thinking and not (cfg.arch == "qwen3" and M.uses_chat(args.model, args.chat)
+                              and "instruct" not in args.model.lower()):
+        raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model and template "
+                         "have no such switch: drop it")
+    fmt = M.prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
+    reqs = read_requests(args.batch, tok, fmt, cfg.max_position_embeddings, args.budget, args.max_new_tokens)
+    evicting = args.decode_budget is not None or any(r["budget"] < 1 for r in reqs)
+    gates = None
+    if (args.method == "fastkvzip" and evicting) or args.gate:
+        import gate
+        gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
+    model = M.load_model(folder, device, M.compute_dtype(args.dtype, device))
+    teacher = None
+    if args.method == "kvzip":
+        from gate import KVzipTeacher
+        teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
+    done, printed = {}, 0
+    bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr, disable=None)
+
+    def emit(index, result):  # print in request order as soon as the next one in line is finished
+        nonlocal printed
+        for a in result["answers"]:
+            a["text"] = tok.decode(a["output_ids"])
+        req = reqs[index]
+        done[index] = {"prompt_ids": req["ids"], "answers": result["answers"], "stats": result["stats"]}
+        bar.update(1)
+        while printed in done:
+            print(json.dumps(done.pop(printed)), flush=True)
+            printed += 1
+
+    generate_batch(model, reqs, args.batch_size, method=args.method, model_name=args.model, gates=gates,
+                   level=args.level, decode_budget=args.decode_budget, chunk_size=args.chunk_size, window=args.window,
+                   stop_ids=cfg.eos_token_ids, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                   teacher=teacher, on_done=emit, retention=args.show_retention)
+    bar.close()
+
+
+def request_stats(method, budget, cache, n_ids, n_protected, prefill_s, decode_s, n_decoded, kv_bytes, peak):
+    """The `stats` object of --json: speed, bytes held after prefill (and their peak), what was kept."""
+    stats = dict(method=method, budget=budget if method != "full" else 1.0, prompt_tokens=n_ids,
+                 prefill_seconds=prefill_s, prefill_tokens_per_s=n_ids / prefill_s,
+                 decode_tokens_per_s=n_decoded / decode_s if decode_s > 0 else None,
+                 kv_bytes=kv_bytes, kv_bytes_full=full_cache_bytes(cache, n_ids), peak_kv_bytes=peak,
+                 gate_seconds=getattr(cache, "gate_seconds", 0.0))
+    if isinstance(cache, EvictingCache):
+        per_layer = cache.kept_fraction_per_layer(n_protected, n_ids)
+        stats.update(kept_fraction=sum(per_layer) / len(per_layer), kept_fraction_per_layer=per_layer)
+    else:
+        stats.update(kept_fraction=1.0, kept_fraction_per_layer=[1.0] * len(cache.cfg.compressed_layers))
+    return stats
 
 
 def full_cache_bytes(cache, n_tokens):
@@ -357,7 +592,11 @@ def parse_args(argv=None):
                    help="--method kvzip: softmax dtype of the teacher (the authors use the model dtype, bf16; "
                         "fp32 avoids rounding ties among small probabilities)")
     p.add_argument("--show-retention", action="store_true", help="print the layer x head retention map "
-                   "(with --json: stats.retention)")
+                   "(with --json or --batch: stats.retention)")
+    p.add_argument("--batch", metavar="FILE", help="many documents: a JSON-lines file, one request a line, "
+                   '{"context": "..."} or {"context_file": "path"}, "questions": [...], optional "budget" and '
+                   '"max_new_tokens" (default: the flags); prints one --json line per request, in order')
+    p.add_argument("--batch-size", type=int, default=8, help="--batch: requests decoded at once (default 8)")
     return p.parse_args(argv)
 
 

@@ -39,6 +39,7 @@ window=W) equals flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softm
 causal=True, window_size=(W - 1, 0)); window=None is window_size=(-1, -1). seqused_k exists only in
 FlashAttention-3; with flash-attn 2 pass a RaggedKV right after select() (no slack: cu_seqlens_k exact).
 """
+import copy
 import functools
 import os
 
@@ -335,6 +336,12 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 # -----------------------------------------------------------------------------------------------
 # RaggedKV: one layer's kept keys/values, one region per KV head (METHOD.md §8).
 
+def _head_pos(pos, H):
+    """Positions (t,) shared by H heads, or (H, t) per head -> the (H*t,) row order of an append."""
+    pos = pos.to(torch.long)
+    return pos.repeat(H) if pos.dim() == 1 else pos.reshape(-1)
+
+
 def _ranges(starts, lens):
     """Concatenation of arange(s, s + l) for each (s, l): the flat row indices of every head's rows."""
     total = int(lens.sum())
@@ -399,7 +406,8 @@ class RaggedKV:
         self.lens, self.caps, self.starts = new_lens.clone(), new_caps.clone(), new_starts
 
     def append(self, k, v, pos, score=None):
-        """k, v (t, H, d); pos (t,) absolute positions; score (H, t) float32 or None (+inf)."""
+        """k, v (t, H, d); pos (t,) absolute positions, the same for every head, or (H, t) per head (a batch's
+        sequences are at different positions); score (H, t) float32 or None (+inf)."""
         t, H, d = k.shape
         assert H == self.n_heads and d == self.head_dim, f"expected (t, {self.n_heads}, {self.head_dim})"
         need = self.lens + t
@@ -415,9 +423,37 @@ class RaggedKV:
         rows = ((self.starts + self.lens)[:, None] + torch.arange(t)).reshape(-1).to(self.device)
         self.k[rows] = k.transpose(0, 1).reshape(H * t, d).to(self.dtype)
         self.v[rows] = v.transpose(0, 1).reshape(H * t, d).to(self.dtype)
-        self.pos[rows] = pos.to(self.device, torch.long).repeat(H)
+        self.pos[rows] = _head_pos(pos, H).to(self.device)
         self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H * t)
         self.lens = need
+
+    # -- a batch of sequences is more heads: sequence b of a batch owns heads b*H .. b*H + H-1 --
+    def extend(self, other):
+        """Append other's heads after this layer's own (a sequence joins a batch): one re-layout."""
+        assert (other.head_dim, other.dtype, type(other)) == (self.head_dim, self.dtype, type(self)), "unlike layers"
+        src = torch.cat([_ranges(self.starts, self.lens), self.k.shape[0] + _ranges(other.starts, other.lens)])
+        both = [torch.cat([a, b]) for a, b in zip((self.k, self.v, self.pos, self.score),
+                                                  (other.k, other.v, other.pos, other.score))]
+        self.k, self.v, self.pos, self.score = both  # the relayout below copies the kept rows out of these
+        self.n_heads += other.n_heads
+        self._relayout(src, torch.cat([self.lens, other.lens]), torch.cat([self.caps, other.caps]))
+
+    def pop_heads(self, h0, n):
+        """Remove heads h0 .. h0+n-1 (a sequence leaves a batch) and return them as a layer of their own;
+        the rows of both are copied out of the shared storage, which shrinks to what the others hold."""
+        out = copy.copy(self)  # same class and settings (a WindowKV's window and ring state)
+        heads = torch.arange(self.n_heads)
+        for kv, mine in ((out, (heads >= h0) & (heads < h0 + n)), (self, (heads < h0) | (heads >= h0 + n))):
+            src = _ranges(self.starts[mine], self.lens[mine])
+            kv.n_heads = int(mine.sum())
+            kv._take(self, src, mine)
+        return out
+
+    def _take(self, src_kv, src_rows, heads):
+        """Become the heads `heads` (bool) of src_kv, whose rows src_rows are copied into fresh storage."""
+        self.k, self.v, self.pos, self.score = src_kv.k, src_kv.v, src_kv.pos, src_kv.score
+        self.transient = 0
+        self._relayout(src_rows, src_kv.lens[heads], src_kv.caps[heads])
 
     def keys_values(self):
         """-> k (cap_total, 1, d), v, cu_seqlens_k int32 (H+1,), seqused_k int32 (H,), max_len."""
@@ -496,30 +532,48 @@ class WindowKV(RaggedKV):
     def __init__(self, n_heads, head_dim, window, dtype, device):
         super().__init__(n_heads, head_dim, dtype, device)
         self.window = window
-        self.ring = False  # True between forwards: rows from 0, the oldest token of every head at row `first`
-        self.first = 0
+        self.ring = False  # True between forwards: rows from 0, the oldest token of head h at row first[h]
+        self.first = torch.zeros(n_heads, dtype=torch.long)  # per head: a batch's sequences wrap at different steps
 
     def append(self, k, v, pos, score=None):
-        """k, v (t, H, d); pos (t,). One token into a ring with room: a row write; else RaggedKV.append."""
+        """k, v (t, H, d); pos (t,) or (H, t). One token into a ring: a row write per head (a ring still
+        filling and out of room first regrows, its order kept); a chunk: RaggedKV.append, then wrap()."""
         t, H, d = k.shape
-        n = int(self.lens[0])  # every head of a window layer holds the same tokens
-        if self.ring and t == 1 and (n == self.window or n < int(self.caps[0])):
-            rows = (self.starts + (self.first + n) % self.window).to(self.device)  # (H,) after the newest
+        W = self.window
+        if self.ring and t == 1:
+            full = self.lens == W
+            if not bool((full | (self.lens < self.caps)).all()):  # slack as RaggedKV's, never past W rows
+                need = self.lens + 1
+                grown = torch.clamp(need + torch.clamp(need // 2, min=16, max=MAX_SLACK), max=W)
+                caps = torch.where(full | (self.lens < self.caps), self.caps, grown)
+                self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
+            rows = (self.starts + (self.first + self.lens) % W).to(self.device)  # (H,) after each newest
             self.k[rows] = k[0].to(self.dtype)
             self.v[rows] = v[0].to(self.dtype)
-            self.pos[rows] = pos.to(self.device, torch.long)
+            self.pos[rows] = _head_pos(pos, H).to(self.device)
             self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H)
-            if n == self.window:  # that row held the oldest token: the next one is now the oldest
-                self.first = (self.first + 1) % self.window
-            else:
-                self.lens = self.lens + 1
+            # a full ring overwrote its oldest token: the next one is now the oldest; others grew by one
+            self.first = torch.where(full, (self.first + 1) % W, self.first)
+            self.lens = self.lens + (~full).long()
             return
-        if self.first:  # the ring went round: the window back in position order, with room for the chunk
-            order = (self.first + torch.arange(n)) % self.window
-            self._relayout((self.starts[:, None] + order).reshape(-1), self.lens, self.lens + t)
-            self.first = 0
+        if bool(self.first.any()):  # the ring went round: the window back in position order, room for the chunk
+            i = _ranges(torch.zeros_like(self.lens), self.lens)              # 0 .. lens[h]-1 for every head h
+            h = torch.repeat_interleave(torch.arange(H), self.lens)
+            self._relayout(self.starts[h] + (self.first[h] + i) % W, self.lens, self.lens + t)
+            self.first = torch.zeros_like(self.first)
         self.ring = False
         super().append(k, v, pos, score)
+
+    def extend(self, other):
+        ring = other.ring and (self.ring or self.n_heads == 0)
+        super().extend(other)
+        self.first, self.ring = torch.cat([self.first, other.first]), ring
+
+    def pop_heads(self, h0, n):
+        first = self.first
+        out = super().pop_heads(h0, n)
+        out.first, self.first = first[h0:h0 + n].clone(), torch.cat([first[:h0], first[h0 + n:]])
+        return out
 
     def wrap(self):
         """After a forward: each head's last min(n, W) rows, in order from row 0, in at most W rows."""
