@@ -95,6 +95,13 @@ def decode_one(model, cache, token):
     return logits
 
 
+def decode_batch(model, batch, tokens):
+    """One token for each member of a cache.Batch, in join order -> logits (B, vocab): one forward."""
+    logits = model(torch.tensor(tokens, device=batch.device), batch)
+    batch.after_step()  # every member's decode-time eviction, on its own rows
+    return logits
+
+
 def begin_answer(model, cache, question_ids, last_logits=None):
     """Switch the cache to decoding and append the question; -> the logits its answer starts from."""
     if isinstance(cache, EvictingCache):
@@ -225,8 +232,7 @@ def generate_batch(model, requests, batch_size=8, method="fastkvzip", model_name
                     tokens.append(token)
             if tokens:  # one forward for every member still decoding: one token each
                 t0 = time.perf_counter()
-                logits = model(torch.tensor(tokens, device=batch.device), batch)  # (B, vocab)
-                batch.after_step()  # every member's decode-time eviction, on its own rows
+                logits = decode_batch(model, batch, tokens)  # (B, vocab)
                 secs = time.perf_counter() - t0
                 for m, row in zip(active, logits):
                     m.logits, m.decode_s = row, m.decode_s + secs

@@ -53,6 +53,7 @@ APPEND_EXACT = 64   # appends of at least this many tokens per head (prefill chu
 MAX_SLACK = 1024    # at most this many spare rows per head after a token-by-token append
 QUERY_BLOCK = 1024  # query rows per step of the reference: memory (Hq, 1024, N) instead of (Hq, M, N)
 SDPA_BLOCK = 256    # query rows per SDPA call: a window layer's block reads W + 255 keys, not W + 1023
+MASK_ELEMENTS = 1 << 22  # without a window, rows per SDPA call up to a 16 MB fp32 mask (a 2K chunk: one call)
 
 
 def _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block):
@@ -120,18 +121,50 @@ def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """The "torch" backend (the CPU path): the reference's blocks and masks, each block one call of
     PyTorch's fused scaled_dot_product_attention (flash attention on CPUs: no (n_heads, m, n) score
     tensor written and re-read four times), with smaller blocks so that a window layer reads fewer keys.
+    Sequences of one shape (same query rows, used keys and region size: a layer's KV heads before any
+    eviction) share each call as its batch dimension, strided views of the flat storage, nothing copied;
+    masks are built once per block shape (_block_mask), none where the block is plainly causal.
     In fp32, as the reference; tests/test_kernels.py holds the two equal."""
     import torch.nn.functional as F
     total_q, n_q_heads, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     out = torch.zeros(total_q, n_q_heads, d, dtype=q.dtype, device=q.device)
-    for q0, r0, r1, k0, j0, j1, M, N in _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, SDPA_BLOCK):
-        qb, kb, vb = (x.float().transpose(0, 1)[None] for x in (q[q0 + r0:q0 + r1], k[k0 + j0:k0 + j1],
-                                                                 v[k0 + j0:k0 + j1]))  # (1, heads, rows, d)
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=_visible(r0, r1, j0, j1, M, N, causal, window,
-                                                                            q.device), scale=scale, enable_gqa=True)
-        out[q0 + r0:q0 + r1] = ob[0].transpose(0, 1)
+    # a window layer's block reads only its own keys; otherwise fewer, larger calls (each has a fixed cost)
+    block = SDPA_BLOCK if window is not None else max(SDPA_BLOCK, MASK_ELEMENTS // max(1, max_seqlen_k))
+    S = cu_seqlens_q.numel() - 1
+    rows_q, regions = torch.diff(cu_seqlens_q.cpu()), torch.diff(cu_seqlens_k.cpu())
+    used = regions if seqused_k is None else seqused_k.cpu()
+    if S > 1 and int(cu_seqlens_q[0]) == 0 == int(cu_seqlens_k[0]) and all(
+            bool((x == x[0]).all()) for x in (rows_q, regions, used)):
+        M, R = int(rows_q[0]), int(regions[0])  # one shape: (S, M) queries against (S, R) rows of keys
+        views = [x[:S * n].view(S, n, x.shape[1], d) for x, n in ((q, M), (k, R), (v, R))]
+        one = lambda n: torch.tensor([0, n], dtype=torch.int32)
+        blocks, layout = _blocks(one(M), one(R), used[:1], causal, window, block), out.view(S, M, n_q_heads, d)
+    else:
+        views, blocks, layout = [x[None] for x in (q, k, v)], _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal,
+                                                                     window, block), out[None]
+    for q0, r0, r1, k0, j0, j1, M, N in blocks:
+        qb, kb, vb = (x[:, a:b].float().transpose(1, 2) for x, a, b in zip(
+            views, (q0 + r0, k0 + j0, k0 + j0), (q0 + r1, k0 + j1, k0 + j1)))   # (S or 1, heads, rows, d)
+        mask, is_causal = _block_mask(r1 - r0, j1 - j0, r0 + N - M - j0, causal, window, str(q.device))
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                            enable_gqa=True)
+        layout[:, q0 + r0:q0 + r1] = ob.transpose(1, 2)
     return out
+
+
+@functools.lru_cache(maxsize=8)  # <= 8 masks of <= 16 MB
+def _block_mask(m, n, offset, causal, window, device):
+    """-> (additive fp32 mask (m, n) or None, is_causal) for a block whose row i may see key j iff
+    j <= i + offset (causal) and j > i + offset - window: _visible's rule in block coordinates. Cached:
+    every layer and head of a chunk repeats the same few block shapes. A plainly causal square block
+    (offset 0, no window) needs no mask at all: SDPA's own causal flag, which also skips the masked tiles."""
+    if not (causal or window is not None):
+        return None, False
+    if offset == 0 and window is None:
+        return None, True
+    allowed = _visible(0, m, 0, n, m, m + offset, True, window, device)  # diagonal of row i at i + offset
+    return torch.zeros(m, n, device=device).masked_fill_(~allowed, float("-inf")), False
 
 
 # -----------------------------------------------------------------------------------------------

@@ -294,3 +294,27 @@ def test_batch_flags(capsys, tiny_cli, tmp_path, flags, words):
     empty.write_text("\n")
     code, _, err = run_main(capsys, "--model", str(bare), "--batch", str(empty))
     assert code == 2 and "no request" in err, err
+
+
+def test_bench_batch_speed_section(tiny_cli, tmp_path):
+    """bench.py's batched-decoding rows on a tiny model, beside transformers' batched generate: every B runs,
+    tokens/s are counted over the batch, eviction holds less KV than the full cache at the same B."""
+    import bench
+    from gate import save_gate
+    folder, _ = tiny_cli
+    model = M.load_model(folder, "cpu", torch.float32)
+    cfg = model.config
+    torch.manual_seed(0)
+    save_gate(tmp_path / "g.safetensors", Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                                              cfg.group_size), {"model": "tiny"})
+    args = bench.parse_args(["--model", str(folder), "--gate", str(tmp_path / "g.safetensors"), "--batch-sizes", "1,3",
+                             "--speed-decode", "3", "--speed-chunk", "32", "--speed-window", "8"])
+    g = torch.Generator().manual_seed(0)
+    docs = [[2] + torch.randint(3, 300, (n,), generator=g).tolist() for n in (90, 70, 60)]
+    rows = bench.batch_speed(model, bench.load_peer(folder), docs, 1, args)
+    assert [(r["method"], r["batch"]) for r in rows] == [("full", 1), ("full", 3), ("fastkvzip", 1), ("fastkvzip", 3),
+                                                        ("transformers", 1), ("transformers", 3)]
+    assert all(r["decode_tok_s"] > 0 for r in rows)
+    full3, fast3 = rows[1], rows[3]
+    assert fast3["kv_bytes"] < full3["kv_bytes"] and rows[-1]["padded_to"] == 95
+    assert "| fastkvzip | 0.3 | 3 |" in "\n".join(bench.batch_markdown(rows, args))
