@@ -461,32 +461,35 @@ class RaggedKV:
         self.lens = need
 
     # -- a batch of sequences is more heads: sequence b of a batch owns heads b*H .. b*H + H-1 --
+    # The regions lie packed in head order (starts = cumsum(caps) - caps), so a run of heads is a run of
+    # rows: joining is a concatenation, leaving a cut, and every region keeps its rows and slack.
     def extend(self, other):
-        """Append other's heads after this layer's own (a sequence joins a batch): one re-layout."""
+        """Append other's heads after this layer's own (a sequence joins a batch): one copy of the rows."""
         assert (other.head_dim, other.dtype, type(other)) == (self.head_dim, self.dtype, type(self)), "unlike layers"
-        src = torch.cat([_ranges(self.starts, self.lens), self.k.shape[0] + _ranges(other.starts, other.lens)])
-        both = [torch.cat([a, b]) for a, b in zip((self.k, self.v, self.pos, self.score),
-                                                  (other.k, other.v, other.pos, other.score))]
-        self.k, self.v, self.pos, self.score = both  # the relayout below copies the kept rows out of these
+        self.transient = max(self.transient, self.nbytes)  # the old storage is alive until the copy ends
+        self.k, self.v, self.pos, self.score = (torch.cat([a, b]) for a, b in zip(
+            (self.k, self.v, self.pos, self.score), (other.k, other.v, other.pos, other.score)))
+        self.starts = torch.cat([self.starts, other.starts + int(self.caps.sum())])
+        self.lens, self.caps = torch.cat([self.lens, other.lens]), torch.cat([self.caps, other.caps])
         self.n_heads += other.n_heads
-        self._relayout(src, torch.cat([self.lens, other.lens]), torch.cat([self.caps, other.caps]))
 
     def pop_heads(self, h0, n):
         """Remove heads h0 .. h0+n-1 (a sequence leaves a batch) and return them as a layer of their own;
-        the rows of both are copied out of the shared storage, which shrinks to what the others hold."""
+        the shared storage shrinks to what the others hold."""
+        r0, r1 = int(self.caps[:h0].sum()), int(self.caps[:h0 + n].sum())  # their rows
         out = copy.copy(self)  # same class and settings (a WindowKV's window and ring state)
-        heads = torch.arange(self.n_heads)
-        for kv, mine in ((out, (heads >= h0) & (heads < h0 + n)), (self, (heads < h0) | (heads >= h0 + n))):
-            src = _ranges(self.starts[mine], self.lens[mine])
-            kv.n_heads = int(mine.sum())
-            kv._take(self, src, mine)
+        out.k, out.v, out.pos, out.score = (x[r0:r1].clone() for x in (self.k, self.v, self.pos, self.score))
+        out.lens, out.caps, out.starts = self.lens[h0:h0 + n].clone(), self.caps[h0:h0 + n].clone(), \
+            self.starts[h0:h0 + n] - r0
+        out.n_heads, out.transient = n, 0
+        self.transient = max(self.transient, self.nbytes)
+        self.k, self.v, self.pos, self.score = (torch.cat([x[:r0], x[r1:]]) for x in (self.k, self.v, self.pos,
+                                                                                     self.score))
+        keep = torch.cat([torch.arange(h0), torch.arange(h0 + n, self.n_heads)])
+        self.lens, self.caps = self.lens[keep], self.caps[keep]
+        self.starts = torch.cumsum(self.caps, 0) - self.caps
+        self.n_heads -= n
         return out
-
-    def _take(self, src_kv, src_rows, heads):
-        """Become the heads `heads` (bool) of src_kv, whose rows src_rows are copied into fresh storage."""
-        self.k, self.v, self.pos, self.score = src_kv.k, src_kv.v, src_kv.pos, src_kv.score
-        self.transient = 0
-        self._relayout(src_rows, src_kv.lens[heads], src_kv.caps[heads])
 
     def keys_values(self):
         """-> k (cap_total, 1, d), v, cu_seqlens_k int32 (H+1,), seqused_k int32 (H,), max_len."""
