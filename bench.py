@@ -474,7 +474,7 @@ def parse_args(argv=None):
                    "--speed-budget per length, taken in turn; their rows hold medians")
     p.add_argument("--no-peer", action="store_true", help="CPU speed: skip transformers (the peer column; it "
                    "runs whenever transformers is installed)")
-    p.add_argument("--batch-sizes", type=ints, default=[0], help="CPU batched decoding: requests decoded at "
+    p.add_argument("--batch-sizes", type=ints, default=[], help="CPU batched decoding: requests decoded at "
                    "once, e.g. 1,4,8 ('0' = none, the default)")
     p.add_argument("--batch-length", type=int, default=1024, help="batched decoding: the longest context (the "
                    "others 75-100%% of it)")
