@@ -39,7 +39,7 @@ import cli
 import gate
 import generate
 import quality
-from cache import LEVELS, KVCache
+from cache import LEVELS, Batch, KVCache
 from cli import UsageError, write_text
 from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, Transformer, load_model, load_tokenizer,
                    prompt_format, resolve_model)
@@ -193,6 +193,93 @@ def peer_run(peer, ids, n_protected, args):
                 decode_tok_s=(len(out) - 1) / decode_s if decode_s > 0 else None, version=peer.version)
 
 
+@torch.no_grad()
+def batch_speed(model, peer, docs, n_protected, args):
+    """Decode throughput of B requests at once (cache.Batch: one forward per step for all B, one attention
+    call per layer), B in --batch-sizes, for the full cache and fastkvzip at --speed-budget; beside it
+    transformers' own batched generate, left-padded to the longest context. docs: the contexts (system
+    prompt ⊕ text ids, mixed lengths); every member is prefilled once, alone, and copied for each B. Decode
+    is timed alone, after the 4-token question: --speed-decode greedy steps; tokens/s counts all B."""
+    cfg, dtype, device = model_info(model)
+    question, rows = [docs[0][-1]] * 4, []
+    for method, budget in (("full", 1.0), ("fastkvzip", args.speed_budget)):
+        prefilled = []
+        for ids in docs[:max(args.batch_sizes)]:
+            cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
+                model, method, DEFAULT_LEVEL[method], n_protected, args.model, args.gate, args.seed)
+            generate.prefill(model, cache, ids, n_protected, budget, args.speed_chunk, args.speed_window)
+            prefilled.append(cache)
+        for B in args.batch_sizes:
+            batch, tokens = Batch(cfg, dtype, device), []
+            for cache in (copy.deepcopy(c) for c in prefilled[:B]):
+                tokens.append(int(generate.begin_answer(model, cache, question).argmax()))
+                batch.join(cache)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(args.speed_decode):
+                tokens = generate.decode_batch(model, batch, tokens).argmax(-1).tolist()
+            secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+            rows.append(dict(method=method, budget=budget, batch=B, decode_tok_s=B * args.speed_decode / secs,
+                             decode_cpu_tok_s=B * args.speed_decode / cpu, kv_bytes=batch.nbytes,
+                             peak_kv_bytes=batch.peak_nbytes))
+            log(f"batch speed {method} at {budget:g}, B={B}: {rows[-1]['decode_tok_s']:.1f} tok/s, "
+                f"KV {batch.nbytes / 2**20:.1f} MiB")
+    for B in args.batch_sizes if peer is not None else []:
+        rows.append(peer_batch_run(peer, docs[:B], question, args.speed_decode))
+        log(f"batch speed transformers, B={B}: {rows[-1]['decode_tok_s']:.1f} tok/s")
+    return rows
+
+
+def peer_batch_run(peer, docs, question, steps):
+    """transformers' generate on B contexts at once (left padding, attention mask, greedy, exactly `steps` + 1
+    new tokens); decode time from its first new token to its last, read by a streamer."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):  # put() gets the prompt, then each step's new tokens
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append((time.perf_counter(), time.process_time()))
+
+        def end(self):
+            self.put(None)
+
+    seqs = [ids + question for ids in docs]
+    L = max(map(len, seqs))
+    input_ids = torch.tensor([[0] * (L - len(x)) + x for x in seqs])
+    mask = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in seqs])
+    clock = Clock()
+    out = peer.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                        do_sample=False, streamer=clock, pad_token_id=0, return_dict_in_generate=True)
+    kv = sum(t.nbytes for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+    (t1, c1), (t2, c2) = clock.times[1], clock.times[-1]  # after the prefill's token: `steps` decode forwards
+    return dict(method="transformers", budget=1.0, batch=len(docs), decode_tok_s=len(docs) * steps / (t2 - t1),
+                decode_cpu_tok_s=len(docs) * steps / (c2 - c1), kv_bytes=kv, peak_kv_bytes=None, padded_to=L,
+                version=peer.version)
+
+
+def batch_markdown(rows, args):
+    if not rows:
+        return []
+    one = {(r["method"], r["budget"]): r["decode_tok_s"] for r in rows if r["batch"] == 1}
+    peer = {r["batch"]: r["decode_tok_s"] for r in rows if r["method"] == "transformers"}
+    out = ["", "## Batched decoding (generate.py --batch)", "",
+           f"B requests decode together, one forward per step (cache.Batch); contexts of {args.batch_length} tokens "
+           f"and shorter (75-100%), each prefilled alone; {args.speed_decode} greedy steps after a 4-token question, "
+           "tokens/s over all B. transformers: its own generate on the same contexts, left-padded, timed from its "
+           "first new token. KV: bytes the batch holds at the end (transformers: its padded DynamicCache). "
+           "CPU tok/s: over this process's CPU seconds (what other jobs on a shared machine disturb least).", "",
+           "| method | budget | B | decode tok/s | × B=1 | × transformers | CPU tok/s | KV held |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        x1 = r["decode_tok_s"] / one[(r["method"], r["budget"])] if (r["method"], r["budget"]) in one else None
+        xp = r["decode_tok_s"] / peer[r["batch"]] if r["batch"] in peer and r["method"] != "transformers" else None
+        f = lambda x: f"{x:.2f}×" if x is not None else "–"
+        out.append(f"| {r['method']} | {r['budget']:g} | {r['batch']} | {r['decode_tok_s']:.1f} | {f(x1)} | {f(xp)} | "
+                   f"{r['decode_cpu_tok_s']:.1f} | {r['kv_bytes'] / 2**20:.1f} MiB |")
+    return out
+
+
 # Qwen3-8B's published shape (HF config), with the YaRN scaling the authors use for long contexts (METHOD.md §9)
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -313,6 +400,7 @@ def markdown(results):
                            f"{r['decode_tok_s'] or 0:.1f} |")
             if key == "speed" and results.get("speed_peer"):
                 out += peer_markdown(results)
+    out += batch_markdown(results.get("batch_speed"), argparse.Namespace(**f))
     out += ["", results.get("gpu_note", "")]
     return "\n".join(out) + "\n"
 
@@ -389,6 +477,10 @@ def parse_args(argv=None):
                    "--speed-budget per length, taken in turn; their rows hold medians")
     p.add_argument("--no-peer", action="store_true", help="CPU speed: skip transformers (the peer column; it "
                    "runs whenever transformers is installed)")
+    p.add_argument("--batch-sizes", type=ints, default=[], help="CPU batched decoding: requests decoded at "
+                   "once, e.g. 1,4,8 ('0' = none, the default)")
+    p.add_argument("--batch-length", type=int, default=1024, help="batched decoding: the longest context (the "
+                   "others 75-100%% of it)")
     p.add_argument("--gpu-lengths", type=ints, default=[8192, 32768, 131072], help="GPU speed contexts")
     p.add_argument("--no-quality", action="store_true", help="skip the quality section")
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
@@ -524,6 +616,14 @@ def run(args):
         peer = None if args.no_peer else load_peer(folder)
         results["speed"], results["speed_peer"] = speed(model, teacher, args.speed_lengths,
                                                         lambda n: (system + stream[:n], len(system)), args, peer=peer)
+    if args.batch_sizes:
+        system = tok.encode(fmt.system, add_special_tokens=False).ids
+        stream, n = [t for _, d in load_docs(tok) for t in d], args.batch_length
+        lengths = [n - (n // 4) * i // max(1, max(args.batch_sizes) - 1) for i in range(max(args.batch_sizes))]
+        docs = [system + stream[sum(lengths[:i]):sum(lengths[:i]) + m] for i, m in enumerate(lengths)]  # distinct text
+        peer = None if args.no_peer else load_peer(folder)
+        results["batch_speed"] = batch_speed(model, peer, docs, len(system), args)
+        save()
     if gpu:
         results["gpu"] = gpu_section(args)
     elif not results.get("gpu"):

@@ -14,7 +14,9 @@ the attention kernel reads exactly what is kept. Nothing is masked: evicted rows
   During decoding it buffers the attention-input hidden states and runs the gate once every 128 tokens
   (METHOD.md §7).
 
-The model only ever calls `cache.attend(layer, q, k, v, hidden, scale, window)` and `cache.advance(T)`.
+The model only ever calls `cache.positions(T)` (the new tokens' absolute positions), `cache.attend(layer,
+q, k, v, hidden, scale, window)` and `cache.advance(T)`. A `Batch` answers the same three calls for B
+sequences decoding together, one token each, every layer's KV heads of all of them in one RaggedKV.
 Eviction itself is an explicit call in the generation loop (generate.py), never a hidden hook.
 """
 import copy
@@ -27,6 +29,13 @@ import torch
 from kernels import RaggedKV, WindowKV
 
 
+def new_layers(cfg, n_heads, dtype, device):
+    """Empty storage for every layer: a ring (WindowKV) in sliding-window layers that are not compressed."""
+    d, compressed = cfg.head_dim, set(cfg.compressed_layers)
+    return [WindowKV(n_heads, d, cfg.window(i), dtype, device) if cfg.window(i) is not None and i not in compressed
+            else RaggedKV(n_heads, d, dtype, device) for i in range(cfg.num_hidden_layers)]
+
+
 class KVCache:
     """Full KV cache for one sequence (batch 1). A sliding-window layer keeps its last W tokens in a ring
     (WindowKV), unless it is a compressed layer: those (all of Qwen3's, whose released checkpoints never
@@ -35,10 +44,7 @@ class KVCache:
     def __init__(self, cfg, dtype=torch.float32, device="cpu"):
         self.cfg = cfg
         self.dtype, self.device = dtype, torch.device(device)
-        H, d, compressed = cfg.num_key_value_heads, cfg.head_dim, set(cfg.compressed_layers)
-        self.layers = [WindowKV(H, d, cfg.window(i), dtype, self.device)
-                       if cfg.window(i) is not None and i not in compressed else RaggedKV(H, d, dtype, self.device)
-                       for i in range(cfg.num_hidden_layers)]
+        self.layers = new_layers(cfg, cfg.num_key_value_heads, dtype, self.device)
         self.n_seen = 0  # absolute position of the next token (evicted tokens still count: RoPE positions)
         self.peak_nbytes = 0
 
@@ -167,9 +173,7 @@ class EvictingCache(KVCache):
         pos = self.positions(q.shape[0])
         score = None
         if self.decoding:
-            # score later, 128 tokens at a time (METHOD.md §7); +inf until then = not evictable
-            if self.decode_tokens_per_head is not None:
-                self.buffer[layer].append(hidden)
+            self.buffer_decoded(layer, hidden)
         elif self.scorer is not None:  # None: scores arrive later (KVzip scores the whole context at once)
             score = self._score(self.index[layer], hidden, q, k, pos)
             score[:, pos < self.n_protected] = math.inf  # the system prompt is never evicted
@@ -177,6 +181,12 @@ class EvictingCache(KVCache):
         kv.append(k, v, pos, score)
         self._track_peak(kv)
         return kv.attend(q, scale, window)
+
+    def buffer_decoded(self, layer, hidden):
+        """A decoded token's attention input, scored later, 128 tokens at a time (METHOD.md §7); its row
+        scores +inf until then (not evictable)."""
+        if self.decode_tokens_per_head is not None and layer in self.index:
+            self.buffer[layer].append(hidden)
 
     def adopt(self, full, scores=None, inputs=None, keep_full=False):
         """Continue from `full`, a cache that prefilled system prompt ⊕ context without evicting: take over
@@ -360,3 +370,129 @@ def _move_one(scores, keep, li, others):
     keep.view(-1)[weakest] = False
     keep[li].view(-1)[scores[li].flatten().argmax()] = True
     return keep
+
+
+# -------------------------------------------------------------------------------------------------
+# Many sequences at once: a batch is more KV heads (METHOD.md §8)
+
+class Batch:
+    """B sequences decoding together, one token each per forward.
+
+    Every layer's storage is ONE RaggedKV (a WindowKV ring in sliding layers) holding the KV heads of all
+    members: member b owns heads b*H .. b*H + H-1, each with its own rows, positions and length (the
+    layout of an engine's per-head block table), so one attention call per layer serves the whole batch.
+    Each member is an ordinary cache (KVCache or EvictingCache) that prefilled alone, with its own
+    budget plan: join() moves its rows into the shared storage, leave() moves them back out and frees
+    them there. While it is a member, a cache's layers are HeadSlice views of its own heads, so its
+    decode-time eviction (EvictingCache.after_step) runs unchanged, on its rows only.
+
+    The model calls attend / positions / advance as on a single cache: its T query rows are the B
+    members' newest tokens, in join order.
+    """
+
+    def __init__(self, cfg, dtype=torch.float32, device="cpu"):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.layers = new_layers(cfg, 0, dtype, self.device)
+        self.members = []
+        self.peak_nbytes = 0
+
+    @property
+    def nbytes(self):
+        return sum(kv.nbytes for kv in self.layers)
+
+    def _track_peak(self):
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes + max(kv.transient for kv in self.layers))
+        for kv in self.layers:
+            kv.transient = 0
+
+    def join(self, cache):
+        """Add a cache that has just run a forward alone (its last logits are the member's next sample)."""
+        assert cache.n_seen > 0 and cache not in self.members, "join: a prefilled cache, once"
+        for i, kv in enumerate(cache.layers):
+            self.layers[i].extend(kv)
+        self.members.append(cache)
+        cache.layers = [HeadSlice(self, cache, i) for i in range(len(self.layers))]
+        self._track_peak()
+
+    def leave(self, cache):
+        """Take a member's rows out of the shared storage, back into a cache of its own."""
+        H = self.cfg.num_key_value_heads
+        h0 = self.members.index(cache) * H
+        cache.layers = [kv.pop_heads(h0, H) for kv in self.layers]
+        self.members.remove(cache)
+
+    def positions(self, T):
+        assert T == len(self.members), f"a batch forward takes one token per member ({len(self.members)}), got {T}"
+        return torch.tensor([m.n_seen for m in self.members], device=self.device)
+
+    def attend(self, layer, q, k, v, hidden, scale, window=None):
+        """q (B, Hq, d), k/v (B, H, d): one new token per member -> (B, Hq, d), one attention call."""
+        B, Hq, d = q.shape
+        H = k.shape[1]
+        for b, m in enumerate(self.members):
+            if isinstance(m, EvictingCache):
+                assert m.decoding, "a batch only decodes: prefill each member alone first"
+                m.buffer_decoded(layer, hidden[b:b + 1])
+        kv = self.layers[layer]
+        pos = self.positions(B).repeat_interleave(H)[:, None]  # (B*H, 1): every head of member b at its position
+        kv.append(k.reshape(1, B * H, d), v.reshape(1, B * H, d), pos)  # score +inf, as any decoded token
+        self._track_peak()
+        out = kv.attend(q.reshape(1, B * Hq, d), scale, window)  # query head (b*H + h)*G + g
+        if isinstance(kv, WindowKV):
+            kv.wrap()
+        return out.view(B, Hq, d)
+
+    def advance(self, T):
+        for m in self.members:
+            m.advance(1)
+
+    def after_step(self):
+        """Each member's decode-time eviction (every 128 of its tokens), on its own heads."""
+        for m in self.members:
+            if isinstance(m, EvictingCache):
+                m.after_step()
+        self._track_peak()
+
+
+class HeadSlice:
+    """Member `cache`'s heads of a Batch's layer `layer`, seen as a RaggedKV of H heads: what an
+    EvictingCache reads and changes during decoding (scores, positions, select) lands on those rows."""
+
+    def __init__(self, batch, cache, layer):
+        self.batch, self.cache, self.layer = batch, cache, layer
+
+    @property
+    def kv(self):
+        return self.batch.layers[self.layer]
+
+    @property
+    def heads(self):
+        H = self.batch.cfg.num_key_value_heads
+        h0 = self.batch.members.index(self.cache) * H
+        return slice(h0, h0 + H)
+
+    n_heads = property(lambda self: self.batch.cfg.num_key_value_heads)
+    head_dim = property(lambda self: self.kv.head_dim)
+    lens = property(lambda self: self.kv.lens[self.heads])
+    starts = property(lambda self: self.kv.starts[self.heads])
+    n_rows = property(lambda self: int(self.lens.sum()))
+    # this member's share of the storage; the shared storage's re-layouts are the batch's to count
+    nbytes = property(lambda self: int(self.kv.caps[self.heads].sum()) * 2 * self.head_dim * self.kv.k.element_size())
+    transient = property(lambda self: 0, lambda self, value: None)
+
+    def head_pos(self, h):
+        return self.kv.head_pos(self.heads.start + h)
+
+    def head_score(self, h):
+        return self.kv.head_score(self.heads.start + h)
+
+    def set_tail_scores(self, score):
+        H, t = score.shape
+        rows = ((self.starts + self.lens - t)[:, None] + torch.arange(t)).reshape(-1).to(self.kv.device)
+        self.kv.score[rows] = score.to(self.kv.device, torch.float32).reshape(-1)
+
+    def select(self, keep):
+        kv, heads = self.kv, self.heads
+        masks = [torch.ones(int(n), dtype=torch.bool) for n in kv.lens]
+        masks[heads] = keep
+        kv.select(masks)

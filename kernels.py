@@ -39,6 +39,7 @@ window=W) equals flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softm
 causal=True, window_size=(W - 1, 0)); window=None is window_size=(-1, -1). seqused_k exists only in
 FlashAttention-3; with flash-attn 2 pass a RaggedKV right after select() (no slack: cu_seqlens_k exact).
 """
+import copy
 import functools
 import os
 
@@ -52,6 +53,7 @@ APPEND_EXACT = 64   # appends of at least this many tokens per head (prefill chu
 MAX_SLACK = 1024    # at most this many spare rows per head after a token-by-token append
 QUERY_BLOCK = 1024  # query rows per step of the reference: memory (Hq, 1024, N) instead of (Hq, M, N)
 SDPA_BLOCK = 256    # query rows per SDPA call: a window layer's block reads W + 255 keys, not W + 1023
+MASK_ELEMENTS = 1 << 22  # without a window, rows per SDPA call up to a 16 MB fp32 mask (a 2K chunk: one call)
 
 
 def _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block):
@@ -119,18 +121,50 @@ def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """The "torch" backend (the CPU path): the reference's blocks and masks, each block one call of
     PyTorch's fused scaled_dot_product_attention (flash attention on CPUs: no (n_heads, m, n) score
     tensor written and re-read four times), with smaller blocks so that a window layer reads fewer keys.
+    Sequences of one shape (same query rows, used keys and region size: a layer's KV heads before any
+    eviction) share each call as its batch dimension, strided views of the flat storage, nothing copied;
+    masks are built once per block shape (_block_mask), none where the block is plainly causal.
     In fp32, as the reference; tests/test_kernels.py holds the two equal."""
     import torch.nn.functional as F
     total_q, n_q_heads, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     out = torch.zeros(total_q, n_q_heads, d, dtype=q.dtype, device=q.device)
-    for q0, r0, r1, k0, j0, j1, M, N in _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, SDPA_BLOCK):
-        qb, kb, vb = (x.float().transpose(0, 1)[None] for x in (q[q0 + r0:q0 + r1], k[k0 + j0:k0 + j1],
-                                                                 v[k0 + j0:k0 + j1]))  # (1, heads, rows, d)
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=_visible(r0, r1, j0, j1, M, N, causal, window,
-                                                                            q.device), scale=scale, enable_gqa=True)
-        out[q0 + r0:q0 + r1] = ob[0].transpose(0, 1)
+    # a window layer's block reads only its own keys; otherwise fewer, larger calls (each has a fixed cost)
+    block = SDPA_BLOCK if window is not None else max(SDPA_BLOCK, MASK_ELEMENTS // max(1, max_seqlen_k))
+    S = cu_seqlens_q.numel() - 1
+    rows_q, regions = torch.diff(cu_seqlens_q.cpu()), torch.diff(cu_seqlens_k.cpu())
+    used = regions if seqused_k is None else seqused_k.cpu()
+    if S > 1 and int(cu_seqlens_q[0]) == 0 == int(cu_seqlens_k[0]) and all(
+            bool((x == x[0]).all()) for x in (rows_q, regions, used)):
+        M, R = int(rows_q[0]), int(regions[0])  # one shape: (S, M) queries against (S, R) rows of keys
+        views = [x[:S * n].view(S, n, x.shape[1], d) for x, n in ((q, M), (k, R), (v, R))]
+        one = lambda n: torch.tensor([0, n], dtype=torch.int32)
+        blocks, layout = _blocks(one(M), one(R), used[:1], causal, window, block), out.view(S, M, n_q_heads, d)
+    else:
+        views, blocks, layout = [x[None] for x in (q, k, v)], _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal,
+                                                                     window, block), out[None]
+    for q0, r0, r1, k0, j0, j1, M, N in blocks:
+        qb, kb, vb = (x[:, a:b].float().transpose(1, 2) for x, a, b in zip(
+            views, (q0 + r0, k0 + j0, k0 + j0), (q0 + r1, k0 + j1, k0 + j1)))   # (S or 1, heads, rows, d)
+        mask, is_causal = _block_mask(r1 - r0, j1 - j0, r0 + N - M - j0, causal, window, str(q.device))
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                            enable_gqa=True)
+        layout[:, q0 + r0:q0 + r1] = ob.transpose(1, 2)
     return out
+
+
+@functools.lru_cache(maxsize=8)  # <= 8 masks of <= 16 MB
+def _block_mask(m, n, offset, causal, window, device):
+    """-> (additive fp32 mask (m, n) or None, is_causal) for a block whose row i may see key j iff
+    j <= i + offset (causal) and j > i + offset - window: _visible's rule in block coordinates. Cached:
+    every layer and head of a chunk repeats the same few block shapes. A plainly causal square block
+    (offset 0, no window) needs no mask at all: SDPA's own causal flag, which also skips the masked tiles."""
+    if not (causal or window is not None):
+        return None, False
+    if offset == 0 and window is None:
+        return None, True
+    allowed = _visible(0, m, 0, n, m, m + offset, True, window, device)  # diagonal of row i at i + offset
+    return torch.zeros(m, n, device=device).masked_fill_(~allowed, float("-inf")), False
 
 
 # -----------------------------------------------------------------------------------------------
@@ -335,6 +369,12 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 # -----------------------------------------------------------------------------------------------
 # RaggedKV: one layer's kept keys/values, one region per KV head (METHOD.md §8).
 
+def _head_pos(pos, H):
+    """Positions (t,) shared by H heads, or (H, t) per head -> the (H*t,) row order of an append."""
+    pos = pos.to(torch.long)
+    return pos.repeat(H) if pos.dim() == 1 else pos.reshape(-1)
+
+
 def _ranges(starts, lens):
     """Concatenation of arange(s, s + l) for each (s, l): the flat row indices of every head's rows."""
     total = int(lens.sum())
@@ -398,7 +438,8 @@ class RaggedKV:
         self.lens, self.caps, self.starts = new_lens.clone(), new_caps.clone(), new_starts
 
     def append(self, k, v, pos, score=None):
-        """k, v (t, H, d); pos (t,) absolute positions; score (H, t) float32 or None (+inf)."""
+        """k, v (t, H, d); pos (t,) absolute positions, the same for every head, or (H, t) per head (a batch's
+        sequences are at different positions); score (H, t) float32 or None (+inf)."""
         t, H, d = k.shape
         assert H == self.n_heads and d == self.head_dim, f"expected (t, {self.n_heads}, {self.head_dim})"
         need = self.lens + t
@@ -414,9 +455,40 @@ class RaggedKV:
         rows = ((self.starts + self.lens)[:, None] + torch.arange(t)).reshape(-1).to(self.device)
         self.k[rows] = k.transpose(0, 1).reshape(H * t, d).to(self.dtype)
         self.v[rows] = v.transpose(0, 1).reshape(H * t, d).to(self.dtype)
-        self.pos[rows] = pos.to(self.device, torch.long).repeat(H)
+        self.pos[rows] = _head_pos(pos, H).to(self.device)
         self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H * t)
         self.lens = need
+
+    # -- a batch of sequences is more heads: sequence b of a batch owns heads b*H .. b*H + H-1 --
+    # The regions lie packed in head order (starts = cumsum(caps) - caps), so a run of heads is a run of
+    # rows: joining is a concatenation, leaving a cut, and every region keeps its rows and slack.
+    def extend(self, other):
+        """Append other's heads after this layer's own (a sequence joins a batch): one copy of the rows."""
+        assert (other.head_dim, other.dtype, type(other)) == (self.head_dim, self.dtype, type(self)), "unlike layers"
+        self.transient = max(self.transient, self.nbytes)  # the old storage is alive until the copy ends
+        self.k, self.v, self.pos, self.score = (torch.cat([a, b]) for a, b in zip(
+            (self.k, self.v, self.pos, self.score), (other.k, other.v, other.pos, other.score)))
+        self.starts = torch.cat([self.starts, other.starts + int(self.caps.sum())])
+        self.lens, self.caps = torch.cat([self.lens, other.lens]), torch.cat([self.caps, other.caps])
+        self.n_heads += other.n_heads
+
+    def pop_heads(self, h0, n):
+        """Remove heads h0 .. h0+n-1 (a sequence leaves a batch) and return them as a layer of their own;
+        the shared storage shrinks to what the others hold."""
+        r0, r1 = int(self.caps[:h0].sum()), int(self.caps[:h0 + n].sum())  # their rows
+        out = copy.copy(self)  # same class and settings (a WindowKV's window and ring state)
+        out.k, out.v, out.pos, out.score = (x[r0:r1].clone() for x in (self.k, self.v, self.pos, self.score))
+        out.lens, out.caps, out.starts = self.lens[h0:h0 + n].clone(), self.caps[h0:h0 + n].clone(), \
+            self.starts[h0:h0 + n] - r0
+        out.n_heads, out.transient = n, 0
+        self.transient = max(self.transient, self.nbytes)
+        self.k, self.v, self.pos, self.score = (torch.cat([x[:r0], x[r1:]]) for x in (self.k, self.v, self.pos,
+                                                                                     self.score))
+        keep = torch.cat([torch.arange(h0), torch.arange(h0 + n, self.n_heads)])
+        self.lens, self.caps = self.lens[keep], self.caps[keep]
+        self.starts = torch.cumsum(self.caps, 0) - self.caps
+        self.n_heads -= n
+        return out
 
     def keys_values(self):
         """-> k (cap_total, 1, d), v, cu_seqlens_k int32 (H+1,), seqused_k int32 (H,), max_len."""
@@ -444,16 +516,18 @@ class RaggedKV:
         """One new token on the torch path (decoding on a CPU). A single query row sees all of its head's
         rows, or the last W with a window, so each KV head is softmax(q k^T) v over a slice of its rows:
         the reference's result for one row (tests/test_kernels.py holds them equal) without building
-        varlen offsets and masks, a few ops per head in all."""
+        varlen offsets and masks. The regions lie in head order, each followed by its slack, so one split
+        gives every head's rows as views: three ops per head in all (a batch's B x H heads included)."""
         H, d = self.n_heads, self.head_dim
-        qh = q.view(H, -1, d).float()                                         # (H, G, d): query head h*G + g
-        out = torch.zeros_like(qh)
-        for h, (s, n) in enumerate(zip(self.starts.tolist(), self.lens.tolist())):
-            if n == 0:
-                continue  # no keys: zeros
-            j0 = s + max(0, n - window) if window is not None else s
-            p = torch.softmax((qh[h] @ self.k[j0:s + n].float().T) * scale, dim=-1)  # (G, n)
-            out[h] = p @ self.v[j0:s + n].float()                             # (G, d)
+        qh = q.view(H, -1, d).float() * scale                                 # (H, G, d): query head h*G + g
+        sizes = torch.stack([self.lens, self.caps - self.lens], 1).reshape(-1).tolist()
+        ks, vs = self.k.split(sizes)[::2], self.v.split(sizes)[::2]            # head h's used rows
+        if window is not None:
+            ks, vs = [x[-window:] for x in ks], [x[-window:] for x in vs]
+        if self.dtype != torch.float32:
+            ks, vs = [x.float() for x in ks], [x.float() for x in vs]
+        # a head with no rows: softmax of (G, 0) scores @ (0, d) values = zeros, as the contract says
+        out = torch.stack([torch.softmax(qh[h] @ ks[h].T, dim=-1) @ vs[h] for h in range(H)])  # (H, G, d)
         return out.view(1, H * qh.shape[1], d).to(q.dtype)
 
     def select(self, keep):
@@ -491,30 +565,48 @@ class WindowKV(RaggedKV):
     def __init__(self, n_heads, head_dim, window, dtype, device):
         super().__init__(n_heads, head_dim, dtype, device)
         self.window = window
-        self.ring = False  # True between forwards: rows from 0, the oldest token of every head at row `first`
-        self.first = 0
+        self.ring = False  # True between forwards: rows from 0, the oldest token of head h at row first[h]
+        self.first = torch.zeros(n_heads, dtype=torch.long)  # per head: a batch's sequences wrap at different steps
 
     def append(self, k, v, pos, score=None):
-        """k, v (t, H, d); pos (t,). One token into a ring with room: a row write; else RaggedKV.append."""
+        """k, v (t, H, d); pos (t,) or (H, t). One token into a ring: a row write per head (a ring still
+        filling and out of room first regrows, its order kept); a chunk: RaggedKV.append, then wrap()."""
         t, H, d = k.shape
-        n = int(self.lens[0])  # every head of a window layer holds the same tokens
-        if self.ring and t == 1 and (n == self.window or n < int(self.caps[0])):
-            rows = (self.starts + (self.first + n) % self.window).to(self.device)  # (H,) after the newest
+        W = self.window
+        if self.ring and t == 1:
+            full = self.lens == W
+            if not bool((full | (self.lens < self.caps)).all()):  # slack as RaggedKV's, never past W rows
+                need = self.lens + 1
+                grown = torch.clamp(need + torch.clamp(need // 2, min=16, max=MAX_SLACK), max=W)
+                caps = torch.where(full | (self.lens < self.caps), self.caps, grown)
+                self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
+            rows = (self.starts + (self.first + self.lens) % W).to(self.device)  # (H,) after each newest
             self.k[rows] = k[0].to(self.dtype)
             self.v[rows] = v[0].to(self.dtype)
-            self.pos[rows] = pos.to(self.device, torch.long)
+            self.pos[rows] = _head_pos(pos, H).to(self.device)
             self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H)
-            if n == self.window:  # that row held the oldest token: the next one is now the oldest
-                self.first = (self.first + 1) % self.window
-            else:
-                self.lens = self.lens + 1
+            # a full ring overwrote its oldest token: the next one is now the oldest; others grew by one
+            self.first = torch.where(full, (self.first + 1) % W, self.first)
+            self.lens = self.lens + (~full).long()
             return
-        if self.first:  # the ring went round: the window back in position order, with room for the chunk
-            order = (self.first + torch.arange(n)) % self.window
-            self._relayout((self.starts[:, None] + order).reshape(-1), self.lens, self.lens + t)
-            self.first = 0
+        if bool(self.first.any()):  # the ring went round: the window back in position order, room for the chunk
+            i = _ranges(torch.zeros_like(self.lens), self.lens)              # 0 .. lens[h]-1 for every head h
+            h = torch.repeat_interleave(torch.arange(H), self.lens)
+            self._relayout(self.starts[h] + (self.first[h] + i) % W, self.lens, self.lens + t)
+            self.first = torch.zeros_like(self.first)
         self.ring = False
         super().append(k, v, pos, score)
+
+    def extend(self, other):
+        ring = other.ring and (self.ring or self.n_heads == 0)
+        super().extend(other)
+        self.first, self.ring = torch.cat([self.first, other.first]), ring
+
+    def pop_heads(self, h0, n):
+        first = self.first
+        out = super().pop_heads(h0, n)
+        out.first, self.first = first[h0:h0 + n].clone(), torch.cat([first[:h0], first[h0 + n:]])
+        return out
 
     def wrap(self):
         """After a forward: each head's last min(n, W) rows, in order from row 0, in at most W rows."""

@@ -2,7 +2,8 @@
 checkpoints.
 
 No transformers at run time: module names equal the checkpoint's tensor names, so weights load with
-safetensors + `load_state_dict(assign=True)` onto a model built on the meta device. Batch size 1.
+safetensors + `load_state_dict(assign=True)` onto a model built on the meta device. Tokens are flat, (T,):
+one sequence's T tokens, or one token of each of the T sequences of a `cache.Batch` (batched decoding).
 Every attention layer goes through ONE call, `cache.attend(layer, q, k, v, hidden, scale, window)`
 (cache.py): the cache decides what is kept and scores it; the model never knows.
 
@@ -497,14 +498,15 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache=None, num_logits: int | None = None) -> torch.Tensor:
         """input_ids (T,) -> logits (T, vocab) float32, or (num_logits, vocab) for the last positions.
-        Positions continue from cache.n_seen; cache None = a temporary full KVCache."""
-        assert input_ids.dim() == 1, f"batch size 1 only: pass input_ids of shape (T,), got {tuple(input_ids.shape)}"
+        Positions come from the cache: one sequence's next T (cache.n_seen on), or, for a cache.Batch, each
+        member's next position (one token per member); cache None = a temporary full KVCache."""
+        assert input_ids.dim() == 1, f"flat tokens only: pass input_ids of shape (T,), got {tuple(input_ids.shape)}"
         cfg, emb = self.config, self.model.embed_tokens.weight
         if cache is None:
             from cache import KVCache  # lazy: only a forward without a cache needs one
             cache = KVCache(cfg, emb.dtype, emb.device)
         T = input_ids.shape[0]
-        pos = torch.arange(cache.n_seen, cache.n_seen + T, device=emb.device)  # (T,) absolute positions
+        pos = cache.positions(T)  # (T,) absolute positions
         x = self.model.embed_tokens(input_ids)  # (T, D)
         if cfg.arch == "gemma3":  # sqrt(D) rounded to the weight dtype first (34.0, not 33.94, in bf16)
             x = x * torch.tensor(cfg.hidden_size ** 0.5).to(emb.dtype)

@@ -24,6 +24,9 @@ class DenseMaskedCache:
         self.dropped = [torch.zeros(cfg.num_key_value_heads, 0, dtype=torch.bool)
                         for _ in range(cfg.num_hidden_layers)]
 
+    def positions(self, T):
+        return torch.arange(self.n_seen, self.n_seen + T)
+
     def attend(self, layer, q, k, v, hidden, scale, window=None):
         T, Hq, d = q.shape
         H = k.shape[1]

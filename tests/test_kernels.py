@@ -96,11 +96,26 @@ def test_torch_path_matches_reference(monkeypatch, G, causal, window):
     """sdpa_attention (the CPU path: PyTorch's fused attention on the reference's blocks) against the
     reference: ragged sequences with slack, an empty one, one row, N < M, several blocks per sequence."""
     monkeypatch.setattr(kernels, "SDPA_BLOCK", 16)
+    monkeypatch.setattr(kernels, "MASK_ELEMENTS", 64)  # several blocks without a window too
     q_lens, k_lens = [3, 1, 5, 40, 30, 1], [10, 0, 20, 70, 12, 300]
     q, k, v, cu_q, cu_k, used = varlen_case(q_lens, k_lens, 2 * G, 2, 32, slack=3, seed=G)
     args = (q, k, v, cu_q, cu_k, 40, 300, 0.2, causal, window, used)
     out = kernels.sdpa_attention(*args)
     assert_close(out, attention_reference(*args), 1e-5, name=f"torch path causal={causal} window={window}")
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 30)])
+@pytest.mark.parametrize("M,N", [(40, 40), (40, 70), (1, 70), (30, 12)])
+def test_torch_path_one_shape_batched(monkeypatch, M, N, causal, window):
+    """Sequences of one shape (a layer's heads before eviction, with slack) go through SDPA together, as the
+    batch dimension: the same result as the reference, sequence by sequence; block shapes repeat (mask cache)."""
+    monkeypatch.setattr(kernels, "SDPA_BLOCK", 16)
+    monkeypatch.setattr(kernels, "MASK_ELEMENTS", 64)  # several blocks without a window too
+    q, k, v, cu_q, cu_k, used = varlen_case([M] * 3, [N] * 3, 8, 2, 32, slack=3, seed=M + N)
+    for b in range(3):  # junk in the slack rows: they must never be read
+        k[int(cu_k[b]) + N:int(cu_k[b + 1])] = 1e4
+    args = (q, k, v, cu_q, cu_k, M, N, 0.2, causal, window, used)
+    assert_close(kernels.sdpa_attention(*args), attention_reference(*args), 1e-5, name="one-shape batch")
 
 
 def test_backend_selection(monkeypatch):
