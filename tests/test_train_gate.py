@@ -79,6 +79,23 @@ def test_cosine_schedule():
     assert f(10) == 1.0 and abs(f(505) - 0.5) < 1e-12 and 0 < f(999) < 1e-4
 
 
+def test_recipe_flags():
+    """--recipe names a Recipe; each flag overrides its field; another --optimizer without --lr takes its own lr;
+    weight decay is Adam's only."""
+    base = ["--data", "d"]
+    recipe = lambda *flags: TG.make_recipe(TG.parse_args([*base, *flags]))
+    assert recipe() == TG.Recipe() == TG.RECIPES["paper"]
+    assert recipe("--recipe", "adam-logmse") == TG.Recipe(optimizer="adam", lr=3e-3, loss="logmse")
+    assert recipe("--recipe", "adam-logmse", "--lr", "1e-3", "--select", "spearman").lr == 1e-3
+    assert recipe("--optimizer", "adam") == TG.Recipe(optimizer="adam", lr=TG.DEFAULT_LR["adam"])
+    assert recipe("--optimizer", "adam", "--weight-decay", "0.01", "--schedule", "cosine") == TG.Recipe(
+        optimizer="adam", lr=3e-3, weight_decay=0.01, schedule="cosine")
+    for bad in (["--weight-decay", "0.1"], ["--lr", "0"], ["--optimizer", "adam", "--weight-decay", "1"]):
+        with pytest.raises(SystemExit) as e:
+            TG.parse_args([*base, *bad])
+        assert e.value.code == 2, bad
+
+
 def test_adam_step_is_torch_adamw():
     """adam_step, written out, against torch.optim.Adam / AdamW on the same parameters and gradients."""
     for wd in (0.0, 0.1):
