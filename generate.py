@@ -427,15 +427,9 @@ def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens):
     return reqs
 
 
-def run(args):
-    check_args(args)
-    if args.batch is not None:
-        return run_batch(args)
-    device = parse_device(args.device)
-    context = read_context(args.context_file) if args.context_file else args.prompt
-    if not context.strip():
-        raise UsageError("--prompt is empty: there is no context to continue")
-    # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes on a large model
+def model_setup(args, device):
+    """What --model, --dtype, --chat and --thinking decide, checked before the weights load (they take minutes
+    on a large model): (folder, config, tokenizer, dtype, prompt format)."""
     folder = resolve_model(args.model)
     cfg = ModelConfig.from_json(folder)
     tok = load_tokenizer(folder, cfg.vocab_size)
@@ -445,7 +439,19 @@ def run(args):
                               and "instruct" not in args.model.lower()):
         raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model and template "
                          "have no such switch: drop it")
-    fmt = prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
+    return folder, cfg, tok, dtype, prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
+
+
+def run(args):
+    check_args(args)
+    if args.batch is not None:
+        return run_batch(args)
+    device = parse_device(args.device)
+    context = read_context(args.context_file) if args.context_file else args.prompt
+    if not context.strip():
+        raise UsageError("--prompt is empty: there is no context to continue")
+    # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes on a large model
+    folder, cfg, tok, dtype, fmt = model_setup(args, device)
     ids, n_protected, questions = build_inputs(tok, fmt, context, args.question)
     longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens
     if longest > cfg.max_position_embeddings:
@@ -512,16 +518,7 @@ def run_batch(args):
     """--batch FILE: every line checked, then generate_batch; one JSON line per request on stdout, in order."""
     from tqdm import tqdm
     device = parse_device(args.device)
-    folder = resolve_model(args.model)
-    cfg = ModelConfig.from_json(folder)
-    tok = load_tokenizer(folder, cfg.vocab_size)
-    dtype = compute_dtype(args.dtype, device)
-    check_dtype(cfg, dtype)
-    if args.thinking and not (cfg.arch == "qwen3" and uses_chat(args.model, args.chat)
-                              and "instruct" not in args.model.lower()):
-        raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model and template "
-                         "have no such switch: drop it")
-    fmt = prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
+    folder, cfg, tok, dtype, fmt = model_setup(args, device)
     reqs = read_requests(args.batch, tok, fmt, cfg.max_position_embeddings, args.budget, args.max_new_tokens)
     evicting = args.decode_tokens_per_head is not None or any(r["budget"] < 1 for r in reqs)
     gates = None
