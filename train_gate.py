@@ -14,6 +14,7 @@ Three steps, each visible below in the order they run:
                SGD momentum 0.9, lr 0.2 with the authors' piecewise schedule, 5,000 steps of 1,000
                tokens (5 epochs of the recipe's 1M tokens), all layers batched through gate.Gates; then
                the gate's agreement with its teacher on the held-out documents (quality.agreement).
+               --recipe and its flags choose other optimisers and losses (Recipe, METHOD.md §13.14).
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors (gate.save_gate,
 with a training summary in its metadata), metrics.json (per-layer train/validation loss and accuracy
