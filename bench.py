@@ -367,6 +367,9 @@ def differing(a, b):
     return ", ".join(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
+TEXT_NAMES = {"austen": "Austen", "prose": "held-out prose"}  # --text, as results.md names it
+
+
 def markdown(results):
     """results.md: what was run, the quality sections (quality.markdown), then speed and memory."""
     cfg = results["config"]
@@ -374,7 +377,8 @@ def markdown(results):
     out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
            f"Model `{f['model']}`, gate `{cfg['gate']['source']}` (sha256 {str(cfg['gate']['sha256'])[:12]}), "
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
-           + (f"{results['n_contexts']} Austen contexts of {f['lengths']} tokens, {f['passkeys']} pass keys and "
+           + (f"{results['n_contexts']} {TEXT_NAMES[f.get('text', 'austen')]} contexts of {f['lengths']} tokens, "
+              f"{f['passkeys']} pass keys and "
               f"{f['kv_questions']} of {f['kv_pairs']} JSON pairs asked per context; chunk {f['chunk_size']}, "
               f"seed {f['seed']}. " if results.get("n_contexts") else "No quality section (speed and memory only). ")
            + f"Run time {results.get('seconds', 0) / 60:.1f} min"

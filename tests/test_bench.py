@@ -276,6 +276,9 @@ def test_prose_contexts_are_held_out_corpus_text(real):
         assert s.doc in prose and any(prose[s.doc][i:i + 50] == hay for i in range(len(prose[s.doc]) - 49))
     config = dict(model=dict(sha256="m"), gate=dict(sha256="g"))
     assert quality.quality_key(args, config)["text"] == "prose"
+    results = dict(config=dict(config, flags=vars(args), started="t", gate=dict(source="g", sha256="g"),
+                               git_commit="c" * 10, git_dirty=False), n_contexts=2, rows=[], seconds=1)
+    assert "2 held-out prose contexts" in bench.markdown(results)
     assert "text" not in quality.quality_key(bench.parse_args(["--gate", real["gate"]]), config)
 
 
