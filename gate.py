@@ -420,6 +420,11 @@ def load_gate(path, cfg, dtype=None, device=None):
     return gates
 
 
+def bundled_gate_path(model_name):
+    """Where the repository bundles the gate of `model_name`: gates/<model slug>.safetensors (it may not exist)."""
+    return GATES_DIR / f"{_model_slug(model_name)}.safetensors"
+
+
 def _model_slug(model_name):
     """The authors' naming: the last path component, lower-cased (Qwen/Qwen3-8B -> qwen3-8b), of the repo id
     an alias stands for (qwen2.5-7b-1m -> Qwen/Qwen2.5-7B-Instruct-1M -> qwen2.5-7b-instruct-1m)."""
@@ -436,7 +441,7 @@ def resolve_gate(arg, cfg, model_name, dtype=None, device=None):
     if arg:
         return load_gate(arg, cfg, dtype, device)
     slug = _model_slug(model_name)
-    bundled = GATES_DIR / f"{slug}.safetensors"
+    bundled = bundled_gate_path(model_name)
     if bundled.is_file():
         return load_gate(bundled, cfg, dtype, device)
     how = f"train one with `python train_gate.py --model {model_name}` or pass --gate PATH"

@@ -214,8 +214,8 @@ def data_sha256(spec):
 def note_bundled_corpus(model_name, data_hash):
     """One line when the model has a bundled gate: whether --data is the text that gate was trained on (its
     metadata's training.data_sha256), i.e. whether the gate's recorded command reproduces it exactly."""
-    from gate import GATES_DIR, gate_metadata
-    path = GATES_DIR / f"{model_name}.safetensors"
+    from gate import bundled_gate_path, gate_metadata
+    path = bundled_gate_path(model_name)
     if not path.is_file():
         return
     trained_on = (gate_metadata(path).get("training") or {}).get("data_sha256")
