@@ -423,9 +423,9 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     mean = lambda xs: sum(xs) / len(xs)
     print(f"\nSpearman with the teacher per layer (mean {mean(ours):.2f}; a random gate: mean {mean(chance):.2f}):\n"
           + " ".join(f"{x:.2f}" for x in ours))
-    # measured: mean 0.63, 27 of 30 layers above 0.3 (the last one -0.02; 0.30 on the held-out documents
-    # of its training); the random gate: mean 0.10, per layer -0.18 to 0.32
-    assert mean(ours) > 0.5 and sum(x > 0.3 for x in ours) >= 25 and abs(mean(chance)) < 0.2
+    # measured: mean 0.69, every layer above 0.3 (0.35 at worst; the paper recipe's gate bundled before it:
+    # mean 0.63, 27 layers, the last one -0.02); the random gate: mean 0.10, per layer -0.18 to 0.32
+    assert mean(ours) > 0.6 and sum(x > 0.3 for x in ours) >= 28 and abs(mean(chance)) < 0.2
 
 
 # ------------------------------------------------------------------------------------ the text assets
