@@ -80,21 +80,21 @@ def test_cosine_schedule():
 
 
 def test_recipe_flags():
-    """--recipe names a Recipe (adam-logmse without it; paper = every field's default, the paper's); each flag
-    overrides its field; another --optimizer without --lr takes its own lr; weight decay is Adam's only."""
+    """--recipe names a Recipe (the paper's without it: every field's default); each flag overrides its field;
+    another --optimizer without --lr takes its own lr; weight decay is Adam's only."""
     base = ["--data", "d"]
     recipe = lambda *flags: TG.make_recipe(TG.parse_args([*base, *flags]))
-    assert recipe() == TG.RECIPES["adam-logmse"] == TG.Recipe(optimizer="adam", lr=3e-3, loss="logmse")
-    assert recipe("--recipe", "paper") == TG.Recipe() == TG.Recipe(optimizer="sgd", lr=0.2, loss="bce")
-    assert recipe("--lr", "1e-3", "--select", "spearman") == TG.Recipe(optimizer="adam", lr=1e-3, loss="logmse",
-                                                                       select="spearman")
-    assert recipe("--recipe", "paper", "--optimizer", "adam") == TG.Recipe(optimizer="adam", lr=TG.DEFAULT_LR["adam"])
-    assert recipe("--optimizer", "sgd") == TG.Recipe(lr=TG.DEFAULT_LR["sgd"], loss="logmse")
-    assert recipe("--recipe", "paper", "--optimizer", "adam", "--weight-decay", "0.01", "--schedule",
-                  "cosine") == TG.Recipe(optimizer="adam", lr=3e-3, weight_decay=0.01, schedule="cosine")
-    assert recipe("--weight-decay", "0.01").weight_decay == 0.01  # the default recipe is Adam's
-    for bad in (["--recipe", "paper", "--weight-decay", "0.1"], ["--optimizer", "sgd", "--weight-decay", "0.1"],
-                ["--lr", "0"], ["--weight-decay", "1"]):
+    assert recipe() == TG.Recipe() == TG.RECIPES["paper"] == TG.Recipe(optimizer="sgd", lr=0.2, loss="bce")
+    assert recipe("--recipe", "adam-logmse") == TG.Recipe(optimizer="adam", lr=3e-3, loss="logmse")
+    assert recipe("--recipe", "adam-logmse", "--lr", "1e-3", "--select", "spearman") == TG.Recipe(
+        optimizer="adam", lr=1e-3, loss="logmse", select="spearman")
+    assert recipe("--recipe", "adam-logmse", "--optimizer", "sgd") == TG.Recipe(lr=TG.DEFAULT_LR["sgd"], loss="logmse")
+    assert recipe("--optimizer", "adam") == TG.Recipe(optimizer="adam", lr=TG.DEFAULT_LR["adam"])
+    assert recipe("--optimizer", "adam", "--weight-decay", "0.01", "--schedule", "cosine") == TG.Recipe(
+        optimizer="adam", lr=3e-3, weight_decay=0.01, schedule="cosine")
+    assert recipe("--recipe", "adam-logmse", "--weight-decay", "0.01").weight_decay == 0.01
+    for bad in (["--weight-decay", "0.1"], ["--recipe", "adam-logmse", "--optimizer", "sgd", "--weight-decay", "0.1"],
+                ["--lr", "0"], ["--optimizer", "adam", "--weight-decay", "1"]):
         with pytest.raises(SystemExit) as e:
             TG.parse_args([*base, *bad])
         assert e.value.code == 2, bad
