@@ -387,6 +387,19 @@ def leftovers(out):
     return sorted(p.name for p in (Path(out) / "features").iterdir() if p not in shards(out))
 
 
+def run_with_save_file(save_file, args, out):
+    """train_gate.py `args` --out `out` in a subprocess whose safetensors save_file is replaced by `save_file`:
+    the source of a function of that name, which may call `real` (the original) and use os and signal."""
+    driver = ("import os, signal, sys, safetensors.torch as st\n"
+              "real = st.save_file\n"
+              f"{save_file}"
+              "st.save_file = save_file\n"
+              "import train_gate\n"
+              "train_gate.main(sys.argv[1:])\n")
+    return subprocess.run([sys.executable, "-c", driver, *args, "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def test_killed_and_interrupted_shard_writes_leave_nothing_behind(features_run, tmp_path, monkeypatch, capsys):
     """SIGKILL during a shard write leaves safetensors' own hidden temporary (as large as the shard): it
     lands in the shard's partial folder, which the next run sweeps, with the temporaries older versions
@@ -395,15 +408,9 @@ def test_killed_and_interrupted_shard_writes_leave_nothing_behind(features_run, 
     args, fresh = features_run
     out = tmp_path / "out"
     # a real SIGKILL, in the middle of the first shard's write: safetensors stages .tmpXXXXXX beside its target
-    driver = ("import os, signal, sys, safetensors.torch as st\n"
-              "def killed(tensors, filename, metadata=None):\n"
-              "    open(os.path.join(os.path.dirname(filename), '.tmpKiLLeD'), 'wb').write(bytes(1 << 20))\n"
-              "    os.kill(os.getpid(), signal.SIGKILL)\n"
-              "st.save_file = killed\n"
-              "import train_gate\n"
-              "train_gate.main(sys.argv[1:])\n")
-    r = subprocess.run([sys.executable, "-c", driver, *args, "--out", str(out)], cwd=REPO, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = run_with_save_file("def save_file(tensors, filename, metadata=None):\n"
+                           "    open(os.path.join(os.path.dirname(filename), '.tmpKiLLeD'), 'wb').write(bytes(1 << 20))\n"
+                           "    os.kill(os.getpid(), signal.SIGKILL)\n", args, out)
     assert r.returncode == -9, r.stderr[-2000:]
     assert leftovers(out) == [".doc00000.partial"] and shards(out) == []
     (out / "features" / ".tmpOlDvEr").write_bytes(bytes(1000))  # what earlier versions left beside the shards
@@ -626,16 +633,9 @@ def test_sigterm_cleans_up_and_says_how_to_resume(features_run, tmp_path):
     one line with what is kept and how to resume, exit code 143."""
     args, fresh = features_run
     out = tmp_path / "out"
-    driver = ("import os, signal, sys, safetensors.torch as st\n"
-              "real = st.save_file\n"
-              "def terminated(tensors, filename, metadata=None):\n"
-              "    real(tensors, filename, metadata)\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "st.save_file = terminated\n"
-              "import train_gate\n"
-              "train_gate.main(sys.argv[1:])\n")
-    r = subprocess.run([sys.executable, "-c", driver, *args, "--out", str(out)], cwd=REPO, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = run_with_save_file("def save_file(tensors, filename, metadata=None):\n"
+                           "    real(tensors, filename, metadata)\n"
+                           "    os.kill(os.getpid(), signal.SIGTERM)\n", args, out)
     n = len(shards(fresh))
     assert r.returncode == 143 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == (f"interrupted: 0 of {n} feature shards are kept in {out}/features; "
