@@ -23,7 +23,6 @@ Outputs in --out (default results/<timestamp>/): config.json, results.json, resu
 """
 import argparse
 import copy
-import hashlib
 import json
 import os
 import platform
@@ -46,6 +45,7 @@ from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, Transformer, load_m
 from quality import (DEFAULT_LEVEL, label, load_docs, load_records, log, method_cache, model_info,
                      quality_key, quality_results)
 from teacher import KVzipTeacher
+from tools.fetch_assets import file_sha256
 
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
@@ -331,11 +331,6 @@ def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
 
 # ---- 2. Output: config.json, results.json, results.md, relative.png — each written atomically -------
 
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def run_config(args, folder, gates):
     import tokenizers
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -347,9 +342,9 @@ def run_config(args, folder, gates):
                               tokenizers=tokenizers.__version__),
                 machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
                              torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available()),
-                model=dict(folder=str(folder), sha256={p.name: sha256(p) for p in files}),
+                model=dict(folder=str(folder), sha256={p.name: file_sha256(p) for p in files}),
                 gate=dict(source=gates.meta.get("source"), meta=gates.meta,
-                          sha256=sha256(gates.meta["source"]) if gates.meta.get("source") else None),
+                          sha256=file_sha256(gates.meta["source"]) if gates.meta.get("source") else None),
                 levels=list(LEVELS))
 
 

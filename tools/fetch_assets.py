@@ -132,12 +132,10 @@ def run(cmd: list[str], cwd: Path) -> str:
     return res.stdout
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_sha256(path) -> str:
+    """The sha256 of a file, as hex: the one hash of files in this project (assets, models, gates)."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tree_sha256(files: list[Path], root: Path) -> str:

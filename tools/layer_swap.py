@@ -38,6 +38,7 @@ from cli import UsageError
 from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format,
                    resolve_model)
 from scorers import GateScorer
+from tools.fetch_assets import file_sha256
 from teacher import KVzipTeacher
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
@@ -128,7 +129,7 @@ def run(args):
     out = Path(args.out)
     (out / "contexts").mkdir(parents=True, exist_ok=True)
     source = gates.meta.get("source")  # what makes two runs' contexts the same experiment
-    key = dict(flags=flags, budgets=args.budgets, gate=bench.sha256(source) if source else None, combos=args.combos)
+    key = dict(flags=flags, budgets=args.budgets, gate=file_sha256(source) if source else None, combos=args.combos)
     model = load_model(folder, "cpu", torch.float32)
     teacher, scorer = KVzipTeacher(model, tok, fmt), GateScorer(gates)
     stops = quality.answer_stops(cfg, tok)
