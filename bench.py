@@ -373,7 +373,8 @@ def markdown(results):
            f"Model `{f['model']}`, gate `{cfg['gate']['source']}` (sha256 {str(cfg['gate']['sha256'])[:12]}), "
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
            + (f"{results['n_contexts']} {TEXT_NAMES[f.get('text', 'austen')]} contexts of {f['lengths']} tokens, "
-              f"{f['passkeys']} pass keys and "
+              + ("no chat template, " if f.get("chat") is False else "chat template, " if f.get("chat") else "")
+              + f"{f['passkeys']} pass keys and "
               f"{f['kv_questions']} of {f['kv_pairs']} JSON pairs asked per context; chunk {f['chunk_size']}, "
               f"seed {f['seed']}. " if results.get("n_contexts") else "No quality section (speed and memory only). ")
            + f"Run time {results.get('seconds', 0) / 60:.1f} min"
@@ -458,6 +459,9 @@ def parse_args(argv=None):
     p.add_argument("--text", choices=quality.TEXTS, default="austen", help="the documents the quality contexts are "
                    "cut from: austen (the novels, by chapters) or prose (held-out documents of the gates' training "
                    "corpus: Wikipedia, State of the Union addresses, the Python library reference)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="contexts and questions in the model's chat template, as generate.py --chat (default: on, "
+                   "except for the base offline model); --no-chat: plain text, as a base model reads it")
     p.add_argument("--passkeys", type=int, default=3, help="pass keys hidden per context, at stratified depths")
     p.add_argument("--kv-pairs", type=int, default=8, help="key-value pairs in each context's JSON block")
     p.add_argument("--kv-questions", type=int, default=3, help="of those, how many are asked")
@@ -561,7 +565,7 @@ def run(args):
     # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
     cfg = ModelConfig.from_json(folder)
     tok = load_tokenizer(folder, cfg.vocab_size)
-    fmt = prompt_format(cfg, args.model)
+    fmt = prompt_format(cfg, args.model, chat=args.chat)
     gates = gate.resolve_gate(args.gate, cfg, args.model)
     check_lengths(args, cfg, tok, len(tok.encode(fmt.system, add_special_tokens=False).ids))
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))

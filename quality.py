@@ -652,6 +652,8 @@ def quality_key(args, config):
     key = dict({k: getattr(args, k) for k in names}, model=config["model"]["sha256"], gate=config["gate"]["sha256"])
     if args.text != "austen":  # absent for Austen, so the runs written before the choice existed still match
         key["text"] = args.text
+    if getattr(args, "chat", None) is not None:  # absent when the model's default: earlier runs still match
+        key["chat"] = args.chat
     return key
 
 

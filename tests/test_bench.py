@@ -282,6 +282,33 @@ def test_prose_contexts_are_held_out_corpus_text(real):
     assert "text" not in quality.quality_key(bench.parse_args(["--gate", real["gate"]]), config)
 
 
+@pytest.mark.slow
+def test_chat_flag_sets_the_prompt_format_and_the_experiment(real, tmp_path, monkeypatch):
+    """--chat / --no-chat: the contexts' prompt format (as generate.py's flag), part of the experiment's key
+    (absent when not given, so earlier runs still match) and named in results.md."""
+    seen = []
+
+    def stop(model, tok, fmt, args, done=(), on_context=None):
+        seen.append(fmt)
+        raise UsageError("stopped by the test")  # the format is all it needs: stop before any context runs
+
+    monkeypatch.setattr(quality, "run", stop)
+    for flag in ("--chat", "--no-chat"):
+        with pytest.raises(UsageError, match="stopped by the test"):
+            bench.main([flag, "--quick", "--gate", real["gate"], "--out", str(tmp_path / flag), "--no-gpu"])
+    import model as M
+    cfg = real["model"].config
+    assert seen == [M.prompt_format(cfg, M.OFFLINE_DEFAULT, chat=True), M.prompt_format(cfg, M.OFFLINE_DEFAULT, chat=False)]
+    assert seen[0] != seen[1]
+    config = dict(model=dict(sha256="m"), gate=dict(sha256="g"))
+    keys = [quality.quality_key(bench.parse_args(f), config) for f in ([], ["--chat"], ["--no-chat"])]
+    assert "chat" not in keys[0] and keys[1]["chat"] is True and keys[2]["chat"] is False
+    args = bench.parse_args(["--no-chat", "--lengths", "1500", "--contexts", "2"])
+    results = dict(config=dict(config, flags=vars(args), started="t", gate=dict(source="g", sha256="g"),
+                               git_commit="c" * 10, git_dirty=False), n_contexts=2, rows=[], seconds=1)
+    assert "tokens, no chat template, 3 pass keys" in bench.markdown(results)
+
+
 @pytest.fixture(scope="module")
 def quick(real, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "quick"
