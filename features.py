@@ -204,7 +204,7 @@ _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16
 
 def _mmap_tensor(path, name):
     """A tensor of a safetensors file, memory-mapped (not read): features of an 8B model over 1M
-    tokens are ~300 GB, so training reads only the rows of each batch."""
+    tokens are ~300 GB, so training reads them a group of layers at a time (FeatureStore.load_layers)."""
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         info = json.loads(f.read(n))[name]
@@ -232,12 +232,9 @@ class FeatureStore:
         self.n_layers, self.n_tokens, self.hidden_size = self.hidden[0].shape[0], int(lens.sum()), self.hidden[0].shape[2]
         # the model's dtype, in which the gates train; the shards may hold the features narrower (fp16)
         self.dtype = DTYPES.get(manifest.get("dtype"), self.hidden[0].dtype)
+        self.nbytes = sum(h.nbytes for h in self.hidden)  # the hidden states as stored
 
-    def gather(self, idx):
-        """idx (B,) token indices -> hidden (L, B, D) in the model's dtype, targets (L, H, B)."""
-        shard = torch.searchsorted(self.starts, idx, right=True) - 1
-        x = torch.empty(self.n_layers, len(idx), self.hidden_size, dtype=self.dtype)
-        for s in shard.unique().tolist():
-            at = (shard == s).nonzero().squeeze(1)
-            x[:, at] = self.hidden[s][:, idx[at] - self.starts[s]].to(self.dtype)
-        return x, self.scores[:, :, idx]
+    def load_layers(self, layers):
+        """Hidden states of the layers in slice `layers` for every token, read into memory: (L_g, N, D) in
+        the stored dtype. The shards are layer-major, so each shard gives one contiguous run of bytes."""
+        return torch.cat([h[layers] for h in self.hidden], dim=1)

@@ -79,6 +79,7 @@ ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
 LOSSES = ("bce", "rank", "logmse")  # bce: the paper's; rank: BCE + RANK_WEIGHT · rank_per_layer; logmse: KVzap's
 RANK_WEIGHT = 1.0  # the pairwise term's weight beside BCE: equal footing (both are ~0.7 for an untrained gate), not tuned
 LOG_FLOOR = 1e-6   # logmse: scores below this count as this (a teacher score is a max attention weight, > 0)
+MEMORY_SHARE = 0.5  # --layer-groups 0: each group's features in at most this share of the machine's memory
 
 
 @dataclass(frozen=True)
@@ -456,11 +457,27 @@ def val_segments(store, val_idx):
     return list(zip(cut[:-1], cut[1:]))
 
 
-def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Recipe()):
+def layer_groups(n_layers, groups):
+    """The layer axis cut into `groups` consecutive slices of near-equal size."""
+    bounds = [round(g * n_layers / groups) for g in range(groups + 1)]
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def auto_layer_groups(store, share=MEMORY_SHARE):
+    """The fewest layer groups whose features each fit in `share` of this machine's memory."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(store.n_layers, max(1, math.ceil(store.nbytes / (share * memory))))
+
+
+def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Recipe(), groups=1):
     """METHOD.md §5.2-5.4 with the paper's Recipe(); the others are §13. Returns (gates, metrics dict).
     Loss "rank" adds RANK_WEIGHT · rank_per_layer over B random token pairs of each batch, drawn from a
     generator of their own: the batches are the same as with "bce". The batches never depend on the
-    recipe."""
+    recipe.
+    Layers share no parameters and every loss is a sum over layers, so the layers may train in `groups`
+    runs one after another, each over the same batches with its layers' features read into memory: the
+    gates are those of one joint run (tested), and features larger than memory are read once per group
+    instead of at random on every step."""
     N = store.n_tokens
     is_val = store.is_val_doc
     if not is_val.any():  # the authors' split, every 100th token, 1-based: Janghyun1230/FastKVzip:load_data.py:split_fn
@@ -471,22 +488,56 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
         raise UsageError(f"only {n_train} training tokens for --batch-tokens {B}; add data (--tokens) or lower it")
     if len(val_idx) == 0:
         raise UsageError(f"only {N} tokens: need at least {VAL_EVERY} for one validation token; raise --tokens")
-    dtype = store.dtype  # the gates train in the model's dtype (METHOD.md §5.4), whatever the features are stored in
-    x_val, y_val = store.gather(val_idx)
     torch.manual_seed(seed)
     from gate import Gates
     # projections and b in the model's dtype, norms and sink keys in fp32 (METHOD.md §1.2)
-    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
-                  dtype=dtype, device=device)
+    make = lambda n: Gates(n, cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size, dtype=store.dtype, device=device)
+    gates = make(len(cfg.compressed_layers))
+    batches = torch.get_rng_state()  # where the batch order starts, for every group
+    segments = val_segments(store, val_idx)
+    parts = []
+    t0 = time.perf_counter()
+    for part in layer_groups(store.n_layers, groups):
+        sub = make(part.stop - part.start)
+        with torch.no_grad():
+            for p, q in zip(sub.parameters(), gates.parameters()):
+                p.copy_(q[part])
+        torch.set_rng_state(batches)
+        name = "" if groups == 1 else f"layers {part.start}-{part.stop - 1}: "
+        t_read = time.perf_counter()
+        hidden = store.load_layers(part)  # (L_g, N, D), stored dtype
+        log(f"{name}features read ({hidden.nbytes / 2**30:.1f} GiB, {time.perf_counter() - t_read:.0f} s)")
+        parts.append(train_layers(sub, hidden, store.scores[part], train_idx, val_idx, segments, device, steps, B,
+                                  seed, lambda s: log(name + s), recipe, t0))
+        del hidden
+        with torch.no_grad():
+            for p, q in zip(gates.parameters(), sub.parameters()):
+                p[part] = q
+    metrics = {k: v for k, v in parts[0].items() if not isinstance(v, list)}
+    for k, v in parts[0].items():  # per layer, or per validation step and layer: the groups side by side
+        if isinstance(v, list):
+            metrics[k] = (v if k == "step" else
+                          [sum(rows, []) for rows in zip(*(m[k] for m in parts))] if isinstance(v[0], list) else
+                          sum((m[k] for m in parts), []))
+    metrics.update(layers=list(cfg.compressed_layers), n_train=n_train, n_val=len(val_idx), recipe=asdict(recipe),
+                   layer_groups=groups, seconds=time.perf_counter() - t0)
+    metrics["steps_per_s"] = steps / max(metrics["seconds"], 1e-9)
+    return gates, metrics
+
+
+def train_layers(gates, hidden, scores, train_idx, val_idx, segments, device, steps, B, seed, log, recipe, t0):
+    """train's loop for the layers of `gates`, their features hidden (L, N, D) and targets scores (L, H, N)
+    in memory -> metrics (per validation step, per layer)."""
+    dtype = gates.dtype  # the gates train in the model's dtype (METHOD.md §5.4), whatever the features are stored in
+    x_val, y_val = hidden[:, val_idx].to(dtype), scores[:, :, val_idx]
     params = list(gates.parameters())  # each (L, ...): layer l's parameters are row l of every tensor
     state = [None] * len(params)  # SGD's momentum buffers, or Adam's moments
+    n_train = len(train_idx)
     n_split = n_train // B  # epoch-style sampling: a fresh permutation every n_split steps
-    L = store.n_layers
-    segments = val_segments(store, val_idx)
+    L = hidden.shape[0]
     loss = recipe.loss
     metrics = dict(step=[], train_loss=[], train_acc=[], val_loss=[], val_acc=[], val_spearman=[],
-                   layers=list(cfg.compressed_layers), const_val_loss=constant_bce(y_val), floor_val_loss=floor_bce(y_val),
-                   n_train=n_train, n_val=len(val_idx), recipe=asdict(recipe))
+                   const_val_loss=constant_bce(y_val), floor_val_loss=floor_bce(y_val))
     if loss == "rank":
         pair_rng = torch.Generator().manual_seed(seed)
         metrics.update(loss=loss, rank_weight=RANK_WEIGHT, train_rank_loss=[])
@@ -494,13 +545,11 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
         metrics.update(train_logmse=[])
     best_rho, best = [-2.0] * L, [p.detach().clone() for p in params]  # recipe.select "spearman"
     selected = [steps - 1] * L
-    t0 = time.perf_counter()
     for i in range(steps):
         if i % n_split == 0:
             perm = torch.randperm(n_train)
         idx = train_idx[perm[(i % n_split) * B:(i % n_split + 1) * B]]
-        x, y = store.gather(idx)
-        x, y = x.to(device), y.to(device)
+        x, y = hidden[:, idx].to(device, dtype), scores[:, :, idx].to(device)
         pred = gates(x)                         # (L, H, B): all layers in one batched call
         per_layer = bce_per_layer(pred, y)      # (L,)
         if loss == "logmse":
@@ -547,9 +596,7 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
                 p.copy_(b)
         metrics["selected_step"] = selected
         metrics["selected_val_spearman"] = best_rho
-    metrics["seconds"] = time.perf_counter() - t0
-    metrics["steps_per_s"] = steps / max(metrics["seconds"], 1e-9)
-    return gates, metrics
+    return metrics
 
 
 def agreement_with_teacher(gates, store, manifest, docs, tokenizer, device):
@@ -673,7 +720,8 @@ def run(args):
     store = FeatureStore(out, manifest)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
     recipe = make_recipe(args)
-    gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log, recipe)
+    groups = min(args.layer_groups, store.n_layers) or auto_layer_groups(store)
+    gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log, recipe, groups)
     metrics["n_val_docs"] = sum(d.get("split") == "val" for d in manifest["documents"])
     metrics["agreement"] = agreement_with_teacher(gates, store, manifest, docs, tokenizer, device)
     metrics["command"] = " ".join(sys.argv)
@@ -806,6 +854,9 @@ def parse_args(argv=None):
     p.add_argument("--feature-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="dtype the hidden-state features are stored in (default auto: the model's, but float16 "
                    "for float32 features of more than 16 KB per token, e.g. SmolLM2-135M's 69 KB)")
+    p.add_argument("--layer-groups", type=int, default=0, help="train the layers in this many groups one after "
+                   "another, each with its features read into memory (the gates are the same); 0: as few as fit in "
+                   f"{MEMORY_SHARE:.0%} of this machine's memory")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). On small or "
                    "shared CPUs 1 is often much faster: the gate's small ops pay for every thread hand-off")
     p.add_argument("--export-pt", action="store_true", help="also write the gate in the authors' layout, "
@@ -821,8 +872,8 @@ def parse_args(argv=None):
         p.error(f"--weight-decay must be in [0, 1), got {args.weight_decay}")
     if args.weight_decay and (args.optimizer or RECIPES[args.recipe].optimizer) == "sgd":
         p.error("--weight-decay applies to --optimizer adam (the paper's SGD takes none)")
-    if args.steps < 0 or args.long_doc_tokens < 0:
-        p.error("--steps and --long-doc-tokens must be >= 0")
+    if args.steps < 0 or args.long_doc_tokens < 0 or args.layer_groups < 0:
+        p.error("--steps, --long-doc-tokens and --layer-groups must be >= 0")
     if not -2**63 <= args.seed < 2**63:
         p.error(f"--seed {args.seed} does not fit in 64 bits")
     if not 0 <= args.val_docs <= 0.5:
