@@ -34,8 +34,11 @@ H100-hours for the whole phase, METHOD.md §5.5):
             twice that while its shard is written).
   disk      the same 295 KB per token: ≈ 295 GB of features for 1M tokens (Gemma3 270M, fp32: 7.7 KB;
             SmolLM2-135M, 30 layers x 576: 69 KB in fp32, stored as fp16 by --feature-dtype auto: 35 KB).
-  training  5000 steps × 1000 tokens read from the memory-mapped shards (295 MB per step for Qwen3-8B;
-            the gate math itself is tiny): I/O bound, ~0.05-0.1 s per step from page cache / NVMe, 5-10 min.
+  training  5000 steps × 1000 tokens; the gate math itself is tiny. The layers train in groups one after
+            another (--layer-groups; the gates are those of one joint run), each group's features read once
+            into host memory: by default as few groups as fit in half of it (Qwen3-8B's 295 GB: 5 groups
+            of ~60 GB on a 128 GB host, each read in ~30 s from NVMe, then its steps run from memory).
+            SmolLM2-135M at 1M tokens: 30 GB of fp16 features, 3 groups on a 24 GB machine.
   scaling   features ∝ tokens × parameters + Σ n² × layers × heads × head_dim; disk and training reads
             ∝ tokens × compressed layers × hidden size; more GPUs (torchrun) divide the feature step.
 
