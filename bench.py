@@ -17,6 +17,10 @@ run (12 contexts) split over both cores, 69 min side by side, then 20 min of spe
     python bench.py --contexts 4 --speed-lengths 0 --shard 1/2 --out results/full-s1; wait
     python bench.py --contexts 4 --no-quality --out results/full-speed
     python bench.py --merge results/full-s0,results/full-s1,results/full-speed --out results/full --plot
+Held-out corpus prose instead of Austen (--text prose), SmolLM2 reading it as plain text (in its chat
+template its full cache answers 5 of 18 of these pass keys, as plain text 14; 42 min on one core):
+    python bench.py --model smollm2-135m-gguf --text prose --no-chat --methods fastkvzip,kvzip,streaming \
+        --budgets 1.0,0.5,0.3,0.2 --lengths 2048 --contexts 12 --speed-lengths 0
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
 Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md, relative.png.
