@@ -499,6 +499,7 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
     batches = torch.get_rng_state()  # where the batch order starts, for every group
     segments = val_segments(store, val_idx)
     parts = []
+    groups = max(1, min(groups, store.n_layers))
     t0 = time.perf_counter()
     for part in layer_groups(store.n_layers, groups):
         sub = make(part.stop - part.start)
@@ -723,7 +724,7 @@ def run(args):
     store = FeatureStore(out, manifest)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
     recipe = make_recipe(args)
-    groups = min(args.layer_groups, store.n_layers) or auto_layer_groups(store)
+    groups = args.layer_groups or auto_layer_groups(store)  # train() caps it at the number of layers
     gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log, recipe, groups)
     metrics["n_val_docs"] = sum(d.get("split") == "val" for d in manifest["documents"])
     metrics["agreement"] = agreement_with_teacher(gates, store, manifest, docs, tokenizer, device)

@@ -244,8 +244,9 @@ def test_layer_groups_train_the_gates_of_one_joint_run(tmp_path, recipe):
     store = features.FeatureStore(tmp_path, dict(documents=docs, dtype="float32"))
     assert store.nbytes == 3 * 2500 * 16 * 2
     runs = [TG.train(store, cfg, torch.device("cpu"), steps=120, batch_tokens=100, seed=3, log=lambda s: None,
-                     recipe=recipe, groups=g) for g in (1, 2, 3)]
+                     recipe=recipe, groups=g) for g in (1, 2, 3, 7)]  # 7: capped at the 3 layers
     (one, m1), rest = runs[0], runs[1:]
+    assert [m["layer_groups"] for _, m in runs] == [1, 2, 3, 3]
     assert m1["layer_groups"] == 1 and len(m1["val_loss"][-1]) == 3 and len(m1["val_loss"]) == len(m1["step"])
     # equal up to fp32 summation order: a batched op over 1, 2 or 3 layers may reduce in another order (measured:
     # at most 5e-7 apart after 120 steps, parameters of ~0.1-1)
