@@ -247,7 +247,7 @@ def test_layer_groups_train_the_gates_of_one_joint_run(tmp_path, recipe):
                      recipe=recipe, groups=g) for g in (1, 2, 3, 7)]  # 7: capped at the 3 layers
     (one, m1), rest = runs[0], runs[1:]
     assert [m["layer_groups"] for _, m in runs] == [1, 2, 3, 3]
-    assert m1["layer_groups"] == 1 and len(m1["val_loss"][-1]) == 3 and len(m1["val_loss"]) == len(m1["step"])
+    assert len(m1["val_loss"][-1]) == 3 and len(m1["val_loss"]) == len(m1["step"])
     # equal up to fp32 summation order: a batched op over 1, 2 or 3 layers may reduce in another order (measured:
     # at most 5e-7 apart after 120 steps, parameters of ~0.1-1)
     for gates, m in rest:
