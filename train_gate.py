@@ -467,9 +467,10 @@ def layer_groups(n_layers, groups):
 
 
 def auto_layer_groups(store, share=MEMORY_SHARE):
-    """The fewest layer groups whose features each fit in `share` of this machine's memory."""
+    """The fewest layer groups whose features each fit in `share` of this machine's memory (train caps it at
+    one layer per group)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(store.n_layers, max(1, math.ceil(store.nbytes / (share * memory))))
+    return math.ceil(store.nbytes / (share * memory))
 
 
 def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Recipe(), groups=1):
