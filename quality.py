@@ -567,8 +567,9 @@ def run(model, tok, fmt, args, done=(), on_context=None):
         with torch.no_grad():
             full, logits, tscores = capture_prefill(model, sample.ids, args.chunk_size, teacher, sample.n_protected)
             t_prefill = time.perf_counter() - t0
-            log(f"quality context {c + 1}/{len(lengths)}: {n} tokens prefilled and scored by the teacher in "
-                f"{t_prefill:.0f} s; answering from {1 + len(configs) * len(args.budgets)} caches")
+            log(f"quality context {c + 1}/{len(lengths)}: {n} tokens prefilled"
+                f"{' and scored by the teacher' if teacher else ''} in {t_prefill:.0f} s; "
+                f"answering from {1 + len(configs) * len(args.budgets)} caches")
             ref = evaluate(model, tok, full, sample, stop_ids)
             entries[entry_key("full", 1.0)] = entry(sample, ref, ref, [1.0] * len(cfg.compressed_layers), full.nbytes)
             for method, level in configs:
