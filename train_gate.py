@@ -38,7 +38,9 @@ H100-hours for the whole phase, METHOD.md §5.5):
             another (--layer-groups; the gates are those of one joint run), each group's features read once
             into host memory: by default as few groups as fit in half of it (Qwen3-8B's 295 GB: 5 groups
             of ~60 GB on a 128 GB host, each read in ~30 s from NVMe, then its steps run from memory).
-            SmolLM2-135M at 1M tokens: 30 GB of fp16 features, 3 groups on a 24 GB machine.
+            SmolLM2-135M at 877K tokens (measured on 2 CPU cores): 29 GB of fp16 features in 4-5 h (25-40
+            tokens/s per process, resumed twice), 3 groups by default on a 24 GB machine; 5000 steps in 42 min with
+            --threads 1 and 6 groups of 5 GB (two runs side by side).
   scaling   features ∝ tokens × parameters + Σ n² × layers × heads × head_dim; disk and training reads
             ∝ tokens × compressed layers × hidden size; more GPUs (torchrun) divide the feature step.
 
