@@ -1,6 +1,8 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with exit
 code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how to
 resume, outputs written atomically, one rule for what counts as text, and matplotlib for --plot."""
+import argparse
+import hashlib
 import json
 import os
 import re
@@ -46,8 +48,8 @@ def main(run, args, *errors, kept=lambda args: None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:
-        note = str(e) or kept(args)  # an exception may carry its own (offline.py's conversion)
-        print(f"\ninterrupted" + (f": {note}" if note else ""), file=sys.stderr)
+        note = str(e) or kept(args)  # an exception may carry its own (offline/models.py's conversion)
+        print("\ninterrupted" + (f": {note}" if note else ""), file=sys.stderr)
         sys.exit(143 if isinstance(e, Terminated) else 130)
     finally:
         if in_main_thread:
@@ -106,6 +108,32 @@ def write_text(path, text):
 def write_json(path, obj, indent=2):
     """obj as UTF-8 JSON text (non-ASCII characters as they are) ending in a newline, written atomically."""
     write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
+
+
+def file_sha256(path) -> str:
+    """The sha256 of a file, as hex: the one hash of files in this project (assets, models, gates)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def tree_sha256(files: list[Path], root: Path) -> str:
+    """One hash for a set of files: sha256 over the sorted lines "<path relative to root>\t<file sha256>\n".
+    MANIFEST.txt records it for every part, and train_gate.py for the text a gate was trained on (--data),
+    so the two can be compared: same hash, same bytes under the same names."""
+    lines = sorted(f"{Path(f).relative_to(root).as_posix()}\t{file_sha256(Path(f))}\n" for f in files)
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def floats(s):
+    return [float(x) for x in s.split(",") if x]
+
+
+def ints(s):
+    """A comma list of token counts; '0' alone means none."""
+    values = [int(x) for x in s.split(",") if x]
+    if any(v < 0 for v in values) or (0 in values and values != [0]):
+        raise argparse.ArgumentTypeError(f"{s!r}: token counts must be positive ('0' alone = none)")
+    return [v for v in values if v > 0]
 
 
 def pyplot():

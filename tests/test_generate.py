@@ -13,7 +13,7 @@ import model as M
 from cache import EvictingCache, KVCache
 from gate import Gates, save_gate
 from generate import answer, prefill
-from scorers import GateScorer, RandomScorer
+from gate import GateScorer, RandomScorer
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -361,8 +361,10 @@ def test_resolve_model_routes(checkpoints, monkeypatch, tmp_path):
 
     folder = checkpoints("qwen3-gqa2-tied")[0]
     assert M.resolve_model(str(folder)) == folder
-    fake = types.SimpleNamespace(ensure_offline_model=lambda name: tmp_path / name)  # offline.py converts
-    monkeypatch.setitem(sys.modules, "offline", fake)
+    fake = types.SimpleNamespace(ensure_offline_model=lambda name: tmp_path / name)  # offline/models.py converts
+    import offline
+    monkeypatch.setitem(sys.modules, "offline.models", fake)
+    monkeypatch.setattr(offline, "models", fake, raising=False)
     assert M.resolve_model("gemma3-270m-gguf") == tmp_path / "gemma3-270m-gguf"
     assert M.resolve_model("SmolLM2-135M-gguf") == tmp_path / "smollm2-135m-gguf"
     (tmp_path / "weights.bin").write_text("x")
@@ -421,7 +423,7 @@ def test_the_tokenizer_template_decides_the_prompt(checkpoints, tmp_path):
 
 def test_prompt_pieces_tokenize_to_the_special_tokens():
     """With the published tokenizers, the written-out templates hit the real special-token ids."""
-    from tools.fetch_assets import require_for_test
+    from offline.fetch_assets import require_for_test
 
     pieces = {"gemma3": ("gemma3_text", "gemma3-1b", [2, 105], [106, 107, 105, 4368, 107]),  # <bos><start_of_turn>
               "qwen3": ("qwen3", "qwen3-8b", [151644], [151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271])}

@@ -139,7 +139,7 @@ def test_validation_spearman_is_the_agreement_and_select_keeps_each_layers_best(
     """The validation Spearman logged every 50 steps is quality.agreement's, pooled over the held-out documents;
     --select spearman returns, per layer, the parameters of the step where it was best (the returned gates
     score exactly that again), where --select last returns the last step's."""
-    from quality import agreement, pool_agreement
+    from harness.quality import agreement, pool_agreement
     from types import SimpleNamespace
     cfg = SimpleNamespace(compressed_layers=[0, 3], hidden_size=16, num_key_value_heads=2, group_size=2)
     torch.manual_seed(5)
@@ -351,10 +351,10 @@ def test_training_beats_the_best_constant(qwen, tmp_path):
 
 
 def test_data_hash_and_the_bundled_gates_corpus_note(tmp_path, monkeypatch, capsys):
-    """data_sha256 is tools/fetch_assets.tree_sha256 over the files read (for a folder, a file and a glob);
+    """data_sha256 is cli.tree_sha256 over the files read (for a folder, a file and a glob);
     note_bundled_corpus says in one line whether --data is the text the model's bundled gate was trained on."""
     import gate
-    from tools.fetch_assets import tree_sha256
+    from offline.fetch_assets import tree_sha256
     data = write_docs(tmp_path / "data", 3)
     files = sorted(data.glob("*.txt"))
     assert TG.data_sha256(str(data)) == TG.data_sha256(str(data / "*.txt")) == tree_sha256(files, data)
@@ -731,9 +731,9 @@ def test_plot_curves_writes_a_png(tmp_path):
 
 
 def test_training_corpus_is_broad_and_holds_no_evaluation_text():
-    """tools/fetch_assets.py's training corpus: all three sources, documents of about 2K-7K tokens, and
+    """offline/fetch_assets.py's training corpus: all three sources, documents of about 2K-7K tokens, and
     not one paragraph of the Austen novels (the evaluation text) nor a planted pass key."""
-    from tools import fetch_assets
+    from offline import fetch_assets
     fetch_assets.require_for_test("corpus")
     docs = fetch_assets.text_docs("corpus")
     assert {p.name.split("-", 1)[1] for p in docs} == {"wiki.txt", "sotu.txt", "pydoc.txt"}
