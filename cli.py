@@ -34,12 +34,17 @@ def _terminate(signum, frame):
 def main(run, args, *errors, kept=lambda args: None):
     """run(args), with a UsageError or any of `errors` (model.ModelError, gate.GateError, ...) reported as
     one line `error: message` and exit code 2 instead of a traceback; Ctrl-C (exit code 130) and SIGTERM
-    (143) as one line `interrupted: ...`. kept(args): what the run keeps and how to resume it (a clause,
+    (143) as one line `interrupted: ...`; a closed stdout (`| head`) as a quiet exit 141. kept(args): what the run keeps and how to resume it (a clause,
     or None when nothing is kept), added to the interrupt line and to a failed write."""
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
-        return run(args)
+        result = run(args)
+        sys.stdout.flush()  # a reader that left early shows here, not as a traceback at exit
+        return result
+    except BrokenPipeError:  # stdout's reader left (`| head -n 1`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        sys.exit(141)  # 128 + SIGPIPE: what a shell reports for a tool the closed pipe stopped
     except WriteError as e:
         note = kept(args)
         print(f"error: {e}" + (f"; {note}" if note else ""), file=sys.stderr)
@@ -66,7 +71,20 @@ def decode_text(data, name):
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise UsageError(f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                         f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+                         f"convert it, e.g. iconv -f {_legacy_encoding(data)} -t utf-8") from None
+
+
+def _legacy_encoding(data):
+    """The 8-bit encoding that text which is not UTF-8 most likely is: Windows-1252 when it holds bytes
+    0x80-0x9F that Windows-1252 defines (curly quotes, dashes, the euro sign; Latin-1 reads them as
+    invisible C1 control characters), else Latin-1."""
+    if any(0x80 <= b <= 0x9F for b in data):
+        try:
+            data.decode("cp1252")
+            return "cp1252"
+        except UnicodeDecodeError:  # 0x81, 0x8d, 0x8f, 0x90, 0x9d: undefined in Windows-1252
+            pass
+    return "latin1"
 
 
 def _write_failure(e):

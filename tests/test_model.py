@@ -316,6 +316,17 @@ def test_bad_weights(checkpoints, tmp_path):
     _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "lacks")
 
 
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"metadata": {}}', '{"weight_map": ["a.safetensors"]}',
+                                  '{"weight_map": {"lm_head.weight": 3}}'])
+def test_unreadable_shard_index(checkpoints, tmp_path, text):
+    """A model.safetensors.index.json that is not JSON, lacks weight_map or holds the wrong types: one line
+    naming the index, not a JSONDecodeError, KeyError or AttributeError."""
+    shutil.copytree(checkpoints("qwen3-gqa4-untied-sharded")[0], tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(text)
+    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "model.safetensors.index.json",
+                    "re-download the model")
+
+
 def test_bad_configs(checkpoints, tmp_path):
     """config.json that is not an object, holds values of the wrong type or sign, or whose sizes do not
     match the weights: one line naming the field, never a traceback or a silently different model."""
@@ -336,12 +347,16 @@ def test_bad_configs(checkpoints, tmp_path):
         _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "has shape", "config.json implies")
     config.write_text(original)
     assert M.load_model(tmp_path / "m", "cpu") is not None
+    assert M.load_model(tmp_path / "m", "cpu:0") is not None  # the CPU by its index
 
 
 def test_parse_device():
     assert M.parse_device("cpu") == torch.device("cpu") and M.parse_device(None) == M.default_device()
     _one_line_error(lambda: M.parse_device("foo"), "--device 'foo' is not a device")
     _one_line_error(lambda: M.parse_device("meta"), "only cpu and cuda")
+    # torch takes cpu:N; safetensors refused it, which read as "corrupt safetensors file ... re-download it"
+    _one_line_error(lambda: M.parse_device("cpu:1"), "--device cpu:1", "use --device cpu")
+    assert M.parse_device("cpu:0") == torch.device("cpu")
     if not torch.cuda.is_available():
         _one_line_error(lambda: M.parse_device("cuda"), "CUDA is not available")
     _one_line_error(lambda: M.parse_device(f"cuda:{torch.cuda.device_count()}"), "--device cuda:")
