@@ -36,7 +36,7 @@ import cli
 import gate
 from cache import LEVELS
 from cli import UsageError, write_text
-from harness import quality
+from harness import quality, ruler
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, batch_speed, gpu_section, load_peer, speed
@@ -46,6 +46,7 @@ from teacher import KVzipTeacher
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
 BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
+SUITES = ("needle", "ruler")  # --suite: harness/quality.py's needle contexts, or harness/ruler.py
 
 
 # ---- 3. Command line --------------------------------------------------------------------------------
@@ -69,6 +70,20 @@ def parse_args(argv=None):
                    help="eviction levels run beside the paper's for fastkvzip and kvzip (cache.LEVELS; '' = none)")
     p.add_argument("--lengths", type=cli.ints, default=[2048, 4096, 8192], help="context lengths in tokens (quality)")
     p.add_argument("--contexts", type=int, default=6, help="contexts per length (each from another document)")
+    p.add_argument("--suite", choices=SUITES, default="needle",
+                   help="the quality suite: needle (pass keys, JSON pairs and NLL probes in "
+                   "Austen, harness/quality.py) or ruler (RULER's 11 offline tasks, scored as "
+                   "kvpress scores them, harness/ruler.py; --lengths defaults to 4096, "
+                   "--speed-lengths to none)")
+    p.add_argument("--dataset", help="a JSONL or parquet file in kvpress's dataset layout "
+                   "(context, question, answer_prefix, answer(s), max_new_tokens, task), e.g. "
+                   "kvpress's RULER-4K file: its rows are the samples, scored by string_match "
+                   "(implies --suite ruler)")
+    p.add_argument("--ruler-samples", type=int, default=5,
+                   help="--suite ruler: samples generated per task")
+    p.add_argument("--ruler-tasks", type=lambda s: [x for x in s.split(",") if x],
+                   default=list(ruler.TASKS), help="--suite ruler: comma list of the tasks "
+                   "generated (default all 11: " + ",".join(ruler.TASKS) + ")")
     p.add_argument("--text", choices=quality.TEXTS, default="austen", help="the documents the quality contexts are "
                    "cut from: austen (the novels, by chapters) or prose (held-out documents of the gates' training "
                    "corpus: Wikipedia, State of the Union addresses, the Python library reference)")
@@ -124,6 +139,15 @@ def parse_args(argv=None):
     except (ValueError, AssertionError):
         p.error(f"--shard {args.shard}: expected k/n with 0 <= k < n, e.g. 0/2")
     args.shard = shard
+    if args.dataset and "suite" in typed and args.suite != "ruler":
+        p.error("--dataset reads kvpress's layout, scored by string_match: it runs as --suite "
+                "ruler")
+    if args.dataset:
+        args.suite = "ruler"
+    if args.suite == "ruler":  # RULER-4K, as kvpress's leaderboard; no speed rows unless asked for
+        for k, v in (("lengths", [4096]), ("speed_lengths", [])):
+            if k not in typed:
+                setattr(args, k, v)
     if args.quick:
         for k, v in QUICK.items():
             if k not in typed:
@@ -160,6 +184,16 @@ def check_args(p, args):
         p.error(f"--passkeys {args.passkeys}: at most {len(quality.OWNERS)} (one per named owner)")
     if args.kv_questions > args.kv_pairs:
         p.error(f"--kv-questions {args.kv_questions} asks more pairs than --kv-pairs {args.kv_pairs} holds")
+    bad = [t for t in args.ruler_tasks if t not in ruler.TASKS]
+    if bad or not args.ruler_tasks:
+        p.error(f"--ruler-tasks {','.join(bad) or '(none)'}: tasks are {','.join(ruler.TASKS)} "
+                f"(the QA tasks {', '.join(ruler.LEFT_OUT)} need SQuAD and HotpotQA, which are not "
+                "offline)")
+    args.ruler_tasks = list(dict.fromkeys(args.ruler_tasks))
+    if args.ruler_samples < 1:
+        p.error(f"--ruler-samples must be >= 1, got {args.ruler_samples}")
+    if args.dataset and not Path(args.dataset).is_file():
+        p.error(f"--dataset {args.dataset}: no such file")
     if not args.no_quality and not args.merge and not args.lengths:
         p.error("--lengths is empty: give context lengths, or --no-quality")
 
@@ -188,7 +222,8 @@ def run(args):
         raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another --out") from None
     args.out_dir = str(out)
     config = run_config(args, folder, gates)
-    key = config["quality_key"] = quality_key(args, config)
+    key = config["quality_key"] = ruler.run_key(args, config) if args.suite == "ruler" else \
+        quality_key(args, config)
     config.update({f"{k}_key": v for k, v in speed_keys(args, config).items()})
     done = load_records(out, key)  # an interrupted run with the same --out resumes after its last context
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[], complete=False)
@@ -213,7 +248,7 @@ def run(args):
     def save():
         results["seconds"] = time.perf_counter() - t_start + sum(r["seconds"] for r in done.values())
         if records:
-            results.update(quality_results(records, args))
+            results.update(suite_results(records, args, key))
         write_results(out, results)
 
     def finished(record):  # each context is kept the moment it ends: a killed run loses at most one
@@ -224,7 +259,8 @@ def run(args):
     log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}"
         + (f"; resuming after {len(done)} finished contexts" if done else ""))
     if not args.no_quality:
-        quality.run(model, tok, fmt, args, done, on_context=finished)
+        suite = ruler if args.suite == "ruler" else quality
+        suite.run(model, tok, fmt, args, done, on_context=finished)
     if args.speed_lengths:
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
         system = tok.encode(fmt.system, add_special_tokens=False).ids
@@ -301,8 +337,19 @@ def write_results(out, results):
     write_text(out / "results.md", markdown(results))
 
 
+def suite_results(records, args, key):
+    """The quality part of results.json for the suite that wrote `key` (a run's, or the merged
+    runs')."""
+    if key.get("suite") != "ruler":
+        return quality_results(records, args)
+    source = key.get("dataset_name") or max(key["lengths"])
+    return ruler.results(records, args.bootstrap, args.seed, source)
+
+
 def finish(results, out, args):
-    if args.plot:
+    if args.plot and results["config"]["quality_key"].get("suite") == "ruler":
+        ruler.plot(results, out / "ruler.png")
+    elif args.plot:
         quality.plot(results, out / "relative.png")
     avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"] if r["task"] == "average"}
     low = min((b for _, b in avg), default=None)
@@ -341,10 +388,12 @@ def merge(args):
                 results["speed_peer"] = results.get("speed_peer", []) + old["speed_peer"]
         results["compressed_layers"] = old.get("compressed_layers", results.get("compressed_layers"))
         results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))  # shards run side by side
-    expected = len(key["lengths"]) * key["contexts"]
+    expected = ruler.n_contexts(key) if key.get("suite") == "ruler" else \
+        len(key["lengths"]) * key["contexts"]
     if len(records) < expected:
         log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
-    results.update(quality_results(list(records.values()), args), complete=len(records) == expected)
+    results.update(suite_results(list(records.values()), args, key),
+                   complete=len(records) == expected)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_results(out, results)

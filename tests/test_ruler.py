@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from harness import ruler
-from tools import fetch_assets
+from offline import fetch_assets
 
 
 @pytest.fixture(scope="module", params=["gemma3", "qwen3"])
@@ -60,7 +60,7 @@ def check_answers(row):
 @pytest.mark.parametrize("target", [4096, 1500])
 def test_every_task_holds_its_answers_and_fills_the_target(tok, target):
     rows = ruler.make_samples(tok, target, 2, seed=3)
-    assert [r["task"] for r in rows] == [t for t in ruler.TASKS for _ in range(2)]
+    assert [r["task"] for r in rows] == list(ruler.TASKS) * 2
     for r in rows:
         check_answers(r)
         assert r["max_new_tokens"] == ruler.MAX_NEW[ruler.family(r["task"])]
