@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 import generate
-from cli import pyplot, save_figure
+from cli import UsageError, file_sha256, pyplot, save_figure
 from harness import quality as Q
 from teacher import KVzipTeacher
 
@@ -400,10 +400,14 @@ def string_match(task, predictions, answers):
 
 def load_rows(tok, dataset, lengths, n_per_task, seed, tasks=TASKS):
     """The rows a run asks, in kvpress's layout: a file's (dataset), else RULER's generated here,
-    n_per_task samples of every task at each length."""
-    if dataset:
-        return read_dataset(dataset)
-    return [r for n in lengths for r in make_samples(tok, n, n_per_task, seed, tasks)]
+    n_per_task samples of every task at each length. A file that cannot be read, a length too short
+    for a task: UsageError."""
+    try:
+        if dataset:
+            return read_dataset(dataset)
+        return [r for n in lengths for r in make_samples(tok, n, n_per_task, seed, tasks)]
+    except (OSError, ValueError) as e:  # ValueError: JSON's and pyarrow's errors too
+        raise UsageError(f"--dataset {dataset}: {e}" if dataset else f"--lengths: {e}") from None
 
 
 def to_samples(tok, fmt, rows):
@@ -516,13 +520,13 @@ def entry(res, kept, nbytes):
 def run_key(args, config):
     """What makes two RULER runs' contexts the same experiment (resume, --merge): the samples (the
     generator's settings, or the file's sha256), the configurations, the model and the gate."""
-    from cli import file_sha256
     names = ("methods", "budgets", "extra_levels", "chunk_size", "window", "seed")
     key = dict({k: getattr(args, k) for k in names}, suite="ruler", model=config["model"]["sha256"],
                gate=config["gate"]["sha256"])
     if args.dataset:
+        rows = load_rows(None, args.dataset, [], 0, 0)
         key.update(dataset=file_sha256(args.dataset), dataset_name=Path(args.dataset).name,
-                   dataset_contexts=len({r["context"] for r in read_dataset(args.dataset)}))
+                   dataset_contexts=len({r["context"] for r in rows}))
     else:
         key.update(lengths=args.lengths, ruler_samples=args.ruler_samples,
                    ruler_tasks=args.ruler_tasks)
