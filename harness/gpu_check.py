@@ -61,28 +61,21 @@ DEADLINE_S = 470      # seconds: the last part ends by then (the device command'
 FILES = ("env.json", "tests.json", "pytest.txt", "kernel.json", "decode.json", "prefill.json",
          "summary.md")
 
-# Qwen3-8B's published shape (HF config), with the YaRN scaling the authors use for long contexts
-QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=131072,
-                rope_theta=1e6,
-                rope_scaling=dict(rope_type="yarn", factor=4.0,
-                                  original_max_position_embeddings=32768),
-                tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
-TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-            rope_scaling=None)
+# The dry run's model: a Qwen3 of 2 small layers (the GPU run's is harness.speed.QWEN3_8B)
+TINY = dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            max_position_embeddings=4096, tie_word_embeddings=False)
 
 # What each run measures. Kernel shapes: H KV heads, G query heads each, head_dim d (Qwen3-8B: 8, 4,
 # 128). decode_keys: kept keys per layer, all heads together (314,573: 30% of 128K tokens x 8).
-GPU = dict(model=QWEN3_8B, dtype="bfloat16", H=8, G=4, d=128,
+GPU = dict(model="qwen3-8b", dtype="bfloat16", H=8, G=4, d=128,
            decode_keys=(32768, 65536, 131072, 314573), chunk=(16384, 65536),
            prefill=((32768, ("full", "fastkvzip", "kvzip")),
                     (131072, ("fastkvzip", "full", "kvzip"))),
            chunk_size=16000, window=4096, score_chunk=2000, warmup=(4096, 2048, 512),
            decode_context=16384, batch=(1, 8, 32), steps=32,
            budgets=dict(env=30, tests=150, kernel=60, decode=90, prefill=math.inf))
-DRY = dict(model=TINY, dtype="float32", H=2, G=2, d=64,
+DRY = dict(model="tiny", dtype="float32", H=2, G=2, d=64,
            decode_keys=(256, 512), chunk=(32, 128),
            prefill=((192, ("full", "fastkvzip", "kvzip")), (384, ("fastkvzip", "full", "kvzip"))),
            chunk_size=128, window=32, score_chunk=64, warmup=(96, 64, 16),
@@ -400,30 +393,26 @@ _MODEL = {}
 
 
 def random_model(S):
-    """(model, gates): random weights in S's shape, in S's dtype on the GPU (CPU in a dry run); norm
-    weights 1, matrices N(0, 1/fan_in), so activations stay finite. Built once, for both parts."""
-    import torch
+    """(model, gates): random weights in S's shape and dtype (harness.speed.random_model) on the
+    GPU (the CPU in a dry run), and a random gate. Built once, for both parts."""
     from gate import Gates
-    from model import ModelConfig, Transformer
+    from harness import speed
     if "model" not in _MODEL:
         dev, dtype = device_and_dtype(S)
-        cfg = ModelConfig.from_dict(S["model"])
-        g = torch.Generator(device=dev).manual_seed(0)
-        with torch.device(dev):
-            model = Transformer(cfg)
-        for p in model.parameters():  # parameters only: the RoPE buffers stay fp32
-            p.data = torch.ones_like(p, dtype=dtype) if p.dim() == 1 else \
-                torch.randn(p.shape, generator=g, device=dev, dtype=dtype) * p.shape[-1] ** -0.5
+        shape = speed.QWEN3_8B if S["model"] == "qwen3-8b" else TINY
+        model = speed.random_model(shape, dev, dtype)
+        cfg = model.config
         gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
                       cfg.group_size, dtype=dtype, device=dev)
-        _MODEL["model"] = (model.eval().requires_grad_(False), gates.requires_grad_(False))
+        _MODEL["model"] = (model, gates.requires_grad_(False))
     return _MODEL["model"]
 
 
-def context(S, n, seed):
+def context(model, n, seed):
+    """n random token ids."""
     import torch
-    vocab = S["model"]["vocab_size"]
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
 
 
 def part_decode(S, run, res):
@@ -437,7 +426,7 @@ def part_decode(S, run, res):
     n = S["decode_context"]
     step(run, "decode", res, dict(case="prefill", context=n))
     cache = generate.make_cache("fastkvzip", model, "random", 0, gates=gates)
-    generate.prefill(model, cache, context(S, n, 1), 0, BUDGET, S["chunk_size"], S["window"])
+    generate.prefill(model, cache, context(model, n, 1), 0, BUDGET, S["chunk_size"], S["window"])
     cache.start_decoding()
     res.update(context=n, budget=BUDGET, member_kv_bytes=cache.nbytes, steps=S["steps"])
     for B in S["batch"]:
@@ -445,7 +434,7 @@ def part_decode(S, run, res):
         batch = Batch(model.config, dtype, dev)
         for _ in range(B):
             batch.join(copy.deepcopy(cache))
-        tokens = context(S, B, B)
+        tokens = context(model, B, B)
         for _ in range(2):  # warm-up: the decode kernels compile
             tokens = generate.decode_batch(model, batch, tokens).argmax(-1).tolist()
         sync(dev)
@@ -532,10 +521,10 @@ def part_prefill(S, run, res):
     step(run, "prefill", res, dict(case="warm-up", context=n))
     t0 = time.perf_counter()
     for method in ("full", "fastkvzip", "kvzip"):
-        prefill_once(S, model, gates, teacher, method, context(S, n, 0), chunk, window)
+        prefill_once(S, model, gates, teacher, method, context(model, n, 0), chunk, window)
     res["warmup_s"] = round(time.perf_counter() - t0, 2)
     for n, methods in S["prefill"]:
-        ids = context(S, n, n)
+        ids = context(model, n, n)
         for method in methods:
             step(run, "prefill", res, dict(context=n, method=method))
             done(run, "prefill", res, prefill_once(S, model, gates, teacher, method, ids,
