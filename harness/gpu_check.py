@@ -32,11 +32,7 @@ FlashAttention-2 here is PyTorch's own flash kernel. The device tool's `run` cal
     command:   PYTHONUNBUFFERED=1 timeout 540 python3 -m harness.gpu_check --out "$OUT"
     timeout_s: 600
     carry:     none
-Its 7 files come back from $OUT. To rerun some parts in the time left: --parts kernel,decode. Were a
-package missing from a later image, it would travel as a wheel, fetched here into an ignored .whl/
-(`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
--d .whl NAME==VERSION`), carried as .whl, and installed first in the command (`pip install -q
---no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site;`).
+Its 7 files come back from $OUT. To rerun some parts in the time left: --parts kernel,decode.
 """
 import argparse
 import copy
@@ -53,6 +49,8 @@ import time
 import traceback
 import types
 from pathlib import Path
+
+import torch  # kernels, and all that imports it, only after --dry-run set TRITON_INTERPRET
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BW = 4.8e12      # bytes/s: the H200's HBM3e, by the vendor's datasheet
@@ -114,7 +112,6 @@ class Run:
 def run_part(run, name, fn, S, budget):
     """fn(S, run, res) fills res (saving as it goes); any error or a spent budget is recorded in res
     (ok false, error, and the step that was running: how long it had run), and the run goes on."""
-    import torch
     res = run.results[name] = dict(part=name, ok=None, budget_s=round(budget, 1))
     t0 = time.monotonic()
     run.part_deadline = t0 + budget
@@ -160,12 +157,10 @@ def done(run, name, res, row, key="rows"):
 # ---- timing helpers ------------------------------------------------------------------------------
 
 def device_and_dtype(S):
-    import torch
     return ("cuda" if torch.cuda.is_available() else "cpu"), getattr(torch, S["dtype"])
 
 
 def sync(dev):
-    import torch
     if dev == "cuda":
         torch.cuda.synchronize()
 
@@ -181,7 +176,6 @@ def timeit(fn, dev, rep_ms=100, graph=True):
             fn()
             n += 1
         return (time.perf_counter() - t0) / n, "cpu loop"
-    import torch
     import triton
     call, how = fn, "eager"
     if graph:
@@ -207,7 +201,6 @@ def sig(x, digits=4):
 
 def gpu_memory(dev):
     """(allocated now, peak since the last reset) in bytes, or (None, None) on a CPU."""
-    import torch
     if dev != "cuda":
         return None, None
     return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
@@ -217,7 +210,6 @@ def gpu_memory(dev):
 
 def part_env(S, run, res):
     import numpy
-    import torch
     dev, _ = device_and_dtype(S)
     versions = dict(python=platform.python_version(), torch=torch.__version__,
                     numpy=numpy.__version__, cuda=torch.version.cuda)
@@ -261,7 +253,6 @@ def part_env(S, run, res):
 
 def part_tests(S, run, res):
     import importlib.util
-    import torch
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rfEs", "-p", "no:cacheprovider",
            "tests/test_kernels.py", "tests/test_batch.py"]
     if torch.cuda.is_available() and importlib.util.find_spec("xdist"):
@@ -291,7 +282,6 @@ def part_tests(S, run, res):
 
 def ragged_cache(lens, d, dtype, dev, seed=0):
     """A compacted kernels.RaggedKV, head h holding lens[h] random keys (what eviction leaves)."""
-    import torch
     from kernels import RaggedKV
     g = torch.Generator(device=dev).manual_seed(seed)
     H, n = len(lens), max(lens)
@@ -307,7 +297,6 @@ def attend_case(kv, t, G, dev):
     call itself, host work included, beside it) against dense SDPA or FlashAttention-2 on the same
     keys -> a row. GB/s and TFLOP/s count the work needed (kept K/V read, visible query-key
     pairs), the same for every column; max_diff: each output against ours."""
-    import torch
     import torch.nn.functional as F
     import kernels
     H, d, dtype = kv.n_heads, kv.head_dim, kv.dtype
@@ -370,7 +359,6 @@ def attend_case(kv, t, G, dev):
 
 
 def part_kernel(S, run, res):
-    import torch
     dev, dtype = device_and_dtype(S)
     H, G, d = S["H"], S["G"], S["d"]
     g = torch.Generator().manual_seed(0)
@@ -410,7 +398,6 @@ def random_model(S):
 
 def context(model, n, seed):
     """n random token ids."""
-    import torch
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
 
@@ -418,7 +405,6 @@ def context(model, n, seed):
 def part_decode(S, run, res):
     """One context prefilled with Fast KVzip at 0.3, copied into B members of a cache.Batch that
     decode together (one forward per step, one attention call per layer); tokens/s over all B."""
-    import torch
     import generate
     from cache import Batch
     model, gates = random_model(S)
@@ -476,7 +462,6 @@ class TimedTeacher:
 
 def prefill_once(S, model, gates, teacher, method, ids, chunk_size, window):
     """One prefill of ids with `method` on a fresh cache, as generate.py runs it -> a row."""
-    import torch
     import generate
     from cache import KVCache
     dev, dtype = device_and_dtype(S)
@@ -586,41 +571,36 @@ def goals(results):
 
 
 def describe(name, res):
-    """One line for a part: what it measured, or why it stopped."""
-    head = f"- **{name}** ({res.get('seconds', '…')} s): "
-    if res.get("ok") is None:
-        return head + "running"
-    if not res["ok"]:
-        cut = res.get("running")
-        return head + f"FAILED: {res['error'].splitlines()[0][:200]}" + (
-            f" (during {json.dumps({k: v for k, v in cut.items()})})" if cut else "")
-    gib = lambda b: "–" if b is None else f"{b / 2**30:.2f} GiB" if b >= 2**30 else \
+    """One line for a part: how it ended, and what it measured (a part that failed half way too)."""
+    size = lambda b: "–" if b is None else f"{b / 2**30:.2f} GiB" if b >= 2**30 else \
         f"{b / 2**20:.2f} MiB"
-    if name == "env":
+    cut = res.get("running")
+    status = ("running" if res.get("ok") is None else "ok" if res["ok"] else
+              f"FAILED: {res['error'].splitlines()[0][:200]}" + (f" (in {json.dumps(cut)})" if cut
+                                                                  else ""))
+    said = []
+    if name == "env" and "versions" in res:
         v, c = res["versions"], res.get("ceilings", {})
-        return head + (f"{res.get('gpu', {}).get('name', 'no GPU')}, torch {v['torch']}, triton "
-                       f"{v['triton']}, flash-attn {v['flash_attn']}; copy {c.get('copy_GBps')} "
-                       f"GB/s, matmul {c.get('matmul_TFLOPs')} TFLOP/s")
-    if name == "tests":
-        return head + res.get("last_line", "")
-    if name == "kernel":
-        parts = []
+        said = [f"{res.get('gpu', {}).get('name', 'no GPU')}, torch {v['torch']}, triton "
+                f"{v['triton']}, flash-attn {v['flash_attn']}, copy {c.get('copy_GBps')} GB/s, "
+                f"matmul {c.get('matmul_TFLOPs')} TFLOP/s"]
+    elif name == "tests":
+        said = [res.get("last_line", "")]
+    elif name == "kernel":
         for r in res.get("decode", []) + res.get("chunk", []):
             cols = ", ".join(f"{k} {v['GBps']} GB/s {v['TFLOPs']} TFLOP/s (max|diff| "
                              f"{v['max_diff']:.0e})" if "GBps" in v else f"{k} failed"
                              for k, v in r["results"].items())
-            what = "decode" if r["t"] == 1 else f"{r['t']}-query chunk"
-            parts.append(f"{what}, {r['keys']} keys: {cols}")
-        return head + "; ".join(parts)
-    if name == "decode":
-        return head + f"{res['context']} tokens at {res['budget']}: " + ", ".join(
-            f"B={r['batch']} {r['tok_s']} tok/s" for r in res.get("rows", []))
-    if name == "prefill":
-        return head + "; ".join(
-            f"{r['context']} {r['method']} {r['seconds']} s, KV {gib(r['kv_bytes'])}, peak "
-            f"{gib(r['gpu_peak_bytes'] if r['gpu_peak_bytes'] is not None else r['kv_peak_bytes'])}"
-            f", score {r['score_share']:.1%}" for r in res.get("rows", []))
-    return head + "ok"
+            what = "decode" if r["t"] == 1 else f"a {r['t']}-query chunk"
+            said.append(f"{what}, {r['keys']} keys: {cols}")
+    elif name == "decode":
+        said = [f"a {res['context']}-token context at {res['budget']}"] * ("context" in res) + [
+            f"B={r['batch']} {r['tok_s']} tok/s" for r in res.get("rows", [])]
+    elif name == "prefill":
+        peak = lambda r: r["kv_peak_bytes"] if r["gpu_peak_bytes"] is None else r["gpu_peak_bytes"]
+        said = [f"{r['context']} {r['method']} {r['seconds']} s, KV {size(r['kv_bytes'])}, peak "
+                f"{size(peak(r))}, score {r['score_share']:.1%}" for r in res.get("rows", [])]
+    return f"- **{name}** ({res.get('seconds', '…')} s): " + "; ".join([status] + said)
 
 
 def summary(results, dry):
@@ -650,7 +630,6 @@ def main(argv=None):
         p.error(f"unknown part(s) {', '.join(unknown)}: expected some of {', '.join(PARTS)}")
     if args.dry_run:  # Triton reads it when kernels.py decorates the kernel: before kernels loads
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    import torch
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device: use --dry-run on a CPU")
     S = DRY if args.dry_run else GPU
