@@ -103,7 +103,11 @@ class Run:
     def save(self, part):
         import cli
         cli.write_json(self.out / f"{part}.json", self.results[part])
-        cli.write_text(self.out / "summary.md", summary(self.results, self.dry))
+        try:  # the JSON files are the record: a bug in the summary must not stop the run
+            text = summary(self.results, self.dry)
+        except Exception as e:
+            text = f"# GPU check\n\nno summary: {type(e).__name__}: {e}; read the JSON files\n"
+        cli.write_text(self.out / "summary.md", text)
 
     def left(self):
         return DEADLINE_S - (time.monotonic() - self.t0)
@@ -594,8 +598,8 @@ def describe(name, res):
             what = "decode" if r["t"] == 1 else f"a {r['t']}-query chunk"
             said.append(f"{what}, {r['keys']} keys: {cols}")
     elif name == "decode":
-        said = [f"a {res['context']}-token context at {res['budget']}"] * ("context" in res) + [
-            f"B={r['batch']} {r['tok_s']} tok/s" for r in res.get("rows", [])]
+        said = [f"a {res['context']}-token context at {res['budget']}"] if "context" in res else []
+        said += [f"B={r['batch']} {r['tok_s']} tok/s" for r in res.get("rows", [])]
     elif name == "prefill":
         peak = lambda r: r["kv_peak_bytes"] if r["gpu_peak_bytes"] is None else r["gpu_peak_bytes"]
         said = [f"{r['context']} {r['method']} {r['seconds']} s, KV {size(r['kv_bytes'])}, peak "
