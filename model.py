@@ -646,7 +646,37 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
         raise ModelError(f"{folder}: checkpoint has {len(unexpected)} tensors this {cfg.arch} config does not "
                          f"use (e.g. {unexpected[0]}); config.json and weights do not match")
     model.tie_weights()  # assign=True replaced embed_tokens.weight: tie again
-    return model.to(device).eval().requires_grad_(False)  # .to moves the RoPE buffers built on CPU
+    model = model.to(device).eval().requires_grad_(False)  # .to moves the RoPE buffers built on CPU
+    model.identity = model_identity(folder)  # what a saved cache checks before it is answered from
+    return model
+
+
+def model_identity(folder: str | Path) -> dict[str, str | None]:
+    """Hashes that say which model a saved KV cache (cache.KVCache.save) belongs to: its config.json
+    (as JSON, key order and spacing aside), its tokenizer.json (None without one) and a sample of
+    its weights. The sample (each weight file's name, size and first, middle and last MiB, the first
+    holding its safetensors header; a file of at most 3 MiB whole) tells apart two fine-tunes of one
+    config in milliseconds, where hashing a 16 GB checkpoint would take a minute."""
+    import hashlib
+    folder = Path(folder).expanduser()
+    config = json.loads((folder / "config.json").read_text())
+    out = {"config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+           "tokenizer_sha256": None}
+    tok = folder / "tokenizer.json"
+    if tok.is_file():
+        with open(tok, "rb") as f:
+            out["tokenizer_sha256"] = hashlib.file_digest(f, "sha256").hexdigest()
+    h, piece = hashlib.sha256(), 2**20
+    for path in _weight_files(folder):
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            h.update(f"{path.name}\t{size}\n".encode())
+            starts = [0] if size <= 3 * piece else [0, size // 2, size - piece]
+            for start in starts:
+                f.seek(start)
+                h.update(f.read(piece if len(starts) == 3 else size))
+    out["weights_sha256"] = h.hexdigest()
+    return out
 
 
 # --------------------------------------------------------------------------------- tokenizer/prompt
