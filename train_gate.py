@@ -208,13 +208,13 @@ def iter_files(spec, tokenizer):
 
 
 def data_sha256(spec):
-    """The hash of local --data as tools/fetch_assets.py records a part's in MANIFEST.txt (tree_sha256 over
+    """The hash of local --data as offline/fetch_assets.py records a part's in MANIFEST.txt (tree_sha256 over
     the files read, by path relative to the folder given, the parent of a single file, or the common folder
     of a glob's files), so a gate's metadata says exactly which text it was trained on. None for fineweb-edu
     (a pinned file of the hub: FINEWEB_REPO/FINEWEB_FILE)."""
     if spec == "fineweb-edu":
         return None
-    from tools.fetch_assets import tree_sha256
+    from cli import tree_sha256
     files = [Path(f) for f in list_files(spec)]
     p = Path(spec).expanduser()
     root = p if p.is_dir() else p.parent if p.is_file() else Path(os.path.commonpath([f.parent for f in files]))
