@@ -666,29 +666,23 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
 
 
 def model_identity(folder: str | Path) -> dict[str, str | None]:
-    """Hashes that say which model a saved KV cache (cache.KVCache.save) belongs to: its config.json
-    (as JSON, key order and spacing aside), its tokenizer.json (None without one) and a sample of
-    its weights. The sample (each weight file's name, size and first, middle and last MiB, the first
-    holding its safetensors header; a file of at most 3 MiB whole) tells apart two fine-tunes of one
-    config in milliseconds, where hashing a 16 GB checkpoint would take a minute."""
+    """Which model a saved KV cache belongs to (cache.load_cache checks): sha256 of config.json (as
+    JSON), of tokenizer.json (None without one) and of a weight sample: each file's name, size and
+    first, middle and last MiB (the first holds its header), enough to tell two fine-tunes of one
+    config apart in milliseconds where hashing 16 GB takes a minute."""
     import hashlib
-    folder = Path(folder).expanduser()
-    config = json.loads((folder / "config.json").read_text())
-    out = {"config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
-           "tokenizer_sha256": None}
+    folder, h, piece = Path(folder).expanduser(), hashlib.sha256(), 2**20
+    config = json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True)
     tok = folder / "tokenizer.json"
-    if tok.is_file():
-        with open(tok, "rb") as f:
-            out["tokenizer_sha256"] = hashlib.file_digest(f, "sha256").hexdigest()
-    h, piece = hashlib.sha256(), 2**20
+    out = {"config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+           "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None}
     for path in _weight_files(folder):
         with open(path, "rb") as f:
             size = f.seek(0, 2)
             h.update(f"{path.name}\t{size}\n".encode())
-            starts = [0] if size <= 3 * piece else [0, size // 2, size - piece]
-            for start in starts:
+            for start in [0] if size <= 3 * piece else [0, size // 2, size - piece]:
                 f.seek(start)
-                h.update(f.read(piece if len(starts) == 3 else size))
+                h.update(f.read(size if size <= 3 * piece else piece))
     out["weights_sha256"] = h.hexdigest()
     return out
 
