@@ -293,9 +293,12 @@ class EvictingCache(KVCache):
             kv.set_tail_scores(score)
 
     def _score(self, l, hidden, q, k, pos):
+        cuda = self.device.type == "cuda"
+        if cuda:  # the layer's own work may still be queued on the GPU: the clock must not count it
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         score = self.scorer.score(l, hidden, q, k, pos).float()  # (H, T)
-        if score.is_cuda:
+        if cuda:
             torch.cuda.synchronize()
         self.gate_seconds += time.perf_counter() - t0
         return score
