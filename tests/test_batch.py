@@ -310,13 +310,15 @@ def test_bench_batch_speed_section(tiny_cli, tmp_path):
     save_gate(tmp_path / "g.safetensors", Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
                                               cfg.group_size), {"model": "tiny"})
     args = bench.parse_args(["--model", str(folder), "--gate", str(tmp_path / "g.safetensors"), "--batch-sizes", "1,3",
-                             "--speed-decode", "3", "--speed-chunk", "32", "--speed-window", "8"])
+                             "--speed-decode", "3", "--speed-chunk", "32", "--speed-window", "8",
+                             "--batch-repeats", "3"])
     g = torch.Generator().manual_seed(0)
     docs = [[2] + torch.randint(3, 300, (n,), generator=g).tolist() for n in (90, 70, 60)]
     rows = speed.batch_speed(model, speed.load_peer(folder), docs, 1, args)
     assert [(r["method"], r["batch"]) for r in rows] == [("full", 1), ("full", 3), ("fastkvzip", 1), ("fastkvzip", 3),
                                                         ("transformers", 1), ("transformers", 3)]
     assert all(r["decode_tok_s"] > 0 for r in rows)
+    assert all(len(r["runs"]) == 3 and r["decode_tok_s"] == sorted(r["runs"])[1] for r in rows)  # medians
     full3, fast3 = rows[1], rows[3]
     assert fast3["kv_bytes"] < full3["kv_bytes"] and rows[-1]["padded_to"] == 95
     assert "| fastkvzip | 0.3 | 3 |" in "\n".join(speed.batch_markdown(rows, args))
