@@ -203,6 +203,11 @@ def sig(x, digits=4):
     return float(f"{x:.{digits}g}")
 
 
+def peak_above(dev, base):
+    """Peak GPU bytes since the last reset, above `base` (the weights and what else was held)."""
+    return None if base is None else gpu_memory(dev)[1] - base
+
+
 def gpu_memory(dev):
     """(allocated now, peak since the last reset) in bytes, or (None, None) on a CPU."""
     if dev != "cuda":
@@ -421,6 +426,9 @@ def part_decode(S, run, res):
     res.update(context=n, budget=BUDGET, member_kv_bytes=cache.nbytes, steps=S["steps"])
     for B in S["batch"]:
         step(run, "decode", res, dict(batch=B))
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        base = gpu_memory(dev)[0]
         batch = Batch(model.config, dtype, dev)
         for _ in range(B):
             batch.join(copy.deepcopy(cache))
@@ -435,7 +443,7 @@ def part_decode(S, run, res):
         s = time.perf_counter() - t0
         done(run, "decode", res, dict(batch=B, seconds=sig(s), tok_s=sig(B * S["steps"] / s),
                                       ms_per_step=sig(s / S["steps"] * 1e3),
-                                      kv_bytes=batch.nbytes, gpu_peak_bytes=gpu_memory(dev)[1]))
+                                      kv_bytes=batch.nbytes, gpu_peak_bytes=peak_above(dev, base)))
         del batch
 
 
@@ -486,12 +494,11 @@ def prefill_once(S, model, gates, teacher, method, ids, chunk_size, window):
     sync(dev)
     s = time.perf_counter() - t0
     score_s = teacher.seconds if method == "kvzip" else getattr(cache, "gate_seconds", 0.0)
-    peak = gpu_memory(dev)[1]
     return dict(context=len(ids), method=method, budget=budget, seconds=sig(s),
                 tok_s=sig(len(ids) / s), score_s=sig(score_s), score_share=sig(score_s / s),
                 kv_bytes=cache.nbytes,
                 kv_peak_bytes=cache.peak_nbytes,
-                gpu_peak_bytes=None if peak is None else peak - base)
+                gpu_peak_bytes=peak_above(dev, base))
 
 
 def part_prefill(S, run, res):
