@@ -43,13 +43,12 @@ import gate
 import generate
 import quality
 from cache import LEVELS, Batch, KVCache
-from cli import UsageError, write_text
+from cli import UsageError, file_sha256, write_text
 from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, Transformer, load_model, load_tokenizer,
                    prompt_format, resolve_model)
 from quality import (DEFAULT_LEVEL, label, load_docs, load_records, log, method_cache, model_info,
                      quality_key, quality_results)
 from teacher import KVzipTeacher
-from tools.fetch_assets import file_sha256
 
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")

@@ -1,6 +1,8 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with exit
 code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how to
-resume, outputs written atomically, one rule for what counts as text, and matplotlib for --plot."""
+resume, outputs written atomically, one rule for what counts as text, matplotlib for --plot, and
+the one hash of files (file_sha256, tree_sha256)."""
+import hashlib
 import json
 import os
 import re
@@ -127,3 +129,17 @@ def save_figure(fig, path, dpi=120):
         fig.savefig(tmp, dpi=dpi, format="png")
     plt.close(fig)
     return path
+
+
+def file_sha256(path) -> str:
+    """The sha256 of a file, as hex: the one hash of files in this project (assets, models, gates)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def tree_sha256(files: list[Path], root: Path) -> str:
+    """One hash for a set of files: sha256 over the sorted lines "<path relative to root>\t<file sha256>\n".
+    MANIFEST.txt records it for every part, and train_gate.py for the text a gate was trained on (--data),
+    so the two can be compared: same hash, same bytes under the same names."""
+    lines = sorted(f"{Path(f).relative_to(root).as_posix()}\t{file_sha256(Path(f))}\n" for f in files)
+    return hashlib.sha256("".join(lines).encode()).hexdigest()

