@@ -7,7 +7,7 @@ the attention kernel reads exactly what is kept. Nothing is masked: evicted rows
 
 - `KVCache` is the full cache. Gemma3's sliding-window layers keep only their last W tokens, in a ring
   (`kernels.WindowKV`): a decode token overwrites the one that left the window, nothing is copied.
-- `EvictingCache` adds scores: every compressed layer asks a scorer (the gate, or a baseline, scorers.py)
+- `EvictingCache` adds scores: every compressed layer asks a scorer (the gate, or a baseline: gate.py's scorers)
   how important each new KV pair is, stores the score beside the row, and `evict()` drops the least
   important rows of a segment of the context — one threshold over all compressed layers × heads by
   default (the paper's non-uniform structure, METHOD.md §6), or per layer / per head as ablations.
@@ -148,7 +148,7 @@ LEVELS = ("global", "layer", "head", "calibrated")
 class EvictingCache(KVCache):
     """A KV cache whose compressed layers score every new KV pair and evict on request.
 
-    scorer: scorers.Scorer, called as scorer.score(l, hidden, q, k, pos) -> (H, T) for compressed layer l.
+    scorer: gate.Scorer, called as scorer.score(l, hidden, q, k, pos) -> (H, T) for compressed layer l.
     n_protected: the first n_protected positions (the system prompt) are never evicted (METHOD.md §4.4).
     decode_tokens_per_head: average kept tokens per compressed head during decoding (a count, not a fraction;
     None = keep generated tokens).

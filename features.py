@@ -135,7 +135,7 @@ def iter_files(spec, tokenizer):
 
 
 def data_sha256(spec):
-    """The hash of local --data as tools/fetch_assets.py records a part's in MANIFEST.txt
+    """The hash of local --data as offline/fetch_assets.py records a part's in MANIFEST.txt
     (cli.tree_sha256 over the files read, by path relative to the folder given, the parent of a
     single file, or the common folder of a glob's files), so a gate's metadata says exactly which
     text it was trained on. None for fineweb-edu (a pinned file of the hub:
@@ -261,12 +261,33 @@ def partial_dir(path):
     return path.with_name(f".{path.stem}.partial")
 
 
+def _sha256(data, f=None, length=0):
+    """sha256 hex digest of `data` (bytes-like), or of `length` bytes read from file `f` at its
+    position, a block at a time (one shard of an 8B model's long document holds gigabytes)."""
+    h = hashlib.sha256()
+    if f is None:
+        h.update(data)
+    while length > 0:
+        block = f.read(min(length, 1 << 24))
+        if not block:
+            break  # the file ends early: the digest differs
+        h.update(block)
+        length -= len(block)
+    return h.hexdigest()
+
+
 def write_shard(path, hidden, scores, meta):
     """Atomically: write into partial_dir(path), then rename (a killed run never leaves half a shard
-    where a shard is expected; the next run sweeps what it left, sweep_temporaries)."""
+    where a shard is expected; the next run sweeps what it left, sweep_temporaries). The metadata
+    records the sha256 of each tensor's bytes, which a resumed run checks (shard_problem)."""
     import shutil
     from safetensors import SafetensorError
     from safetensors.torch import save_file
+    tensors = {"hidden": hidden.detach().cpu().contiguous(),
+               "scores": scores.detach().cpu().contiguous()}
+    # the bytes safetensors writes: the tensor's own, little-endian as torch holds them on x86, ARM
+    meta = {**meta, "sha256": {k: _sha256(t.reshape(-1).view(torch.uint8).numpy())
+                               for k, t in tensors.items()}}
     tmp_dir = partial_dir(path)
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
@@ -274,8 +295,7 @@ def write_shard(path, hidden, scores, meta):
     try:
         # one metadata entry: safetensors writes several in no fixed order, and a resumed run must
         # produce byte-identical files
-        save_file({"hidden": hidden.contiguous(), "scores": scores.contiguous()}, str(tmp),
-                  metadata={"document": json.dumps(meta, sort_keys=True)})
+        save_file(tensors, str(tmp), metadata={"document": json.dumps(meta, sort_keys=True)})
         os.chmod(tmp, 0o644)  # safetensors writes 0600
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk, above all
@@ -308,22 +328,32 @@ def sweep_temporaries(out, docs, rank):
 
 
 def shard_problem(path, key):
-    """None if `path` is the complete shard of the document with doc_key `key`, else what is wrong
-    with it. Reads the header only: a shard cut short (a full disk, a copy that stopped) shows in
-    its size."""
+    """None if `path` is the complete, intact shard of the document with doc_key `key`, else what is
+    wrong with it. A shard cut short (a full disk, a copy that stopped) shows in its size; one
+    damaged in place (bytes overwritten, a NaN written) in the sha256 of its tensors, recorded when
+    it was written: every byte is read, once per resume."""
     try:
         with open(path, "rb") as f:
             n = struct.unpack("<Q", f.read(8))[0]
             header = json.loads(f.read(n))
-        end = 8 + n + max(header[name]["data_offsets"][1] for name in ("hidden", "scores"))
-        document = json.loads(header["__metadata__"]["document"])
+            end = 8 + n + max(header[name]["data_offsets"][1] for name in ("hidden", "scores"))
+            document = json.loads(header["__metadata__"]["document"])
+            size = os.fstat(f.fileno()).st_size
+            if size != end:
+                return f"{size} bytes where its header says {end} (truncated)"
+            if document.get("key") != key:
+                return "it holds another document"
+            recorded = document.get("sha256")
+            if not isinstance(recorded, dict):
+                return "it records no checksum of its data (written by an earlier version)"
+            for name in ("hidden", "scores"):
+                begin, stop = header[name]["data_offsets"]
+                f.seek(8 + n + begin)
+                if _sha256(None, f, stop - begin) != recorded.get(name):
+                    return (f"its {name} tensor differs from the sha256 recorded when it was "
+                            f"written (damaged)")
     except Exception as e:  # anything unreadable is recomputed
-        return f"unreadable header ({type(e).__name__})"
-    size = path.stat().st_size
-    if size != end:
-        return f"{size} bytes where its header says {end} (truncated)"
-    if document.get("key") != key:
-        return "it holds another document"
+        return f"unreadable ({type(e).__name__})"
     return None
 
 

@@ -1,4 +1,4 @@
-"""gate.py, scorers.py and teacher.py's agreement metrics against oracles: the literal formula of METHOD.md
+"""gate.py (the gate and the scorers) and the agreement metrics against oracles: the literal formula of METHOD.md
 §1.4, the authors' file layout (§1.2, §2), a naive SnapKV (§10), set arithmetic on the kept positions. Tiny
 random configs, CPU fp32 (bf16 where the authors' files use it)."""
 import math
@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import gate
 from gate import GateError, Gates, load_gate, resolve_gate, save_gate
-from scorers import GateScorer, RandomScorer, SnapKVScorer, StreamingScorer
+from gate import GateScorer, RandomScorer, SnapKVScorer, StreamingScorer
 from teacher import agreement, kept_by_rule, pool_agreement
 from tests.helpers import assert_close
 

@@ -524,6 +524,50 @@ def test_truncated_or_foreign_shard_is_recomputed(features_run, tmp_path, capsys
     run_main([*args, "--out", out, "--steps", 20, "--batch-tokens", 100])  # training reads every shard
 
 
+def overwrite_tensor(path, name, fn):
+    """Damage shard `path` in place, its size unchanged: the bytes of tensor `name` become fn(tensor)."""
+    import struct
+    data = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    info = json.loads(data[8:8 + n])[name]
+    begin, end = (8 + n + o for o in info["data_offsets"])
+    t = torch.frombuffer(bytes(data[begin:end]), dtype=features._ST_DTYPES[info["dtype"]]).clone()
+    data[begin:end] = fn(t).contiguous().view(torch.uint8).numpy().tobytes()
+    path.write_bytes(bytes(data))
+
+
+def test_shard_damaged_in_place_is_named_and_recomputed(features_run, tmp_path, capsys):
+    """A shard whose size and header are intact but whose values were changed (scores zeroed, part of the
+    hidden states overwritten, one NaN written): the header cannot tell, the sha256 recorded when the shard
+    was written can. Each is named and recomputed, never trained on; so is a shard without a checksum."""
+    import shutil
+    args, fresh = features_run
+    out = tmp_path / "out"
+    shutil.copytree(fresh, out)
+    paths = shards(out)
+    assert len(paths) >= 4
+    sizes = [p.stat().st_size for p in paths]
+    overwrite_tensor(paths[0], "scores", torch.zeros_like)
+    overwrite_tensor(paths[1], "hidden", lambda t: torch.cat([torch.full_like(t[:100], 7.0), t[100:]]))
+    overwrite_tensor(paths[2], "hidden", lambda t: t.index_fill(0, torch.tensor([len(t) // 2]), float("nan")))
+    tensors = load_file(str(paths[3]))  # as written before shards recorded their checksum
+    from safetensors import safe_open
+    with safe_open(str(paths[3]), "pt") as f:
+        meta = json.loads(f.metadata()["document"])
+    del meta["sha256"]
+    save_file(tensors, str(paths[3]), metadata={"document": json.dumps(meta, sort_keys=True)})
+    assert [p.stat().st_size for p in paths[:3]] == sizes[:3]
+    run_main([*args, "--out", out])
+    err = capsys.readouterr().err
+    for path, words in ((paths[0], "its scores tensor differs from the sha256"),
+                        (paths[1], "its hidden tensor differs from the sha256"),
+                        (paths[2], "its hidden tensor differs from the sha256"),
+                        (paths[3], "it records no checksum")):
+        assert f"{path}: {words}" in err and "recomputing it" in err, err
+    for a, b in zip(shards(fresh), shards(out)):
+        assert a.name == b.name and a.read_bytes() == b.read_bytes()
+
+
 def test_features_stored_as_fp16_train_in_the_model_dtype(qwen, tmp_path, monkeypatch, capsys):
     """--feature-dtype float16 halves the shards (the fp32 features rounded once); the gates still train
     in the model's fp32. auto picks fp16 only for large fp32 features (SmolLM2-135M's 30 x 576, not
@@ -728,9 +772,9 @@ def test_plot_curves_writes_a_png(tmp_path):
 
 
 def test_training_corpus_is_broad_and_holds_no_evaluation_text():
-    """tools/fetch_assets.py's training corpus: all three sources, documents of about 2K-7K tokens, and
+    """offline/fetch_assets.py's training corpus: all three sources, documents of about 2K-7K tokens, and
     not one paragraph of the Austen novels (the evaluation text) nor a planted pass key."""
-    from tools import fetch_assets
+    from offline import fetch_assets
     fetch_assets.require_for_test("corpus")
     docs = fetch_assets.text_docs("corpus")
     assert {p.name.split("-", 1)[1] for p in docs} == {"wiki.txt", "sotu.txt", "pydoc.txt"}

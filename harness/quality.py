@@ -39,8 +39,8 @@ import torch
 import generate
 from cache import EvictingCache
 from cli import UsageError, pyplot, save_figure
+from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
 from model import question_text
-from scorers import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
 from teacher import KVzipTeacher, TeacherCache
 from teacher import agreement, digit_tokens, kept_by_rule, pool_agreement, spearman
 
@@ -162,12 +162,12 @@ PROSE_PER_SOURCE, PROSE_JOIN = 45, 3  # held-out prose: the last 45 corpus docum
 
 def prose_texts():
     """Held-out prose, not Austen: the last PROSE_PER_SOURCE documents of each source of the gates' training
-    corpus (Wikipedia leads, State of the Union addresses, the Python library reference; tools/fetch_assets.py),
+    corpus (Wikipedia leads, State of the Union addresses, the Python library reference; offline/fetch_assets.py),
     consecutive ones of a source joined PROSE_JOIN at a time into texts of ~6K-21K tokens, as (name, text).
     train_gate.py takes documents in file order, and the first of these is document 672 of 1,272 (the sources
     are interleaved there), so a gate trained on fewer documents never saw them (the bundled gates'
     selections end before document 100)."""
-    from tools import fetch_assets
+    from offline import fetch_assets
     by_source = {}
     for path in fetch_assets.text_docs("corpus"):  # NNNNN-<source>.txt, in file order
         by_source.setdefault(path.stem.split("-", 1)[1], []).append(path)
@@ -184,7 +184,7 @@ def prose_texts():
 def load_docs(tok, text="austen", _memo={}):
     """Held-out documents as (name, token ids): "austen", the novels cut at chapters (5K-20K tokens each),
     or "prose" (prose_texts)."""
-    from tools import fetch_assets
+    from offline import fetch_assets
     if (id(tok), text) not in _memo:
         named = ([(p.stem, p.read_text(encoding="utf-8")) for p in fetch_assets.text_docs("austen_parts")]
                  if text == "austen" else prose_texts())

