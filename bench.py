@@ -97,6 +97,8 @@ def parse_args(argv=None):
                    "once, e.g. 1,4,8 ('0' = none, the default)")
     p.add_argument("--batch-length", type=int, default=1024, help="batched decoding: the longest context (the "
                    "others 75-100%% of it)")
+    p.add_argument("--batch-repeats", type=int, default=1, help="batched decoding: rounds of every "
+                   "configuration, taken in turn; the tables show medians")
     p.add_argument("--gpu-lengths", type=cli.ints, default=[8192, 32768, 131072], help="GPU speed contexts")
     p.add_argument("--no-quality", action="store_true", help="skip the quality section")
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
@@ -148,9 +150,9 @@ def check_args(p, args):
     for name in ("methods", "budgets", "extra_levels", "average"):  # a repeated value would run (and count) twice
         setattr(args, name, list(dict.fromkeys(getattr(args, name))))
     for flag, low in (("contexts", 1), ("chunk_size", 1), ("speed_chunk", 1), ("speed_decode", 1), ("bootstrap", 1),
-                      ("speed_repeats", 1), ("batch_length", 1), ("window", 0), ("speed_window", 0),
-                      ("passkeys", 0), ("kv_pairs", 0), ("kv_questions", 0), ("continue_tokens", 0),
-                      ("threads", 0), ("probe_tokens", quality.CUE_TOKENS + 1)):
+                      ("speed_repeats", 1), ("batch_repeats", 1), ("batch_length", 1), ("window", 0),
+                      ("speed_window", 0), ("passkeys", 0), ("kv_pairs", 0), ("kv_questions", 0),
+                      ("continue_tokens", 0), ("threads", 0), ("probe_tokens", quality.CUE_TOKENS + 1)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}"
                     + (f" (the repeat probe's first {quality.CUE_TOKENS} tokens are its cue)" if flag == "probe_tokens"

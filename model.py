@@ -660,7 +660,31 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
         raise ModelError(f"{folder}: checkpoint has {len(unexpected)} tensors this {cfg.arch} config does not "
                          f"use (e.g. {unexpected[0]}); config.json and weights do not match")
     model.tie_weights()  # assign=True replaced embed_tokens.weight: tie again
-    return model.to(device).eval().requires_grad_(False)  # .to moves the RoPE buffers built on CPU
+    model = model.to(device).eval().requires_grad_(False)  # .to moves the RoPE buffers built on CPU
+    model.identity = model_identity(folder)  # what a saved cache checks before it is answered from
+    return model
+
+
+def model_identity(folder: str | Path) -> dict[str, str | None]:
+    """Which model a saved KV cache belongs to (cache.load_cache checks): sha256 of config.json (as
+    JSON), of tokenizer.json (None without one) and of a weight sample: each file's name, size and
+    first, middle and last MiB (the first holds its header), enough to tell two fine-tunes of one
+    config apart in milliseconds where hashing 16 GB takes a minute."""
+    import hashlib
+    folder, h, piece = Path(folder).expanduser(), hashlib.sha256(), 2**20
+    config = json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True)
+    tok = folder / "tokenizer.json"
+    out = {"config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+           "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None}
+    for path in _weight_files(folder):
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            h.update(f"{path.name}\t{size}\n".encode())
+            for start in [0] if size <= 3 * piece else [0, size // 2, size - piece]:
+                f.seek(start)
+                h.update(f.read(size if size <= 3 * piece else piece))
+    out["weights_sha256"] = h.hexdigest()
+    return out
 
 
 # --------------------------------------------------------------------------------- tokenizer/prompt

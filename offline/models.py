@@ -46,8 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from cli import write_json
-from cli import file_sha256
+from cli import file_sha256, write_json
 
 NAME = "gemma3-270m-gguf"  # the default
 SMOLLM2 = "smollm2-135m-gguf"
