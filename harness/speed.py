@@ -165,34 +165,49 @@ def batch_speed(model, peer, docs, n_protected, args):
     call per layer), B in --batch-sizes, for the full cache and fastkvzip at --speed-budget; beside it
     transformers' own batched generate, left-padded to the longest context. docs: the contexts (system
     prompt ⊕ text ids, mixed lengths); every member is prefilled once, alone, and copied for each B. Decode
-    is timed alone, after the 4-token question: --speed-decode greedy steps; tokens/s counts all B."""
+    is timed alone, after the 4-token question: --speed-decode greedy steps; tokens/s counts all B.
+    --batch-repeats rounds of every configuration, taken in turn (load on the machine hits them
+    alike); each row holds the medians and every round's tokens/s (`runs`)."""
     cfg, dtype, device = model_info(model)
-    question, rows = [docs[0][-1]] * 4, []
+    question, prefilled, runs = [docs[0][-1]] * 4, {}, {}
     for method, budget in (("full", 1.0), ("fastkvzip", args.speed_budget)):
-        prefilled = []
+        prefilled[method, budget] = []
         for ids in docs[:max(args.batch_sizes)]:
             cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
                 model, method, DEFAULT_LEVEL[method], n_protected, args.model, args.gate, args.seed)
             generate.prefill(model, cache, ids, n_protected, budget, args.speed_chunk, args.speed_window)
-            prefilled.append(cache)
-        for B in args.batch_sizes:
-            batch, tokens = Batch(cfg, dtype, device), []
-            for cache in (copy.deepcopy(c) for c in prefilled[:B]):
-                tokens.append(int(generate.begin_answer(model, cache, question).argmax()))
-                batch.join(cache)
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(args.speed_decode):
-                tokens = generate.decode_batch(model, batch, tokens).argmax(-1).tolist()
-            secs, cpu = time.perf_counter() - t0, time.process_time() - c0
-            rows.append(dict(method=method, budget=budget, batch=B, decode_tok_s=B * args.speed_decode / secs,
-                             decode_cpu_tok_s=B * args.speed_decode / cpu, kv_bytes=batch.nbytes,
-                             peak_kv_bytes=batch.peak_nbytes))
-            log(f"batch speed {method} at {budget:g}, B={B}: {rows[-1]['decode_tok_s']:.1f} tok/s, "
-                f"KV {batch.nbytes / 2**20:.1f} MiB")
-    for B in args.batch_sizes if peer is not None else []:
-        rows.append(peer_batch_run(peer, docs[:B], question, args.speed_decode))
-        log(f"batch speed transformers, B={B}: {rows[-1]['decode_tok_s']:.1f} tok/s")
-    return rows
+            prefilled[method, budget].append(cache)
+    for _ in range(args.batch_repeats):
+        for (method, budget), caches in prefilled.items():
+            for B in args.batch_sizes:
+                row = batch_run(model, caches[:B], question, args.speed_decode)
+                row.update(method=method, budget=budget)
+                runs.setdefault((method, budget, B), []).append(row)
+                log(f"batch speed {method} at {budget:g}, B={B}: {row['decode_tok_s']:.1f} tok/s, "
+                    f"KV {row['kv_bytes'] / 2**20:.1f} MiB")
+        for B in args.batch_sizes if peer is not None else []:
+            row = peer_batch_run(peer, docs[:B], question, args.speed_decode)
+            runs.setdefault(("transformers", 1.0, B), []).append(row)
+            log(f"batch speed transformers, B={B}: {row['decode_tok_s']:.1f} tok/s")
+    med = lambda rs, key: float(np.median([r[key] for r in rs]))
+    return [dict(rs[0], runs=[r["decode_tok_s"] for r in rs], decode_tok_s=med(rs, "decode_tok_s"),
+                 decode_cpu_tok_s=med(rs, "decode_cpu_tok_s")) for rs in runs.values()]
+
+
+def batch_run(model, prefilled, question, steps):
+    """One timing: copies of the B prefilled caches join a Batch after the question; steps steps."""
+    cfg, dtype, device = model_info(model)
+    batch, tokens = Batch(cfg, dtype, device), []
+    for cache in (copy.deepcopy(c) for c in prefilled):
+        tokens.append(int(generate.begin_answer(model, cache, question).argmax()))
+        batch.join(cache)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        tokens = generate.decode_batch(model, batch, tokens).argmax(-1).tolist()
+    secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+    B = len(prefilled)
+    return dict(batch=B, decode_tok_s=B * steps / secs, decode_cpu_tok_s=B * steps / cpu,
+                kv_bytes=batch.nbytes, peak_kv_bytes=batch.peak_nbytes)
 
 
 def peer_batch_run(peer, docs, question, steps):
@@ -234,7 +249,9 @@ def batch_markdown(rows, args):
            f"and shorter (75-100%), each prefilled alone; {args.speed_decode} greedy steps after a 4-token question, "
            "tokens/s over all B. transformers: its own generate on the same contexts, left-padded, timed from its "
            "first new token. KV: bytes the batch holds at the end (transformers: its padded DynamicCache). "
-           "CPU tok/s: over this process's CPU seconds (what other jobs on a shared machine disturb least).", "",
+           "CPU tok/s: over this process's CPU seconds (what other jobs on a shared machine "
+           "disturb least)." + (f" Medians of {args.batch_repeats} rounds, taken in turn."
+                        if args.batch_repeats > 1 else ""), "",
            "| method | budget | B | decode tok/s | × B=1 | × transformers | CPU tok/s | KV held |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
