@@ -122,6 +122,8 @@ def parse_args(argv=None):
                         "a summary choice: --merge can recompute it from finished runs")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
     p.add_argument("--seed", type=int, default=0, help="seed for contexts, needles, random scores, bootstrap")
+    p.add_argument("--device", default="cpu", help="where the quality suite runs: cpu (fp32) or "
+                   "cuda (bf16), e.g. --suite ruler --model qwen3-8b --device cuda")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default). 1: on the "
                    "2-core CPU, 2 threads made the whole run 5x slower (small decode ops, other load)")
     p.add_argument("--out", help="output folder (default results/<timestamp>/)")
@@ -195,6 +197,8 @@ def check_args(p, args):
     args.ruler_tasks = list(dict.fromkeys(args.ruler_tasks))
     if args.ruler_samples < 1:
         p.error(f"--ruler-samples must be >= 1, got {args.ruler_samples}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        p.error(f"--device {args.device}: cpu, cuda or cuda:N")
     if args.dataset and not Path(args.dataset).is_file():
         p.error(f"--dataset {args.dataset}: no such file")
     if not args.no_quality and not args.merge and not args.lengths:
@@ -253,7 +257,9 @@ def run(args):
             if k == "speed" and old.get("speed_peer"):  # the peer rows were measured in the same run
                 results["speed_peer"] = old["speed_peer"]
     write_text(out / "config.json", json.dumps(config, indent=1))
-    model = load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower without bf16 units)
+    # CPU: fp32 compute (bf16 is ~4x slower without bf16 units); CUDA: bf16, as the paper runs
+    device = torch.device(args.device)
+    model = load_model(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     records = list(done.values())
 
     def save():

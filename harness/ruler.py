@@ -532,6 +532,8 @@ def run_key(args, config):
                    ruler_tasks=args.ruler_tasks)
     if getattr(args, "chat", None) is not None:
         key["chat"] = args.chat
+    if getattr(args, "device", "cpu") != "cpu":  # bf16 on a GPU: other numbers than fp32 on a CPU
+        key["device"] = args.device
     return key
 
 

@@ -238,3 +238,12 @@ def test_unreadable_dataset_is_one_line(tmp_path):
     path.write_text("not json\n")
     with pytest.raises(UsageError, match="--dataset"):
         ruler.load_rows(None, path, [], 0, 0)
+
+
+def test_device_flag(capsys):
+    import bench
+    assert bench.parse_args([]).device == "cpu"
+    assert bench.parse_args(["--device", "cuda:1"]).device == "cuda:1"
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--device", "tpu"])
+    assert e.value.code == 2 and "--device tpu" in capsys.readouterr().err
