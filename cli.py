@@ -1,6 +1,8 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with exit
 code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how to
 resume, outputs written atomically, one rule for what counts as text, and matplotlib for --plot."""
+import argparse
+import hashlib
 import json
 import os
 import re
@@ -32,12 +34,17 @@ def _terminate(signum, frame):
 def main(run, args, *errors, kept=lambda args: None):
     """run(args), with a UsageError or any of `errors` (model.ModelError, gate.GateError, ...) reported as
     one line `error: message` and exit code 2 instead of a traceback; Ctrl-C (exit code 130) and SIGTERM
-    (143) as one line `interrupted: ...`. kept(args): what the run keeps and how to resume it (a clause,
+    (143) as one line `interrupted: ...`; a closed stdout (`| head`) as a quiet exit 141. kept(args): what the run keeps and how to resume it (a clause,
     or None when nothing is kept), added to the interrupt line and to a failed write."""
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
-        return run(args)
+        result = run(args)
+        sys.stdout.flush()  # a reader that left early shows here, not as a traceback at exit
+        return result
+    except BrokenPipeError:  # stdout's reader left (`| head -n 1`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        sys.exit(141)  # 128 + SIGPIPE: what a shell reports for a tool the closed pipe stopped
     except WriteError as e:
         note = kept(args)
         print(f"error: {e}" + (f"; {note}" if note else ""), file=sys.stderr)
@@ -46,8 +53,8 @@ def main(run, args, *errors, kept=lambda args: None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:
-        note = str(e) or kept(args)  # an exception may carry its own (offline.py's conversion)
-        print(f"\ninterrupted" + (f": {note}" if note else ""), file=sys.stderr)
+        note = str(e) or kept(args)  # an exception may carry its own (offline/models.py's conversion)
+        print("\ninterrupted" + (f": {note}" if note else ""), file=sys.stderr)
         sys.exit(143 if isinstance(e, Terminated) else 130)
     finally:
         if in_main_thread:
@@ -64,7 +71,20 @@ def decode_text(data, name):
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise UsageError(f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                         f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+                         f"convert it, e.g. iconv -f {_legacy_encoding(data)} -t utf-8") from None
+
+
+def _legacy_encoding(data):
+    """The 8-bit encoding that text which is not UTF-8 most likely is: Windows-1252 when it holds bytes
+    0x80-0x9F that Windows-1252 defines (curly quotes, dashes, the euro sign; Latin-1 reads them as
+    invisible C1 control characters), else Latin-1."""
+    if any(0x80 <= b <= 0x9F for b in data):
+        try:
+            data.decode("cp1252")
+            return "cp1252"
+        except UnicodeDecodeError:  # 0x81, 0x8d, 0x8f, 0x90, 0x9d: undefined in Windows-1252
+            pass
+    return "latin1"
 
 
 def _write_failure(e):
@@ -106,6 +126,32 @@ def write_text(path, text):
 def write_json(path, obj, indent=2):
     """obj as UTF-8 JSON text (non-ASCII characters as they are) ending in a newline, written atomically."""
     write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
+
+
+def file_sha256(path) -> str:
+    """The sha256 of a file, as hex: the one hash of files in this project (assets, models, gates)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def tree_sha256(files: list[Path], root: Path) -> str:
+    """One hash for a set of files: sha256 over the sorted lines "<path relative to root>\t<file sha256>\n".
+    MANIFEST.txt records it for every part, and train_gate.py for the text a gate was trained on (--data),
+    so the two can be compared: same hash, same bytes under the same names."""
+    lines = sorted(f"{Path(f).relative_to(root).as_posix()}\t{file_sha256(Path(f))}\n" for f in files)
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def floats(s):
+    return [float(x) for x in s.split(",") if x]
+
+
+def ints(s):
+    """A comma list of token counts; '0' alone means none."""
+    values = [int(x) for x in s.split(",") if x]
+    if any(v < 0 for v in values) or (0 in values and values != [0]):
+        raise argparse.ArgumentTypeError(f"{s!r}: token counts must be positive ('0' alone = none)")
+    return [v for v in values if v > 0]
 
 
 def pyplot():

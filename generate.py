@@ -324,20 +324,19 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     if method == "full":
         return KVCache(cfg, dtype, device)
     import gate
-    import scorers
     H = cfg.num_key_value_heads
     if method == "fastkvzip":
         if gates is None:
             gates = gate.resolve_gate(gate_file, cfg, model_name, device=device)
-        scorer = scorers.GateScorer(gates)
+        scorer = gate.GateScorer(gates)
     elif method == "streaming":
-        scorer = scorers.StreamingScorer(n_kv_heads=H)
+        scorer = gate.StreamingScorer(n_kv_heads=H)
     elif method == "snapkv":
         if decode_tokens_per_head is not None:
             raise ValueError("snapkv scores prefill chunks only: it cannot evict during decoding")
-        scorer = scorers.SnapKVScorer(scale=cfg.attn_scale)
+        scorer = gate.SnapKVScorer(scale=cfg.attn_scale)
     elif method == "random":
-        scorer = scorers.RandomScorer(seed, n_kv_heads=H)
+        scorer = gate.RandomScorer(seed, n_kv_heads=H)
     elif method == "kvzip":
         if decode_tokens_per_head is not None:
             raise ValueError("kvzip scores the context once: it cannot evict during decoding")
@@ -410,7 +409,7 @@ def build_inputs(tok, fmt, context, questions=None):
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     system = enc(fmt.system)
     # a question about a context in the evaluation format (METHOD.md §11), for a base model (no chat postfix)
-    # with the start of its answer, as quality.py's questions, so that it answers instead of going on with the
+    # with the start of its answer, as the benchmark's questions (harness/quality.py), so that it answers instead of going on with the
     # text; a bare prompt just ends its turn
     turn = lambda q: question_text(fmt, q) + ("" if fmt.postfix else "\nA:")
     qs = [(q, enc(turn(q) if q else fmt.postfix)) for q in questions or [""]]

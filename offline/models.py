@@ -34,7 +34,7 @@ conversion never leaves a half folder behind; later calls only check conversion.
 The dequantized weights are close to, but not bit-identical with, the published checkpoints: references
 must come from transformers running this same folder, never from published logits.
 
-    python offline.py [NAME]   # convert now (or print the folder if it is ready)
+    python -m offline.models [NAME]   # convert now (or print the folder if it is ready)
                                # NAME: gemma3-270m-gguf (the default) or smollm2-135m-gguf
 """
 import json
@@ -46,8 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from cli import write_json
-from tools.fetch_assets import file_sha256
+from cli import file_sha256, write_json
 
 NAME = "gemma3-270m-gguf"  # the default
 SMOLLM2 = "smollm2-135m-gguf"
@@ -153,7 +152,7 @@ def _remove_abandoned(final: Path) -> None:
         try:
             os.kill(int(pid), 0)
         except (ValueError, ProcessLookupError):
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
         except PermissionError:  # alive, someone else's
             pass
 
@@ -162,10 +161,18 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     if final.exists():
         if is_ready(final):  # a concurrent conversion finished first: keep its folder
             return
-        old = final.parent / f".{final.name}.old-{os.getpid()}"  # an older converter's output
+        old = final.parent / f".{final.name}.old-{os.getpid()}"  # an older converter's output, or a file
         final.rename(old)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     tmp.rename(final)  # atomic: the folder appears complete or not at all
+
+
+def _remove(path: Path) -> None:
+    """Remove a folder, a file or a link (shutil.rmtree removes folders only, and fails on the others)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------ conversion
@@ -201,7 +208,7 @@ def convert(name: str, out: Path, say=print, progress: bool = True) -> None:
     gguf_path.unlink()
     write_json(out / "conversion.json", {
         "version": CONVERTER_VERSIONS[name], "source": source, "source_sha256": sha256,
-        "converter": "offline.py (fast-kvzip)",
+        "converter": "offline/models.py (fast-kvzip)",
         "notes": "dequantized from the GGUF: close to, not bit-identical with, the published checkpoint"})
 
 

@@ -2,8 +2,8 @@
 Where a CPU prefill spends its time: ours (full cache, and Fast KVzip at a budget) beside transformers on the
 same checkpoint, the same context and the same chunks, timed in turn and then under torch's profiler.
 
-    python -m tools.profile_prefill                                  # Gemma 3 270M, 2K tokens, 3 runs each
-    python -m tools.profile_prefill --model smollm2-135m-gguf --lengths 2048,8192 --no-profile
+    python -m harness.profile_prefill                                  # Gemma 3 270M, 2K tokens, 3 runs each
+    python -m harness.profile_prefill --model smollm2-135m-gguf --lengths 2048,8192 --no-profile
 
 (run from the repository root: `-m` puts it on the import path.)
 
@@ -19,16 +19,17 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import bench
+import cli
 import generate
 import model as M
-from quality import load_docs
+from harness.quality import load_docs
+from harness.speed import load_peer, peer_prefill
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="an offline model or a model folder")
-    p.add_argument("--lengths", type=bench.ints, default=[2048], help="context lengths in tokens")
+    p.add_argument("--lengths", type=cli.ints, default=[2048], help="context lengths in tokens")
     p.add_argument("--budget", type=float, default=0.3, help="Fast KVzip's budget")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each, taken in turn")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (bench.py's --speed-chunk)")
@@ -42,7 +43,7 @@ def main():
     torch.set_num_threads(args.threads)
     folder = M.resolve_model(args.model)
     tok, model = M.load_tokenizer(folder), M.load_model(folder, "cpu", torch.float32)
-    peer = bench.load_peer(folder)
+    peer = load_peer(folder)
     if peer is None:
         p.error("transformers is not installed (pip install -r requirements-test.txt)")
     system = tok.encode(M.prompt_format(model.config, args.model).system, add_special_tokens=False).ids
@@ -57,7 +58,7 @@ def main():
                 cache = generate.make_cache(method, model, args.model, len(system))  # the gate loads before the clock
                 return lambda: generate.prefill(model, cache, ids, len(system), budget, args.chunk, args.window)
             return {"ours, full": lambda: ours("full", 1.0),
-                    "transformers": lambda: (lambda: bench.peer_prefill(peer, ids, args.chunk)),
+                    "transformers": lambda: (lambda: peer_prefill(peer, ids, args.chunk)),
                     f"ours, fastkvzip {args.budget:g}": lambda: ours("fastkvzip", args.budget)}
 
         runs = runs_for(ids)
