@@ -39,6 +39,7 @@ import math
 import torch
 
 from cache import KVCache
+from model import encode_prompt
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."                              # METHOD.md §4.2
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "      # trailing space
@@ -111,13 +112,11 @@ class KVzipTeacher:
                  softmax_dtype="float32"):
         self.model, self.tokenizer = model, tokenizer
         self.cfg = model.config
-        self.system = self.encode(fmt.system)
-        self.postfix = self.encode(fmt.postfix)
+        # every piece alone (METHOD.md §4.1); only the template's control tokens make control ids
+        self.system = encode_prompt(tokenizer, fmt.system)
+        self.postfix = encode_prompt(tokenizer, fmt.postfix)
         self.chunk_size, self.prefill_chunk = chunk_size, prefill_chunk
         self.softmax_dtype = torch.float32 if softmax_dtype == "float32" else None
-
-    def encode(self, text):
-        return self.tokenizer.encode(text, add_special_tokens=False).ids  # every piece alone (METHOD.md §4.1)
 
     def repeat_inputs(self, ctx):
         """[(start, end, repeat ids)] for the context chunks (METHOD.md §4.2,
@@ -126,9 +125,10 @@ class KVzipTeacher:
         for start in range(0, len(ctx), self.chunk_size):
             end = min(start + self.chunk_size, len(ctx))
             if start == 0:
-                prompt = self.encode(REPEAT_FIRST)
+                prompt = encode_prompt(self.tokenizer, REPEAT_FIRST)
             else:
-                prompt = self.encode(REPEAT_NEXT) + list(ctx[max(0, start - PREV_TOKENS):start])
+                prev = list(ctx[max(0, start - PREV_TOKENS):start])
+                prompt = encode_prompt(self.tokenizer, REPEAT_NEXT) + prev
             out.append((start, end, prompt + self.postfix + list(ctx[start:end])))
         return out
 

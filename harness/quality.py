@@ -600,8 +600,12 @@ def load_records(folder, key):
 def quality_results(records, args):
     """The quality part of results.json, from the finished contexts' records (any order)."""
     tallies, extras = accumulate(records)
-    out = dict(rows=summarize(tallies, extras, args.bootstrap, args.seed, args.average), averaged=list(args.average),
-               n_contexts=len(records), contrasts=contrasts(tallies, args.bootstrap, args.seed, args.average),
+    # the tasks the average is over, as its title names them: those asked (--passkeys 0 asks none) and scored
+    # above 0 by the full cache (average_relative leaves the others out)
+    full = tallies[("full", 1.0)]
+    averaged = [t for t in args.average if np.isfinite(relative(t, full[t].value(), full[t].value()))]
+    out = dict(rows=summarize(tallies, extras, args.bootstrap, args.seed, averaged), averaged=averaged,
+               n_contexts=len(records), contrasts=contrasts(tallies, args.bootstrap, args.seed, averaged),
                answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
                         for r in sorted(records, key=lambda r: r["context"])])
     agreements = [r["agreement"] for r in records if r.get("agreement")]
@@ -635,7 +639,8 @@ def markdown(results):
                                "|---|" + "---|" * len(budgets)] + [
         f"| {c} | " + " | ".join(cell(get(task, c, b)) if get(task, c, b) else "" for b in budgets) + " |"
         for c in configs]
-    out = [f"## Relative performance (mean of {', '.join(results.get('averaged', AVERAGED))}; 1 = full cache)", "",
+    averaged = ", ".join(results.get("averaged", AVERAGED)) or "no task: none was asked or scored by the full cache"
+    out = [f"## Relative performance (mean of {averaged}; 1 = full cache)", "",
             "Cells: relative [95% bootstrap interval over contexts]. Budget = fraction of the context's KV "
             "pairs kept in the compressed layers. At budget 1.0 nothing is evicted (checked per context: every "
             "layer keeps everything), the cache is the full cache and its answers are reused.", ""]
