@@ -40,7 +40,8 @@ from harness import quality
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, batch_speed, gpu_section, load_peer, speed
-from model import ModelConfig, ModelError, OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format, resolve_model
+from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, encode_prompt, load_model,
+                   load_tokenizer, prompt_format, resolve_model)
 from teacher import KVzipTeacher
 
 ROOT = Path(__file__).resolve().parent
@@ -184,10 +185,10 @@ def run(args):
     folder = resolve_model(args.model)
     # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
     cfg = ModelConfig.from_json(folder)
-    tok = load_tokenizer(folder, cfg.vocab_size)
+    tok = load_tokenizer(folder, cfg)
     fmt = prompt_format(cfg, args.model, chat=args.chat)
     gates = gate.resolve_gate(args.gate, cfg, args.model)
-    check_lengths(args, cfg, tok, len(tok.encode(fmt.system, add_special_tokens=False).ids))
+    check_lengths(args, cfg, tok, len(encode_prompt(tok, fmt.system)))
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -234,13 +235,13 @@ def run(args):
         quality.run(model, tok, fmt, args, done, on_context=finished)
     if args.speed_lengths:
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
-        system = tok.encode(fmt.system, add_special_tokens=False).ids
+        system = encode_prompt(tok, fmt.system)
         stream = [t for _, d in load_docs(tok) for t in d]
         peer = None if args.no_peer else load_peer(folder)
         results["speed"], results["speed_peer"] = speed(model, teacher, args.speed_lengths,
                                                         lambda n: (system + stream[:n], len(system)), args, peer=peer)
     if args.batch_sizes:
-        system = tok.encode(fmt.system, add_special_tokens=False).ids
+        system = encode_prompt(tok, fmt.system)
         stream, n = [t for _, d in load_docs(tok) for t in d], args.batch_length
         lengths = [n - (n // 4) * i // max(1, max(args.batch_sizes) - 1) for i in range(max(args.batch_sizes))]
         docs = [system + stream[sum(lengths[:i]):sum(lengths[:i]) + m] for i, m in enumerate(lengths)]  # distinct text

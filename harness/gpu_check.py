@@ -47,7 +47,6 @@ import subprocess
 import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
 import torch  # kernels, and all that imports it, only after --dry-run set TRITON_INTERPRET
@@ -447,11 +446,15 @@ def part_decode(S, run, res):
         del batch
 
 
-class ByteTokenizer:
-    """One token per byte: the KVzip teacher's repeat prompts, where only their length matters."""
-
-    def encode(self, text, add_special_tokens=False):
-        return types.SimpleNamespace(ids=list(text.encode()))
+def byte_tokenizer():
+    """One token per byte, and one per control token of the Qwen prompt: the KVzip teacher's repeat
+    prompts, where only their length matters."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    return tok
 
 
 class TimedTeacher:
@@ -510,7 +513,7 @@ def part_prefill(S, run, res):
     model, gates = random_model(S)
     dev, _ = device_and_dtype(S)
     fmt = prompt_format(model.config, "qwen3-8b")
-    teacher = TimedTeacher(KVzipTeacher(model, ByteTokenizer(), fmt, chunk_size=S["score_chunk"],
+    teacher = TimedTeacher(KVzipTeacher(model, byte_tokenizer(), fmt, chunk_size=S["score_chunk"],
                                         prefill_chunk=S["chunk_size"]), dev)
     res.update(chunk_size=S["chunk_size"], window=S["window"], budget=BUDGET)
     n, chunk, window = S["warmup"]  # compiles the kernel variants; not a measurement

@@ -114,7 +114,7 @@ def run(args):
     bargs = bench.parse_args(flags + (["--gate", args.gate] if args.gate else []))  # the benchmark's defaults
     folder = resolve_model(args.model)
     cfg = ModelConfig.from_json(folder)
-    tok = load_tokenizer(folder, cfg.vocab_size)
+    tok = load_tokenizer(folder, cfg)
     fmt = prompt_format(cfg, args.model)
     gates = gate.resolve_gate(args.gate, cfg, args.model)
     _, samples = quality.make_samples(tok, fmt, bargs)

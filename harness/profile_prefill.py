@@ -46,7 +46,7 @@ def main():
     peer = load_peer(folder)
     if peer is None:
         p.error("transformers is not installed (pip install -r requirements-test.txt)")
-    system = tok.encode(M.prompt_format(model.config, args.model).system, add_special_tokens=False).ids
+    system = M.encode_prompt(tok, M.prompt_format(model.config, args.model).system)
     text = [t for _, d in load_docs(tok) for t in d]
     for n in args.lengths:
         if len(text) < n:

@@ -40,7 +40,7 @@ import generate
 from cache import EvictingCache
 from cli import UsageError, pyplot, save_figure
 from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
-from model import question_text
+from model import encode_prompt, encode_text, question_ids
 from teacher import KVzipTeacher, TeacherCache
 from teacher import agreement, digit_tokens, kept_by_rule, pool_agreement, spearman
 
@@ -89,17 +89,16 @@ class SampleMaker:
         self.rng = random.Random(seed)
         self.n_passkeys, self.n_pairs, self.n_kv_questions = n_passkeys, n_pairs, n_kv_questions
         self.n_probe, self.n_continue, self.n_cue = n_probe, n_continue, n_cue
-        self.system = self.enc(fmt.system)
+        self.system = encode_prompt(tok, fmt.system)
         self.next_doc = 0
 
     def enc(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids  # every piece alone (METHOD.md §4.1)
+        return encode_text(self.tok, text)  # every piece alone (METHOD.md §4.1)
 
     def question(self, text, cue):
         """The question turn (METHOD.md §11's "\\n\\nQ: ..." + postfix), then the start of the answer,
         so that even a base model answers in a checkable form."""
-        turn = question_text(self.fmt, text)
-        return self.enc(turn + ("\nA: " if not self.fmt.postfix else "") + cue)
+        return question_ids(self.tok, self.fmt, text, cue)
 
     def sentence_end(self, hay, i):
         for j in range(i, min(len(hay), i + 200)):  # the next sentence end, or i itself
@@ -188,7 +187,7 @@ def load_docs(tok, text="austen", _memo={}):
     if (id(tok), text) not in _memo:
         named = ([(p.stem, p.read_text(encoding="utf-8")) for p in fetch_assets.text_docs("austen_parts")]
                  if text == "austen" else prose_texts())
-        _memo[id(tok), text] = [(name, tok.encode(t, add_special_tokens=False).ids) for name, t in named]
+        _memo[id(tok), text] = [(name, encode_text(tok, t)) for name, t in named]
     return list(_memo[id(tok), text])
 
 
@@ -453,7 +452,7 @@ def contrasts(tallies, n_boot, seed, averaged=AVERAGED):
 
 def answer_stops(cfg, tok):
     """Token ids that end a greedy answer: end of sequence, or a line break."""
-    return set(cfg.eos_token_ids) | {i for s in ("\n", "\n\n") for i in tok.encode(s, add_special_tokens=False).ids}
+    return set(cfg.eos_token_ids) | {i for s in ("\n", "\n\n") for i in encode_text(tok, s)}
 
 
 def make_samples(tok, fmt, args):

@@ -27,6 +27,7 @@ def run_config(args, folder, gates):
     import tokenizers
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     files = sorted(p for p in Path(folder).iterdir() if p.suffix in (".json", ".safetensors"))
+    source = gates.meta.get("source")
     return dict(flags=vars(args), command=" ".join(sys.argv),
                 started=time.strftime("%Y-%m-%dT%H:%M:%S"), git_commit=git("rev-parse", "HEAD"),
                 git_dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
@@ -35,8 +36,9 @@ def run_config(args, folder, gates):
                 machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
                              torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available()),
                 model=dict(folder=str(folder), sha256={p.name: file_sha256(p) for p in files}),
-                gate=dict(source=gates.meta.get("source"), meta=gates.meta,
-                          sha256=file_sha256(gates.meta["source"]) if gates.meta.get("source") else None),
+                # the gate by its file and by its tensors, what decides every score
+                gate=dict(source=source, meta=gates.meta, sha256=file_sha256(source) if source else None,
+                          tensors_sha256=gates.meta.get("tensors_sha256")),
                 levels=list(LEVELS))
 
 
@@ -61,8 +63,10 @@ def markdown(results):
     """results.md: what was run, the quality sections (quality.markdown), then speed and memory."""
     cfg = results["config"]
     f = cfg["flags"]
+    g = cfg["gate"]
+    tensors = f", tensors {g['tensors_sha256'][:12]}" if g.get("tensors_sha256") else ""
     out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
-           f"Model `{f['model']}`, gate `{cfg['gate']['source']}` (sha256 {str(cfg['gate']['sha256'])[:12]}), "
+           f"Model `{f['model']}`, gate `{g['source']}` (sha256 {str(g['sha256'])[:12]}{tensors}), "
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
            + (f"{results['n_contexts']} {TEXT_NAMES[f.get('text', 'austen')]} contexts of {f['lengths']} tokens, "
               + ("no chat template, " if f.get("chat") is False else "chat template, " if f.get("chat") else "")

@@ -275,7 +275,8 @@ def build(task, rng, size, target):
 def n_tokens(tok, row):
     """What a row costs in the model's tokens: context, question and answer prefix, each encoded
     alone, and the tokens it may generate."""
-    enc = lambda s: len(tok.encode(s, add_special_tokens=False).ids)
+    from model import encode_text  # user text: never a control id
+    enc = lambda s: len(encode_text(tok, s))
     pieces = (row["context"], row["question"], row["answer_prefix"])
     return sum(enc(x) for x in pieces) + row["max_new_tokens"]
 
