@@ -45,6 +45,7 @@ import torch
 import generate
 from cli import UsageError, file_sha256, pyplot, save_figure
 from harness import quality as Q
+from model import encode_prompt, encode_text  # contexts, questions, prefixes: data (model.py)
 from teacher import KVzipTeacher
 
 COLUMNS = ("context", "question", "answer_prefix", "answer", "max_new_tokens", "task")
@@ -284,7 +285,6 @@ def build(task, rng, size, target):
 def n_tokens(tok, row):
     """What a row costs in the model's tokens: context, question and answer prefix, each encoded
     alone, and the tokens it may generate."""
-    from model import encode_text  # user text: never a control id
     enc = lambda s: len(encode_text(tok, s))
     pieces = (row["context"], row["question"], row["answer_prefix"])
     return sum(enc(x) for x in pieces) + row["max_new_tokens"]
@@ -416,16 +416,17 @@ def to_samples(tok, fmt, rows):
     compresses a context once for all its questions too). The prompt is the system prompt and the
     context; each question is asked after it, then the model's turn begins, then the answer
     prefix (kvpress puts the question in the user turn, the prefix after the turn's end)."""
-    enc = lambda s: tok.encode(s, add_special_tokens=False).ids
-    system = enc(fmt.system)
+    system = encode_prompt(tok, fmt.system)
     by_context = {}
     for r in rows:
         by_context.setdefault(r["context"], []).append(r)
     samples = []
     for context, asked in by_context.items():
-        turn = lambda r: enc(r["question"] + fmt.postfix + r["answer_prefix"])
+        turn = lambda r: encode_prompt(tok, "{question}" + fmt.postfix + "{prefix}",
+                                       question=r["question"], prefix=r["answer_prefix"])
         questions = [Q.Question(r["task"], turn(r), "", r["max_new_tokens"]) for r in asked]
-        sample = Q.Sample(system + enc(context), len(system), questions, {}, asked[0]["task"])
+        sample = Q.Sample(system + encode_text(tok, context), len(system), questions, {},
+                          asked[0]["task"])
         sample.answers = [r["answer"] for r in asked]
         samples.append(sample)
     return samples
