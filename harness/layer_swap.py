@@ -117,7 +117,7 @@ def run(args):
     tok = load_tokenizer(folder, cfg.vocab_size)
     fmt = prompt_format(cfg, args.model)
     gates = gate.resolve_gate(args.gate, cfg, args.model)
-    _, samples = quality.make_samples(tok, fmt, bargs)
+    _, samples = quality.make_samples(tok, fmt, bench.experiment(bargs))
     L = len(cfg.compressed_layers)
     if args.combos and any(len(c) != L or set(c) - set("TG") for c in args.combos):
         raise UsageError(f"--combos: each is {L} letters T (teacher) or G (gate), one per compressed layer "

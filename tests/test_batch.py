@@ -313,10 +313,10 @@ def test_bench_batch_speed_section(tiny_cli, tmp_path):
                              "--speed-decode", "3", "--speed-chunk", "32", "--speed-window", "8"])
     g = torch.Generator().manual_seed(0)
     docs = [[2] + torch.randint(3, 300, (n,), generator=g).tolist() for n in (90, 70, 60)]
-    rows = speed.batch_speed(model, speed.load_peer(folder), docs, 1, args)
+    rows = speed.batch_speed(model, speed.load_peer(folder), docs, 1, bench.speed_settings(args), args.batch_sizes)
     assert [(r["method"], r["batch"]) for r in rows] == [("full", 1), ("full", 3), ("fastkvzip", 1), ("fastkvzip", 3),
                                                         ("transformers", 1), ("transformers", 3)]
     assert all(r["decode_tok_s"] > 0 for r in rows)
     full3, fast3 = rows[1], rows[3]
     assert fast3["kv_bytes"] < full3["kv_bytes"] and rows[-1]["padded_to"] == 95
-    assert "| fastkvzip | 0.3 | 3 |" in "\n".join(speed.batch_markdown(rows, args))
+    assert "| fastkvzip | 0.3 | 3 |" in "\n".join(speed.batch_markdown(rows, args.batch_length, args.speed_decode))
