@@ -98,6 +98,8 @@ def parse_args(argv=None):
                    "once, e.g. 1,4,8 ('0' = none, the default)")
     p.add_argument("--batch-length", type=int, default=1024, help="batched decoding: the longest context (the "
                    "others 75-100%% of it)")
+    p.add_argument("--batch-repeats", type=int, default=1, help="batched decoding: rounds of every "
+                   "configuration, taken in turn; the tables show medians")
     p.add_argument("--gpu-lengths", type=cli.ints, default=[8192, 32768, 131072], help="GPU speed contexts")
     p.add_argument("--no-quality", action="store_true", help="skip the quality section")
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
@@ -149,7 +151,8 @@ def check_args(p, args):
     for name in ("methods", "budgets", "extra_levels", "average"):  # a repeated value would run (and count) twice
         setattr(args, name, list(dict.fromkeys(getattr(args, name))))
     for flag, low in (("contexts", 1), ("chunk_size", 1), ("speed_chunk", 1), ("speed_decode", 1), ("bootstrap", 1),
-                      ("window", 0), ("speed_window", 0), ("passkeys", 0), ("kv_pairs", 0), ("kv_questions", 0),
+                      ("speed_repeats", 1), ("batch_repeats", 1), ("batch_length", 1), ("window", 0),
+                      ("speed_window", 0), ("passkeys", 0), ("kv_pairs", 0), ("kv_questions", 0),
                       ("continue_tokens", 0), ("threads", 0), ("probe_tokens", quality.CUE_TOKENS + 1)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}"
@@ -163,6 +166,10 @@ def check_args(p, args):
         p.error(f"--kv-questions {args.kv_questions} asks more pairs than --kv-pairs {args.kv_pairs} holds")
     if not args.no_quality and not args.merge and not args.lengths:
         p.error("--lengths is empty: give context lengths, or --no-quality")
+    n_contexts = len(args.lengths) * args.contexts
+    if not args.no_quality and not args.merge and args.shard[0] >= n_contexts:  # it would run nothing
+        p.error(f"--shard {args.shard[0]}/{args.shard[1]}: the run has {n_contexts} contexts (--lengths x "
+                f"--contexts), shard {args.shard[0]} holds none; use at most {n_contexts} shards")
 
 
 def main(argv=None):
@@ -256,7 +263,8 @@ def run(args):
         lengths = [n - (n // 4) * i // max(1, max(args.batch_sizes) - 1) for i in range(max(args.batch_sizes))]
         docs = [system + stream[sum(lengths[:i]):sum(lengths[:i]) + m] for i, m in enumerate(lengths)]  # distinct text
         peer = None if args.no_peer else load_peer(folder)
-        results["batch_speed"] = batch_speed(model, peer, docs, len(system), s, args.batch_sizes)
+        results["batch_speed"] = batch_speed(model, peer, docs, len(system), s, args.batch_sizes,
+                                             args.batch_repeats)
         save()
     if gpu:
         results["gpu"] = gpu_section(s, args.gpu_lengths, out)
@@ -332,11 +340,18 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
     """Several runs of one experiment (shards: --shard k/n, each with its own --out) -> one result in `out`,
     its intervals from n_boot bootstrap resamples, the relative average over the tasks in `averaged`."""
     folders = [Path(f) for f in folders]
+    same = [str(f) for i, f in enumerate(folders) if f.resolve() in [g.resolve() for g in folders[:i]]]
+    if same:  # its speed rows would count twice
+        raise UsageError(f"--merge names {same[0]} twice: give each run once")
     missing = [str(f) for f in folders if not (f / "config.json").exists()]
     if missing:
         raise UsageError(f"no bench run in {', '.join(missing)} (config.json missing)")
     configs = [read_json(f / "config.json", "rerun that folder's command to rewrite it, or leave it out of --merge")
                for f in folders]
+    foreign = [str(f) for f, c in zip(folders, configs) if not isinstance(c.get("quality_key"), dict)]
+    if foreign:
+        raise UsageError(f"{foreign[0]}/config.json is not a bench run's (it has no quality_key); leave that "
+                         f"folder out of --merge")
     key = configs[0]["quality_key"]
     records, results = {}, dict(config=dict(configs[0], merged_from=[str(f) for f in folders],
                                             commands=[c["command"] for c in configs]), rows=[])
@@ -352,23 +367,40 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
             if results.get(k) and results["config"].get(f"{k}_key") != row_key:
                 raise UsageError(f"{f} holds {k} rows of another configuration than the folders before it "
                                  f"({differing(results['config'].get(f'{k}_key') or {}, row_key or {})} differ)")
-            results[k] = results.get(k, []) + old[k]
+            results[k] = merge_rows(results.get(k, []), old[k], f, k)
             results["config"][f"{k}_key"] = row_key
             if k == "speed" and old.get("speed_peer"):  # measured in the same run as these rows
-                results["speed_peer"] = results.get("speed_peer", []) + old["speed_peer"]
+                results["speed_peer"] = merge_rows(results.get("speed_peer", []), old["speed_peer"], f, k)
         results["compressed_layers"] = old.get("compressed_layers", results.get("compressed_layers"))
         results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))  # shards run side by side
-    expected = len(key["lengths"]) * key["contexts"]
+    # runs made with --no-quality (speed rows only) expect no context
+    quality_runs = [c for c in configs if not (c.get("flags") or {}).get("no_quality")]
+    expected = len(key.get("lengths", [])) * key.get("contexts", 0) if quality_runs else 0
     if len(records) < expected:
         log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
-    results.update(quality_results(list(records.values()), n_boot, seed, averaged),
-                   complete=len(records) == expected)
+    if records:
+        results.update(quality_results(list(records.values()), n_boot, seed, averaged))
+    results["complete"] = len(records) == expected
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another --out") from None
     write_results(out, results)
     write_text(out / "config.json", json.dumps(results["config"], indent=1))
     finish(results, out, plot)
     log(f"merged {len(records)} contexts from {len(folders)} runs -> {out}/results.md")
+
+
+def merge_rows(rows, new, folder, kind):
+    """Speed (or GPU) rows of one more run: a row measured in an earlier folder too (the same context, method,
+    budget, device and batch: shards that each ran the speed section) is kept once, the first folder's."""
+    ident = lambda r: tuple(r.get(k) for k in ("context", "method", "budget", "device", "batch"))
+    seen = {ident(r) for r in rows}
+    again = [r for r in new if ident(r) in seen]
+    if again:
+        log(f"merge: {len(again)} {kind} rows of {folder} were measured by an earlier folder too; keeping those")
+    return rows + [r for r in new if ident(r) not in seen]
 
 
 if __name__ == "__main__":

@@ -20,13 +20,18 @@ sequences decoding together, one token each, every layer's KV heads of all of th
 Eviction itself is an explicit call in the generation loop (generate.py), never a hidden hook.
 """
 import copy
+import hashlib
+import json
 import math
+import os
+import struct
 import time
 from dataclasses import dataclass
 
 import torch
 
-from kernels import RaggedKV, WindowKV
+from cli import atomic_path
+from kernels import RaggedKV, WindowKV, _ranges
 
 
 def new_layers(cfg, n_heads, dtype, device):
@@ -98,6 +103,83 @@ class KVCache:
     def _is_sliding(self, layer):
         """True for a sliding-window layer that keeps only its window (a WindowKV ring)."""
         return isinstance(self.layers[layer], WindowKV)
+
+    # -- compress once, answer later: the cache in a file (load_cache reads it back) --
+    def save(self, path, model, ids, last_logits, n_protected=None, method=None, budget=None,
+             chunk_size=None, window=None, prefill_seconds=None):
+        """Write this cache to `path`: one safetensors file, written atomically (a failed write, a
+        full disk, leaves no file: cli.WriteError), that load_cache answers from later, in this
+        process or another, with the same greedy tokens. model: the model it was built with (its
+        identity is recorded); ids: the prompt it prefilled (system prompt ⊕ context), whose first
+        n_protected are the system prompt (default: an EvictingCache's own, else 0); last_logits:
+        the logits after the newest token (a question-less answer starts there). The other values
+        are recorded as given (what made the cache); the budget plan (plan_prefill) is derived."""
+        dtype = model.model.embed_tokens.weight.dtype
+        if getattr(model, "identity", None) is None:
+            raise ValueError("the model has no identity to record: load it with model.load_model")
+        if self.dtype != dtype:
+            raise ValueError(f"the cache holds {self.dtype}, the model runs in {dtype}")
+        ids = torch.as_tensor(list(ids), dtype=torch.long)
+        assert len(ids) <= self.n_seen, "ids: the prompt this cache prefilled"
+        own = getattr(self, "n_protected", None)
+        assert None in (own, n_protected) or own == n_protected, "the cache knows its system prompt"
+        n_protected = (n_protected if own is None else own) or 0
+        tensors, state = self._saved()
+        plan = None
+        if None not in (budget, chunk_size, window) and len(ids) > n_protected:
+            plan = vars(plan_prefill(len(ids) - n_protected, budget, chunk_size, window))
+        state.update(model=model.identity, dtype=str(self.dtype).removeprefix("torch."),
+                     n_protected=n_protected, n_prompt=len(ids), n_context=len(ids) - n_protected,
+                     ids_sha256=_ids_sha256(ids), method=method, budget=budget,
+                     chunk_size=chunk_size, window=window, plan=plan,
+                     prefill_seconds=prefill_seconds)
+        tensors.update(ids=ids, last_logits=last_logits.detach().reshape(-1))
+        write_safetensors(path, tensors, {"format": CACHE_FORMAT, "fastkvzip": json.dumps(state),
+                                          "format_version": str(CACHE_VERSION)})
+
+    def _saved(self):
+        """(tensors, JSON state): everything the cache needs to go on exactly. Every layer's kept
+        rows as they lie (a ring's too), without slack: k, v, pos, score, and rows per head."""
+        tensors, layers = {}, []
+        for i, kv in enumerate(self.layers):
+            if not isinstance(kv, RaggedKV):
+                raise ValueError("a member of a batch is not saved: let it leave the batch first")
+            rows = _ranges(kv.starts, kv.lens).to(kv.device)
+            for name in ("k", "v", "pos", "score"):
+                tensors[f"layer.{i}.{name}"] = getattr(kv, name)[rows]
+            tensors[f"layer.{i}.lens"] = kv.lens
+            if isinstance(kv, WindowKV):
+                tensors[f"layer.{i}.first"] = kv.first
+                layers.append(dict(window=kv.window, ring=kv.ring))
+            else:
+                layers.append(dict(window=None))
+        return tensors, dict(cache="KVCache", n_seen=self.n_seen, peak_nbytes=self.peak_nbytes,
+                             layers=layers)
+
+    def _restore(self, tensors, state):
+        """The inverse of _saved, into this empty cache; the rows stay in the tensors given (on the
+        device). Regions without slack: the next append re-lays them out, as after an eviction."""
+        cfg = self.cfg
+        if len(state["layers"]) != cfg.num_hidden_layers:
+            raise CacheFileError(f"it holds {len(state['layers'])} layers, the model has "
+                                 f"{cfg.num_hidden_layers}")
+        for i, spec in enumerate(state["layers"]):
+            kv = self.layers[i]
+            sliding = isinstance(kv, WindowKV)
+            if spec["window"] != (kv.window if sliding else None):
+                raise CacheFileError(f"its layer {i} has window {spec['window']}, the model's not")
+            k, v, pos, score = (tensors[f"layer.{i}.{n}"] for n in ("k", "v", "pos", "score"))
+            lens = tensors[f"layer.{i}.lens"].cpu()
+            n = int(lens.sum())
+            if (lens.shape != (kv.n_heads,) or bool((lens < 0).any()) or k.shape != (n, kv.head_dim)
+                    or v.shape != k.shape or pos.shape != (n,) or score.shape != (n,)):
+                raise CacheFileError(f"layer {i}'s tensors do not fit the model's {kv.n_heads} KV "
+                                     f"heads of {kv.head_dim}")
+            kv.k, kv.v, kv.pos, kv.score = k, v, pos, score
+            kv.lens, kv.caps, kv.starts = lens.clone(), lens.clone(), torch.cumsum(lens, 0) - lens
+            if sliding:
+                kv.first, kv.ring = tensors[f"layer.{i}.first"].cpu(), bool(spec["ring"])
+        self.n_seen, self.peak_nbytes = int(state["n_seen"]), int(state["peak_nbytes"])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -211,9 +293,12 @@ class EvictingCache(KVCache):
             kv.set_tail_scores(score)
 
     def _score(self, l, hidden, q, k, pos):
+        cuda = self.device.type == "cuda"
+        if cuda:  # the layer's own work may still be queued on the GPU: the clock must not count it
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         score = self.scorer.score(l, hidden, q, k, pos).float()  # (H, T)
-        if score.is_cuda:
+        if cuda:
             torch.cuda.synchronize()
         self.gate_seconds += time.perf_counter() - t0
         return score
@@ -310,6 +395,35 @@ class EvictingCache(KVCache):
         else:
             super().rollback(state)
         self.buffer = {layer: [] for layer in self.compressed}
+
+    def _saved(self):
+        """KVCache's, plus what eviction goes on from: the protected length, the level, decode-time
+        eviction's settings and its buffer of attention inputs not yet scored, the gate's hash, and
+        a random scorer's generator (its next scores)."""
+        tensors, state = super()._saved()
+        for layer, hidden in self.buffer.items():
+            if hidden:
+                tensors[f"buffer.{layer}"] = torch.cat(hidden)
+        generator = getattr(self.scorer, "generator", None)
+        if generator is not None:
+            tensors["scorer.generator"] = generator.get_state()
+        gates = getattr(self.scorer, "gates", None)
+        state.update(cache="EvictingCache", level=self.level, decoding=self.decoding,
+                     decode_tokens_per_head=self.decode_tokens_per_head,
+                     decode_buffer=self.decode_buffer, decode_window=self.decode_window,
+                     decode_sinks=self.decode_sinks,
+                     scorer=type(self.scorer).__name__ if self.scorer is not None else None,
+                     gate_sha256=tensors_sha256(gates.state_dict()) if gates is not None else None)
+        return tensors, state
+
+    def _restore(self, tensors, state):
+        super()._restore(tensors, state)
+        self.decoding = bool(state["decoding"])
+        for layer in self.compressed:
+            if f"buffer.{layer}" in tensors:
+                self.buffer[layer] = [tensors[f"buffer.{layer}"]]
+        if "scorer.generator" in tensors:
+            self.scorer.generator.set_state(tensors["scorer.generator"].cpu())
 
     # -- what was kept --
     def kept_fraction_per_layer(self, start, end):
@@ -496,3 +610,179 @@ class HeadSlice:
         masks = [torch.ones(int(n), dtype=torch.bool) for n in kv.lens]
         masks[heads] = keep
         kv.select(masks)
+
+
+# -------------------------------------------------------------------------------------------------
+# A compressed cache in a file: compress once, with no question in sight, answer later (METHOD.md
+# §11's query-agnostic setting, across processes). The file is safetensors (no pickle): its header's
+# JSON names every tensor, our state is JSON in its metadata, and its last tensor is the sha256 of
+# every byte before it.
+
+CACHE_FORMAT, CACHE_VERSION = "fastkvzip-kv-cache", 1
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+           torch.uint8: "U8"}
+
+
+class CacheFileError(Exception):
+    """A saved cache this model cannot answer from (another model, tokenizer or dtype, another
+    format version, a truncated or corrupt file): one line, nothing loaded."""
+
+
+def tensors_sha256(tensors):
+    """One sha256 of named tensors (names, dtypes, shapes, bytes; name order): a gate's identity."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}\t{t.dtype}\t{tuple(t.shape)}\n".encode())
+        h.update(_bytes(t))
+    return h.hexdigest()
+
+
+def _ids_sha256(ids):
+    return hashlib.sha256(_bytes(ids.to(torch.int64))).hexdigest()
+
+
+def _bytes(t):
+    """A tensor's bytes (little-endian, as safetensors stores them) as a buffer (no copy on CPU)."""
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
+def write_safetensors(path, tensors, metadata):
+    """A safetensors file written by hand, so that it streams tensor by tensor (one tensor at a time
+    on the host, from a GPU) and ends in a "checksum" tensor: the sha256 of every byte before it.
+    Tensors lie by element size, largest first, so each starts aligned to its element; the header is
+    padded to 8 bytes. Atomic: written beside `path`, then renamed (cli.atomic_path)."""
+    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header, offset = {}, 0
+    for name in names:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = dict(dtype=_DTYPES[t.dtype], shape=list(t.shape),
+                            data_offsets=[offset, offset + n])
+        offset += n
+    header["checksum"] = dict(dtype="U8", shape=[32], data_offsets=[offset, offset + 32])
+    header["__metadata__"] = metadata
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            digest = hashlib.sha256()
+            for chunk in [struct.pack("<Q", len(head)), head] + [_bytes(tensors[n]) for n in names]:
+                f.write(chunk)
+                digest.update(chunk)
+            f.write(digest.digest())
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+
+
+def read_header(path):
+    """(header, our JSON state) of a cache file, checked: ours, this format version, every byte
+    there. Reads the header only (kilobytes)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise CacheFileError(f"cache file {path} is truncated ({size} bytes)")
+            n = struct.unpack("<Q", f.read(8))[0]
+            if n > min(size - 8, 100 << 20):
+                raise CacheFileError(f"cache file {path} is truncated or not safetensors "
+                                     f"(a header of {n} bytes in {size})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CacheFileError(f"cannot read cache file {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CacheFileError(f"cache file {path} is corrupt (its header is not JSON)") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT:
+        raise CacheFileError(f"{path} is not a saved KV cache (no {CACHE_FORMAT!r} metadata)")
+    if meta.get("format_version") != str(CACHE_VERSION):
+        raise CacheFileError(f"cache file {path} has format version {meta.get('format_version')}; "
+                             f"this version reads version {CACHE_VERSION}: save the cache again")
+    try:
+        state = json.loads(meta["fastkvzip"])
+        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        checksum = header["checksum"]["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise CacheFileError(f"cache file {path} is corrupt (its header lacks what this format "
+                             f"writes)") from None
+    if 8 + n + end != size:
+        raise CacheFileError(f"cache file {path} is truncated ({size} of {8 + n + end} bytes)")
+    if checksum != [end - 32, end]:
+        raise CacheFileError(f"cache file {path} is corrupt (no checksum in its last 32 bytes)")
+    return header, state
+
+
+def verify_checksum(path):
+    """Hash every byte of the file but the last 32 and compare with them: a flipped bit anywhere."""
+    with open(path, "rb") as f:
+        h, left = hashlib.sha256(), os.fstat(f.fileno()).st_size - 32
+        while left > 0:
+            chunk = f.read(min(left, 16 << 20))
+            h.update(chunk)
+            left -= len(chunk)
+        if h.digest() != f.read(32):
+            raise CacheFileError(f"cache file {path} is corrupt (its checksum does not match)")
+
+
+def load_cache(path, model, scorer=None, verify=True):
+    """A cache saved by KVCache.save, read straight to the model's device (safetensors maps the
+    file), ready to answer as the cache that was saved. Refuses (CacheFileError) a file made by
+    another model (config, weights), tokenizer or dtype, of another format version, truncated or
+    corrupt (verify: the file's sha256, about a second per GB). scorer: what scores decoded tokens,
+    for a cache saved with decode-time eviction: the same kind, and for the gate the same gate.
+    -> (cache, info): info holds the prompt ids, n_protected, last_logits, what made the cache
+    (method, budget, chunk_size, window, plan, prefill_seconds), kv_bytes, file_bytes and
+    load_seconds."""
+    from safetensors import SafetensorError, safe_open
+    t0 = time.perf_counter()
+    header, state = read_header(path)
+    weight = model.model.embed_tokens.weight
+    mine = getattr(model, "identity", None) or {}
+    for key, what in (("config_sha256", "another model (another config.json)"),
+                      ("weights_sha256", "another model (other weights, the same config)"),
+                      ("tokenizer_sha256", "another tokenizer")):
+        if state["model"].get(key) != mine.get(key):
+            raise CacheFileError(f"cache file {path} was made by {what}: not answered from here")
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if state["dtype"] != dtype:
+        raise CacheFileError(f"cache file {path} holds {state['dtype']} keys and values, the model "
+                             f"runs in {dtype}: load the model in {state['dtype']}")
+    evicting = state["cache"] == "EvictingCache"
+    if evicting and state["decode_tokens_per_head"] is not None:
+        if scorer is None or type(scorer).__name__ != state["scorer"]:
+            raise CacheFileError(f"cache file {path} evicts while decoding, scored by "
+                                 f"{state['scorer']}: give that scorer, not "
+                                 f"{type(scorer).__name__}")
+        gates = getattr(scorer, "gates", None)
+        if gates is not None and tensors_sha256(gates.state_dict()) != state["gate_sha256"]:
+            raise CacheFileError(f"cache file {path} was made with another gate (gate sha256 "
+                                 f"{state['gate_sha256'][:12]}): give that gate")
+    if verify:
+        verify_checksum(path)
+    try:
+        with safe_open(str(path), framework="pt", device=str(weight.device)) as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise CacheFileError(f"cache file {path} is corrupt ({' '.join(str(e).split())})") from None
+    ids = tensors["ids"].cpu()
+    if len(ids) != state["n_prompt"] or _ids_sha256(ids) != state["ids_sha256"]:
+        raise CacheFileError(f"cache file {path} is corrupt (its prompt ids do not match its hash)")
+    if evicting:
+        cache = EvictingCache(model.config, scorer, weight.dtype, weight.device,
+                              n_protected=state["n_protected"], level=state["level"],
+                              decode_tokens_per_head=state["decode_tokens_per_head"],
+                              decode_buffer=state["decode_buffer"],
+                              decode_window=state["decode_window"],
+                              decode_sinks=state["decode_sinks"])
+    else:
+        cache = KVCache(model.config, weight.dtype, weight.device)
+    try:
+        cache._restore(tensors, state)
+    except (KeyError, CacheFileError) as e:
+        raise CacheFileError(f"cache file {path} does not fit the model: {e}") from None
+    info = {k: state[k] for k in ("method", "budget", "chunk_size", "window", "plan", "n_context",
+                                  "n_protected", "prefill_seconds")}
+    info.update(ids=ids.tolist(), last_logits=tensors["last_logits"], kv_bytes=cache.nbytes,
+                file_bytes=os.path.getsize(path), load_seconds=time.perf_counter() - t0)
+    return cache, info

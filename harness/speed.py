@@ -176,39 +176,54 @@ def peer_run(peer, ids, n_protected, chunk_size, steps):
 
 
 @torch.no_grad()
-def batch_speed(model, peer, docs, n_protected, s, batch_sizes):
+def batch_speed(model, peer, docs, n_protected, s, batch_sizes, repeats=1):
     """Decode throughput of B requests at once (cache.Batch: one forward per step for all B, one attention
     call per layer), B in batch_sizes, for the full cache and fastkvzip at s.budget; beside it
     transformers' own batched generate, left-padded to the longest context. docs: the contexts (system
     prompt ⊕ text ids, mixed lengths); every member is prefilled once, alone, and copied for each B. Decode
-    is timed alone, after the 4-token question: s.decode greedy steps; tokens/s counts all B."""
+    is timed alone, after the 4-token question: s.decode greedy steps; tokens/s counts all B.
+    `repeats` rounds of every configuration, taken in turn (load on the machine hits them
+    alike); each row holds the medians and every round's tokens/s (`runs`)."""
     cfg, dtype, device = model_info(model)
-    question, rows = [docs[0][-1]] * 4, []
+    question, prefilled, runs = [docs[0][-1]] * 4, {}, {}
     for method, budget in (("full", 1.0), ("fastkvzip", s.budget)):
-        prefilled = []
+        prefilled[method, budget] = []
         for ids in docs[:max(batch_sizes)]:
             cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
                 model, method, DEFAULT_LEVEL[method], n_protected, s.model, s.gate, s.seed)
             generate.prefill(model, cache, ids, n_protected, budget, s.chunk_size, s.window)
-            prefilled.append(cache)
-        for B in batch_sizes:
-            batch, tokens = Batch(cfg, dtype, device), []
-            for cache in (copy.deepcopy(c) for c in prefilled[:B]):
-                tokens.append(int(generate.begin_answer(model, cache, question).argmax()))
-                batch.join(cache)
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(s.decode):
-                tokens = generate.decode_batch(model, batch, tokens).argmax(-1).tolist()
-            secs, cpu = time.perf_counter() - t0, time.process_time() - c0
-            rows.append(dict(method=method, budget=budget, batch=B, decode_tok_s=B * s.decode / secs,
-                             decode_cpu_tok_s=B * s.decode / cpu, kv_bytes=batch.nbytes,
-                             peak_kv_bytes=batch.peak_nbytes))
-            log(f"batch speed {method} at {budget:g}, B={B}: {rows[-1]['decode_tok_s']:.1f} tok/s, "
-                f"KV {batch.nbytes / 2**20:.1f} MiB")
-    for B in batch_sizes if peer is not None else []:
-        rows.append(peer_batch_run(peer, docs[:B], question, s.decode))
-        log(f"batch speed transformers, B={B}: {rows[-1]['decode_tok_s']:.1f} tok/s")
-    return rows
+            prefilled[method, budget].append(cache)
+    for _ in range(repeats):
+        for (method, budget), caches in prefilled.items():
+            for B in batch_sizes:
+                row = batch_run(model, caches[:B], question, s.decode)
+                row.update(method=method, budget=budget)
+                runs.setdefault((method, budget, B), []).append(row)
+                log(f"batch speed {method} at {budget:g}, B={B}: {row['decode_tok_s']:.1f} tok/s, "
+                    f"KV {row['kv_bytes'] / 2**20:.1f} MiB")
+        for B in batch_sizes if peer is not None else []:
+            row = peer_batch_run(peer, docs[:B], question, s.decode)
+            runs.setdefault(("transformers", 1.0, B), []).append(row)
+            log(f"batch speed transformers, B={B}: {row['decode_tok_s']:.1f} tok/s")
+    med = lambda rs, key: float(np.median([r[key] for r in rs]))
+    return [dict(rs[0], runs=[r["decode_tok_s"] for r in rs], decode_tok_s=med(rs, "decode_tok_s"),
+                 decode_cpu_tok_s=med(rs, "decode_cpu_tok_s")) for rs in runs.values()]
+
+
+def batch_run(model, prefilled, question, steps):
+    """One timing: copies of the B prefilled caches join a Batch after the question; steps steps."""
+    cfg, dtype, device = model_info(model)
+    batch, tokens = Batch(cfg, dtype, device), []
+    for cache in (copy.deepcopy(c) for c in prefilled):
+        tokens.append(int(generate.begin_answer(model, cache, question).argmax()))
+        batch.join(cache)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        tokens = generate.decode_batch(model, batch, tokens).argmax(-1).tolist()
+    secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+    B = len(prefilled)
+    return dict(batch=B, decode_tok_s=B * steps / secs, decode_cpu_tok_s=B * steps / cpu,
+                kv_bytes=batch.nbytes, peak_kv_bytes=batch.peak_nbytes)
 
 
 def peer_batch_run(peer, docs, question, steps):
@@ -245,12 +260,14 @@ def batch_markdown(rows, batch_length, steps):
         return []
     one = {(r["method"], r["budget"]): r["decode_tok_s"] for r in rows if r["batch"] == 1}
     peer = {r["batch"]: r["decode_tok_s"] for r in rows if r["method"] == "transformers"}
+    rounds = len(rows[0].get("runs") or [0])
     out = ["", "## Batched decoding (generate.py --batch)", "",
            f"B requests decode together, one forward per step (cache.Batch); contexts of {batch_length} tokens "
            f"and shorter (75-100%), each prefilled alone; {steps} greedy steps after a 4-token question, "
            "tokens/s over all B. transformers: its own generate on the same contexts, left-padded, timed from its "
            "first new token. KV: bytes the batch holds at the end (transformers: its padded DynamicCache). "
-           "CPU tok/s: over this process's CPU seconds (what other jobs on a shared machine disturb least).", "",
+           "CPU tok/s: over this process's CPU seconds (what other jobs on a shared machine "
+           "disturb least)." + (f" Medians of {rounds} rounds, taken in turn." if rounds > 1 else ""), "",
            "| method | budget | B | decode tok/s | × B=1 | × transformers | CPU tok/s | KV held |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -46,8 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from cli import write_json
-from cli import file_sha256
+from cli import file_sha256, write_json
 
 NAME = "gemma3-270m-gguf"  # the default
 SMOLLM2 = "smollm2-135m-gguf"
@@ -153,7 +152,7 @@ def _remove_abandoned(final: Path) -> None:
         try:
             os.kill(int(pid), 0)
         except (ValueError, ProcessLookupError):
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
         except PermissionError:  # alive, someone else's
             pass
 
@@ -162,10 +161,18 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     if final.exists():
         if is_ready(final):  # a concurrent conversion finished first: keep its folder
             return
-        old = final.parent / f".{final.name}.old-{os.getpid()}"  # an older converter's output
+        old = final.parent / f".{final.name}.old-{os.getpid()}"  # an older converter's output, or a file
         final.rename(old)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     tmp.rename(final)  # atomic: the folder appears complete or not at all
+
+
+def _remove(path: Path) -> None:
+    """Remove a folder, a file or a link (shutil.rmtree removes folders only, and fails on the others)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------ conversion

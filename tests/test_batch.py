@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import model as M
-from cache import Batch, EvictingCache, KVCache
+from cache import Batch
 from gate import Gates
 from teacher import KVzipTeacher
 from generate import METHODS, answer, generate_batch, make_cache, prefill, prefill_kvzip
@@ -310,13 +310,62 @@ def test_bench_batch_speed_section(tiny_cli, tmp_path):
     save_gate(tmp_path / "g.safetensors", Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
                                               cfg.group_size), {"model": "tiny"})
     args = bench.parse_args(["--model", str(folder), "--gate", str(tmp_path / "g.safetensors"), "--batch-sizes", "1,3",
-                             "--speed-decode", "3", "--speed-chunk", "32", "--speed-window", "8"])
+                             "--speed-decode", "3", "--speed-chunk", "32", "--speed-window", "8",
+                             "--batch-repeats", "3"])
     g = torch.Generator().manual_seed(0)
     docs = [[2] + torch.randint(3, 300, (n,), generator=g).tolist() for n in (90, 70, 60)]
-    rows = speed.batch_speed(model, speed.load_peer(folder), docs, 1, bench.speed_settings(args), args.batch_sizes)
+    rows = speed.batch_speed(model, speed.load_peer(folder), docs, 1, bench.speed_settings(args),
+                             args.batch_sizes, args.batch_repeats)
     assert [(r["method"], r["batch"]) for r in rows] == [("full", 1), ("full", 3), ("fastkvzip", 1), ("fastkvzip", 3),
                                                         ("transformers", 1), ("transformers", 3)]
     assert all(r["decode_tok_s"] > 0 for r in rows)
+    assert all(len(r["runs"]) == 3 and r["decode_tok_s"] == sorted(r["runs"])[1] for r in rows)  # medians
     full3, fast3 = rows[1], rows[3]
     assert fast3["kv_bytes"] < full3["kv_bytes"] and rows[-1]["padded_to"] == 95
     assert "| fastkvzip | 0.3 | 3 |" in "\n".join(speed.batch_markdown(rows, args.batch_length, args.speed_decode))
+
+
+# -- the same on a GPU: the compiled kernel end to end (harness/gpu_check.py runs `-m gpu`) -----------
+
+@pytest.mark.gpu
+def test_gpu_batch_decode_equals_alone_and_reference(monkeypatch):
+    """A tiny Gemma3 on CUDA (sliding-window rings and a compressed global layer, fp32): three contexts
+    prefilled and evicted alone (the gate, budget 0.3), then decoding together through the compiled
+    kernel, give each step the logits each gets alone; and all of it equals the reference backend's."""
+    import copy
+
+    from generate import decode_batch, decode_one
+    from tests.helpers import GEMMA3_TINY, randomize_
+    cfg = M.ModelConfig.from_dict({**GEMMA3_TINY, "model_type": "gemma3_text", "max_position_embeddings": 1024})
+    torch.manual_seed(0)
+    model = M.Transformer(cfg)
+    randomize_(model)
+    model = model.cuda().eval()
+    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
+                  device="cuda")
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 150, 40)]
+    steps = torch.randint(3, 300, (5, len(docs)), generator=g).tolist()  # fed, not sampled: no ties
+
+    def run(backend):
+        monkeypatch.setenv("FASTKVZIP_ATTN_BACKEND", backend)
+        caches = []
+        with torch.no_grad():
+            for ids in docs:
+                c = make_cache("fastkvzip", model, "tiny", 4, gates=gates)
+                prefill(model, c, ids, 4, 0.3, CHUNK, WINDOW)
+                c.start_decoding()
+                caches.append(c)
+            solo = [copy.deepcopy(c) for c in caches]
+            batch = Batch(cfg, torch.float32, "cuda")
+            for c in caches:
+                batch.join(c)
+            together = [decode_batch(model, batch, tokens) for tokens in steps]
+            alone_ = [torch.stack([decode_one(model, c, tokens[b]) for b, c in enumerate(solo)])
+                      for tokens in steps]
+        return torch.stack(together).cpu(), torch.stack(alone_).cpu()
+
+    together, alone_ = run("triton")
+    assert_close(together, alone_, atol=1e-4, scale_rtol=1e-5, name="batch vs alone (triton)")
+    ref_together, _ = run("reference")
+    assert_close(together, ref_together, atol=1e-3, scale_rtol=1e-4, name="triton vs reference")

@@ -242,7 +242,13 @@ def test_slack_is_bounded_after_a_long_prefill():
     assert kv.caps.tolist() == [6001 + MAX_SLACK] * H and kv.k.shape[0] == H * (6001 + MAX_SLACK)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+# The Triton kernel on CPU tensors runs only under the interpreter (conftest.py sets it without CUDA);
+# with CUDA the kernel is compiled, and the `gpu` tests below run it on CUDA tensors instead.
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the Triton kernel on CPU tensors needs the interpreter")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
 def test_window_ring_matches_dense_window(backend):
     """WindowKV, fed prefill chunks and single tokens in any mix, gives what dense attention with the
     window mask over every token gives, holds exactly the last min(n, W) tokens in at most W rows, and
@@ -296,6 +302,7 @@ TOL = {torch.float32: (1e-5, 0.0), torch.float16: (2e-3, 2e-3), torch.bfloat16: 
 MODES = [(True, None), (False, None), (True, 37)]  # causal, window
 
 
+@interpreted
 @pytest.mark.parametrize("q_len,G,d,dtype,k_lens", [
     (1, 4, 128, torch.bfloat16, [0, 1, 3000, 513]),   # decode, Qwen3-8B head shape
     (1, 8, 64, torch.float32, [2100, 0, 1, 64]),
@@ -314,6 +321,7 @@ def test_triton_matches_reference_ragged(q_len, G, d, dtype, k_lens):
         assert_close(out, attention_reference(*args), atol=atol, rtol=rtol, name=f"causal={causal} window={window}")
 
 
+@interpreted
 @pytest.mark.parametrize("q_len,num_splits", [(1, 4), (7, 3)])
 def test_triton_split_keys_matches_reference(q_len, num_splits):
     # flash-decoding path: each split writes a partial output + log-sum-exp, merged afterwards;
@@ -325,6 +333,7 @@ def test_triton_split_keys_matches_reference(q_len, num_splits):
         assert_close(out, attention_reference(*args), 1e-5, name=f"splits causal={causal} window={window}")
 
 
+@interpreted
 @pytest.mark.parametrize("G,d", [(2, 128), (8, 256)])
 def test_triton_dense_matches_sdpa(G, d):
     q, k, v, cu_q, cu_k, _ = varlen_case([33], [90], 2 * G, 2, d)
@@ -333,6 +342,7 @@ def test_triton_dense_matches_sdpa(G, d):
         assert_close(out, sdpa_dense(q, k, v, d ** -0.5, causal, window), 1e-5, name=f"causal={causal}")
 
 
+@interpreted
 def test_ragged_attend_triton_backend_and_env(monkeypatch):
     H, G, d = 2, 4, 64
     kv = RaggedKV(H, d, torch.float32, "cpu")
@@ -348,10 +358,10 @@ def test_ragged_attend_triton_backend_and_env(monkeypatch):
 # -----------------------------------------------------------------------------------------------
 # GPU only: the compiled kernel (not the interpreter) on realistic sizes
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu  # skipped without CUDA (conftest.py)
 
 
-@cuda
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("q_len,d", [(1, 128), (1, 256), (300, 128), (1000, 256)])
 def test_triton_gpu_matches_reference(q_len, d, dtype):
@@ -363,6 +373,66 @@ def test_triton_gpu_matches_reference(q_len, d, dtype):
     for causal, window in MODES + [(True, 1024)]:
         args = (q, k, v, cu_q, cu_k, q_len, max(k_lens), None, causal, window, used)
         assert_close(varlen_attention(*args), attention_reference(*args), atol=atol, rtol=rtol, name=f"{causal} {window}")
+
+
+GPU_TOL = {torch.bfloat16: TOL[torch.bfloat16], torch.float32: (5e-5, 5e-5)}  # fp32: 3xTF32
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_gpu_batched_layout(dtype):
+    """cache.Batch's layout on the compiled kernel: the heads of B sequences side by side in one
+    RaggedKV, each evicted to its own length (one head to nothing), slack after a decode token; one
+    decode query per query head gives the reference's result over each sequence's own rows, and what
+    each sequence's own RaggedKV gives alone."""
+    torch.manual_seed(0)
+    H, G, d, dev = 8, 4, 128, "cuda"  # Qwen3-8B's attention shape
+    seqs = []
+    for n in (3000, 17, 40000, 1, 9000):
+        kv = RaggedKV(H, d, dtype, dev)
+        kv.append(torch.randn(n, H, d, device=dev).to(dtype), torch.randn(n, H, d, device=dev).to(dtype),
+                  torch.arange(n))
+        kv.select([torch.rand(n) < share for share in torch.rand(H)])  # every head its own length
+        kv.append(torch.randn(1, H, d, device=dev).to(dtype), torch.randn(1, H, d, device=dev).to(dtype),
+                  torch.tensor([n]))
+        seqs.append(kv)
+    batch = RaggedKV(0, d, dtype, dev)
+    for kv in seqs:
+        batch.extend(kv)
+    B = len(seqs)
+    q = torch.randn(1, B * H * G, d, device=dev).to(dtype)
+    out = batch.attend(q, d ** -0.5)  # CUDA tensors: the compiled Triton kernel
+    k, v, cu_k, used, max_len = batch.keys_values()
+    cu_q = torch.arange(B * H + 1, dtype=torch.int32, device=dev)
+    ref = attention_reference(q.view(B * H, G, d), k, v, cu_q, cu_k, 1, max_len, d ** -0.5, True, None, used)
+    atol, rtol = GPU_TOL[dtype]
+    assert_close(out, ref.view(1, B * H * G, d), atol=atol, rtol=rtol, name="batched layout")
+    for b, kv in enumerate(seqs):
+        heads = slice(b * H * G, (b + 1) * H * G)
+        assert_close(out[:, heads], kv.attend(q[:, heads], d ** -0.5), atol=atol, rtol=rtol, name=f"seq {b}")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_gpu_window_ring(dtype):
+    """Gemma3's sliding layers on the compiled kernel: a WindowKV ring (window 512, head_dim 256, as
+    Gemma 3 1B) fed prefill chunks and decode tokens in any mix gives dense windowed attention over
+    every token, chunk rows and ring rows alike."""
+    H, G, d, W = 1, 4, 256, 512
+    steps = [700, 1, 1, 300, 1, 1, 1, 1000, 1, 1, 64, 1]  # tokens per forward
+    T = sum(steps)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(T, n, d, generator=g).to(dtype) for n in (H * G, H, H))
+    kv, outs, n = WindowKV(H, d, W, dtype, "cuda"), [], 0
+    for t in steps:
+        kv.append(k[n:n + t].cuda(), v[n:n + t].cuda(), torch.arange(n, n + t))
+        outs.append(kv.attend(q[n:n + t].cuda(), d ** -0.5, window=W).cpu())
+        kv.wrap()
+        n += t
+        assert kv.lens.tolist() == [min(n, W)] * H
+    atol, rtol = GPU_TOL[dtype]
+    assert_close(torch.cat(outs), sdpa_dense(q, k, v, d ** -0.5, True, W), atol=atol, rtol=rtol,
+                 name="window ring on CUDA")
 
 
 # -----------------------------------------------------------------------------------------------

@@ -166,6 +166,21 @@ def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
     assert models.ensure_offline_model(progress=False) == tmp_path / models.NAME
 
 
+def test_a_file_where_the_model_folder_goes_is_replaced_without_leftovers(tmp_path, monkeypatch):
+    """A file named like the model inside FASTKVZIP_CACHE (and one a dead conversion left as .NAME.old-PID):
+    the conversion puts the model's folder in its place and leaves nothing else behind."""
+    monkeypatch.setenv("FASTKVZIP_CACHE", str(tmp_path))
+    (tmp_path / models.NAME).write_text("not a model")
+    (tmp_path / f".{models.NAME}.old-999999999").write_text("left by a dead process")
+
+    def fake(name, out, say, progress):
+        (out / "conversion.json").write_text(json.dumps({"version": models.CONVERTER_VERSIONS[models.NAME]}))
+
+    monkeypatch.setattr(models, "convert", fake)
+    assert models.ensure_offline_model(progress=False) == tmp_path / models.NAME
+    assert [p.name for p in tmp_path.iterdir()] == [models.NAME] and (tmp_path / models.NAME).is_dir()
+
+
 def test_read_only_cache_is_a_one_line_error(tmp_path, monkeypatch):
     """FASTKVZIP_CACHE pointing at a folder this user may not write: OfflineModelError, not pathlib's
     PermissionError at the conversion's temporary folder."""
@@ -400,7 +415,7 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     import model as M
     from harness import quality
     from gate import GateScorer
-    from teacher import KVzipTeacher
+    from teacher import KVzipTeacher, spearman
 
     cfg = smollm2_model.config
     gates = gate.resolve_gate(None, cfg, "smollm2-135m-gguf")
@@ -415,7 +430,7 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
 
     def rho(gates):
         student = quality.captured_scores(smollm2_model, GateScorer(gates), full)
-        return [quality.spearman(s[..., p:].flatten().float(), t[..., p:].flatten().float()) for s, t in zip(student, teacher)]
+        return [spearman(s[..., p:].flatten().float(), t[..., p:].flatten().float()) for s, t in zip(student, teacher)]
 
     ours = rho(gates)
     torch.manual_seed(0)
@@ -472,11 +487,11 @@ def test_bundled_gates_were_trained_on_the_built_corpus():
     offline/fetch_assets.py builds it (MANIFEST.txt's tree_sha256) and as train_gate.py hashes --data: so the
     gate's recorded command reproduces it on a fresh machine."""
     import gate
-    import train_gate
+    import features
     corpus = require_for_test("corpus")
     manifest = (corpus.parent / "MANIFEST.txt").read_text().splitlines()
     built = {line.split("\t")[2] for line in manifest if line.startswith("part\tcorpus\t")}
-    assert built == {train_gate.data_sha256(str(corpus))}
+    assert built == {features.data_sha256(str(corpus))}
     for path in sorted(gate.GATES_DIR.glob("*.safetensors")):
         training = gate.gate_metadata(path)["training"]
         assert Path(training["data"]).name == "corpus" and {training["data_sha256"]} == built, path.name

@@ -1,0 +1,368 @@
+"""A compressed cache saved to a file and answered from later (KVCache.save, cache.load_cache).
+
+The oracle is the cache that was saved: with greedy decoding a question answered from the loaded
+cache gets the same tokens (and bit-equal logits) as from the saved one, in this process and in
+another, for every method, budgets 1.0 and 0.3, decode-time eviction on and off, on tiny random
+models of each family. Every file that must be refused is refused in one line; nothing is written
+half."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cache as C
+import model as M
+from cache import Batch, CacheFileError, load_cache
+from cli import WriteError
+from gate import Gates, save_gate
+from generate import METHODS, begin_answer, decode_one, make_cache, prefill, prefill_kvzip, sample
+from teacher import KVzipTeacher
+from tests.helpers import edit_config, tiny_checkpoint, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNK, WINDOW, DECODE = 32, 8, 48  # two chunks of context; decode-time eviction back to 48 per head
+N_CONTEXT, QUESTION = 70, [40, 41, 42, 43]
+
+
+def random_gates(cfg):
+    torch.manual_seed(0)
+    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                  cfg.group_size)
+    with torch.no_grad():  # spread the scores out (the init's zeros give ties)
+        gates.b.normal_()
+        gates.k_base.normal_()
+    return gates
+
+
+def tiny_setup(arch, folder):
+    tiny_checkpoint(arch, folder, max_position_embeddings=1024)
+    tiny_tokenizer(folder)
+    model = M.load_model(folder, "cpu", torch.float32)
+    gates = random_gates(model.config)
+    # beside the folder: every *.safetensors in it is a weight file
+    gate_file = folder.with_name(folder.name + "-gate.safetensors")
+    save_gate(gate_file, gates)
+    return dict(folder=folder, gate_file=gate_file, model=model, tok=M.load_tokenizer(folder),
+                gates=gates, fmt=M.prompt_format(model.config, str(folder), chat=True))
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def tiny(request, tmp_path_factory):
+    """Qwen3 (every layer compressed), Gemma3 (sliding-window rings beside one compressed layer)."""
+    return tiny_setup(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def prompt(t):
+    system = t["tok"].encode(t["fmt"].system, add_special_tokens=False).ids
+    g = torch.Generator().manual_seed(1)
+    return system + torch.randint(40, 200, (N_CONTEXT,), generator=g).tolist(), len(system)
+
+
+def compressed(t, method, budget, decode):
+    """A prefilled cache as generate.run makes it -> (cache, prompt ids, the last logits)."""
+    model = t["model"]
+    ids, n_protected = prompt(t)
+    m = "full" if budget == 1.0 and decode is None else method
+    cache = make_cache(m, model, "tiny", n_protected, decode_tokens_per_head=decode,
+                       gates=t["gates"])
+    with torch.no_grad():
+        if m == "kvzip":
+            teacher = KVzipTeacher(model, t["tok"], t["fmt"])
+            last = prefill_kvzip(model, teacher, cache, ids, n_protected, budget, CHUNK, WINDOW)
+        else:
+            last = prefill(model, cache, ids, n_protected, budget, CHUNK, WINDOW)
+    return cache, ids, last
+
+
+def greedy(model, cache, logits, n, question=None):
+    """n greedy tokens (the question first, when given) -> (tokens, the logits after the last)."""
+    out = []
+    with torch.no_grad():
+        if question is not None:
+            logits = begin_answer(model, cache, question, logits)
+        for _ in range(n):
+            out.append(sample(logits))
+            logits = decode_one(model, cache, out[-1])
+    return out, logits
+
+
+def kept(cache):
+    return [[sorted(kv.head_pos(h).tolist()) for h in range(kv.n_heads)] for kv in cache.layers]
+
+
+def scorer_for(t, method, decode):
+    """The scorer generate.py would give load_cache: the one make_cache builds for the method."""
+    cache = make_cache(method, t["model"], "tiny", 0, decode_tokens_per_head=decode,
+                       gates=t["gates"])
+    return getattr(cache, "scorer", None)  # a full cache has none
+
+
+CASES = [(m, b, d) for m in METHODS for b in (1.0, 0.3) for d in (None, DECODE)
+         if d is None or m in ("fastkvzip", "streaming", "random")]
+N_NEW = 140  # past 128 decoded tokens: decode-time eviction runs once
+
+
+@pytest.mark.parametrize("method, budget, decode", CASES)
+def test_loaded_cache_answers_as_the_saved_one(tiny, tmp_path, method, budget, decode):
+    """Save right after prefill, answer from both; then save again mid-answer (decode-time
+    eviction's buffer holds the question and 60 tokens, unscored) and go on from both, past the
+    128th token where it evicts."""
+    model, path = tiny["model"], tmp_path / "doc.kv"
+    cache, ids, last = compressed(tiny, method, budget, decode)
+    cache.save(path, model, ids, last, method=method, budget=budget, chunk_size=CHUNK,
+               window=WINDOW)
+    saved_bytes = path.read_bytes()
+    loaded, info = load_cache(path, model, scorer_for(tiny, method, decode))
+    assert info["ids"] == ids and info["budget"] == budget and info["method"] == method
+    assert torch.equal(info["last_logits"], last)
+    assert kept(loaded) == kept(cache)
+    want, want_logits = greedy(model, cache, last, N_NEW, QUESTION)
+    got, got_logits = greedy(model, loaded, info["last_logits"], N_NEW, QUESTION)
+    assert got == want
+    assert torch.equal(got_logits, want_logits)
+    assert kept(loaded) == kept(cache)
+    assert path.read_bytes() == saved_bytes, "answering from a loaded cache wrote into its file"
+
+    # mid-answer: decoding on, 60 tokens buffered (with decode-time eviction) and not yet scored
+    cache, ids, last = compressed(tiny, method, budget, decode)
+    head, logits = greedy(model, cache, last, 60, QUESTION)
+    if decode is not None:
+        assert sum(h.shape[0] for h in cache.buffer[cache.compressed[0]]) == 60 + len(QUESTION)
+    cache.save(path, model, ids, logits, method=method, budget=budget)
+    loaded, info = load_cache(path, model, scorer_for(tiny, method, decode))
+    want, want_logits = greedy(model, cache, logits, N_NEW - 60)
+    got, got_logits = greedy(model, loaded, info["last_logits"], N_NEW - 60)
+    assert got == want and torch.equal(got_logits, want_logits)
+    assert kept(loaded) == kept(cache)
+
+
+def test_the_file_holds_the_kept_rows_and_what_made_them(tiny, tmp_path):
+    """At budget 0.3 the file's K/V bytes are what the compressed layers kept (and the sliding
+    windows): no slack, no evicted row; its metadata names model, method, budget, plan, context."""
+    model, path = tiny["model"], tmp_path / "doc.kv"
+    cache, ids, last = compressed(tiny, "fastkvzip", 0.3, None)
+    cache.save(path, model, ids, last, method="fastkvzip", budget=0.3, chunk_size=CHUNK,
+               window=WINDOW)
+    header, state = C.read_header(path)
+    rows = sum(int(kv.lens.sum()) for kv in cache.layers)
+    kv_bytes = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                   if k.endswith((".k", ".v")))
+    assert kv_bytes == rows * 2 * model.config.head_dim * 4
+    n_protected = len(ids) - N_CONTEXT  # the system prompt, kept whole
+    context = sum(int((cache.layers[i].pos >= n_protected).sum()) for i in cache.compressed)
+    full = N_CONTEXT * model.config.num_key_value_heads * len(cache.compressed)
+    assert 0.25 * full <= context <= 0.3 * full
+    assert state["model"] == model.identity and state["dtype"] == "float32"
+    assert (state["method"], state["budget"], state["level"]) == ("fastkvzip", 0.3, "global")
+    assert state["n_context"] == N_CONTEXT and state["n_protected"] == len(ids) - N_CONTEXT
+    assert state["plan"] == vars(C.plan_prefill(N_CONTEXT, 0.3, CHUNK, WINDOW))
+    assert state["gate_sha256"] == C.tensors_sha256(tiny["gates"].state_dict())
+
+
+SUBPROCESS = """
+import json, sys, torch
+import model as M
+from cache import load_cache
+from gate import load_gate
+from generate import make_cache
+from tests.test_saved_cache import greedy
+spec = json.load(open(sys.argv[1]))
+model = M.load_model(spec["folder"], "cpu", torch.float32)
+gates = load_gate(spec["gate"], model.config)
+out = []
+for case in spec["cases"]:
+    made = make_cache(case["method"], model, "tiny", 0, decode_tokens_per_head=case["decode"],
+                      gates=gates)
+    scorer = getattr(made, "scorer", None)
+    cache, info = load_cache(case["file"], model, scorer)
+    out.append(greedy(model, cache, info["last_logits"], case["n"], case["question"])[0])
+print(json.dumps(out))
+"""
+
+
+def test_another_process_answers_the_same(tiny, tmp_path):
+    """Every case of the test above, saved here, answered in a fresh Python process (its own model
+    loaded from the folder, its own gate from the gate file): the same tokens."""
+    cases, want = [], []
+    for i, (method, budget, decode) in enumerate(CASES):
+        cache, ids, last = compressed(tiny, method, budget, decode)
+        cache.save(tmp_path / f"{i}.kv", tiny["model"], ids, last, method=method, budget=budget)
+        want.append(greedy(tiny["model"], cache, last, N_NEW, QUESTION)[0])
+        cases.append(dict(file=str(tmp_path / f"{i}.kv"), method=method, decode=decode, n=N_NEW,
+                          question=QUESTION))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(dict(folder=str(tiny["folder"]), gate=str(tiny["gate_file"]),
+                                    cases=cases)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", SUBPROCESS, str(spec)], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    for case, g, w in zip(CASES, got, want):
+        assert g == w, f"{case}: another process answered differently"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_other_families(arch, tmp_path):
+    """Llama and Qwen2 (no QK-norm; Qwen2's q/k/v biases): the gate at 0.3, decode-time eviction."""
+    t = tiny_setup(arch, tmp_path / arch)
+    cache, ids, last = compressed(t, "fastkvzip", 0.3, DECODE)
+    cache.save(tmp_path / "doc.kv", t["model"], ids, last)
+    loaded, info = load_cache(tmp_path / "doc.kv", t["model"], scorer_for(t, "fastkvzip", DECODE))
+    want, want_logits = greedy(t["model"], cache, last, N_NEW, QUESTION)
+    got, got_logits = greedy(t["model"], loaded, info["last_logits"], N_NEW, QUESTION)
+    assert got == want and torch.equal(got_logits, want_logits)
+
+
+# -- refusals: one line each, nothing loaded, nothing written half --------------------------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Gemma3's cache at 0.3 with decode-time eviction, saved once; tests damage copies."""
+    folder = tmp_path_factory.mktemp("saved")
+    t = tiny_setup("gemma3", folder / "model")
+    cache, ids, last = compressed(t, "fastkvzip", 0.3, DECODE)
+    cache.save(folder / "doc.kv", t["model"], ids, last)
+    return t, folder / "doc.kv"
+
+
+def refused(path, model, scorer, *words):
+    with pytest.raises(CacheFileError) as e:
+        load_cache(path, model, scorer)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg, msg
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+def test_refuses_another_model_tokenizer_or_dtype(saved, tmp_path):
+    t, path = saved
+    scorer = scorer_for(t, "fastkvzip", DECODE)
+    qwen = M.load_model(tiny_checkpoint("qwen3", tmp_path / "qwen3"), "cpu", torch.float32)
+    refused(path, qwen, scorer, "another model", "config")
+    other_weights = tiny_checkpoint("gemma3", tmp_path / "seed1", seed=1,
+                                    max_position_embeddings=1024)
+    tiny_tokenizer(other_weights)
+    refused(path, M.load_model(other_weights, "cpu", torch.float32), scorer, "other weights")
+    other_tok = tmp_path / "tok"
+    shutil.copytree(t["folder"], other_tok)
+    spec = json.loads((other_tok / "tokenizer.json").read_text())
+    spec["added_tokens"][-1]["content"] = "<other>"
+    (other_tok / "tokenizer.json").write_text(json.dumps(spec))
+    refused(path, M.load_model(other_tok, "cpu", torch.float32), scorer, "another tokenizer")
+    refused(path, M.load_model(t["folder"], "cpu", torch.bfloat16), scorer, "float32", "bfloat16")
+    # the same model in another folder, its config.json written with other spacing: the same one
+    same = tmp_path / "same"
+    shutil.copytree(t["folder"], same)
+    edit_config(same, lambda d: d)
+    load_cache(path, M.load_model(same, "cpu", torch.float32), scorer)
+
+
+def test_refuses_another_scorer_or_gate(saved):
+    t, path = saved
+    refused(path, t["model"], None, "evicts while decoding", "GateScorer")
+    refused(path, t["model"], scorer_for(t, "random", DECODE), "GateScorer", "RandomScorer")
+    other = Gates(1, t["model"].config.hidden_size, 2, 2)
+    made = make_cache("fastkvzip", t["model"], "tiny", 0, decode_tokens_per_head=DECODE,
+                      gates=other)
+    refused(path, t["model"], made.scorer, "another gate")
+
+
+def damaged(path, tmp_path, fn, name="bad.kv"):
+    data = bytearray(path.read_bytes())
+    out = tmp_path / name
+    out.write_bytes(bytes(fn(data)))
+    return out
+
+
+def test_refuses_another_format_version(saved, tmp_path):
+    t, path = saved
+    version = b'"format_version":"1"'
+    bad = damaged(path, tmp_path, lambda d: d.replace(version, version.replace(b"1", b"2")))
+    refused(bad, t["model"], None, "format version 2", "reads version 1")
+    refused(t["gate_file"], t["model"], None, "not a saved KV cache")  # another kind of safetensors
+
+
+@pytest.mark.parametrize("keep", [0, 5, 8, 100, 0.5, -1])
+def test_refuses_a_truncated_file(saved, tmp_path, keep):
+    t, path = saved
+    n = path.stat().st_size
+    cut = int(n * keep) if isinstance(keep, float) else n + keep if keep < 0 else keep
+    bad = damaged(path, tmp_path, lambda d: d[:cut])
+    refused(bad, t["model"], scorer_for(t, "fastkvzip", DECODE), "truncated")
+
+
+@pytest.mark.parametrize("where", ["header", "keys", "checksum"])
+def test_refuses_a_corrupt_file(saved, tmp_path, where):
+    """A flipped bit: in the header's JSON (in a number: still JSON), in a key, in the checksum."""
+    t, path = saved
+    header, _ = C.read_header(path)
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+
+    def flip(d):
+        if where == "header":
+            i = d.index(b'n_seen\\": ') + len(b'n_seen\\": ')  # a digit of the JSON inside the JSON
+        elif where == "keys":
+            i = 8 + n + header["layer.2.k"]["data_offsets"][0] + 3
+        else:
+            i = len(d) - 1
+        d[i] ^= 0x01
+        return d
+    bad = damaged(path, tmp_path, flip)
+    refused(bad, t["model"], scorer_for(t, "fastkvzip", DECODE), "corrupt")
+
+
+def test_a_full_disk_writes_nothing(saved, tmp_path, monkeypatch):
+    """A write that fails (ENOSPC) midway: one line naming the file, no file and no temporary left,
+    and a cache saved there before is still whole."""
+    t, path = saved
+    cache, info = load_cache(path, t["model"], scorer_for(t, "fastkvzip", DECODE))
+    target = tmp_path / "doc.kv"
+    shutil.copy(path, target)
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            self.written += len(memoryview(data).cast("B"))
+            if self.written > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.f.write(data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(C, "open", lambda *a, **kw: FullDisk(real_open(*a, **kw)), raising=False)
+    for dest in (target, tmp_path / "new.kv"):
+        with pytest.raises(WriteError) as e:
+            cache.save(dest, t["model"], info["ids"], info["last_logits"])
+        assert str(e.value) == f"cannot write {dest}: No space left on device"
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kv"]
+    assert target.read_bytes() == path.read_bytes()
+    load_cache(target, t["model"], scorer_for(t, "fastkvzip", DECODE))
+
+
+def test_a_batch_member_is_not_saved(saved, tmp_path):
+    t, path = saved
+    cache, info = load_cache(path, t["model"], scorer_for(t, "fastkvzip", DECODE))
+    batch = Batch(t["model"].config)
+    batch.join(cache)
+    with pytest.raises(ValueError, match="leave the batch"):
+        cache.save(tmp_path / "x.kv", t["model"], info["ids"], info["last_logits"])
+    assert not (tmp_path / "x.kv").exists()
