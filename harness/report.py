@@ -93,7 +93,7 @@ def markdown(results):
                            f"{r['decode_tok_s'] or 0:.1f} |")
             if key == "speed" and results.get("speed_peer"):
                 out += peer_markdown(results)
-    out += batch_markdown(results.get("batch_speed"), f["batch_length"], f["speed_decode"])
+    out += batch_markdown(results.get("batch_speed"), f.get("batch_length"), f.get("speed_decode"))
     out += ["", results.get("gpu_note", "")]
     return "\n".join(out) + "\n"
 

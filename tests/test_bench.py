@@ -421,7 +421,7 @@ def speed_only_run(folder, rows):
     args = bench.parse_args(["--no-quality"])
     config = dict(model=dict(sha256="m"), gate=dict(source="g", sha256="g"))
     config.update(flags=vars(args), command="bench.py --no-quality", started="t", git_commit="c" * 10, git_dirty=False,
-                  quality_key=quality.quality_key(args, config), speed_key={"speed_budget": 0.3})
+                  quality_key=quality.quality_key(bench.experiment(args), config), speed_key={"speed_budget": 0.3})
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "results.json").write_text(json.dumps(dict(config=config, rows=[], speed=rows, complete=True)))
@@ -465,7 +465,7 @@ def test_average_title_names_only_the_tasks_asked():
                                   kept=[1.0], nbytes=1, decode=[0, 0.0])
     records = [dict(context=c, doc="d", n_tokens=100, answers=[], agreement=None,
                     entries={"full@1": entry(c, 0.0), "streaming@0.5": entry(c, 0.1)}) for c in range(3)]
-    res = quality.quality_results(records, args)
+    res = quality.quality_results(records, args.bootstrap, args.seed, args.average)
     assert res["averaged"] == ["nll_next", "nll_repeat"]
     avg = next(r for r in res["rows"] if r["task"] == "average" and r["method"] == "streaming")
     assert avg["relative"] == pytest.approx((math.exp(-0.1) + math.exp(-0.2)) / 2)
