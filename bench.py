@@ -37,7 +37,7 @@ import cli
 import gate
 from cache import LEVELS
 from cli import UsageError, write_text
-from harness import quality
+from harness import quality, ruler
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
@@ -47,6 +47,7 @@ from teacher import KVzipTeacher
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
 BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
+SUITES = ("needle", "ruler")  # --suite: harness/quality.py's needle contexts, or harness/ruler.py
 
 
 # ---- 3. Command line --------------------------------------------------------------------------------
@@ -70,6 +71,20 @@ def parse_args(argv=None):
                    help="eviction levels run beside the paper's for fastkvzip and kvzip (cache.LEVELS; '' = none)")
     p.add_argument("--lengths", type=cli.ints, default=[2048, 4096, 8192], help="context lengths in tokens (quality)")
     p.add_argument("--contexts", type=int, default=6, help="contexts per length (each from another document)")
+    p.add_argument("--suite", choices=SUITES, default="needle",
+                   help="the quality suite: needle (pass keys, JSON pairs and NLL probes in "
+                   "Austen, harness/quality.py) or ruler (RULER's 11 offline tasks, scored as "
+                   "kvpress scores them, harness/ruler.py; --lengths defaults to 4096, "
+                   "--speed-lengths to none)")
+    p.add_argument("--dataset", help="a JSONL or parquet file in kvpress's dataset layout "
+                   "(context, question, answer_prefix, answer(s), max_new_tokens, task), e.g. "
+                   "kvpress's RULER-4K file: its rows are the samples, scored by string_match "
+                   "(implies --suite ruler)")
+    p.add_argument("--ruler-samples", type=int, default=5,
+                   help="--suite ruler: samples generated per task")
+    p.add_argument("--ruler-tasks", type=lambda s: [x for x in s.split(",") if x],
+                   default=list(ruler.TASKS), help="--suite ruler: comma list of the tasks "
+                   "generated (default all 11: " + ",".join(ruler.TASKS) + ")")
     p.add_argument("--text", choices=quality.TEXTS, default="austen", help="the documents the quality contexts are "
                    "cut from: austen (the novels, by chapters) or prose (held-out documents of the gates' training "
                    "corpus: Wikipedia, State of the Union addresses, the Python library reference)")
@@ -108,6 +123,8 @@ def parse_args(argv=None):
                         "a summary choice: --merge can recompute it from finished runs")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
     p.add_argument("--seed", type=int, default=0, help="seed for contexts, needles, random scores, bootstrap")
+    p.add_argument("--device", default="cpu", help="where the quality suite runs: cpu (fp32) or "
+                   "cuda (bf16), e.g. --suite ruler --model qwen3-8b --device cuda")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default). 1: on the "
                    "2-core CPU, 2 threads made the whole run 5x slower (small decode ops, other load)")
     p.add_argument("--out", help="output folder (default results/<timestamp>/)")
@@ -127,6 +144,15 @@ def parse_args(argv=None):
     except (ValueError, AssertionError):
         p.error(f"--shard {args.shard}: expected k/n with 0 <= k < n, e.g. 0/2")
     args.shard = shard
+    if args.dataset and "suite" in typed and args.suite != "ruler":
+        p.error("--dataset reads kvpress's layout, scored by string_match: it runs as --suite "
+                "ruler")
+    if args.dataset:
+        args.suite = "ruler"
+    if args.suite == "ruler":  # RULER-4K, as kvpress's leaderboard; no speed rows unless asked for
+        for k, v in (("lengths", [4096]), ("speed_lengths", [])):
+            if k not in typed:
+                setattr(args, k, v)
     if args.quick:
         for k, v in QUICK.items():
             if k not in typed:
@@ -164,12 +190,28 @@ def check_args(p, args):
         p.error(f"--passkeys {args.passkeys}: at most {len(quality.OWNERS)} (one per named owner)")
     if args.kv_questions > args.kv_pairs:
         p.error(f"--kv-questions {args.kv_questions} asks more pairs than --kv-pairs {args.kv_pairs} holds")
+    bad = [t for t in args.ruler_tasks if t not in ruler.TASKS]
+    if bad or not args.ruler_tasks:
+        p.error(f"--ruler-tasks {','.join(bad) or '(none)'}: tasks are {','.join(ruler.TASKS)} "
+                f"(the QA tasks {', '.join(ruler.LEFT_OUT)} need SQuAD and HotpotQA, which are not "
+                "offline)")
+    args.ruler_tasks = list(dict.fromkeys(args.ruler_tasks))
+    if args.ruler_samples < 1:
+        p.error(f"--ruler-samples must be >= 1, got {args.ruler_samples}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        p.error(f"--device {args.device}: cpu, cuda or cuda:N")
+    if args.dataset and not Path(args.dataset).is_file():
+        p.error(f"--dataset {args.dataset}: no such file")
     if not args.no_quality and not args.merge and not args.lengths:
         p.error("--lengths is empty: give context lengths, or --no-quality")
-    n_contexts = len(args.lengths) * args.contexts
+    n_contexts, made = len(args.lengths) * args.contexts, "--lengths x --contexts"
+    if args.suite == "ruler":  # a --dataset's contexts are counted when it is read
+        n_contexts = 10**9 if args.dataset else \
+            len(args.lengths) * args.ruler_samples * len(args.ruler_tasks)
+        made = "--lengths x --ruler-samples x --ruler-tasks"
     if not args.no_quality and not args.merge and args.shard[0] >= n_contexts:  # it would run nothing
-        p.error(f"--shard {args.shard[0]}/{args.shard[1]}: the run has {n_contexts} contexts (--lengths x "
-                f"--contexts), shard {args.shard[0]} holds none; use at most {n_contexts} shards")
+        p.error(f"--shard {args.shard[0]}/{args.shard[1]}: the run has {n_contexts} contexts "
+                f"({made}), shard {args.shard[0]} holds none; use at most {n_contexts} shards")
 
 
 def main(argv=None):
@@ -212,7 +254,8 @@ def run(args):
     args.out_dir = str(out)
     exp, s = experiment(args), speed_settings(args)
     config = run_config(vars(args), folder, gates)
-    key = config["quality_key"] = quality_key(exp, config)
+    key = config["quality_key"] = ruler.run_key(exp, config) if exp.suite == "ruler" else \
+        quality_key(exp, config)
     config.update({f"{k}_key": v for k, v in speed_keys(s, "kvzip" in args.methods, args.threads,
                                                           config).items()})
     done = load_records(out, key)  # an interrupted run with the same --out resumes after its last context
@@ -232,13 +275,15 @@ def run(args):
             if k == "speed" and old.get("speed_peer"):  # the peer rows were measured in the same run
                 results["speed_peer"] = old["speed_peer"]
     write_text(out / "config.json", json.dumps(config, indent=1))
-    model = load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower without bf16 units)
+    # CPU: fp32 compute (bf16 is ~4x slower without bf16 units); CUDA: bf16, as the paper runs
+    device = torch.device(args.device)
+    model = load_model(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     records = list(done.values())
 
     def save():
         results["seconds"] = time.perf_counter() - t_start + sum(r["seconds"] for r in done.values())
         if records:
-            results.update(quality_results(records, args.bootstrap, args.seed, args.average))
+            results.update(suite_results(records, key, args.bootstrap, args.seed, args.average))
         write_results(out, results)
 
     def finished(record):  # each context is kept the moment it ends: a killed run loses at most one
@@ -249,7 +294,8 @@ def run(args):
     log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}"
         + (f"; resuming after {len(done)} finished contexts" if done else ""))
     if not args.no_quality:
-        quality.run(model, tok, fmt, exp, args.model, args.gate, args.shard, done, on_context=finished)
+        suite = ruler if exp.suite == "ruler" else quality
+        suite.run(model, tok, fmt, exp, args.model, args.gate, args.shard, done, on_context=finished)
     if args.speed_lengths:
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
         system = tok.encode(fmt.system, add_special_tokens=False).ids
@@ -327,8 +373,19 @@ def write_results(out, results):
     write_text(out / "results.md", markdown(results))
 
 
+def suite_results(records, key, n_boot, seed, averaged):
+    """The quality part of results.json for the suite that wrote `key` (a run's, or the merged
+    runs'): intervals from n_boot bootstrap resamples; the needle suite's average over `averaged`."""
+    if key.get("suite") != "ruler":
+        return quality_results(records, n_boot, seed, averaged)
+    source = key.get("dataset_name") or max(key["lengths"])
+    return ruler.results(records, n_boot, seed, source)
+
+
 def finish(results, out, plot):
-    if plot:
+    if plot and results["config"]["quality_key"].get("suite") == "ruler":
+        ruler.plot(results, out / "ruler.png")
+    elif plot:
         quality.plot(results, out / "relative.png")
     avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"] if r["task"] == "average"}
     low = min((b for _, b in avg), default=None)
@@ -375,11 +432,14 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
         results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))  # shards run side by side
     # runs made with --no-quality (speed rows only) expect no context
     quality_runs = [c for c in configs if not (c.get("flags") or {}).get("no_quality")]
-    expected = len(key.get("lengths", [])) * key.get("contexts", 0) if quality_runs else 0
+    expected = len(key.get("lengths", [])) * key.get("contexts", 0)
+    if key.get("suite") == "ruler":
+        expected = ruler.n_contexts(key)
+    expected = expected if quality_runs else 0
     if len(records) < expected:
         log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
     if records:
-        results.update(quality_results(list(records.values()), n_boot, seed, averaged))
+        results.update(suite_results(list(records.values()), key, n_boot, seed, averaged))
     results["complete"] = len(records) == expected
     out = Path(out)
     try:

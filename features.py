@@ -84,6 +84,10 @@ def list_files(spec):
             raise UsageError(f"--data {spec}: no such file or folder")
         files = [str(p)] if p.is_file() else [str(f) for f in p.rglob("*") if f.is_file()]
     files = sorted(f for f in files if f.lower().endswith(TEXT_SUFFIXES))
+    # a file reached by several paths is read once: glob's '**' follows links to folders, and a link
+    # back up (a loop) gave one file some 40 times
+    real = [os.path.realpath(f) for f in files]
+    files = [f for i, f in enumerate(files) if real[i] not in real[:i]]
     if not files:
         raise UsageError(f"--data {spec}: no {'/'.join(TEXT_SUFFIXES)} files there")
     return files
@@ -94,13 +98,14 @@ def iter_files(spec, tokenizer):
     ("text" field). Token counts with the model's own tokenizer."""
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
     for f in list_files(spec):
-        if not f.endswith(".parquet"):  # binary or non-UTF-8: refused (generate.py --context-file)
+        kind = Path(f).suffix.lower()  # D.JSONL is JSON lines, X.PARQUET parquet
+        if kind != ".parquet":  # binary or non-UTF-8: refused (generate.py --context-file)
             try:
                 with open(f, "rb") as fh:
                     text = cli.decode_text(fh.read(), f"--data file {f}")
             except OSError as e:
                 raise UsageError(f"cannot read --data file {f}: {e.strerror or e}") from None
-        if f.endswith(".jsonl"):
+        if kind == ".jsonl":
             for i, line in enumerate(text.split("\n")):
                 if line.strip():
                     try:
@@ -112,7 +117,7 @@ def iter_files(spec, tokenizer):
                         raise UsageError(f"{f}:{i + 1}: a .jsonl line needs a \"text\" string "
                                          f"field")
                     yield Doc(f"{f}:{i + 1}", text.strip(), count(text.strip()))
-        elif f.endswith(".parquet"):
+        elif kind == ".parquet":
             try:
                 import pyarrow.parquet as pq
             except ImportError:

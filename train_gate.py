@@ -754,7 +754,7 @@ def parse_args(argv=None):
                    "token, e.g. SmolLM2-135M's 69 KB)")
     p.add_argument("--layer-groups", type=int, default=0, help="train the layers in this many "
                    "groups one after another, each with its features read into memory (the gates "
-                   f"are the same); 0: as few as fit in {MEMORY_SHARE:.0%} of this machine's "
+                   f"are the same); 0: as few as fit in {MEMORY_SHARE * 100:.0f}%% of this machine's "
                    "memory")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). "
                    "On small or shared CPUs 1 is often much faster: the gate's small ops pay for "
@@ -767,8 +767,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     for flag in ("tokens", "min_doc_tokens", "max_doc_tokens", "batch_tokens", "teacher_chunk",
                  "prefill_chunk", "threads", "lr"):
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            p.error(f"--{flag.replace('_', '-')} must be positive")
+        value = getattr(args, flag)
+        if value is not None and not (0 < value < math.inf):  # also refuses nan
+            p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
     if args.weight_decay is not None and not 0 <= args.weight_decay < 1:
         p.error(f"--weight-decay must be in [0, 1), got {args.weight_decay}")
     if args.weight_decay and (args.optimizer or RECIPES[args.recipe].optimizer) == "sgd":

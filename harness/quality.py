@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 import generate
-from cache import EvictingCache
+from cache import Budget, EvictingCache
 from cli import UsageError, pyplot, save_figure
 from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
 from model import question_text
@@ -258,7 +258,7 @@ def capture_prefill(model, ids, chunk_size, teacher=None, n_protected=0):
     +inf on the system prompt, or None). The cache then serves as the full-cache reference."""
     cfg, dtype, device = model_info(model)
     full = CaptureCache(cfg, dtype, device)
-    logits = generate.prefill(model, full, ids, n_protected, 1.0, chunk_size)
+    logits = generate.prefill(model, full, ids, n_protected, Budget(1.0, chunk_size))
     full.capturing = False
     scores = None
     if teacher is not None:
@@ -276,11 +276,11 @@ def prefill_from_capture(model, full, logits, cache, method, sample, budget, chu
     ids, p = sample.ids, sample.n_protected
     if method == "kvzip":  # cache.scorer holds the teacher's precomputed scores (Precomputed)
         cache.adopt(full, inputs=full.captured, keep_full=True)
-        generate.evict_once(cache, len(ids), p, budget, chunk_size, window)
+        generate.evict_once(cache, len(ids), p, Budget(budget, chunk_size, window))
     elif len(ids) <= chunk_size:
         generate.prefill(Replay(full, logits), cache, ids, p, budget, chunk_size, window)  # evicts as the real path
     else:
-        generate.prefill(model, cache, ids, p, budget, chunk_size, window)
+        generate.prefill(model, cache, ids, p, Budget(budget, chunk_size, window))
 
 
 def captured_scores(model, scorer, full):
@@ -475,6 +475,11 @@ class Experiment:
     seed: int
     text: str = "austen"    # TEXTS
     chat: bool | None = None  # None: the model's default prompt format
+    device: str = "cpu"     # cpu (fp32) or cuda (bf16): other numbers
+    suite: str = "needle"   # needle (this module) or ruler (harness/ruler.py)
+    dataset: str | None = None  # ruler: a file in kvpress's dataset layout, read as it is
+    ruler_samples: int = 5  # ruler: samples generated per task and length
+    ruler_tasks: tuple = ()  # ruler: the tasks generated
 
 
 def make_samples(tok, fmt, exp):

@@ -14,7 +14,7 @@ import torch
 
 import gate
 import generate
-from cache import Batch, KVCache
+from cache import Batch, Budget, KVCache
 from harness.quality import DEFAULT_LEVEL, log, method_cache, model_info
 from model import ModelConfig, Transformer, load_tokenizer, prompt_format
 from teacher import KVzipTeacher
@@ -52,10 +52,10 @@ def timed_run(model, method, budget, ids, n_protected, teacher, s):
     sync(device)
     t0 = time.perf_counter()
     if method == "kvzip":  # full prefill, the teacher's repeat pass, one eviction (METHOD.md §6)
-        generate.prefill_kvzip(model, teacher, cache, ids, n_protected, budget, s.chunk_size, s.window)
+        generate.prefill_kvzip(model, teacher, cache, ids, n_protected, Budget(budget, s.chunk_size, s.window))
         score_s = teacher.seconds
     else:
-        generate.prefill(model, cache, ids, n_protected, budget, s.chunk_size, s.window)
+        generate.prefill(model, cache, ids, n_protected, Budget(budget, s.chunk_size, s.window))
         score_s = getattr(cache, "gate_seconds", 0.0)
     sync(device)
     prefill_s = time.perf_counter() - t0
@@ -191,7 +191,7 @@ def batch_speed(model, peer, docs, n_protected, s, batch_sizes, repeats=1):
         for ids in docs[:max(batch_sizes)]:
             cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
                 model, method, DEFAULT_LEVEL[method], n_protected, s.model, s.gate, s.seed)
-            generate.prefill(model, cache, ids, n_protected, budget, s.chunk_size, s.window)
+            generate.prefill(model, cache, ids, n_protected, Budget(budget, s.chunk_size, s.window))
             prefilled[method, budget].append(cache)
     for _ in range(repeats):
         for (method, budget), caches in prefilled.items():

@@ -15,6 +15,7 @@ import bench
 from harness import report, speed
 import gate
 import generate
+from cache import Budget
 from harness import quality
 from cli import UsageError
 from teacher import KVzipTeacher
@@ -205,9 +206,10 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
         quality.prefill_from_capture(model, full, logits, fast, method, s, budget, args.chunk_size, args.window)
         real_cache = quality.method_cache(model, method, level, s.n_protected, args.model, args.gate, 7)
         if method == "kvzip":
-            generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
+            generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected,
+                                       Budget(budget, args.chunk_size, args.window))
         else:
-            generate.prefill(model, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
+            generate.prefill(model, real_cache, s.ids, s.n_protected, Budget(budget, args.chunk_size, args.window))
         # generate.prefill_kvzip feeds the last token in a second forward (for its logits): its keys and
         # values match the one-forward replay to rounding only, so KVzip is held to positions + 2e-5 of scale
         same_cache(fast, real_cache, exact=method != "kvzip")

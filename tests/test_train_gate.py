@@ -719,7 +719,8 @@ def test_sigterm_cleans_up_and_says_how_to_resume(features_run, tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--threads", "0"], ["--long-doc-tokens", "300"], ["--device", "foo"],
-                                   ["--seed", str(2**70)], ["--layer-groups", "-1"]])
+                                   ["--seed", str(2**70)], ["--layer-groups", "-1"], ["--lr", "nan"],
+                                   ["--lr", "inf"], ["--recipe", "adam-logmse", "--lr", "nan"]])
 def test_bad_flags_exit_2_without_traceback(tmp_path, capsys, flags):
     with pytest.raises(SystemExit) as e:
         run_main(["--data", tmp_path, "--out", tmp_path / "out", "--min-doc-tokens", "300", *flags])
@@ -727,11 +728,48 @@ def test_bad_flags_exit_2_without_traceback(tmp_path, capsys, flags):
     assert e.value.code == 2 and "Traceback" not in err and flags[0] in err, err
 
 
+PROGRAMS = ["generate", "train_gate", "bench", "harness.gpu_check", "harness.layer_swap", "harness.profile_decode",
+            "harness.profile_prefill", "offline.fetch_assets", "offline.models"]
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_every_programs_help_works(program, monkeypatch, capsys):
+    """`python -m PROGRAM --help` (and -h) prints its usage and exits 0: a help string with a literal %
+    (argparse formats them with %) made train_gate.py --help a TypeError."""
+    import runpy
+    for flag in ("--help", "-h"):
+        monkeypatch.setattr(sys, "argv", [program, flag])
+        with pytest.raises(SystemExit) as e:
+            runpy.run_module(program, run_name="__main__")
+        out = capsys.readouterr().out
+        assert e.value.code in (0, None) and "usage" in out.lower(), out
+
+
 def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
     (tmp_path / "empty").mkdir()
     r = subprocess.run([sys.executable, "train_gate.py", "--data", str(tmp_path / "empty"), "--model",
                         str(tmp_path / "nothing")], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_data_files_by_their_kind_whatever_the_case_and_each_once(tmp_path):
+    """--data: D.JSONL is JSON lines (it was one plain-text document of raw JSON), X.PARQUET a parquet
+    file (it was refused as binary); '**/*.txt' through a link back up (a loop) reads a file once, not
+    some 40 times."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "sub" / "up").symlink_to("..")  # a loop: data/sub/up/sub/up/...
+    (data / "sub" / "a.txt").write_text("plain words")
+    (data / "D.JSONL").write_text('{"text": "first line"}\n{"text": "second line"}\n')
+    pq.write_table(pa.table({"text": ["a parquet row"]}), str(data / "X.PARQUET"))
+    tok = lambda: None
+    tok.encode = lambda text, add_special_tokens=False: type("E", (), {"ids": text.split()})()
+    docs = list(features.iter_files(str(data / "**" / "*"), tok))
+    assert sorted(d.text for d in docs) == ["a parquet row", "first line", "plain words", "second line"], docs
+    assert len(features.list_files(str(data / "**" / "*.txt"))) == 1
+    assert [d.text for d in features.iter_files(str(data), tok)] == [d.text for d in docs]  # a folder: the same
 
 
 def test_documents_spread_over_ranks_by_length():
