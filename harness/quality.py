@@ -278,7 +278,8 @@ def prefill_from_capture(model, full, logits, cache, method, sample, budget, chu
         cache.adopt(full, inputs=full.captured, keep_full=True)
         generate.evict_once(cache, len(ids), p, Budget(budget, chunk_size, window))
     elif len(ids) <= chunk_size:
-        generate.prefill(Replay(full, logits), cache, ids, p, budget, chunk_size, window)  # evicts as the real path
+        # evicts as the real path
+        generate.prefill(Replay(full, logits), cache, ids, p, Budget(budget, chunk_size, window))
     else:
         generate.prefill(model, cache, ids, p, Budget(budget, chunk_size, window))
 
