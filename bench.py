@@ -21,6 +21,12 @@ Held-out corpus prose instead of Austen (--text prose), SmolLM2 reading it as pl
 (benchmarks/smollm2-135m-cpu-prose/README.md):
     python bench.py --model smollm2-135m-gguf --text prose --no-chat --methods fastkvzip,kvzip,streaming \
         --budgets 1.0,0.5,0.3,0.2 --lengths 2048 --contexts 12 --speed-lengths 0
+RULER-4K, 11 tasks (kvpress's leaderboard yardstick, generated offline: harness/ruler.py), or the
+samples of a file in kvpress's dataset layout (e.g. kvpress's own RULER-4K parquet), scored by
+string_match; benchmarks/ruler-4k-cpu/README.md has the runs and the Qwen3-8B GPU command:
+    python bench.py --suite ruler --ruler-samples 2 --budgets 0.75,0.5,0.3,0.25,0.125 \
+        --extra-levels ''
+    python bench.py --dataset ruler-4096.parquet --model qwen3-8b --device cuda
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
 Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md, relative.png.
