@@ -62,20 +62,9 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
 # -------------------------------------------------------------------------------------------------
 # prefill, one decode step
 
-def old_budget(budget, chunk_size, window):
-    """A cache.Budget, also from the old form (ratio, chunk_size, window) that callers not yet moved
-    to Budget pass; drop it (and the two parameters below) once none does."""
-    if isinstance(budget, Budget):
-        assert chunk_size is window is None, "chunk_size and window are the Budget's"
-        return budget
-    old = {"chunk_size": chunk_size, "window": window}
-    return Budget(budget, **{k: v for k, v in old.items() if v is not None})
-
-
-def prefill(model, cache, ids, n_protected, budget=Budget(), chunk_size=None, window=None):
+def prefill(model, cache, ids, n_protected, budget=Budget()):
     """Feed ids (system prompt ⊕ context) in chunks of budget.chunk_size, evicting after each chunk
     (METHOD.md §6). Returns the last position's logits. With a full KVCache nothing is evicted."""
-    budget = old_budget(budget, chunk_size, window)
     n_context = len(ids) - n_protected
     evicting = isinstance(cache, EvictingCache) and n_context > 0
     plan = budget.plan(n_context) if evicting else None
@@ -91,13 +80,11 @@ def prefill(model, cache, ids, n_protected, budget=Budget(), chunk_size=None, wi
     return logits
 
 
-def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget(), chunk_size=None,
-                  window=None):
+def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget()):
     """KVzip as an inference method (METHOD.md §6, §13.4): prefill the whole context with nothing
     evicted, score it with the reconstruction teacher (about a second prefill), then evict once,
     with the same budget rule as the gate. Peak memory is the full context: the cost the gate
     removes."""
-    budget = old_budget(budget, chunk_size, window)
     full = teacher.new_cache()
     teacher.prefill(full, ids[:-1])
     last = model(torch.tensor(ids[-1:], device=full.device), full, num_logits=1)[-1]
@@ -108,10 +95,10 @@ def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget(), chun
     return last
 
 
-def evict_once(cache, n_tokens, n_protected, budget, chunk_size=None, window=None):
+def evict_once(cache, n_tokens, n_protected, budget):
     """KVzip's one eviction, once the whole prompt of n_tokens is in the cache with its scores: the
     same budget rule as the chunked prefill, applied to the whole context at once."""
-    plan = old_budget(budget, chunk_size, window).plan(n_tokens - n_protected)
+    plan = budget.plan(n_tokens - n_protected)
     cache.evict(n_protected, n_tokens - plan.window, plan.segment_ratio)
 
 

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import generate
-from cache import EvictingCache
+from cache import Budget, EvictingCache
 from model import (OFFLINE_DEFAULT, encode_prompt, load_model, load_tokenizer, prompt_format,
                    resolve_model)
 from harness.quality import load_docs
@@ -28,7 +28,7 @@ from harness.speed import load_peer, peer_prefill
 
 def prefill_ours(model, method, budget, ids, n_protected, args):
     cache = generate.make_cache(method, model, args.model, n_protected)  # fastkvzip: the bundled gate
-    logits = generate.prefill(model, cache, ids, n_protected, budget, args.chunk, args.window)
+    logits = generate.prefill(model, cache, ids, n_protected, Budget(budget, args.chunk, args.window))
     if isinstance(cache, EvictingCache):
         cache.start_decoding()  # as generate.answer
     return lambda token: generate.decode_one(model, cache, token), logits, cache.nbytes

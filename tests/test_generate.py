@@ -293,6 +293,24 @@ def test_fifo_context_file_says_it_waits(no_weights, tmp_path):
         p.kill()
 
 
+def test_no_context_runs_the_shipped_example(capsys, tmp_path_factory):
+    """`python generate.py --budget 0.3` (no --prompt, no --context-file) answers the README's first
+    question about the shipped chapter at that budget, and says so in one line first."""
+    import generate
+    folder = tiny_checkpoint("gemma3", tmp_path_factory.mktemp("long"), max_position_embeddings=32768)
+    tiny_tokenizer(folder)
+    capsys.readouterr()  # the checkpoint's own progress bars
+    generate.main(["--model", str(folder), "--method", "streaming", "--budget", "0.3",
+                   "--max-new-tokens", "2", "--chunk-size", "4096", "--json"])
+    out = capsys.readouterr()
+    said = out.err.strip().splitlines()
+    assert len(said) == 1 and "shipped example" in said[0] and "--budget 0.3" in said[0], out.err
+    res = json.loads(out.out)
+    text = (ROOT / "examples" / "persuasion-chapter-1.txt").read_text()
+    assert [a["question"] for a in res["answers"]] == ["How old is Elizabeth?"]
+    assert res["stats"]["budget"] == 0.3 and res["stats"]["context_tokens"] >= len(text.encode()) - 2
+
+
 def test_build_inputs_takes_plain_values(tmp_path):
     """The prefill ids, the protected system prompt and one question turn per question string; a base
     model's turn (no chat postfix) ends with the start of its answer, a chat model's with its postfix."""
