@@ -88,8 +88,9 @@ def parse_args(argv=None):
                    "cut from: austen (the novels, by chapters) or prose (held-out documents of the gates' training "
                    "corpus: Wikipedia, State of the Union addresses, the Python library reference)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="contexts and questions in the model's chat template, as generate.py --chat (default: on, "
-                   "except for the base offline model); --no-chat: plain text, as a base model reads it")
+                   help="contexts and questions in the model's chat template, as generate.py "
+                   "--chat (default: on, except for a base model, whose tokenizer has no "
+                   "template); --no-chat: plain text, as a base model reads it")
     p.add_argument("--passkeys", type=int, default=3, help="pass keys hidden per context, at stratified depths")
     p.add_argument("--kv-pairs", type=int, default=8, help="key-value pairs in each context's JSON block")
     p.add_argument("--kv-questions", type=int, default=3, help="of those, how many are asked")

@@ -555,7 +555,7 @@ def run(args):
     check_dtype(cfg, dtype)
     tokenizer = load_tokenizer(folder, cfg.vocab_size)
     prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
-    chat = uses_chat(args.model, args.chat)
+    chat = uses_chat(cfg, args.chat)
     fmt = prompt_format(cfg, args.model, chat=chat)
     stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
     system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
@@ -741,8 +741,8 @@ def parse_args(argv=None):
                    "do not depend on the model dtype, at a negligible cost) or the model dtype as "
                    "the authors (bf16)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap in the model's chat template (default: on, except for the base "
-                   "offline model)")
+                   help="wrap in the model's chat template (default: on, except for a base "
+                   "model, whose tokenizer has no template)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; the local "
                    "rank's GPU under torchrun)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),

@@ -436,6 +436,23 @@ def test_the_tokenizer_template_decides_the_prompt(checkpoints, tmp_path):
     assert M.ModelConfig.from_json(tmp_path / "m").chat_format == "llama3"
 
 
+def test_a_tokenizer_without_a_chat_template_is_a_base_model(checkpoints, tmp_path):
+    """What the model is decides whether prompts use a chat template, not the name it is given by: a
+    tokenizer_config.json without a template is a base model's (the offline Gemma 3 270M's), prompted
+    without one unless --chat; a folder without tokenizer_config.json keeps the template, as before."""
+    shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "m")
+    cfg = M.ModelConfig.from_json(tmp_path / "m")
+    assert cfg.chat_template is None and M.uses_chat(cfg)
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>"}))
+    cfg = M.ModelConfig.from_json(tmp_path / "m")
+    assert cfg.chat_template is False and not M.uses_chat(cfg) and M.uses_chat(cfg, chat=True)
+    assert M.prompt_format(cfg, "llama3.1-8b") == M.PromptFormat("<|begin_of_text|>", "")
+    (tmp_path / "m" / "chat_template.jinja").write_text("{{ '<|im_start|>' + m['role'] }}")
+    cfg = M.ModelConfig.from_json(tmp_path / "m")
+    assert cfg.chat_template is True and M.uses_chat(cfg) and not M.uses_chat(cfg, chat=False)
+    assert "chat_template.jinja" in M._HUB_FILES  # downloaded, so that a model's template is seen
+
+
 def test_prompt_pieces_tokenize_to_the_special_tokens():
     """With the published tokenizers, the written-out templates hit the real special-token ids."""
     from offline.fetch_assets import require_for_test
