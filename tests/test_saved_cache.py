@@ -18,7 +18,7 @@ import torch
 
 import cache as C
 import model as M
-from cache import Batch, CacheFileError, load_cache
+from cache import Batch, Budget, CacheFileError, load_cache
 from cli import WriteError
 from gate import Gates, save_gate
 from generate import METHODS, begin_answer, decode_one, make_cache, prefill, prefill_kvzip, sample
@@ -74,9 +74,9 @@ def compressed(t, method, budget, decode):
     with torch.no_grad():
         if m == "kvzip":
             teacher = KVzipTeacher(model, t["tok"], t["fmt"])
-            last = prefill_kvzip(model, teacher, cache, ids, n_protected, budget, CHUNK, WINDOW)
+            last = prefill_kvzip(model, teacher, cache, ids, n_protected, Budget(budget, CHUNK, WINDOW))
         else:
-            last = prefill(model, cache, ids, n_protected, budget, CHUNK, WINDOW)
+            last = prefill(model, cache, ids, n_protected, Budget(budget, CHUNK, WINDOW))
     return cache, ids, last
 
 
