@@ -32,9 +32,9 @@ import torch
 import cli
 from cache import Batch, Budget, EvictingCache, KVCache, LEVELS
 from cli import UsageError
-from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, check_dtype, compute_dtype,
-                   encode_prompt, encode_text, load_model, load_tokenizer, parse_device,
-                   prompt_format, question_ids, resolve_model, uses_chat)
+from cli import OFFLINE_DEFAULT, parse_device, resolve_model
+from model import check_dtype, compute_dtype, load_model, load_tokenizer, ModelConfig, ModelError
+from teacher import encode_prompt, encode_text, prompt_format, question_ids, uses_chat
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 
