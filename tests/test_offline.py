@@ -21,6 +21,7 @@ from safetensors import safe_open
 from offline import models
 from tests.helpers import assert_close, hf_model
 from offline.fetch_assets import require_for_test, text_docs
+from teacher import prompt_format
 
 GEMMA_EXTRA = "<image_soft_token>"  # in the published file (id 262144) but not in the GGUF: see offline/models.py
 
@@ -167,18 +168,21 @@ def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
 
 
 def test_a_file_where_the_model_folder_goes_is_replaced_without_leftovers(tmp_path, monkeypatch):
-    """A file named like the model inside FASTKVZIP_CACHE (and one a dead conversion left as .NAME.old-PID):
-    the conversion puts the model's folder in its place and leaves nothing else behind."""
+    """A file named like the model inside FASTKVZIP_CACHE (and one a dead conversion left as
+    .NAME.old-PID): the conversion puts the model's folder in its place and leaves nothing else
+    behind."""
     monkeypatch.setenv("FASTKVZIP_CACHE", str(tmp_path))
     (tmp_path / models.NAME).write_text("not a model")
     (tmp_path / f".{models.NAME}.old-999999999").write_text("left by a dead process")
 
     def fake(name, out, say, progress):
-        (out / "conversion.json").write_text(json.dumps({"version": models.CONVERTER_VERSIONS[models.NAME]}))
+        version = models.CONVERTER_VERSIONS[models.NAME]
+        (out / "conversion.json").write_text(json.dumps({"version": version}))
 
     monkeypatch.setattr(models, "convert", fake)
     assert models.ensure_offline_model(progress=False) == tmp_path / models.NAME
-    assert [p.name for p in tmp_path.iterdir()] == [models.NAME] and (tmp_path / models.NAME).is_dir()
+    assert [p.name for p in tmp_path.iterdir()] == [models.NAME]
+    assert (tmp_path / models.NAME).is_dir()
 
 
 def test_read_only_cache_is_a_one_line_error(tmp_path, monkeypatch):
@@ -296,7 +300,7 @@ def test_smollm2_converted_folder(smollm2):
     assert mc.compressed_layers == list(range(30)) and mc.chat_format == "chatml" and mc.eos_token_ids == [2]
     assert json.loads((smollm2 / "tokenizer_config.json").read_text())["add_bos_token"] is False
     tok = M.load_tokenizer(smollm2)
-    fmt = M.prompt_format(mc, models.SMOLLM2)
+    fmt = prompt_format(mc, models.SMOLLM2)
     assert tok.encode(fmt.system, add_special_tokens=False).ids[:3] == [1, 9690, 198]  # <|im_start|>system\n
     assert tok.encode(fmt.postfix, add_special_tokens=False).ids == [2, 198, 1, 520, 9531, 198]  # ...assistant\n
     with safe_open(str(smollm2 / "model.safetensors"), framework="pt") as f:
@@ -421,7 +425,7 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     gates = gate.resolve_gate(None, cfg, "smollm2-135m-gguf")
     assert gates.meta["model"] == "smollm2-135m-gguf" and len(cfg.compressed_layers) == 30
     tok = M.load_tokenizer(smollm2)
-    fmt = M.prompt_format(cfg, "smollm2-135m-gguf")
+    fmt = prompt_format(cfg, "smollm2-135m-gguf")
     system = tok.encode(fmt.system, add_special_tokens=False).ids
     text = require_for_test("austen", "emma.txt").read_text(encoding="utf-8")
     ids = system + tok.encode(text[20000:30000], add_special_tokens=False).ids[:1000]

@@ -22,7 +22,7 @@ from cache import Batch, Budget, CacheFileError, load_cache
 from cli import WriteError
 from gate import Gates, save_gate
 from generate import METHODS, begin_answer, decode_one, make_cache, prefill, prefill_kvzip, sample
-from teacher import KVzipTeacher
+from teacher import KVzipTeacher, prompt_format
 from tests.helpers import edit_config, tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def tiny_setup(arch, folder):
     gate_file = folder.with_name(folder.name + "-gate.safetensors")
     save_gate(gate_file, gates)
     return dict(folder=folder, gate_file=gate_file, model=model, tok=M.load_tokenizer(folder),
-                gates=gates, fmt=M.prompt_format(model.config, str(folder), chat=True))
+                gates=gates, fmt=prompt_format(model.config, str(folder), chat=True))
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3"])
