@@ -179,7 +179,7 @@ class KVCache:
             kv.lens, kv.caps, kv.starts = lens.clone(), lens.clone(), torch.cumsum(lens, 0) - lens
             if sliding:
                 kv.first, kv.ring = tensors[f"layer.{i}.first"].cpu(), bool(spec["ring"])
-        self.n_seen, self.peak_nbytes = int(state["n_seen"]), int(state["peak_nbytes"])
+        self.n_seen, self.peak_nbytes = int(state["n_seen"]), self.nbytes  # this process's peak
 
 
 # -------------------------------------------------------------------------------------------------
@@ -725,6 +725,22 @@ def verify_checksum(path):
             raise CacheFileError(f"cache file {path} is corrupt (its checksum does not match)")
 
 
+def check_cache_file(path, identity, dtype):
+    """The state of cache file `path` (read_header), refused unless made by the model of this
+    identity (model.model_identity) in `dtype`: what a caller checks before the weights load."""
+    _, state = read_header(path)
+    for key, what in (("config_sha256", "another model (another config.json)"),
+                      ("weights_sha256", "another model (other weights, the same config)"),
+                      ("tokenizer_sha256", "another tokenizer")):
+        if state["model"].get(key) != identity.get(key):
+            raise CacheFileError(f"cache file {path} was made by {what}: not answered from here")
+    dtype = str(dtype).removeprefix("torch.")
+    if state["dtype"] != dtype:
+        raise CacheFileError(f"cache file {path} holds {state['dtype']} keys and values, the model "
+                             f"runs in {dtype}: load the model in {state['dtype']}")
+    return state
+
+
 def load_cache(path, model, scorer=None, verify=True):
     """A cache saved by KVCache.save, read straight to the model's device (safetensors maps the
     file), ready to answer as the cache that was saved. Refuses (CacheFileError) a file made by
@@ -732,22 +748,12 @@ def load_cache(path, model, scorer=None, verify=True):
     corrupt (verify: the file's sha256, about a second per GB). scorer: what scores decoded tokens,
     for a cache saved with decode-time eviction: the same kind, and for the gate the same gate.
     -> (cache, info): info holds the prompt ids, n_protected, last_logits, what made the cache
-    (method, budget, chunk_size, window, plan, prefill_seconds), kv_bytes, file_bytes and
-    load_seconds."""
+    (method, budget, chunk_size, window, plan, prefill_seconds, prefill_peak_kv_bytes,
+    decode_tokens_per_head), kv_bytes, file_bytes and load_seconds."""
     from safetensors import SafetensorError, safe_open
     t0 = time.perf_counter()
-    header, state = read_header(path)
     weight = model.model.embed_tokens.weight
-    mine = getattr(model, "identity", None) or {}
-    for key, what in (("config_sha256", "another model (another config.json)"),
-                      ("weights_sha256", "another model (other weights, the same config)"),
-                      ("tokenizer_sha256", "another tokenizer")):
-        if state["model"].get(key) != mine.get(key):
-            raise CacheFileError(f"cache file {path} was made by {what}: not answered from here")
-    dtype = str(weight.dtype).removeprefix("torch.")
-    if state["dtype"] != dtype:
-        raise CacheFileError(f"cache file {path} holds {state['dtype']} keys and values, the model "
-                             f"runs in {dtype}: load the model in {state['dtype']}")
+    state = check_cache_file(path, getattr(model, "identity", None) or {}, weight.dtype)
     evicting = state["cache"] == "EvictingCache"
     if evicting and state["decode_tokens_per_head"] is not None:
         if scorer is None or type(scorer).__name__ != state["scorer"]:
@@ -781,8 +787,10 @@ def load_cache(path, model, scorer=None, verify=True):
         cache._restore(tensors, state)
     except (KeyError, CacheFileError) as e:
         raise CacheFileError(f"cache file {path} does not fit the model: {e}") from None
-    info = {k: state[k] for k in ("method", "budget", "chunk_size", "window", "plan", "n_context",
-                                  "n_protected", "prefill_seconds")}
+    info = {k: state.get(k) for k in ("method", "budget", "chunk_size", "window", "plan",
+                                      "n_context", "n_protected", "prefill_seconds",
+                                      "decode_tokens_per_head")}
+    info["prefill_peak_kv_bytes"] = state["peak_nbytes"]
     info.update(ids=ids.tolist(), last_logits=tensors["last_logits"], kv_bytes=cache.nbytes,
                 file_bytes=os.path.getsize(path), load_seconds=time.perf_counter() - t0)
     return cache, info
