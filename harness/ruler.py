@@ -35,8 +35,17 @@ import json
 import random
 import re
 import string
+import time
 import uuid
 from pathlib import Path
+
+import numpy as np
+import torch
+
+import generate
+from cli import UsageError, file_sha256, pyplot, save_figure
+from harness import quality as Q
+from teacher import KVzipTeacher
 
 COLUMNS = ("context", "question", "answer_prefix", "answer", "max_new_tokens", "task")
 
@@ -93,7 +102,7 @@ def essay_words(_memo=[]):
     """The essay haystack as one stream of words: the six Austen novels of the offline assets, in
     file order, whitespace-normalized (RULER: its Paul Graham essays, split at whitespace)."""
     if not _memo:
-        from tools import fetch_assets
+        from offline import fetch_assets
         text = " ".join(p.read_text(encoding="utf-8") for p in fetch_assets.text_docs("austen"))
         _memo.append(text.split())
     return _memo[0]
@@ -307,8 +316,9 @@ def make_sample(tok, task, target, seed=42, index=0):
 
 
 def make_samples(tok, target, n_per_task, seed=42, tasks=TASKS):
-    """n_per_task samples of each task, in kvpress's layout (plus `length`: the tokens counted)."""
-    return [make_sample(tok, task, target, seed, i) for task in tasks for i in range(n_per_task)]
+    """n_per_task samples of each task, in kvpress's layout (plus `length`: the tokens counted);
+    sample 0 of every task first, then sample 1, ...: a run stopped early has covered every task."""
+    return [make_sample(tok, task, target, seed, i) for i in range(n_per_task) for task in tasks]
 
 
 # ---- 4. kvpress's dataset layout: JSONL or parquet, read as it is --------------------------------
@@ -384,3 +394,283 @@ def string_match(task, predictions, answers):
     """A task's score as kvpress reports it: its samples' mean match x 100, rounded to 2 places."""
     f = metric(task)
     return round(100 * sum(f(p, a) for p, a in zip(predictions, answers)) / len(predictions), 2)
+
+
+# ---- 6. The run: the quality harness's machinery, one prefill replayed into every cache ------
+
+def load_rows(tok, dataset, lengths, n_per_task, seed, tasks=TASKS):
+    """The rows a run asks, in kvpress's layout: a file's (dataset), else RULER's generated here,
+    n_per_task samples of every task at each length. A file that cannot be read, a length too short
+    for a task: UsageError."""
+    try:
+        if dataset:
+            return read_dataset(dataset)
+        return [r for n in lengths for r in make_samples(tok, n, n_per_task, seed, tasks)]
+    except (OSError, ValueError) as e:  # ValueError: JSON's and pyarrow's errors too
+        raise UsageError(f"--dataset {dataset}: {e}" if dataset else f"--lengths: {e}") from None
+
+
+def to_samples(tok, fmt, rows):
+    """kvpress's rows -> quality.Samples, one per distinct context (in file order; kvpress
+    compresses a context once for all its questions too). The prompt is the system prompt and the
+    context; each question is asked after it, then the model's turn begins, then the answer
+    prefix (kvpress puts the question in the user turn, the prefix after the turn's end)."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False).ids
+    system = enc(fmt.system)
+    by_context = {}
+    for r in rows:
+        by_context.setdefault(r["context"], []).append(r)
+    samples = []
+    for context, asked in by_context.items():
+        turn = lambda r: enc(r["question"] + fmt.postfix + r["answer_prefix"])
+        questions = [Q.Question(r["task"], turn(r), "", r["max_new_tokens"]) for r in asked]
+        sample = Q.Sample(system + enc(context), len(system), questions, {}, asked[0]["task"])
+        sample.answers = [r["answer"] for r in asked]
+        samples.append(sample)
+    return samples
+
+
+def answer(model, tok, cache, sample, stop_ids):
+    """Each question of the sample answered greedily from the cache (rolled back after each), up to
+    its max_new_tokens, stopping at the end of the sequence, as kvpress generates; -> dict(outputs,
+    scores (string_match, 0..1), decode (tokens, seconds)).
+
+    It also stops once the text holds every expected string: string_match_all and _part only
+    grow as the text does (the cleaned text of fewer tokens is a prefix of the longer one's), so the
+    score is exactly the full-length generation's, for a fraction of its decoding (a small model
+    that has answered tends to repeat itself up to max_new_tokens)."""
+    res = dict(outputs=[], scores=[], decode=[0, 0.0])
+    for q, expected in zip(sample.questions, sample.answers):
+        state, f = cache.checkpoint(), metric(q.task)
+        logits, out, t0 = generate.begin_answer(model, cache, q.prompt), [], time.perf_counter()
+        while len(out) < q.max_new:
+            token = generate.sample(logits)
+            if token in stop_ids:
+                break
+            out.append(token)
+            if f(tok.decode(out), expected) == 1.0 or len(out) == q.max_new:
+                break
+            logits = generate.decode_one(model, cache, token)
+        res["decode"][0] += max(0, len(out) - 1)  # forwards after the question's
+        res["decode"][1] += time.perf_counter() - t0
+        cache.rollback(state)
+        res["outputs"].append(out)
+        res["scores"].append(f(tok.decode(out), expected))
+    return res
+
+
+def run(model, tok, fmt, args, done=(), on_context=None):
+    """quality.run's loop on RULER's samples: every (method, budget) cache made from one captured
+    full prefill of each context (quality.prefill_from_capture), every question answered from it
+    (answer) and scored by kvpress's string_match. Contexts c with c % n == k of args.shard =
+    (k, n), but those in `done`; on_context(record) after each."""
+    cfg = model.config
+    methods = [m for m in args.methods if m != "full"]
+    configs = [(m, Q.DEFAULT_LEVEL[m]) for m in methods]
+    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in args.extra_levels
+                if lv != Q.DEFAULT_LEVEL[m]]
+    teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
+    stop_ids = set(cfg.eos_token_ids)
+    rows = load_rows(tok, args.dataset, args.lengths, args.ruler_samples, args.seed,
+                     args.ruler_tasks)
+    samples = to_samples(tok, fmt, rows)
+    k_shard, n_shard = args.shard
+    todo = [c for c in range(len(samples)) if c % n_shard == k_shard and c not in done]
+    n_done, t_start = 0, time.perf_counter()
+    for c in todo:
+        sample, t0, entries = samples[c], time.perf_counter(), {}
+        n_layers = len(cfg.compressed_layers)
+        with torch.no_grad():
+            full, logits, tscores = Q.capture_prefill(model, sample.ids, args.chunk_size, teacher,
+                                                      sample.n_protected)
+            ref = answer(model, tok, full, sample, stop_ids)
+            entries[Q.entry_key("full", 1.0)] = entry(ref, [1.0] * n_layers, full.nbytes)
+            for method, level in configs:
+                config = method if level == Q.DEFAULT_LEVEL[method] else f"{method}/{level}"
+                for budget in args.budgets:
+                    cache = Q.method_cache(model, method, level, sample.n_protected, args.model,
+                                           args.gate, args.seed + c, tscores)
+                    Q.prefill_from_capture(model, full, logits, cache, method, sample, budget,
+                                           args.chunk_size, args.window)
+                    kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
+                    # nothing evicted: the cache is the full cache, row for row; its answers stand
+                    res = ref if min(kept) == 1.0 else answer(model, tok, cache, sample, stop_ids)
+                    entries[Q.entry_key(config, budget)] = entry(res, kept, cache.nbytes)
+                    del cache
+        record = dict(context=c, n_tokens=len(sample.ids), doc=sample.doc,
+                      seconds=time.perf_counter() - t0, entries=entries,
+                      answers=[dict(task=q.task, expected=a, full=tok.decode(o)) for q, a, o in
+                               zip(sample.questions, sample.answers, ref["outputs"])])
+        n_done += 1
+        left = len(todo) - n_done
+        Q.log(f"ruler context {c + 1}/{len(samples)} ({sample.doc}, {len(sample.ids)} tokens) done "
+              f"in {record['seconds'] / 60:.1f} min; full cache {sum(ref['scores']):.2f} of "
+              f"{len(sample.questions)}; {left} left in this run, eta "
+              f"{(time.perf_counter() - t_start) / n_done * left / 60:.0f} min")
+        if on_context:
+            on_context(record)
+
+
+def entry(res, kept, nbytes):
+    """One (config, budget) on one context: each question's string_match (0..1), kept fractions per
+    compressed layer, KV bytes, decode (tokens, seconds)."""
+    return dict(scores=res["scores"], kept=kept, nbytes=nbytes, decode=list(res["decode"]))
+
+
+def run_key(args, config):
+    """What makes two RULER runs' contexts the same experiment (resume, --merge): the samples (the
+    generator's settings, or the file's sha256), the configurations, the model and the gate."""
+    names = ("methods", "budgets", "extra_levels", "chunk_size", "window", "seed")
+    key = dict({k: getattr(args, k) for k in names}, suite="ruler", model=config["model"]["sha256"],
+               gate=config["gate"]["sha256"])
+    if args.dataset:
+        rows = load_rows(None, args.dataset, [], 0, 0)
+        key.update(dataset=file_sha256(args.dataset), dataset_name=Path(args.dataset).name,
+                   dataset_contexts=len({r["context"] for r in rows}))
+    else:
+        key.update(lengths=args.lengths, ruler_samples=args.ruler_samples,
+                   ruler_tasks=args.ruler_tasks)
+    if getattr(args, "chat", None) is not None:
+        key["chat"] = args.chat
+    if getattr(args, "device", "cpu") != "cpu":  # bf16 on a GPU: other numbers than fp32 on a CPU
+        key["device"] = args.device
+    return key
+
+
+def n_contexts(key):
+    """How many contexts the run of `key` has (a RULER sample is one context)."""
+    if "dataset" in key:
+        return key["dataset_contexts"]
+    return len(key["lengths"]) * key["ruler_samples"] * len(key["ruler_tasks"])
+
+
+# ---- 7. Results: per-task and average string_match with bootstrap intervals; results.md; plot --
+
+def results(records, n_boot, seed, source):
+    """The RULER part of results.json from the finished contexts' records (any order). Scores are
+    kvpress's (0-100). Intervals (95%): a percentile bootstrap over each task's samples, the same
+    resamples for every configuration; the average's resamples each task's own (stratified).
+    source: the target length of generated samples (the suite is named "RULER-4K, 11 tasks"), or the
+    name of the kvpress-layout file they came from."""
+    records = sorted(records, key=lambda r: r["context"])
+    tasks = list(dict.fromkeys(a["task"] for r in records for a in r["answers"]))
+    scores, raw = {}, {}
+    for rec in records:
+        for key, e in rec["entries"].items():
+            config, budget = key.rsplit("@", 1)
+            key = (config, float(budget))
+            per_task = scores.setdefault(key, {t: [] for t in tasks})
+            for a, s in zip(rec["answers"], e["scores"]):
+                per_task[a["task"]].append(s)
+            r = raw.setdefault(key, dict(kept=[], nbytes=[], decode=[0, 0.0]))
+            r["kept"].append(e["kept"]), r["nbytes"].append(e["nbytes"])
+            r["decode"] = [r["decode"][0] + e["decode"][0], r["decode"][1] + e["decode"][1]]
+    name = suite_name(source, tasks) if isinstance(source, int) else f"{source}, {len(tasks)} tasks"
+    if not scores:
+        return dict(suite=name, tasks=tasks, rows=[], n_contexts=0)
+    extras = Q.finish_extras(raw)
+    rng = np.random.default_rng(seed)
+    full = scores[("full", 1.0)]
+    idx = {t: rng.integers(0, len(full[t]), size=(n_boot, len(full[t]))) for t in tasks}
+    capable = [t for t in tasks if np.mean(full[t]) > 0]  # the tasks the full cache does at all
+    ci = lambda b: [float(np.percentile(b, 2.5)), float(np.percentile(b, 97.5))]
+    rows, full_avg = [], None
+    for key in sorted(scores, key=lambda k: (k[0] != "full", k[0], -k[1])):
+        config, budget = key
+        method, _, level = config.partition("/")
+        level = level or ("full" if method == "full" else Q.DEFAULT_LEVEL[method])
+        base = dict(method=method, level=level, budget=budget,
+                    compression_ratio=round(1 - budget, 6), **extras[key])
+        boots = {}
+        for t in tasks:
+            s = np.asarray(scores[key][t], dtype=float)
+            boots[t] = 100 * s[idx[t]].mean(1)
+            rows.append(dict(base, task=t, score=float(100 * s.mean()), ci=ci(boots[t]), n=len(s)))
+        for avg, over in (("average", tasks), ("average_capable", capable)):
+            if not over:
+                continue
+            point = float(np.mean([100 * np.mean(scores[key][t]) for t in over]))
+            boot = np.mean([boots[t] for t in over], axis=0)
+            if key == ("full", 1.0):
+                full_avg = full_avg or {}
+                full_avg[avg] = (point, boot)
+            f_point, f_boot = full_avg[avg]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                rel, rel_boot = point / f_point if f_point else None, boot / f_boot
+            rows.append(dict(base, task=avg, score=point, ci=ci(boot), n=len(over),
+                             relative=rel, relative_ci=ci(rel_boot[np.isfinite(rel_boot)])
+                             if rel is not None else None))
+    return dict(suite=name, tasks=tasks, capable=capable, rows=rows,
+                n_contexts=len(records),
+                answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
+                         for r in records])
+
+
+def label(r):
+    return Q.label(r)
+
+
+def markdown(results):
+    """The RULER sections of results.md (lines)."""
+    rows, tasks = results["rows"], results["tasks"]
+    if not rows:
+        return []
+    get = lambda task, r0: next(r for r in rows if r["task"] == task and label(r) == label(r0)
+                                and r["budget"] == r0["budget"])
+    fmt = lambda x, c: f"{x:.1f} [{c[0]:.1f}, {c[1]:.1f}]" if c else f"{x:.1f}"
+    averages = [r for r in rows if r["task"] == "average"]
+    full = averages[0]
+    capable = results.get("capable", [])
+    out = [f"## {results['suite']}: string_match (kvpress's score, 0-100)", "",
+           f"Full cache: {fmt(full['score'], full['ci'])}. Compression ratio = 1 − budget "
+           "(kvpress's `compression_ratio`: the fraction of the context's KV pairs removed). "
+           "Cells: the mean over tasks of each task's string_match [95% bootstrap interval over "
+           "samples, by task]; relative = ÷ the full cache's. The tasks the full cache does at "
+           "all (scores above 0): "
+           f"{', '.join(capable) or 'none'}; only those say anything about compression: their "
+           "average is the last column.", "",
+           "| method | budget | compression ratio | average [95% CI] | relative | "
+           f"average of the {len(capable)} tasks the full cache does [95% CI] |",
+           "|---|---|---|---|---|---|"]
+    for r in averages:
+        cap = next((x for x in rows if x["task"] == "average_capable" and label(x) == label(r)
+                    and x["budget"] == r["budget"]), None)
+        rel = "" if r.get("relative") is None else f"{r['relative']:.2f}"
+        cap = fmt(cap["score"], cap["ci"]) if cap else ""
+        out.append(f"| {label(r)} | {r['budget']:g} | {r['compression_ratio']:g} | "
+                   f"{fmt(r['score'], r['ci'])} | {rel} | {cap} |")
+    n = {t: get(t, full)["n"] for t in tasks}
+    out += ["", "## Per task (string_match, 0-100)", "",
+            "Samples per task: " + ", ".join(f"{t} {n[t]}" for t in tasks) + ".", "",
+            "| method | compression ratio | " + " | ".join(tasks) + " |",
+            "|---|---|" + "---|" * len(tasks)]
+    for r in averages:
+        out.append(f"| {label(r)} | {r['compression_ratio']:g} | "
+                   + " | ".join(f"{get(t, r)['score']:.1f}" for t in tasks) + " |")
+    out += ["", "## Kept fraction per compressed layer (mean over contexts)", "",
+            "| method | budget | kept per layer | KV held |", "|---|---|---|---|"]
+    for r in averages[1:]:
+        kept = "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"])
+        out.append(f"| {label(r)} | {r['budget']:g} | {kept} | {r['kv_fraction']:.0%} |")
+    return out
+
+
+def plot(results, path):
+    """The average string_match against the compression ratio, one line per method, as kvpress's
+    leaderboard plots it; the full cache as a dashed line."""
+    plt = pyplot()
+    rows = [r for r in results["rows"] if r["task"] == "average"]
+    if plt is None or not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for c in dict.fromkeys(label(r) for r in rows if r["method"] != "full"):
+        rs = sorted((r for r in rows if label(r) == c), key=lambda r: r["compression_ratio"])
+        x, y = [r["compression_ratio"] for r in rs], [r["score"] for r in rs]
+        err = [[abs(v - r["ci"][i]) for v, r in zip(y, rs)] for i in (0, 1)]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=2, label=c)
+    ax.axhline(rows[0]["score"], color="grey", ls="--", lw=1, label="full cache")
+    ax.set(xlabel="compression ratio (1 - budget)", ylabel="average string_match (0-100)",
+           title=results["suite"])
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -46,8 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from cli import write_json
-from cli import file_sha256
+from cli import file_sha256, write_json
 
 NAME = "gemma3-270m-gguf"  # the default
 SMOLLM2 = "smollm2-135m-gguf"
@@ -597,4 +596,7 @@ def _progress(total: int, desc: str, say):
 
 if __name__ == "__main__":
     import cli  # one-line errors, Ctrl-C and SIGTERM as the other scripts
+    if sys.argv[1:2] in (["-h"], ["--help"]):  # the usage lines that end the docstring
+        print("usage: python -m offline.models" + __doc__.rsplit("python -m offline.models", 1)[1].rstrip())
+        sys.exit(0)
     cli.main(lambda argv: print(ensure_offline_model(*argv)), sys.argv[1:2], OfflineModelError)

@@ -103,12 +103,13 @@ def edit_config(folder: str | Path, fn) -> dict:
     return d
 
 
-SPECIALS = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+SPECIALS = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>", "<think>",
+            "</think>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
 def tiny_tokenizer(folder):
-    """A byte-level tokenizer (one token per byte, 263 ids) with both families' template tokens, so the
-    real prompt strings of METHOD.md §4.1 encode inside the tiny models' 384-token vocabulary."""
+    """A byte-level tokenizer (one token per byte, 267 ids) with every family's template tokens, so
+    the real prompt strings of METHOD.md §4.1 encode inside the tiny models' 384-token vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))

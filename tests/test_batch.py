@@ -1,14 +1,14 @@
 """Many requests at once (generate.generate_batch, cache.Batch): with greedy decoding every request's answers
 and kept positions in a batch are the ones it gets alone. The oracle is the single-request path itself
-(prefill + answer + rollback, as generate.run does), on tiny random models."""
+(prefill + answer + rollback, as a lone request), on tiny random models."""
 import pytest
 import torch
 
 import model as M
-from cache import Batch, EvictingCache, KVCache
+from cache import Batch, Budget, EvictingCache, KVCache
 from gate import Gates
 from teacher import KVzipTeacher
-from generate import METHODS, answer, generate_batch, make_cache, prefill, prefill_kvzip
+from generate import METHODS, Method, answer, generate_batch, make_cache, prefill, prefill_kvzip
 from kernels import RaggedKV, WindowKV
 from tests.helpers import assert_close, tiny_checkpoint, tiny_tokenizer
 
@@ -48,13 +48,14 @@ def kept(cache):
 
 def alone(model, req, method, gates, decode_budget, stop_ids, teacher):
     """The single-request path: prefill, then each question answered and rolled back."""
-    m = "full" if req["budget"] == 1.0 and decode_budget is None else method
+    m = "full" if req["budget"].ratio == 1.0 and decode_budget is None else method
     cache = make_cache(m, model, "tiny", req["n_protected"], decode_tokens_per_head=decode_budget, gates=gates)
     with torch.no_grad():
         if m == "kvzip":
-            last = prefill_kvzip(model, teacher, cache, req["ids"], req["n_protected"], req["budget"], CHUNK, WINDOW)
+            last = prefill_kvzip(model, teacher, cache, req["ids"], req["n_protected"],
+                                 req["budget"])
         else:
-            last = prefill(model, cache, req["ids"], req["n_protected"], req["budget"], CHUNK, WINDOW)
+            last = prefill(model, cache, req["ids"], req["n_protected"], req["budget"])
         outs, positions = [], []
         for _, q_ids in req["questions"]:
             state = cache.checkpoint()
@@ -68,15 +69,19 @@ def check_batch_equals_alone(tiny, method, budget, decode_budget, lengths, max_n
     model, tok, fmt, gates = tiny
     reqs = requests_for(tok, fmt, lengths, max_new)
     for r in reqs:
-        r["budget"] = budget
+        r["budget"] = Budget(budget, CHUNK, WINDOW)
     teacher = KVzipTeacher(model, tok, fmt) if method == "kvzip" else None
     seen = {}
-    results = generate_batch(model, reqs, batch_size, method=method, model_name="tiny", gates=gates,
-                             decode_tokens_per_head=decode_budget, chunk_size=CHUNK, window=WINDOW, stop_ids=stop_ids,
-                             teacher=teacher, on_answer=lambda i, c: seen.setdefault(i, []).append(kept(c)))
+    how = Method(method, "tiny", gates=gates, teacher=teacher, decode_tokens_per_head=decode_budget)
+    results = {}
+    for event, r in generate_batch(model, reqs, how, batch_size, stop_ids=stop_ids):
+        if event == "answer":  # before the rollback: the rows the answer was generated from
+            seen.setdefault(r.index, []).append(kept(r.cache))
+        elif event == "done":
+            results[r.index] = r.answers
     for i, req in enumerate(reqs):
         outs, positions, after = alone(model, req, method, gates, decode_budget, set(stop_ids), teacher)
-        assert [a["output_ids"] for a in results[i]["answers"]] == outs, f"request {i}: answers differ"
+        assert [a["output_ids"] for a in results[i]] == outs, f"request {i}: answers differ"
         assert seen[i] == positions, f"request {i}: kept positions after an answer differ"
         assert len(outs[0]) <= req["max_new_tokens"]
     return results
@@ -96,18 +101,18 @@ def test_batch_with_decode_time_eviction(tiny, method, budget):
     """Decode-time eviction (every 128 tokens, back to 48 per head) runs on each member's own heads of the
     shared storage: the same rows are evicted as alone. One request stops after 5 tokens."""
     results = check_batch_equals_alone(tiny, method, budget, 48, [90, 130, 60], [140, 5, 135], batch_size=3)
-    assert all(len(a["output_ids"]) == 140 for a in results[0]["answers"])
+    assert all(len(a["output_ids"]) == 140 for a in results[0])
 
 
 def test_batch_with_a_stop_token(tiny):
     """A request whose answer hits a stop id leaves the batch early, with the same (shorter) answer as alone."""
     model, tok, fmt, gates = tiny
     req = requests_for(tok, fmt, [80], [10])[0]
-    req["budget"] = 0.3
+    req["budget"] = Budget(0.3, CHUNK, WINDOW)
     free = alone(model, req, "fastkvzip", gates, None, set(), None)[0]
     stop = free[1][4]  # the 5th token of the second answer ends it there
     results = check_batch_equals_alone(tiny, "fastkvzip", 0.3, None, [80, 120], [10, 10], 2, stop_ids={stop})
-    assert len(results[0]["answers"][1]["output_ids"]) <= 4
+    assert len(results[0][1]["output_ids"]) <= 4
 
 
 def test_batch_frees_rows_of_finished_members(tiny):
@@ -119,7 +124,7 @@ def test_batch_frees_rows_of_finished_members(tiny):
     for r in reqs:
         c = make_cache("fastkvzip", model, "tiny", r["n_protected"], gates=gates)
         with torch.no_grad():
-            prefill(model, c, r["ids"], r["n_protected"], 0.3, CHUNK, WINDOW)
+            prefill(model, c, r["ids"], r["n_protected"], Budget(0.3, CHUNK, WINDOW))
         c.start_decoding()
         caches.append(c)
     rows = [[kv.n_rows for kv in c.layers] for c in caches]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import model as M
-from cache import EvictingCache, KVCache, plan_prefill
+from cache import Budget, EvictingCache, KVCache, plan_prefill
 from gate import Gates
 from generate import answer, prefill
 from gate import GateScorer
@@ -115,7 +115,7 @@ def test_budget_rule_counts_and_invariants(tiny, level):
     ids = torch.randint(0, cfg.vocab_size, (120,)).tolist()
     cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected, level=level)
     with torch.no_grad():
-        prefill(tiny, cache, ids, n_protected, budget, chunk_size=40, window=10)
+        prefill(tiny, cache, ids, n_protected, Budget(budget, chunk_size=40, window=10))
     n_ctx = len(ids) - n_protected
     plan = plan_prefill(n_ctx, budget, 40, 10)
     L, H = len(cache.compressed), cfg.num_key_value_heads
@@ -154,7 +154,7 @@ def test_budget_one_matches_full_cache_and_chunking_is_exact(tiny):
     with torch.no_grad():
         for cache, chunk in [(KVCache(cfg), 10_000), (KVCache(cfg), 16),
                              (EvictingCache(cfg, random_gate_scorer(cfg), n_protected=3), 16)]:
-            prefill(tiny, cache, ids, 3, 1.0, chunk_size=chunk, window=8)
+            prefill(tiny, cache, ids, 3, Budget(1.0, chunk_size=chunk, window=8))
             outs.append(answer(tiny, cache, [5, 6], 24, stop)[0])
     assert outs[0] == outs[1] == outs[2]
 
@@ -170,7 +170,7 @@ def test_decode_tokens_per_head_and_sliding_window_bounds(tiny):
                           decode_window=6)
     L, H = len(cache.compressed), cfg.num_key_value_heads
     with torch.no_grad():
-        prefill(tiny, cache, ids, 2, 0.5, chunk_size=32, window=8)
+        prefill(tiny, cache, ids, 2, Budget(0.5, chunk_size=32, window=8))
         cache.start_decoding()
         sinks = [set(p for p in cache.layers[i].head_pos(h).tolist() if p < 4)
                  for i in cache.compressed for h in range(cfg.num_key_value_heads)]
@@ -211,7 +211,7 @@ def test_no_layer_loses_every_context_token(tiny):
     ids = torch.randint(0, cfg.vocab_size, (30,)).tolist()
     cache = EvictingCache(cfg, LayerBiasedScorer(), n_protected=1)
     with torch.no_grad():  # 29 context tokens: no 2% window, so layer 1 would keep nothing
-        prefill(tiny, cache, ids, 1, 0.2, chunk_size=64, window=0)
+        prefill(tiny, cache, ids, 1, Budget(0.2, chunk_size=64, window=0))
     kept = cache.kept_fraction_per_layer(1, len(ids))
     L, H = len(cache.compressed), cfg.num_key_value_heads
     assert all(k > 0 for k in kept), kept
@@ -259,7 +259,8 @@ def test_kept_by_rule_is_what_the_cache_keeps(tiny, budget):
     scores = torch.rand(L, H, n)
     cache = EvictingCache(cfg, FixedScorer(scores), n_protected=0)
     with torch.no_grad():
-        prefill(tiny, cache, torch.randint(0, cfg.vocab_size, (n,)).tolist(), 0, budget, chunk_size=128, window=16)
+        ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
+        prefill(tiny, cache, ids, 0, Budget(budget, chunk_size=128, window=16))
     keep, window = kept_by_rule(scores, budget, chunk_size=128, window=16)
     assert window == min(2, int(budget * n))  # shorter than one chunk: the last 2% (less if the budget is)
     for li, layer in enumerate(cache.compressed):

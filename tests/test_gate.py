@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 import gate
-from harness import quality
 from gate import GateError, Gates, load_gate, resolve_gate, save_gate
 from gate import GateScorer, RandomScorer, SnapKVScorer, StreamingScorer
+from teacher import agreement, kept_by_rule, pool_agreement
 from tests.helpers import assert_close
 
 
@@ -441,15 +441,15 @@ def test_scorer_shapes_and_orders():
 
 
 def test_agreement_counts_equal_a_naive_count():
-    """quality.agreement against literal set arithmetic on the kept positions, and Spearman against ranks
+    """teacher.agreement against literal set arithmetic on the kept positions, and Spearman against ranks
     computed by sorting Python lists."""
     torch.manual_seed(7)
     L, H, n = 3, 2, 60
     student, teacher = torch.rand(L, H, n), torch.rand(L, H, n)
     teacher[1] = student[1] + 0.1 * torch.rand(H, n)  # one layer that agrees closely
     is_digit = torch.rand(n) < 0.3
-    a = quality.agreement(student, teacher, is_digit, budgets=(0.5,), chunk_size=1000, window=0)
-    p = quality.pool_agreement([a, a], budgets=(0.5,))
+    a = agreement(student, teacher, is_digit, budgets=(0.5,), chunk_size=1000, window=0)
+    p = pool_agreement([a, a], budgets=(0.5,))
 
     def ranks(xs):
         order = sorted(range(len(xs)), key=lambda i: xs[i])
@@ -458,8 +458,8 @@ def test_agreement_counts_equal_a_naive_count():
             r[i] = rank
         return r
 
-    ks, w = quality.kept_by_rule(student, 0.5, 1000, 0)
-    kt, _ = quality.kept_by_rule(teacher, 0.5, 1000, 0)
+    ks, w = kept_by_rule(student, 0.5, 1000, 0)
+    kt, _ = kept_by_rule(teacher, 0.5, 1000, 0)
     assert w == 1  # 2% of 60 tokens
     for l in range(L):
         rs, rt = ranks(student[l].flatten().tolist()), ranks(teacher[l].flatten().tolist())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import model as M
-from cache import EvictingCache, KVCache
+from cache import Budget, EvictingCache, KVCache
 from gate import Gates, save_gate
 from generate import answer, prefill
 from gate import GateScorer, RandomScorer
@@ -177,7 +177,7 @@ def test_budget_one_equals_full_cache_on_real_model(real):
                              (EvictingCache(cfg, GateScorer(gates), n_protected=1), 128),
                              (EvictingCache(cfg, RandomScorer(0, cfg.num_key_value_heads), n_protected=1,
                                             level="head"), 100)]:
-            last = prefill(model, cache, ids, 1, 1.0, chunk_size=chunk, window=32)
+            last = prefill(model, cache, ids, 1, Budget(1.0, chunk_size=chunk, window=32))
             outs.append(answer(model, cache, [], 12, stop, last_logits=last)[0])
     assert outs[0] == outs[1] == outs[2]
 

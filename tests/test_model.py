@@ -445,9 +445,9 @@ def test_prompt_pieces_tokenize_to_the_special_tokens():
     for name, (model_type, alias, head, postfix) in pieces.items():
         tok = M.load_tokenizer(require_for_test("tokenizers", name))
         fmt = M.prompt_format(M.ModelConfig.from_dict({"model_type": model_type}), alias)
-        assert tok.encode(fmt.system, add_special_tokens=False).ids[:len(head)] == head
-        assert tok.encode(fmt.postfix, add_special_tokens=False).ids == postfix
-        assert tok.encode(M.question_text(fmt, "Who?"), add_special_tokens=False).ids[-len(postfix):] == postfix
+        assert M.encode_prompt(tok, fmt.system)[:len(head)] == head
+        assert M.encode_prompt(tok, fmt.postfix) == postfix
+        assert M.question_ids(tok, fmt, "Who?")[-len(postfix):] == postfix
 
 
 @pytest.mark.parametrize("text,words", [

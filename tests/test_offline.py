@@ -487,11 +487,11 @@ def test_bundled_gates_were_trained_on_the_built_corpus():
     offline/fetch_assets.py builds it (MANIFEST.txt's tree_sha256) and as train_gate.py hashes --data: so the
     gate's recorded command reproduces it on a fresh machine."""
     import gate
-    import train_gate
+    import features
     corpus = require_for_test("corpus")
     manifest = (corpus.parent / "MANIFEST.txt").read_text().splitlines()
     built = {line.split("\t")[2] for line in manifest if line.startswith("part\tcorpus\t")}
-    assert built == {train_gate.data_sha256(str(corpus))}
+    assert built == {features.data_sha256(str(corpus))}
     for path in sorted(gate.GATES_DIR.glob("*.safetensors")):
         training = gate.gate_metadata(path)["training"]
         assert Path(training["data"]).name == "corpus" and {training["data_sha256"]} == built, path.name

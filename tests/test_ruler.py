@@ -1,13 +1,15 @@
 """harness/ruler.py: RULER's tasks generated offline (answers where they claim, lengths in the real
 tokenizers' tokens, seeded), kvpress's string_match, kvpress's dataset layout written and read
 back."""
+import json
 import re
 from collections import Counter
 
 import pytest
 
+from cli import UsageError
 from harness import ruler
-from tools import fetch_assets
+from offline import fetch_assets
 
 
 @pytest.fixture(scope="module", params=["gemma3", "qwen3"])
@@ -60,7 +62,7 @@ def check_answers(row):
 @pytest.mark.parametrize("target", [4096, 1500])
 def test_every_task_holds_its_answers_and_fills_the_target(tok, target):
     rows = ruler.make_samples(tok, target, 2, seed=3)
-    assert [r["task"] for r in rows] == [t for t in ruler.TASKS for _ in range(2)]
+    assert [r["task"] for r in rows] == list(ruler.TASKS) * 2
     for r in rows:
         check_answers(r)
         assert r["max_new_tokens"] == ruler.MAX_NEW[ruler.family(r["task"])]
@@ -122,7 +124,6 @@ def test_kvpress_layout_round_trip(tmp_path, suffix):
 
 
 def test_kvpress_layout_variants_and_errors(tmp_path):
-    import json
     path = tmp_path / "longbench.jsonl"
     rows = [dict(context="c", question="q", answers=["x", "y"], max_new_tokens=5, task="t", _id=1),
             dict(context="c", question="q2", answer_prefix=None, answer="z", max_new_tokens=5,
@@ -134,3 +135,115 @@ def test_kvpress_layout_variants_and_errors(tmp_path):
     path.write_text(json.dumps(dict(context="c", answer=["x"], task="t")) + "\n")
     with pytest.raises(ValueError, match="row 0 lacks question, max_new_tokens"):
         ruler.read_dataset(path)
+
+
+# ------------------------------------------------------------------- through bench.py, real model
+
+def bench_run(tmp_path, out, *flags):
+    import bench
+    bench.main(["--no-gpu", "--extra-levels", "", "--bootstrap", "200",
+                "--out", str(tmp_path / out), *flags])
+    return json.loads((tmp_path / out / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_ruler_suite_end_to_end(tmp_path):
+    """--suite ruler through bench.main on the offline Gemma: every configuration scored on every
+    sample, scores as kvpress computes them from the recorded answers, compression ratio = 1 -
+    budget, the files written; rerun, it resumes with nothing left to do."""
+    fetch_assets.require_for_test("austen")
+    flags = ["--suite", "ruler", "--lengths", "400", "--ruler-samples", "1", "--ruler-tasks",
+             "niah_single_1,fwe", "--methods", "streaming", "--budgets", "0.5", "--plot"]
+    res = bench_run(tmp_path, "r", *flags)
+    assert res["complete"] and res["n_contexts"] == 2 and res["suite"] == "RULER-400, 2 tasks"
+    assert res["tasks"] == ["niah_single_1", "fwe"]
+    rows = {(r["method"], r["budget"], r["task"]): r for r in res["rows"]}
+    tasks = ["niah_single_1", "fwe", "average"] + ["average_capable"] * bool(res["capable"])
+    assert set(rows) == {(m, b, t) for m, b in (("full", 1.0), ("streaming", 0.5)) for t in tasks}
+    for sample in res["answers"]:  # the full cache's score, recomputed from its recorded answer
+        (q,) = sample["questions"]
+        expected = 100 * ruler.match_all(q["full"], q["expected"])
+        assert rows[("full", 1.0, q["task"])]["score"] == expected
+        assert sample["n_tokens"] <= 400
+    for r in res["rows"]:
+        assert r["compression_ratio"] == pytest.approx(1 - r["budget"])
+        assert 0 <= r["score"] <= 100 and r["ci"][0] <= r["score"] <= r["ci"][1]
+    avg = rows[("streaming", 0.5, "average")]["score"]
+    assert avg == pytest.approx(sum(rows[("streaming", 0.5, t)]["score"] for t in res["tasks"]) / 2)
+    md = (tmp_path / "r" / "results.md").read_text()
+    assert "RULER-400, 2 tasks: string_match" in md and "| full | 0 |" in md
+    assert (tmp_path / "r" / "ruler.png").read_bytes()[:4] == b"\x89PNG"
+    before = sorted(p.stat().st_mtime_ns for p in (tmp_path / "r" / "contexts").iterdir())
+    assert bench_run(tmp_path, "r", *flags)["rows"] == res["rows"]  # resumed: nothing rerun
+    assert sorted(p.stat().st_mtime_ns for p in (tmp_path / "r" / "contexts").iterdir()) == before
+
+
+@pytest.mark.slow
+def test_kvpress_file_runs_sharded_and_merged(tmp_path):
+    """A file in kvpress's layout (written here, parquet) runs as it is: questions sharing a context
+    are asked of one compressed cache; two shards merged give the one run's rows."""
+    import bench
+    note = "Note: the door code is 4711. The weather was fine all week.\n"
+    rows = [dict(context=note, question="What is the door code?", answer_prefix=" The door code is",
+                 answer=["4711"], max_new_tokens=6, task="code"),
+            dict(context=note, question="How was the weather?", answer_prefix=" The weather was",
+                 answer=["fine"], max_new_tokens=4, task="weather"),
+            dict(context="The river is called Wend. It runs north.\n", question="Name the river.",
+                 answer_prefix=" The river is called", answer=["Wend"], max_new_tokens=4,
+                 task="code")]
+    path = tmp_path / "tiny.parquet"
+    ruler.write_dataset(rows, path)
+    flags = ["--dataset", str(path), "--methods", "streaming", "--budgets", "0.5"]
+    one = bench_run(tmp_path, "one", *flags)
+    assert one["n_contexts"] == 2 and one["suite"] == "tiny.parquet, 2 tasks"
+    assert [len(a["questions"]) for a in one["answers"]] == [2, 1]
+    full = {r["task"]: r for r in one["rows"] if r["method"] == "full"}
+    assert full["code"]["n"] == 2 and full["weather"]["n"] == 1
+    bench_run(tmp_path, "s0", *flags, "--shard", "0/2")
+    bench_run(tmp_path, "s1", *flags, "--shard", "1/2")
+    bench.main(["--merge", f"{tmp_path / 's0'},{tmp_path / 's1'}", "--bootstrap", "200",
+                "--out", str(tmp_path / "merged")])
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    untimed = lambda rs: [{k: v for k, v in r.items() if k != "decode_tok_s"} for r in rs]
+    assert merged["complete"] and untimed(merged["rows"]) == untimed(one["rows"])
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--dataset", "x.jsonl", "--suite", "needle"], "it runs as --suite ruler"),
+    (["--suite", "ruler", "--ruler-tasks", "qa_1"], "need SQuAD and HotpotQA"),
+    (["--suite", "ruler", "--ruler-samples", "0"], "--ruler-samples must be >= 1"),
+    (["--dataset", "no-such-file.jsonl"], "no such file"),
+])
+def test_bad_ruler_flags_exit_2(capsys, flags, words):
+    import bench
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(flags)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_ruler_defaults():
+    import bench
+    args = bench.parse_args(["--suite", "ruler"])
+    assert args.lengths == [4096] and args.speed_lengths == []
+    assert args.ruler_tasks == list(ruler.TASKS)
+    assert bench.parse_args(["--suite", "ruler", "--lengths", "2048"]).lengths == [2048]
+    assert bench.parse_args([]).suite == "needle"
+
+
+def test_unreadable_dataset_is_one_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"context": "c", "question": "q"}\n')
+    with pytest.raises(UsageError, match="row 0 lacks answer, max_new_tokens, task"):
+        ruler.load_rows(None, path, [], 0, 0)
+    path.write_text("not json\n")
+    with pytest.raises(UsageError, match="--dataset"):
+        ruler.load_rows(None, path, [], 0, 0)
+
+
+def test_device_flag(capsys):
+    import bench
+    assert bench.parse_args([]).device == "cpu"
+    assert bench.parse_args(["--device", "cuda:1"]).device == "cuda:1"
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--device", "tpu"])
+    assert e.value.code == 2 and "--device tpu" in capsys.readouterr().err

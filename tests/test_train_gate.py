@@ -83,7 +83,9 @@ def test_recipe_flags():
     """--recipe names a Recipe (the paper's without it: every field's default); each flag overrides its field;
     another --optimizer without --lr takes its own lr; weight decay is Adam's only."""
     base = ["--data", "d"]
-    recipe = lambda *flags: TG.make_recipe(TG.parse_args([*base, *flags]))
+    def recipe(*flags):
+        args = TG.parse_args([*base, *flags])
+        return TG.make_recipe(args.recipe, {f: getattr(args, f) for f in TG.Recipe.__dataclass_fields__})
     assert recipe() == TG.Recipe() == TG.RECIPES["paper"] == TG.Recipe(optimizer="sgd", lr=0.2, loss="bce")
     assert recipe("--recipe", "adam-logmse") == TG.Recipe(optimizer="adam", lr=3e-3, loss="logmse")
     assert recipe("--recipe", "adam-logmse", "--lr", "1e-3", "--select", "spearman") == TG.Recipe(
@@ -136,10 +138,10 @@ def test_logmse_is_its_literal_formula():
 
 
 def test_validation_spearman_is_the_agreement_and_select_keeps_each_layers_best(tmp_path):
-    """The validation Spearman logged every 50 steps is quality.agreement's, pooled over the held-out documents;
+    """The validation Spearman logged every 50 steps is teacher.agreement's, pooled over the held-out documents;
     --select spearman returns, per layer, the parameters of the step where it was best (the returned gates
     score exactly that again), where --select last returns the last step's."""
-    from harness.quality import agreement, pool_agreement
+    from teacher import agreement, pool_agreement
     from types import SimpleNamespace
     cfg = SimpleNamespace(compressed_layers=[0, 3], hidden_size=16, num_key_value_heads=2, group_size=2)
     torch.manual_seed(5)
@@ -147,7 +149,7 @@ def test_validation_spearman_is_the_agreement_and_select_keeps_each_layers_best(
     for i, (n, split) in enumerate([(1500, "train"), (800, "val"), (2500, "train"), (700, "val")]):
         features.write_shard(features.shard_path(tmp_path, i), torch.randn(2, n, 16), torch.rand(2, 2, n), {})
         docs.append(dict(shard=features.shard_path("", i).as_posix(), split=split))
-    store = features.FeatureStore(tmp_path, dict(documents=docs))
+    store = features.FeatureStore(tmp_path, dict(documents=docs, dtype="float32"))
     recipe = TG.Recipe(optimizer="adam", lr=0.01, schedule="cosine")
     run = lambda select: TG.train(store, cfg, torch.device("cpu"), steps=301, batch_tokens=100, seed=0,
                                   log=lambda s: None, recipe=replace(recipe, select=select))
@@ -172,22 +174,22 @@ def test_validation_spearman_is_the_agreement_and_select_keeps_each_layers_best(
 def test_select_documents_budgets_and_concatenation():
     """Half the tokens in single documents (in order), half in concatenations walking the same documents
     from the start; the document arriving once a concatenation is full closes it and is dropped."""
-    docs = [TG.Doc(f"d{i}", f"t{i}", n) for i, n in enumerate([50, 120, 150, 130, 400, 140, 160, 110])]
-    chosen, _, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=250)
+    docs = [features.Doc(f"d{i}", f"t{i}", n) for i, n in enumerate([50, 120, 150, 130, 400, 140, 160, 110])]
+    chosen, _, _ = features.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=250)
     singles = [d.name for d in chosen if not d.name.startswith("concatenation")]
     assert singles == ["d1", "d2", "d3"]  # 120+150+130 >= 300: the single-document half is full
     cats = [d for d in chosen if d.name.startswith("concatenation")]
     # d1+d2 = 270 >= 250, d3 closes it (dropped); d5+d6 = 300, d7 closes it: 570 >= 300
     assert [d.text for d in cats] == ["t1\n\nt2", "t5\n\nt6"] and [d.n for d in cats] == [270, 300]
-    only_short, _, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=0)
+    only_short, _, _ = features.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=0)
     assert [d.name for d in only_short] == ["d1", "d2", "d3", "d5", "d6"]
 
 
 def test_held_out_documents_are_whole_and_never_in_a_training_sample():
     """--val-docs f: whole documents held out so that they are at least a fraction f of those taken
     (the first one is), each absent from every single-document and concatenated training sample."""
-    docs = [TG.Doc(f"d{i}", f"t{i}", 100 + i) for i in range(40)]
-    train, val, _ = TG.select_documents(iter(docs), tokens=2000, min_tokens=100, max_tokens=300,
+    docs = [features.Doc(f"d{i}", f"t{i}", 100 + i) for i in range(40)]
+    train, val, _ = features.select_documents(iter(docs), tokens=2000, min_tokens=100, max_tokens=300,
                                         long_tokens=250, val_fraction=0.2)
     held = {d.text for d in val}
     assert [d.name for d in val][:3] == ["d0", "d5", "d10"]
@@ -211,8 +213,8 @@ def known_gate_store(tmp_path, lengths=(1500, 2500, 2000)):
         x = torch.randn(2, n, 32)
         with torch.no_grad():
             features.write_shard(features.shard_path(tmp_path, i), x, teacher(x), {})
-        docs.append(dict(shard=features.shard_path("", i).as_posix()))  # no split: every 100th token validates
-    return cfg, dict(documents=docs)
+        docs.append(dict(shard=features.shard_path("", i).as_posix(), split="train"))  # every 100th token validates
+    return cfg, dict(documents=docs, dtype="float32")
 
 
 @pytest.mark.parametrize("recipe", [TG.Recipe(), TG.Recipe(optimizer="adam", lr=3e-3), TG.RECIPES["adam-logmse"]],
@@ -297,8 +299,8 @@ def test_loss_bce_trains_as_before_and_rank_changes_only_the_loss(tmp_path, monk
     docs = []
     for i, n in enumerate([700, 500]):
         features.write_shard(features.shard_path(tmp_path, i), torch.randn(2, n, 16), torch.rand(2, 2, n), {})
-        docs.append(dict(shard=features.shard_path("", i).as_posix()))
-    store = features.FeatureStore(tmp_path, dict(documents=docs))
+        docs.append(dict(shard=features.shard_path("", i).as_posix(), split="train"))
+    store = features.FeatureStore(tmp_path, dict(documents=docs, dtype="float32"))
     run = lambda loss: TG.train(store, cfg, torch.device("cpu"), steps=60, batch_tokens=100, seed=3,
                                 log=lambda s: None, recipe=TG.Recipe(loss=loss))
     bce_gates, bce_m = run("bce")
@@ -344,7 +346,7 @@ def test_training_beats_the_best_constant(qwen, tmp_path):
     xv, yv = store.load_layers(slice(None))[:, val], store.scores[:, :, val]
     loss = TG.bce_per_layer(gates(xv), yv).tolist()
     assert loss == pytest.approx(m["val_loss"][-1], abs=1e-5)  # the file holds the gate that was measured
-    assert gates.meta["training"]["data_sha256"] == TG.data_sha256(str(data))
+    assert gates.meta["training"]["data_sha256"] == features.data_sha256(str(data))
     # --export-pt: the same gate in the authors' layout, with the validation curves
     pt = load_gate(out / f"q{cfg.group_size}_dim16_sink16.pt", cfg)
     assert torch.equal(pt(xv), gates(xv)) and pt.meta["val_loss_final"] == pytest.approx(m["val_loss"][-1])
@@ -354,19 +356,19 @@ def test_data_hash_and_the_bundled_gates_corpus_note(tmp_path, monkeypatch, caps
     """data_sha256 is cli.tree_sha256 over the files read (for a folder, a file and a glob);
     note_bundled_corpus says in one line whether --data is the text the model's bundled gate was trained on."""
     import gate
-    from offline.fetch_assets import tree_sha256
+    from cli import tree_sha256
     data = write_docs(tmp_path / "data", 3)
     files = sorted(data.glob("*.txt"))
-    assert TG.data_sha256(str(data)) == TG.data_sha256(str(data / "*.txt")) == tree_sha256(files, data)
-    assert TG.data_sha256(str(files[0])) == tree_sha256(files[:1], data) != TG.data_sha256(str(data))
+    assert features.data_sha256(str(data)) == features.data_sha256(str(data / "*.txt")) == tree_sha256(files, data)
+    assert features.data_sha256(str(files[0])) == tree_sha256(files[:1], data) != features.data_sha256(str(data))
     monkeypatch.setattr(gate, "GATES_DIR", tmp_path / "gates")
-    TG.note_bundled_corpus("m", "abc")
+    features.note_bundled_corpus("m", "abc")
     assert capsys.readouterr().err == ""  # no bundled gate for the model: nothing to say
     from test_gate import random_gates
     for recorded, says in ((None, "records no hash"), ("abc", "its recorded command reproduces it"),
                            ("def", "will not reproduce that gate exactly")):
         gate.save_gate(tmp_path / "gates" / "m.safetensors", random_gates(1), {"training": {"data_sha256": recorded}})
-        TG.note_bundled_corpus("m", "abc")
+        features.note_bundled_corpus("m", "abc")
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err and "gates/m.safetensors" in err, err
 
@@ -393,7 +395,6 @@ def test_resume_after_a_kill_between_documents(qwen, tmp_path, monkeypatch):
     assert e.value.code == 130
     assert [p.name for p in shards(out)] == ["doc00000.safetensors"]
     before = shards(out)[0].stat().st_mtime_ns
-    (out / "features" / "doc00001.tmp999").write_bytes(b"half a shard")  # a write cut short (older versions)
     calls.clear()
     monkeypatch.setattr(KVzipTeacher, "__call__", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
     run_main([*args, "--out", out])
@@ -403,7 +404,6 @@ def test_resume_after_a_kill_between_documents(qwen, tmp_path, monkeypatch):
     for a, b in zip(shards(tmp_path / "fresh"), shards(out)):
         assert a.name == b.name and a.read_bytes() == b.read_bytes()
     assert (tmp_path / "fresh" / "manifest.json").read_text() == (out / "manifest.json").read_text()
-    assert not (out / "features" / "doc00001.tmp999").exists()
 
 
 @pytest.fixture(scope="module")
@@ -436,8 +436,7 @@ def run_with_save_file(save_file, args, out):
 
 def test_killed_and_interrupted_shard_writes_leave_nothing_behind(features_run, tmp_path, monkeypatch, capsys):
     """SIGKILL during a shard write leaves safetensors' own hidden temporary (as large as the shard): it
-    lands in the shard's partial folder, which the next run sweeps, with the temporaries older versions
-    left beside the shards. Ctrl-C during a write leaves nothing, and says what was kept."""
+    lands in the shard's partial folder, which the next run sweeps. Ctrl-C during a write leaves nothing, and says what was kept."""
     import safetensors.torch
     args, fresh = features_run
     out = tmp_path / "out"
@@ -447,8 +446,6 @@ def test_killed_and_interrupted_shard_writes_leave_nothing_behind(features_run, 
                            "    os.kill(os.getpid(), signal.SIGKILL)\n", args, out)
     assert r.returncode == -9, r.stderr[-2000:]
     assert leftovers(out) == [".doc00000.partial"] and shards(out) == []
-    (out / "features" / ".tmpOlDvEr").write_bytes(bytes(1000))  # what earlier versions left beside the shards
-    (out / "features" / "doc00001.tmp4242").write_bytes(bytes(1000))
 
     real, calls = safetensors.torch.save_file, []
 
@@ -463,7 +460,7 @@ def test_killed_and_interrupted_shard_writes_leave_nothing_behind(features_run, 
         run_main([*args, "--out", out])
     err = capsys.readouterr().err
     assert e.value.code == 130 and "Traceback" not in err
-    assert "removed 3 temporaries" in err, err
+    assert "removed 1 temporaries" in err, err
     assert f"interrupted: 1 of {len(shards(fresh))} feature shards are kept in {out}/features; rerun the same command" in err
     assert leftovers(out) == [] and [p.name for p in shards(out)] == ["doc00000.safetensors"]
 
@@ -588,7 +585,7 @@ def test_features_stored_as_fp16_train_in_the_model_dtype(qwen, tmp_path, monkey
     run_main([*args, "--steps", 20, "--batch-tokens", 100, "--out", tmp_path / "f16", "--feature-dtype", "float16"])
     manifest = json.loads((tmp_path / "f16" / "manifest.json").read_text())
     assert manifest["feature_dtype"] == "float16" and manifest["dtype"] == "float32"
-    assert "feature_dtype" not in json.loads((tmp_path / "f32" / "manifest.json").read_text())
+    assert json.loads((tmp_path / "f32" / "manifest.json").read_text())["feature_dtype"] == "float32"
     for a, b in zip(shards(tmp_path / "f32"), shards(tmp_path / "f16"), strict=True):
         a, b = load_file(str(a)), load_file(str(b))
         assert b["hidden"].dtype == f16 and torch.equal(b["hidden"], a["hidden"].half())
@@ -722,7 +719,8 @@ def test_sigterm_cleans_up_and_says_how_to_resume(features_run, tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--threads", "0"], ["--long-doc-tokens", "300"], ["--device", "foo"],
-                                   ["--seed", str(2**70)], ["--layer-groups", "-1"]])
+                                   ["--seed", str(2**70)], ["--layer-groups", "-1"], ["--lr", "nan"],
+                                   ["--lr", "inf"], ["--recipe", "adam-logmse", "--lr", "nan"]])
 def test_bad_flags_exit_2_without_traceback(tmp_path, capsys, flags):
     with pytest.raises(SystemExit) as e:
         run_main(["--data", tmp_path, "--out", tmp_path / "out", "--min-doc-tokens", "300", *flags])
@@ -730,11 +728,48 @@ def test_bad_flags_exit_2_without_traceback(tmp_path, capsys, flags):
     assert e.value.code == 2 and "Traceback" not in err and flags[0] in err, err
 
 
+PROGRAMS = ["generate", "train_gate", "bench", "harness.gpu_check", "harness.layer_swap", "harness.profile_decode",
+            "harness.profile_prefill", "offline.fetch_assets", "offline.models"]
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_every_programs_help_works(program, monkeypatch, capsys):
+    """`python -m PROGRAM --help` (and -h) prints its usage and exits 0: a help string with a literal %
+    (argparse formats them with %) made train_gate.py --help a TypeError."""
+    import runpy
+    for flag in ("--help", "-h"):
+        monkeypatch.setattr(sys, "argv", [program, flag])
+        with pytest.raises(SystemExit) as e:
+            runpy.run_module(program, run_name="__main__")
+        out = capsys.readouterr().out
+        assert e.value.code in (0, None) and "usage" in out.lower(), out
+
+
 def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
     (tmp_path / "empty").mkdir()
     r = subprocess.run([sys.executable, "train_gate.py", "--data", str(tmp_path / "empty"), "--model",
                         str(tmp_path / "nothing")], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_data_files_by_their_kind_whatever_the_case_and_each_once(tmp_path):
+    """--data: D.JSONL is JSON lines (it was one plain-text document of raw JSON), X.PARQUET a parquet
+    file (it was refused as binary); '**/*.txt' through a link back up (a loop) reads a file once, not
+    some 40 times."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "sub" / "up").symlink_to("..")  # a loop: data/sub/up/sub/up/...
+    (data / "sub" / "a.txt").write_text("plain words")
+    (data / "D.JSONL").write_text('{"text": "first line"}\n{"text": "second line"}\n')
+    pq.write_table(pa.table({"text": ["a parquet row"]}), str(data / "X.PARQUET"))
+    tok = lambda: None
+    tok.encode = lambda text, add_special_tokens=False: type("E", (), {"ids": text.split()})()
+    docs = list(features.iter_files(str(data / "**" / "*"), tok))
+    assert sorted(d.text for d in docs) == ["a parquet row", "first line", "plain words", "second line"], docs
+    assert len(features.list_files(str(data / "**" / "*.txt"))) == 1
+    assert [d.text for d in features.iter_files(str(data), tok)] == [d.text for d in docs]  # a folder: the same
 
 
 def test_documents_spread_over_ranks_by_length():
@@ -759,10 +794,10 @@ def test_fineweb_selection_uses_the_dataset_token_counts(tmp_path, monkeypatch):
         return str(tmp_path / "shard.parquet")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    docs = list(TG.iter_fineweb(tokenizer=None))
+    docs = list(features.iter_fineweb(tokenizer=None))
     assert asked[0] == ("HuggingFaceFW/fineweb-edu", "sample/10BT/000_00000.parquet", "dataset")
     assert [(d.name, d.text, d.n) for d in docs[:2]] == [("fineweb-edu row 0", "doc 0", 50), ("fineweb-edu row 1", "doc 1", 200)]
-    chosen, _, _ = TG.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=300)
+    chosen, _, _ = features.select_documents(iter(docs), tokens=600, min_tokens=100, max_tokens=300, long_tokens=300)
     assert [d.n for d in chosen] == [200, 250, 450]  # rows 1, 2; then rows 1+2 concatenated, row 3 drops
 
 
