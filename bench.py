@@ -1,31 +1,38 @@
 """
 Measure every method side by side: how much quality it loses, how much time and memory it saves.
 
-Quality (harness/quality.py): contexts cut from Jane Austen's novels with needles at many depths, compressed
-before any question is seen, then asked pass keys, key-value pairs, and scored by teacher-forced NLL,
-each method relative to the full cache. Speed and memory (below): the real path, generate.prefill /
-prefill_kvzip then decode, on fresh caches (harness/speed.py), beside transformers on the same checkpoint (the peer column,
-when transformers is installed); on a GPU also random weights in Qwen3-8B's shape.
+Quality (harness/quality.py): contexts cut from Jane Austen's novels with needles at many depths,
+compressed before any question is seen, then asked pass keys, key-value pairs, and scored by
+teacher-forced NLL, each method relative to the full cache. Speed and memory (harness/speed.py): the
+real path, generate.prefill / prefill_kvzip then decode, on fresh caches, beside transformers on the same
+checkpoint (the peer column, when transformers is installed); on a GPU also random weights in Qwen3-8B's
+shape. What each run costs on 2 CPU cores: benchmarks/*/README.md.
 
-CPU examples (1 thread; times on 2 CPU cores when no other job runs, ~1.3x longer beside one):
-    python bench.py --quick             # smoke run, ~2 min: 2 contexts, budgets 0.5/0.2, every method
-    python bench.py --plot              # full run, ~3.5 h: 18 contexts of 2K/4K/8K x 7 budgets x 7 configs
-                                        #   (~3.2 h) + speed at 2K/8K/16K (~20 min)
-Each finished context is saved in --out at once: rerunning the same command resumes. The README's headline
-run (12 contexts) split over both cores, 69 min side by side, then 20 min of speed:
+CPU examples (1 thread):
+    python bench.py --quick             # smoke run: 2 contexts, budgets 0.5/0.2, every method
+    python bench.py --plot              # 18 contexts of 2K/4K/8K x 7 budgets x 7 configs + speed
+Each finished context is saved in --out at once: rerunning the same command resumes. A run split over
+both cores (benchmarks/gemma3-270m-cpu/README.md):
     python bench.py --contexts 4 --speed-lengths 0 --shard 0/2 --out results/full-s0 &
     python bench.py --contexts 4 --speed-lengths 0 --shard 1/2 --out results/full-s1; wait
     python bench.py --contexts 4 --no-quality --out results/full-speed
     python bench.py --merge results/full-s0,results/full-s1,results/full-speed --out results/full --plot
-Held-out corpus prose instead of Austen (--text prose), SmolLM2 reading it as plain text (in its chat
-template its full cache answers 5 of 18 of these pass keys, as plain text 14; 42 min on one core):
+Held-out corpus prose instead of Austen (--text prose), SmolLM2 reading it as plain text
+(benchmarks/smollm2-135m-cpu-prose/README.md):
     python bench.py --model smollm2-135m-gguf --text prose --no-chat --methods fastkvzip,kvzip,streaming \
         --budgets 1.0,0.5,0.3,0.2 --lengths 2048 --contexts 12 --speed-lengths 0
+RULER-4K, 11 tasks (kvpress's leaderboard yardstick, generated offline: harness/ruler.py), or the
+samples of a file in kvpress's dataset layout (e.g. kvpress's own RULER-4K parquet), scored by
+string_match; benchmarks/ruler-4k-cpu/README.md has the runs and the Qwen3-8B GPU command:
+    python bench.py --suite ruler --ruler-samples 2 --budgets 0.75,0.5,0.3,0.25,0.125 \
+        --extra-levels ''
+    python bench.py --dataset ruler-4096.parquet --model qwen3-8b --device cuda
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
 Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md, relative.png.
 """
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -39,8 +46,9 @@ from cli import UsageError, write_text
 from harness import quality, ruler
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
-from harness.speed import QWEN3_8B, batch_speed, gpu_section, load_peer, speed
-from model import ModelConfig, ModelError, OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format, resolve_model
+from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
+from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, encode_prompt, load_model,
+                   load_tokenizer, prompt_format, resolve_model)
 from teacher import KVzipTeacher
 
 ROOT = Path(__file__).resolve().parent
@@ -217,29 +225,46 @@ def main(argv=None):
     return run(parse_args(argv))
 
 
+def experiment(args):
+    """The quality experiment the flags ask for, as plain values."""
+    names = [f.name for f in dataclasses.fields(quality.Experiment)]
+    return quality.Experiment(**{k: getattr(args, k) for k in names})
+
+
+def speed_settings(args):
+    """What the speed runs share, as plain values."""
+    return SpeedSettings(model=args.model, gate=args.gate, seed=args.seed, budget=args.speed_budget,
+                         budgets=tuple(args.budgets), chunk_size=args.speed_chunk, window=args.speed_window,
+                         decode=args.speed_decode, repeats=args.speed_repeats)
+
+
 def run(args):
     if args.merge:
-        return merge(args)
+        if not args.out:
+            raise UsageError("--merge needs --out: the folder that receives the merged results")
+        return merge(args.merge, args.out, args.bootstrap, args.seed, args.average, args.plot)
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     folder = resolve_model(args.model)
     # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
     cfg = ModelConfig.from_json(folder)
-    tok = load_tokenizer(folder, cfg.vocab_size)
+    tok = load_tokenizer(folder, cfg)
     fmt = prompt_format(cfg, args.model, chat=args.chat)
     gates = gate.resolve_gate(args.gate, cfg, args.model)
-    check_lengths(args, cfg, tok, len(tok.encode(fmt.system, add_special_tokens=False).ids))
+    check_lengths(args, cfg, tok, len(encode_prompt(tok, fmt.system)))
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another --out") from None
     args.out_dir = str(out)
-    config = run_config(args, folder, gates)
-    key = config["quality_key"] = ruler.run_key(args, config) if args.suite == "ruler" else \
-        quality_key(args, config)
-    config.update({f"{k}_key": v for k, v in speed_keys(args, config).items()})
+    exp, s = experiment(args), speed_settings(args)
+    config = run_config(vars(args), folder, gates)
+    key = config["quality_key"] = ruler.run_key(exp, config) if exp.suite == "ruler" else \
+        quality_key(exp, config)
+    config.update({f"{k}_key": v for k, v in speed_keys(s, "kvzip" in args.methods, args.threads,
+                                                          config).items()})
     done = load_records(out, key)  # an interrupted run with the same --out resumes after its last context
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[], complete=False)
     gpu = torch.cuda.is_available() and not args.no_gpu
@@ -265,7 +290,7 @@ def run(args):
     def save():
         results["seconds"] = time.perf_counter() - t_start + sum(r["seconds"] for r in done.values())
         if records:
-            results.update(suite_results(records, args, key))
+            results.update(suite_results(records, key, args.bootstrap, args.seed, args.average))
         write_results(out, results)
 
     def finished(record):  # each context is kept the moment it ends: a killed run loses at most one
@@ -276,31 +301,32 @@ def run(args):
     log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}"
         + (f"; resuming after {len(done)} finished contexts" if done else ""))
     if not args.no_quality:
-        suite = ruler if args.suite == "ruler" else quality
-        suite.run(model, tok, fmt, args, done, on_context=finished)
+        suite = ruler if exp.suite == "ruler" else quality
+        suite.run(model, tok, fmt, exp, args.model, args.gate, args.shard, done, on_context=finished)
     if args.speed_lengths:
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
-        system = tok.encode(fmt.system, add_special_tokens=False).ids
+        system = encode_prompt(tok, fmt.system)
         stream = [t for _, d in load_docs(tok) for t in d]
         peer = None if args.no_peer else load_peer(folder)
         results["speed"], results["speed_peer"] = speed(model, teacher, args.speed_lengths,
-                                                        lambda n: (system + stream[:n], len(system)), args, peer=peer)
+                                                        lambda n: (system + stream[:n], len(system)), s, peer=peer)
     if args.batch_sizes:
-        system = tok.encode(fmt.system, add_special_tokens=False).ids
+        system = encode_prompt(tok, fmt.system)
         stream, n = [t for _, d in load_docs(tok) for t in d], args.batch_length
         lengths = [n - (n // 4) * i // max(1, max(args.batch_sizes) - 1) for i in range(max(args.batch_sizes))]
         docs = [system + stream[sum(lengths[:i]):sum(lengths[:i]) + m] for i, m in enumerate(lengths)]  # distinct text
         peer = None if args.no_peer else load_peer(folder)
-        results["batch_speed"] = batch_speed(model, peer, docs, len(system), args)
+        results["batch_speed"] = batch_speed(model, peer, docs, len(system), s, args.batch_sizes,
+                                             args.batch_repeats)
         save()
     if gpu:
-        results["gpu"] = gpu_section(args)
+        results["gpu"] = gpu_section(s, args.gpu_lengths, out)
     elif not results.get("gpu"):
         results["gpu_note"] = ("GPU section (random-weight Qwen3-8B shape up to 128K tokens) not run: "
                                + ("--no-gpu." if args.no_gpu else "no CUDA device on this machine."))
     results["complete"] = True
     save()
-    finish(results, out, args)
+    finish(results, out, args.plot)
     log(f"done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md")
 
 
@@ -354,19 +380,19 @@ def write_results(out, results):
     write_text(out / "results.md", markdown(results))
 
 
-def suite_results(records, args, key):
+def suite_results(records, key, n_boot, seed, averaged):
     """The quality part of results.json for the suite that wrote `key` (a run's, or the merged
-    runs')."""
+    runs'): intervals from n_boot bootstrap resamples; the needle suite's average over `averaged`."""
     if key.get("suite") != "ruler":
-        return quality_results(records, args)
+        return quality_results(records, n_boot, seed, averaged)
     source = key.get("dataset_name") or max(key["lengths"])
-    return ruler.results(records, args.bootstrap, args.seed, source)
+    return ruler.results(records, n_boot, seed, source)
 
 
-def finish(results, out, args):
-    if args.plot and results["config"]["quality_key"].get("suite") == "ruler":
+def finish(results, out, plot):
+    if plot and results["config"]["quality_key"].get("suite") == "ruler":
         ruler.plot(results, out / "ruler.png")
-    elif args.plot:
+    elif plot:
         quality.plot(results, out / "relative.png")
     avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"] if r["task"] == "average"}
     low = min((b for _, b in avg), default=None)
@@ -374,11 +400,10 @@ def finish(results, out, args):
                                                        if v is not None and b == low))
 
 
-def merge(args):
-    """Several runs of one experiment (shards: --shard k/n, each with its own --out) -> one result in --out."""
-    if not args.out:
-        raise UsageError("--merge needs --out: the folder that receives the merged results")
-    folders = [Path(f) for f in args.merge]
+def merge(folders, out, n_boot, seed, averaged, plot=False):
+    """Several runs of one experiment (shards: --shard k/n, each with its own --out) -> one result in `out`,
+    its intervals from n_boot bootstrap resamples, the relative average over the tasks in `averaged`."""
+    folders = [Path(f) for f in folders]
     same = [str(f) for i, f in enumerate(folders) if f.resolve() in [g.resolve() for g in folders[:i]]]
     if same:  # its speed rows would count twice
         raise UsageError(f"--merge names {same[0]} twice: give each run once")
@@ -421,16 +446,16 @@ def merge(args):
     if len(records) < expected:
         log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
     if records:
-        results.update(suite_results(list(records.values()), args, key))
+        results.update(suite_results(list(records.values()), key, n_boot, seed, averaged))
     results["complete"] = len(records) == expected
-    out = Path(args.out)
+    out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another --out") from None
     write_results(out, results)
     write_text(out / "config.json", json.dumps(results["config"], indent=1))
-    finish(results, out, args)
+    finish(results, out, plot)
     log(f"merged {len(records)} contexts from {len(folders)} runs -> {out}/results.md")
 
 

@@ -23,7 +23,7 @@ import torch
 
 import cli
 from cli import UsageError, tree_sha256
-from model import DTYPES, load_model
+from model import DTYPES, encode_text, load_model
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
 FINEWEB_FILE = "sample/10BT/000_00000.parquet"   # first shard of the sample-10BT config
@@ -96,7 +96,7 @@ def list_files(spec):
 def iter_files(spec, tokenizer):
     """Documents of local files: one per .txt/.md/.rst file, per .jsonl line, per .parquet row
     ("text" field). Token counts with the model's own tokenizer."""
-    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+    count = lambda text: len(encode_text(tokenizer, text))
     for f in list_files(spec):
         kind = Path(f).suffix.lower()  # D.JSONL is JSON lines, X.PARQUET parquet
         if kind != ".parquet":  # binary or non-UTF-8: refused (generate.py --context-file)
@@ -241,7 +241,8 @@ def load_documents(data, tokens, min_doc_tokens, max_doc_tokens, long_doc_tokens
     if long_tokens < long_doc_tokens and any(d.name.startswith("concatenation") for d in chosen):
         print(f"note: the model holds {max_context} context tokens, so the long samples have about "
               f"{long_tokens} instead of --long-doc-tokens {long_doc_tokens}", file=sys.stderr)
-    return [(d.name, tokenizer.encode(d.text, add_special_tokens=False).ids[:max_context], split)
+    # a document is data: the text of a control token in it makes no control id (model.encode_text)
+    return [(d.name, encode_text(tokenizer, d.text)[:max_context], split)
             for split, ds in (("train", chosen), ("val", val)) for d in ds]
 
 

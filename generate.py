@@ -35,9 +35,9 @@ import cli
 from cache import (Batch, Budget, CacheFileError, EvictingCache, KVCache, LEVELS, check_cache_file,
                    load_cache, read_header)
 from cli import UsageError
-from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, check_dtype, compute_dtype, load_model, load_tokenizer,
-                   model_identity, parse_device, prompt_format, question_text, resolve_model,
-                   uses_chat)
+from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, check_dtype, compute_dtype,
+                   encode_prompt, encode_text, load_model, load_tokenizer, model_identity,
+                   parse_device, prompt_format, question_ids, resolve_model, uses_chat)
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 
@@ -67,20 +67,9 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
 # -------------------------------------------------------------------------------------------------
 # prefill, one decode step
 
-def old_budget(budget, chunk_size, window):
-    """A cache.Budget, also from the old form (ratio, chunk_size, window) that callers not yet moved
-    to Budget pass; drop it (and the two parameters below) once none does."""
-    if isinstance(budget, Budget):
-        assert chunk_size is window is None, "chunk_size and window are the Budget's"
-        return budget
-    old = {"chunk_size": chunk_size, "window": window}
-    return Budget(budget, **{k: v for k, v in old.items() if v is not None})
-
-
-def prefill(model, cache, ids, n_protected, budget=Budget(), chunk_size=None, window=None):
+def prefill(model, cache, ids, n_protected, budget=Budget()):
     """Feed ids (system prompt ⊕ context) in chunks of budget.chunk_size, evicting after each chunk
     (METHOD.md §6). Returns the last position's logits. With a full KVCache nothing is evicted."""
-    budget = old_budget(budget, chunk_size, window)
     n_context = len(ids) - n_protected
     evicting = isinstance(cache, EvictingCache) and n_context > 0
     plan = budget.plan(n_context) if evicting else None
@@ -96,13 +85,11 @@ def prefill(model, cache, ids, n_protected, budget=Budget(), chunk_size=None, wi
     return logits
 
 
-def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget(), chunk_size=None,
-                  window=None):
+def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget()):
     """KVzip as an inference method (METHOD.md §6, §13.4): prefill the whole context with nothing
     evicted, score it with the reconstruction teacher (about a second prefill), then evict once,
     with the same budget rule as the gate. Peak memory is the full context: the cost the gate
     removes."""
-    budget = old_budget(budget, chunk_size, window)
     full = teacher.new_cache()
     teacher.prefill(full, ids[:-1])
     last = model(torch.tensor(ids[-1:], device=full.device), full, num_logits=1)[-1]
@@ -113,10 +100,10 @@ def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget(), chun
     return last
 
 
-def evict_once(cache, n_tokens, n_protected, budget, chunk_size=None, window=None):
+def evict_once(cache, n_tokens, n_protected, budget):
     """KVzip's one eviction, once the whole prompt of n_tokens is in the cache with its scores: the
     same budget rule as the chunked prefill, applied to the whole context at once."""
-    plan = old_budget(budget, chunk_size, window).plan(n_tokens - n_protected)
+    plan = budget.plan(n_tokens - n_protected)
     cache.evict(n_protected, n_tokens - plan.window, plan.segment_ratio)
 
 
@@ -271,16 +258,17 @@ def load_request(model, req, method=Method(), seed=0, index=0):
 
 
 def generate_batch(model, requests, method=Method(), batch_size=1, stop_ids=(),
-                   answer_stop_ids=None, temperature=0.0, top_p=1.0, seed=0):
+                   answer_stop_ids=None, temperature=0.0, top_p=1.0, seed=0, line_breaks=()):
     """Answer requests (setup's dicts), at most batch_size decoding at once: each is prefilled when
     it is admitted, then decode() answers it; yields decode's events."""
     reqs = (setup(model, req, method, seed, i) for i, req in enumerate(requests))
-    return decode(model, reqs, batch_size, stop_ids, answer_stop_ids, temperature, top_p)
+    return decode(model, reqs, batch_size, stop_ids, answer_stop_ids, temperature, top_p,
+                  line_breaks)
 
 
 @torch.no_grad()
 def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, temperature=0.0,
-           top_p=1.0):
+           top_p=1.0, line_breaks=()):
     """The decode loop, for one request or many: each Request's questions are answered in turn from
     its cache, each rolled back afterwards (METHOD.md §11); at most batch_size requests (taken from
     the iterator `requests` as slots free) answer at once, their rows in one cache.Batch, one
@@ -289,7 +277,10 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
     the ones each request gets alone (tests/test_batch.py). Yields (event, request): "question"
     (request.q starts), "token" (request.out[-1]), "answer" (request.answers[-1], before the
     rollback), "done" (request.stats() still readable). answer_stop_ids (default stop_ids) end an
-    answer to a question; stop_ids end a continuation of the context (question text "")."""
+    answer to a question; stop_ids end a continuation of the context (question text "").
+    line_breaks (a base model's one-line answers) end an answer to a question at the first one
+    after text: before any, they are part of the answer (a model that first writes "\\n" goes on
+    to say its answer; taken for the end, they gave empty answers)."""
     emb = model.model.embed_tokens.weight
     batch = Batch(model.config, emb.dtype, emb.device) if batch_size > 1 else None
     stops = set(stop_ids)
@@ -325,7 +316,9 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
         t0, stepped, starting, tokens = time.perf_counter(), list(active), [], []
         for r in stepped:
             token = r.sample(temperature, top_p)
-            stop = token in (answer_stops if r.questions[r.q][0] else stops)
+            asked = bool(r.questions[r.q][0])
+            stop = token in (answer_stops if asked else stops) or (
+                asked and token in line_breaks and any(t not in line_breaks for t in r.out))
             if not stop:
                 r.out.append(token)
                 yield "token", r
@@ -464,16 +457,16 @@ def read_context(path, what="--context-file"):
 
 
 def build_inputs(tok, fmt, context, questions=None):
-    """(prefill ids, number of protected system-prompt ids, list of (question text, question ids)), for
-    a list of question strings; without any, one empty question: generation continues the context."""
-    enc = lambda s: tok.encode(s, add_special_tokens=False).ids
-    system = enc(fmt.system)
-    # a question about a context in the evaluation format (METHOD.md §11), for a base model (no chat postfix)
-    # with the start of its answer, as the benchmark's questions (harness/quality.py), so that it answers instead of going on with the
-    # text; a bare prompt just ends its turn
-    turn = lambda q: question_text(fmt, q) + ("" if fmt.postfix else "\nA:")
-    qs = [(q, enc(turn(q) if q else fmt.postfix)) for q in questions or [""]]
-    return system + enc(context), len(system), qs
+    """(prefill ids, number of protected system-prompt ids, list of (question text, question ids)),
+    for a list of question strings; without any, one empty question: generation continues the
+    context. The context and questions are data: only the template makes control ids (model.py)."""
+    system = encode_prompt(tok, fmt.system)
+    # a question about a context in the evaluation format (METHOD.md §11), for a base model (no
+    # chat postfix) with the start of its answer (model.question_ids), so that it answers instead
+    # of going on with the text; a bare prompt just ends its turn
+    qs = [(q, question_ids(tok, fmt, q) if q else encode_prompt(tok, fmt.postfix))
+          for q in questions or [""]]
+    return system + encode_text(tok, context), len(system), qs
 
 
 REQUEST_KEYS = ("context", "context_file", "cache_file", "questions", "budget", "max_new_tokens")
@@ -500,7 +493,7 @@ def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions
     qs = build_inputs(tok, fmt, "", questions)[2]
     with safe_open(str(path), framework="pt") as f:  # the prompt ids: a small tensor of the file
         system = f.get_tensor("ids")[:state["n_protected"]].tolist()
-    if system != tok.encode(fmt.system, add_special_tokens=False).ids:
+    if system != encode_prompt(tok, fmt.system):
         raise UsageError(f"{where} {path} was made with another prompt format (its system prompt "
                          "differs): pass the --chat / --thinking it was made with")
     longest = state["n_seen"] + max(len(q) for _, q in qs) + max_new_tokens
@@ -579,7 +572,7 @@ def model_setup(name, dtype, chat, thinking, device):
     take minutes on a large model): (folder, config, tokenizer, dtype, prompt format)."""
     folder = resolve_model(name)
     cfg = ModelConfig.from_json(folder)
-    tok = load_tokenizer(folder, cfg.vocab_size)
+    tok = load_tokenizer(folder, cfg)
     dtype = compute_dtype(dtype, device)
     check_dtype(cfg, dtype)
     hybrid = cfg.arch == "qwen3" and uses_chat(name, chat) and "instruct" not in name.lower()
@@ -643,7 +636,7 @@ def run(args):
         from teacher import KVzipTeacher
         method.teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
     # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own
-    answer_stops = set(cfg.eos_token_ids) | (set() if fmt.postfix else line_break_ids(tok))
+    line_breaks = set() if fmt.postfix else line_break_ids(tok)
     if args.save_cache is not None:  # prefill, save, then answer (if asked) from the same cache
         with torch.no_grad():
             r = setup(model, reqs[0], method, args.seed)
@@ -651,12 +644,12 @@ def run(args):
         r.cache.save(args.save_cache, model, r.ids, r.logits, r.n_protected, r.method, r.budget,
                      budget.chunk_size, budget.window, prefill_seconds=r.prefill_s)
         r.cache_file, r.file_s = args.save_cache, time.perf_counter() - t0
-        events = decode(model, [r], 1, cfg.eos_token_ids, answer_stops, args.temperature,
-                        args.top_p)
+        events = decode(model, [r], 1, cfg.eos_token_ids, cfg.eos_token_ids, args.temperature,
+                        args.top_p, line_breaks)
     else:
         events = generate_batch(model, reqs, method, args.batch_size if args.batch else 1,
-                                cfg.eos_token_ids, answer_stops, args.temperature, args.top_p,
-                                args.seed)
+                                cfg.eos_token_ids, cfg.eos_token_ids, args.temperature,
+                                args.top_p, args.seed, line_breaks)
     stream = args.batch is None and not args.json
     from tqdm import tqdm
     bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr,
@@ -694,7 +687,7 @@ def run(args):
 def line_break_ids(tok):
     """The ids of "\n" and "\n\n", each where it is one token: where a base model's one-line
     answer ends."""
-    ids = [tok.encode(s, add_special_tokens=False).ids for s in ("\n", "\n\n")]
+    ids = [encode_text(tok, s) for s in ("\n", "\n\n")]
     return {i[0] for i in ids if len(i) == 1}
 
 

@@ -715,9 +715,7 @@ def load_tokenizer(folder: str | Path, cfg: ModelConfig | None = None):
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise ModelError(f"{path}: unreadable tokenizer ({' '.join(str(e).split())}); "
                          f"re-download it") from None
-    if isinstance(cfg, int):  # TRANSITION: callers that pass the vocab_size alone
-        _check_tokenizer(tok, path, cfg, None, [])
-    elif cfg is not None:
+    if cfg is not None:
         _check_tokenizer(tok, path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids)
     return tok
 
@@ -768,7 +766,8 @@ def encode_text(tok, text: str) -> list[int]:
     """User text (a context, a question, a training document) -> token ids, never a control id: the
     text "<|im_end|>" or "<end_of_turn>" is encoded as the characters it is made of."""
     if not any(c in text for c in _plain_controls(tok)):
-        was, tok.encode_special_tokens = tok.encode_special_tokens, True  # TRANSITION: restored
+        # for this call only: the tokenizer object stays as tokenizers made it
+        was, tok.encode_special_tokens = tok.encode_special_tokens, True
         try:
             return tok.encode(text, add_special_tokens=False).ids
         finally:
@@ -865,12 +864,6 @@ def question_ids(tok, fmt: PromptFormat, question: str, cue: str = "") -> list[i
     template = "\n\nQ: {question}" + (fmt.postfix + "{cue}" if fmt.postfix else
                                         "\nA:" + (" {cue}" if cue else ""))
     return encode_prompt(tok, template, question=question, cue=cue)
-
-
-def question_text(fmt: PromptFormat, question: str, evaluation: bool = True) -> str:
-    """The turn that follows a (compressed) context: "\\n\\nQ: {question}" + postfix in evaluations
-    (METHOD.md §11), the bare question + postfix for plain chat."""
-    return ("\n\nQ: " + question if evaluation else question) + fmt.postfix
 
 
 # ------------------------------------------------------------------------------- model resolution

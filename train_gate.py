@@ -51,7 +51,8 @@ from cli import UsageError, pyplot, save_figure, write_json
 from features import (FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype,
                       load_documents, make_manifest, note_bundled_corpus)
 from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, check_dtype, compute_dtype,
-                   load_tokenizer, parse_device, prompt_format, resolve_model, uses_chat)
+                   encode_prompt, load_tokenizer, parse_device, prompt_format, resolve_model,
+                   uses_chat)
 from teacher import agreement, digit_tokens, pool_agreement, spearman
 
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
@@ -553,12 +554,12 @@ def run(args):
         dist.barrier()
     cfg = ModelConfig.from_json(folder)
     check_dtype(cfg, dtype)
-    tokenizer = load_tokenizer(folder, cfg.vocab_size)
+    tokenizer = load_tokenizer(folder, cfg)
     prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
     chat = uses_chat(args.model, args.chat)
     fmt = prompt_format(cfg, args.model, chat=chat)
     stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
-    system = tokenizer.encode(fmt.system, add_special_tokens=False).ids
+    system = encode_prompt(tokenizer, fmt.system)
     # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
     max_context = cfg.max_position_embeddings - len(system) - args.teacher_chunk - 64
     if max_context < args.min_doc_tokens:

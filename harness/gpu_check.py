@@ -47,7 +47,6 @@ import subprocess
 import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
 import torch  # kernels, and all that imports it, only after --dry-run set TRITON_INTERPRET
@@ -415,13 +414,13 @@ def part_decode(S, run, res):
     """One context prefilled with Fast KVzip at 0.3, copied into B members of a cache.Batch that
     decode together (one forward per step, one attention call per layer); tokens/s over all B."""
     import generate
-    from cache import Batch
+    from cache import Batch, Budget
     model, gates = random_model(S)
     dev, dtype = device_and_dtype(S)
     n = S["decode_context"]
     step(run, "decode", res, dict(case="prefill", context=n))
     cache = generate.make_cache("fastkvzip", model, "random", 0, gates=gates)
-    generate.prefill(model, cache, context(model, n, 1), 0, BUDGET, S["chunk_size"], S["window"])
+    generate.prefill(model, cache, context(model, n, 1), 0, Budget(BUDGET, S["chunk_size"], S["window"]))
     cache.start_decoding()
     res.update(context=n, budget=BUDGET, member_kv_bytes=cache.nbytes, steps=S["steps"])
     for B in S["batch"]:
@@ -447,11 +446,15 @@ def part_decode(S, run, res):
         del batch
 
 
-class ByteTokenizer:
-    """One token per byte: the KVzip teacher's repeat prompts, where only their length matters."""
-
-    def encode(self, text, add_special_tokens=False):
-        return types.SimpleNamespace(ids=list(text.encode()))
+def byte_tokenizer():
+    """One token per byte, and one per control token of the Qwen prompt: the KVzip teacher's repeat
+    prompts, where only their length matters."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    return tok
 
 
 class TimedTeacher:
@@ -475,7 +478,7 @@ class TimedTeacher:
 def prefill_once(S, model, gates, teacher, method, ids, chunk_size, window):
     """One prefill of ids with `method` on a fresh cache, as generate.py runs it -> a row."""
     import generate
-    from cache import KVCache
+    from cache import Budget, KVCache
     dev, dtype = device_and_dtype(S)
     cache = KVCache(model.config, dtype, dev) if method == "full" else \
         generate.make_cache(method, model, "random", 0, gates=gates)
@@ -488,9 +491,9 @@ def prefill_once(S, model, gates, teacher, method, ids, chunk_size, window):
     sync(dev)
     t0 = time.perf_counter()
     if method == "kvzip":  # full prefill, the teacher's scoring pass, one eviction (METHOD.md §6)
-        generate.prefill_kvzip(model, teacher, cache, ids, 0, budget, chunk_size, window)
+        generate.prefill_kvzip(model, teacher, cache, ids, 0, Budget(budget, chunk_size, window))
     else:
-        generate.prefill(model, cache, ids, 0, budget, chunk_size, window)
+        generate.prefill(model, cache, ids, 0, Budget(budget, chunk_size, window))
     sync(dev)
     s = time.perf_counter() - t0
     score_s = teacher.seconds if method == "kvzip" else getattr(cache, "gate_seconds", 0.0)
@@ -510,7 +513,7 @@ def part_prefill(S, run, res):
     model, gates = random_model(S)
     dev, _ = device_and_dtype(S)
     fmt = prompt_format(model.config, "qwen3-8b")
-    teacher = TimedTeacher(KVzipTeacher(model, ByteTokenizer(), fmt, chunk_size=S["score_chunk"],
+    teacher = TimedTeacher(KVzipTeacher(model, byte_tokenizer(), fmt, chunk_size=S["score_chunk"],
                                         prefill_chunk=S["chunk_size"]), dev)
     res.update(chunk_size=S["chunk_size"], window=S["window"], budget=BUDGET)
     n, chunk, window = S["warmup"]  # compiles the kernel variants; not a measurement

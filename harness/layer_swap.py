@@ -4,7 +4,7 @@ The layer swap: in which compressed layer the gate's kept set costs it its KVzip
 For each of the benchmark's Austen contexts (quality.make_samples: the contexts, pass keys and JSON
 key-value questions of `bench.py --lengths N --contexts K --seed S`) and each budget, the teacher (T)
 and the gate (G) score the context once and each picks its kept set with the cache's own rule: one
-global threshold over every compressed layer and head (quality.kept_by_rule, what EvictingCache.evict
+global threshold over every compressed layer and head (teacher.kept_by_rule, what EvictingCache.evict
 keeps). Then every combination of per-layer kept sets, T or G in each compressed layer (2^L caches,
 named in the order of the compressed layers: "TGT" = teacher in the first and last), answers the
 benchmark's questions (quality.evaluate). All-T is the kvzip method's cache and all-G fastkvzip's, the
@@ -38,7 +38,7 @@ from gate import GateScorer
 from harness import quality
 from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format,
                    resolve_model)
-from teacher import KVzipTeacher
+from teacher import KVzipTeacher, agreement, digit_tokens, kept_by_rule, pool_agreement
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
 
@@ -54,7 +54,7 @@ def capture(model, sample, teacher, scorer, chunk_size):
 
 def swap_cache(full, n_protected, scores, keep, combo):
     """An evicting cache holding full's KV, in compressed layer l only the context pairs that scorer
-    combo[l] ("T" or "G") keeps: keep[s] (L, H, n_context) from quality.kept_by_rule. The system prompt and
+    combo[l] ("T" or "G") keeps: keep[s] (L, H, n_context) from teacher.kept_by_rule. The system prompt and
     the layers that are not compressed stay whole, as in every evicting cache."""
     cache = EvictingCache(full.cfg, None, full.dtype, full.device, n_protected=n_protected)
     cache.adopt(full, scores=torch.stack([scores[s][l] for l, s in enumerate(combo)]), keep_full=True)
@@ -71,7 +71,7 @@ def swap_context(model, tok, sample, full, scores, budgets, chunk_size, window, 
     p, n = sample.n_protected, len(sample.ids)
     out = {"full@1": quality.entry(sample, ref, ref, [1.0] * len(scores["T"]), full.nbytes)}
     for r in budgets:
-        keep = {s: quality.kept_by_rule(x, r, chunk_size, window)[0] for s, x in scores.items()}
+        keep = {s: kept_by_rule(x, r, chunk_size, window)[0] for s, x in scores.items()}
         for combo in combos or ["".join(c) for c in itertools.product("TG", repeat=len(scores["T"]))]:
             cache = swap_cache(full, p, scores, keep, combo)
             res = quality.evaluate(model, tok, cache, sample, stops)
@@ -114,10 +114,10 @@ def run(args):
     bargs = bench.parse_args(flags + (["--gate", args.gate] if args.gate else []))  # the benchmark's defaults
     folder = resolve_model(args.model)
     cfg = ModelConfig.from_json(folder)
-    tok = load_tokenizer(folder, cfg.vocab_size)
+    tok = load_tokenizer(folder, cfg)
     fmt = prompt_format(cfg, args.model)
     gates = gate.resolve_gate(args.gate, cfg, args.model)
-    _, samples = quality.make_samples(tok, fmt, bargs)
+    _, samples = quality.make_samples(tok, fmt, bench.experiment(bargs))
     L = len(cfg.compressed_layers)
     if args.combos and any(len(c) != L or set(c) - set("TG") for c in args.combos):
         raise UsageError(f"--combos: each is {L} letters T (teacher) or G (gate), one per compressed layer "
@@ -147,15 +147,15 @@ def run(args):
                   file=sys.stderr)
             entries = swap_context(model, tok, sample, full, scores, args.budgets, args.chunk_size, args.window, stops,
                                    args.combos)
-        agreement = quality.agreement(scores["G"], scores["T"], quality.digit_tokens(tok, sample.ids[sample.n_protected:]),
-                                chunk_size=args.chunk_size, window=args.window)  # quality.agreement, as bench.py
+        agreement = agreement(scores["G"], scores["T"], digit_tokens(tok, sample.ids[sample.n_protected:]),
+                                chunk_size=args.chunk_size, window=args.window)  # as bench.py
         rec = dict(key=key, context=c, doc=sample.doc, n_tokens=len(sample.ids), entries=entries, agreement=agreement)
         cli.write_text(path, json.dumps(rec))
         records.append(rec)
         print(f"context {c + 1}/{len(samples)} ({sample.doc}): {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = pool(records)
     md = table(rows, cfg.compressed_layers)
-    agreement = quality.pool_agreement([r["agreement"] for r in records])
+    agreement = pool_agreement([r["agreement"] for r in records])
     md += ("\n\nGate vs teacher on these contexts, layers " + "/".join(map(str, cfg.compressed_layers)) + ": Spearman "
            + " / ".join(f"{x:.2f}" for x in agreement["spearman"]) + "; overlap@0.5 " + " / ".join(
                "–" if x is None else f"{x:.0%}" for x in agreement["overlap@0.5"]))

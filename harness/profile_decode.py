@@ -19,15 +19,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import generate
-from cache import EvictingCache
-from model import OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format, resolve_model
+from cache import Budget, EvictingCache
+from model import (OFFLINE_DEFAULT, encode_prompt, load_model, load_tokenizer, prompt_format,
+                   resolve_model)
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
 
 
 def prefill_ours(model, method, budget, ids, n_protected, args):
     cache = generate.make_cache(method, model, args.model, n_protected)  # fastkvzip: the bundled gate
-    logits = generate.prefill(model, cache, ids, n_protected, budget, args.chunk, args.window)
+    logits = generate.prefill(model, cache, ids, n_protected, Budget(budget, args.chunk, args.window))
     if isinstance(cache, EvictingCache):
         cache.start_decoding()  # as generate.answer
     return lambda token: generate.decode_one(model, cache, token), logits, cache.nbytes
@@ -78,7 +79,7 @@ def main():
     folder = resolve_model(args.model)
     tok, model = load_tokenizer(folder), load_model(folder, "cpu", torch.float32)
     fmt = prompt_format(model.config, args.model)
-    system = tok.encode(fmt.system, add_special_tokens=False).ids
+    system = encode_prompt(tok, fmt.system)
     ids = system + [t for _, d in load_docs(tok) for t in d][:args.length]
     if len(ids) - len(system) < args.length:
         p.error(f"--length {args.length}: the evaluation text holds only {len(ids) - len(system)} tokens")

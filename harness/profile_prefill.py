@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import cli
 import generate
+from cache import Budget
 import model as M
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
@@ -46,7 +47,7 @@ def main():
     peer = load_peer(folder)
     if peer is None:
         p.error("transformers is not installed (pip install -r requirements-test.txt)")
-    system = tok.encode(M.prompt_format(model.config, args.model).system, add_special_tokens=False).ids
+    system = M.encode_prompt(tok, M.prompt_format(model.config, args.model).system)
     text = [t for _, d in load_docs(tok) for t in d]
     for n in args.lengths:
         if len(text) < n:
@@ -56,7 +57,7 @@ def main():
         def runs_for(ids):
             def ours(method, budget):
                 cache = generate.make_cache(method, model, args.model, len(system))  # the gate loads before the clock
-                return lambda: generate.prefill(model, cache, ids, len(system), budget, args.chunk, args.window)
+                return lambda: generate.prefill(model, cache, ids, len(system), Budget(budget, args.chunk, args.window))
             return {"ours, full": lambda: ours("full", 1.0),
                     "transformers": lambda: (lambda: peer_prefill(peer, ids, args.chunk)),
                     f"ours, fastkvzip {args.budget:g}": lambda: ours("fastkvzip", args.budget)}

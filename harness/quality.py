@@ -30,19 +30,19 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import generate
-from cache import EvictingCache
+from cache import Budget, EvictingCache
 from cli import UsageError, pyplot, save_figure
 from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
-from model import question_text
+from model import encode_prompt, encode_text, question_ids
 from teacher import KVzipTeacher, TeacherCache
-from teacher import agreement, digit_tokens, kept_by_rule, pool_agreement, spearman
+from teacher import agreement, digit_tokens, pool_agreement
 
 AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
 TASKS = AVERAGED + ("agreement",)
@@ -89,17 +89,16 @@ class SampleMaker:
         self.rng = random.Random(seed)
         self.n_passkeys, self.n_pairs, self.n_kv_questions = n_passkeys, n_pairs, n_kv_questions
         self.n_probe, self.n_continue, self.n_cue = n_probe, n_continue, n_cue
-        self.system = self.enc(fmt.system)
+        self.system = encode_prompt(tok, fmt.system)
         self.next_doc = 0
 
     def enc(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids  # every piece alone (METHOD.md §4.1)
+        return encode_text(self.tok, text)  # every piece alone (METHOD.md §4.1)
 
     def question(self, text, cue):
         """The question turn (METHOD.md §11's "\\n\\nQ: ..." + postfix), then the start of the answer,
         so that even a base model answers in a checkable form."""
-        turn = question_text(self.fmt, text)
-        return self.enc(turn + ("\nA: " if not self.fmt.postfix else "") + cue)
+        return question_ids(self.tok, self.fmt, text, cue)
 
     def sentence_end(self, hay, i):
         for j in range(i, min(len(hay), i + 200)):  # the next sentence end, or i itself
@@ -188,7 +187,7 @@ def load_docs(tok, text="austen", _memo={}):
     if (id(tok), text) not in _memo:
         named = ([(p.stem, p.read_text(encoding="utf-8")) for p in fetch_assets.text_docs("austen_parts")]
                  if text == "austen" else prose_texts())
-        _memo[id(tok), text] = [(name, tok.encode(t, add_special_tokens=False).ids) for name, t in named]
+        _memo[id(tok), text] = [(name, encode_text(tok, t)) for name, t in named]
     return list(_memo[id(tok), text])
 
 
@@ -258,7 +257,7 @@ def capture_prefill(model, ids, chunk_size, teacher=None, n_protected=0):
     +inf on the system prompt, or None). The cache then serves as the full-cache reference."""
     cfg, dtype, device = model_info(model)
     full = CaptureCache(cfg, dtype, device)
-    logits = generate.prefill(model, full, ids, n_protected, 1.0, chunk_size)
+    logits = generate.prefill(model, full, ids, n_protected, Budget(1.0, chunk_size))
     full.capturing = False
     scores = None
     if teacher is not None:
@@ -276,11 +275,12 @@ def prefill_from_capture(model, full, logits, cache, method, sample, budget, chu
     ids, p = sample.ids, sample.n_protected
     if method == "kvzip":  # cache.scorer holds the teacher's precomputed scores (Precomputed)
         cache.adopt(full, inputs=full.captured, keep_full=True)
-        generate.evict_once(cache, len(ids), p, budget, chunk_size, window)
+        generate.evict_once(cache, len(ids), p, Budget(budget, chunk_size, window))
     elif len(ids) <= chunk_size:
-        generate.prefill(Replay(full, logits), cache, ids, p, budget, chunk_size, window)  # evicts as the real path
+        # evicts as the real path
+        generate.prefill(Replay(full, logits), cache, ids, p, Budget(budget, chunk_size, window))
     else:
-        generate.prefill(model, cache, ids, p, budget, chunk_size, window)
+        generate.prefill(model, cache, ids, p, Budget(budget, chunk_size, window))
 
 
 def captured_scores(model, scorer, full):
@@ -453,34 +453,60 @@ def contrasts(tallies, n_boot, seed, averaged=AVERAGED):
 
 def answer_stops(cfg, tok):
     """Token ids that end a greedy answer: end of sequence, or a line break."""
-    return set(cfg.eos_token_ids) | {i for s in ("\n", "\n\n") for i in tok.encode(s, add_special_tokens=False).ids}
+    return set(cfg.eos_token_ids) | {i for s in ("\n", "\n\n") for i in encode_text(tok, s)}
 
 
-def make_samples(tok, fmt, args):
-    """-> (lengths, samples): args.contexts contexts of each of args.lengths, with their needles,
+@dataclass
+class Experiment:
+    """What makes two runs' contexts the same experiment (bench.py's flags of the same names): runs are
+    resumed or merged only if these, the model and the gate are equal."""
+    methods: list           # "full" first: every relative score needs it
+    budgets: list
+    extra_levels: list      # levels run beside each method's own, for fastkvzip and kvzip
+    lengths: list           # context lengths in tokens
+    contexts: int           # contexts per length
+    passkeys: int
+    kv_pairs: int
+    kv_questions: int
+    probe_tokens: int
+    continue_tokens: int
+    chunk_size: int
+    window: int
+    seed: int
+    text: str = "austen"    # TEXTS
+    chat: bool | None = None  # None: the model's default prompt format
+    device: str = "cpu"     # cpu (fp32) or cuda (bf16): other numbers
+    suite: str = "needle"   # needle (this module) or ruler (harness/ruler.py)
+    dataset: str | None = None  # ruler: a file in kvpress's dataset layout, read as it is
+    ruler_samples: int = 5  # ruler: samples generated per task and length
+    ruler_tasks: tuple = ()  # ruler: the tasks generated
+
+
+def make_samples(tok, fmt, exp):
+    """-> (lengths, samples): exp.contexts contexts of each of exp.lengths, with their needles,
     questions and probes. Every sample is made up front, also those a shard skips (each depends on the
     ones before: one RNG), so a length that cannot be made fails now, not hours into the run."""
-    docs = load_docs(tok, args.text)
-    random.Random(args.seed).shuffle(docs)
-    maker = SampleMaker(tok, fmt, docs, args.seed, args.passkeys, args.kv_pairs, args.kv_questions,
-                        args.probe_tokens, args.continue_tokens)
-    lengths = [n for n in args.lengths for _ in range(args.contexts)]
+    docs = load_docs(tok, exp.text)
+    random.Random(exp.seed).shuffle(docs)
+    maker = SampleMaker(tok, fmt, docs, exp.seed, exp.passkeys, exp.kv_pairs, exp.kv_questions,
+                        exp.probe_tokens, exp.continue_tokens)
+    lengths = [n for n in exp.lengths for _ in range(exp.contexts)]
     return lengths, [maker.make(n) for n in lengths]
 
 
-def run(model, tok, fmt, args, done=(), on_context=None):
-    """Every configuration on every context of this shard (args.shard = (k, n): contexts c with c % n == k)
+def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None):
+    """Every configuration of `exp` on every context of this shard (k, n): contexts c with c % n == k,
     but those in `done` (finished by an earlier run: resume). on_context(record) after each context, with
     one dict holding everything the summary needs of that context (its entries: see `entry`)."""
     cfg, _, _ = model_info(model)
-    methods = [m for m in args.methods if m != "full"]
+    methods = [m for m in exp.methods if m != "full"]
     configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
-    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in args.extra_levels
+    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in exp.extra_levels
                 if lv != DEFAULT_LEVEL[m]]  # '--extra-levels global' would run the default twice
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
     stop_ids = answer_stops(cfg, tok)
-    lengths, samples = make_samples(tok, fmt, args)
-    k_shard, n_shard = args.shard
+    lengths, samples = make_samples(tok, fmt, exp)
+    k_shard, n_shard = shard
     todo = [c for c in range(len(lengths)) if c % n_shard == k_shard and c not in done]
     n_done, t_start = 0, time.perf_counter()
     for c, (n, sample) in enumerate(zip(lengths, samples)):
@@ -489,27 +515,27 @@ def run(model, tok, fmt, args, done=(), on_context=None):
         t0 = time.perf_counter()
         entries = {}
         with torch.no_grad():
-            full, logits, tscores = capture_prefill(model, sample.ids, args.chunk_size, teacher, sample.n_protected)
+            full, logits, tscores = capture_prefill(model, sample.ids, exp.chunk_size, teacher, sample.n_protected)
             t_prefill = time.perf_counter() - t0
             log(f"quality context {c + 1}/{len(lengths)}: {n} tokens prefilled"
                 f"{' and scored by the teacher' if teacher else ''} in {t_prefill:.0f} s; "
-                f"answering from {1 + len(configs) * len(args.budgets)} caches")
+                f"answering from {1 + len(configs) * len(exp.budgets)} caches")
             ref = evaluate(model, tok, full, sample, stop_ids)
             entries[entry_key("full", 1.0)] = entry(sample, ref, ref, [1.0] * len(cfg.compressed_layers), full.nbytes)
             for method, level in configs:
                 config = method if level == DEFAULT_LEVEL[method] else f"{method}/{level}"
-                for budget in args.budgets:
-                    cache = method_cache(model, method, level, sample.n_protected, args.model, args.gate, args.seed + c,
-                                         tscores)
-                    prefill_from_capture(model, full, logits, cache, method, sample, budget, args.chunk_size,
-                                         args.window)
+                for budget in exp.budgets:
+                    cache = method_cache(model, method, level, sample.n_protected, model_name, gate_file,
+                                         exp.seed + c, tscores)
+                    prefill_from_capture(model, full, logits, cache, method, sample, budget, exp.chunk_size,
+                                         exp.window)
                     kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
                     # nothing evicted -> the cache is the full cache, row for row: reuse its answers
                     res = ref if min(kept) == 1.0 else evaluate(model, tok, cache, sample, stop_ids)
                     entries[entry_key(config, budget)] = entry(sample, res, ref, kept, cache.nbytes)
                     del cache
-            agreement = (gate_agreement(model, tok, full, tscores, sample, args.model, args.gate, args.chunk_size,
-                                        args.window)
+            agreement = (gate_agreement(model, tok, full, tscores, sample, model_name, gate_file,
+                                        exp.chunk_size, exp.window)
                          if {"fastkvzip", "kvzip"} <= set(methods) else None)
         record = dict(context=c, n_tokens=len(sample.ids), doc=sample.doc, seconds=time.perf_counter() - t0,
                       entries=entries, agreement=agreement, answers=[dict(task=q.task, depth=round(q.depth, 3), expected=q.answer,
@@ -570,16 +596,9 @@ def finish_extras(raw):
     return out
 
 
-def quality_key(args, config):
+def quality_key(exp, config):
     """What makes two runs' contexts the same experiment: they may be resumed or merged only if equal."""
-    names = ("methods", "budgets", "extra_levels", "lengths", "contexts", "passkeys", "kv_pairs", "kv_questions",
-             "probe_tokens", "continue_tokens", "chunk_size", "window", "seed")
-    key = dict({k: getattr(args, k) for k in names}, model=config["model"]["sha256"], gate=config["gate"]["sha256"])
-    if args.text != "austen":  # absent for Austen, so the runs written before the choice existed still match
-        key["text"] = args.text
-    if getattr(args, "chat", None) is not None:  # absent when the model's default: earlier runs still match
-        key["chat"] = args.chat
-    return key
+    return dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])
 
 
 def load_records(folder, key):
@@ -597,19 +616,20 @@ def load_records(folder, key):
     return records
 
 
-def quality_results(records, args):
-    """The quality part of results.json, from the finished contexts' records (any order)."""
+def quality_results(records, n_boot, seed, averaged=AVERAGED):
+    """The quality part of results.json, from the finished contexts' records (any order); intervals from
+    n_boot bootstrap resamples, the relative average over the tasks in `averaged`."""
     tallies, extras = accumulate(records)
     # the tasks the average is over, as its title names them: those asked (--passkeys 0 asks none) and scored
     # above 0 by the full cache (average_relative leaves the others out)
     full = tallies[("full", 1.0)]
-    averaged = [t for t in args.average if np.isfinite(relative(t, full[t].value(), full[t].value()))]
-    out = dict(rows=summarize(tallies, extras, args.bootstrap, args.seed, averaged), averaged=averaged,
-               n_contexts=len(records), contrasts=contrasts(tallies, args.bootstrap, args.seed, averaged),
+    averaged = [t for t in averaged if np.isfinite(relative(t, full[t].value(), full[t].value()))]
+    out = dict(rows=summarize(tallies, extras, n_boot, seed, averaged), averaged=averaged,
+               n_contexts=len(records), contrasts=contrasts(tallies, n_boot, seed, averaged),
                answers=[dict(doc=r["doc"], n_tokens=r["n_tokens"], questions=r["answers"])
                         for r in sorted(records, key=lambda r: r["context"])])
     agreements = [r["agreement"] for r in records if r.get("agreement")]
-    if agreements:  # runs with both fastkvzip and kvzip (older records have none)
+    if agreements:  # runs with both fastkvzip and kvzip
         out["agreement"] = pool_agreement(agreements)
     return out
 

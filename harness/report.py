@@ -2,7 +2,6 @@
 A benchmark run's files: config.json (flags, versions, machine, model and gate hashes), results.json and
 results.md (the quality sections from harness.quality, then speed and memory), each written atomically.
 """
-import argparse
 import os
 import platform
 import subprocess
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import tokenizers
 import torch
 
 from cache import LEVELS
@@ -23,11 +23,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---- 2. Output: config.json, results.json, results.md, relative.png — each written atomically -------
 
-def run_config(args, folder, gates):
-    import tokenizers
+def run_config(flags, folder, gates):
+    """config.json: the flags as given (a dict), what ran them (command, commit, versions, machine),
+    and the hashes of the model's files and of the gate."""
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     files = sorted(p for p in Path(folder).iterdir() if p.suffix in (".json", ".safetensors"))
-    return dict(flags=vars(args), command=" ".join(sys.argv),
+    source = gates.meta.get("source")
+    return dict(flags=flags, command=" ".join(sys.argv),
                 started=time.strftime("%Y-%m-%dT%H:%M:%S"), git_commit=git("rev-parse", "HEAD"),
                 git_dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
                 versions=dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
@@ -35,19 +37,20 @@ def run_config(args, folder, gates):
                 machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
                              torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available()),
                 model=dict(folder=str(folder), sha256={p.name: file_sha256(p) for p in files}),
-                gate=dict(source=gates.meta.get("source"), meta=gates.meta,
-                          sha256=file_sha256(gates.meta["source"]) if gates.meta.get("source") else None),
+                # the gate by its file and by its tensors, what decides every score
+                gate=dict(source=source, meta=gates.meta, sha256=file_sha256(source) if source else None,
+                          tensors_sha256=gates.meta.get("tensors_sha256")),
                 levels=list(LEVELS))
 
 
-def speed_keys(args, config):
-    """What makes two runs' speed rows (and GPU rows) comparable: rows are kept from an earlier run in the same
-    --out, or merged, only if equal. The lengths are not part of it: each row names its own."""
-    common = dict(budgets=args.budgets, speed_budget=args.speed_budget, speed_decode=args.speed_decode)
+def speed_keys(s, kvzip, threads, config):
+    """What makes two runs' speed rows (and GPU rows) comparable: rows are kept from an earlier run in the
+    same --out, or merged, only if equal. s: harness.speed.SpeedSettings; kvzip: whether the teacher's rows
+    were timed; threads: torch's CPU threads. The lengths are not part of it: each row names its own."""
+    common = dict(budgets=list(s.budgets), speed_budget=s.budget, speed_decode=s.decode)
     return dict(speed=dict(common, model=config["model"]["sha256"], gate=config["gate"]["sha256"],
-                           kvzip="kvzip" in args.methods, speed_chunk=args.speed_chunk,
-                           speed_window=args.speed_window, threads=args.threads),
-                gpu=dict(common, seed=args.seed))  # random weights and gate, Qwen3-8B's shape
+                           kvzip=kvzip, speed_chunk=s.chunk_size, speed_window=s.window, threads=threads),
+                gpu=dict(common, seed=s.seed))  # random weights and gate, Qwen3-8B's shape
 
 
 def differing(a, b):
@@ -63,8 +66,10 @@ def markdown(results):
     f = cfg["flags"]
     if cfg.get("quality_key", {}).get("suite") == "ruler":
         return ruler_markdown(results)
+    g = cfg["gate"]
+    tensors = f", tensors {g['tensors_sha256'][:12]}" if g.get("tensors_sha256") else ""
     out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
-           f"Model `{f['model']}`, gate `{cfg['gate']['source']}` (sha256 {str(cfg['gate']['sha256'])[:12]}), "
+           f"Model `{f['model']}`, gate `{g['source']}` (sha256 {str(g['sha256'])[:12]}{tensors}), "
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
            + (f"{results['n_contexts']} {TEXT_NAMES[f.get('text', 'austen')]} contexts of {f['lengths']} tokens, "
               + ("no chat template, " if f.get("chat") is False else "chat template, " if f.get("chat") else "")
@@ -94,7 +99,7 @@ def markdown(results):
                            f"{r['decode_tok_s'] or 0:.1f} |")
             if key == "speed" and results.get("speed_peer"):
                 out += peer_markdown(results)
-    out += batch_markdown(results.get("batch_speed"), argparse.Namespace(**f))
+    out += batch_markdown(results.get("batch_speed"), f.get("batch_length"), f.get("speed_decode"))
     out += ["", results.get("gpu_note", "")]
     return "\n".join(out) + "\n"
 

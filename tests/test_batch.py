@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import model as M
-from cache import Batch, Budget, EvictingCache, KVCache
+from cache import Batch, Budget
 from gate import Gates
 from teacher import KVzipTeacher
 from generate import METHODS, Method, answer, generate_batch, make_cache, prefill, prefill_kvzip
@@ -319,14 +319,15 @@ def test_bench_batch_speed_section(tiny_cli, tmp_path):
                              "--batch-repeats", "3"])
     g = torch.Generator().manual_seed(0)
     docs = [[2] + torch.randint(3, 300, (n,), generator=g).tolist() for n in (90, 70, 60)]
-    rows = speed.batch_speed(model, speed.load_peer(folder), docs, 1, args)
+    rows = speed.batch_speed(model, speed.load_peer(folder), docs, 1, bench.speed_settings(args),
+                             args.batch_sizes, args.batch_repeats)
     assert [(r["method"], r["batch"]) for r in rows] == [("full", 1), ("full", 3), ("fastkvzip", 1), ("fastkvzip", 3),
                                                         ("transformers", 1), ("transformers", 3)]
     assert all(r["decode_tok_s"] > 0 for r in rows)
     assert all(len(r["runs"]) == 3 and r["decode_tok_s"] == sorted(r["runs"])[1] for r in rows)  # medians
     full3, fast3 = rows[1], rows[3]
     assert fast3["kv_bytes"] < full3["kv_bytes"] and rows[-1]["padded_to"] == 95
-    assert "| fastkvzip | 0.3 | 3 |" in "\n".join(speed.batch_markdown(rows, args))
+    assert "| fastkvzip | 0.3 | 3 |" in "\n".join(speed.batch_markdown(rows, args.batch_length, args.speed_decode))
 
 
 # -- the same on a GPU: the compiled kernel end to end (harness/gpu_check.py runs `-m gpu`) -----------
@@ -357,7 +358,7 @@ def test_gpu_batch_decode_equals_alone_and_reference(monkeypatch):
         with torch.no_grad():
             for ids in docs:
                 c = make_cache("fastkvzip", model, "tiny", 4, gates=gates)
-                prefill(model, c, ids, 4, 0.3, CHUNK, WINDOW)
+                prefill(model, c, ids, 4, Budget(0.3, CHUNK, WINDOW))
                 c.start_decoding()
                 caches.append(c)
             solo = [copy.deepcopy(c) for c in caches]

@@ -15,6 +15,7 @@ import bench
 from harness import report, speed
 import gate
 import generate
+from cache import Budget
 from harness import quality
 from cli import UsageError
 from teacher import KVzipTeacher
@@ -205,9 +206,10 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
         quality.prefill_from_capture(model, full, logits, fast, method, s, budget, args.chunk_size, args.window)
         real_cache = quality.method_cache(model, method, level, s.n_protected, args.model, args.gate, 7)
         if method == "kvzip":
-            generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
+            generate.prefill_kvzip(model, teacher, real_cache, s.ids, s.n_protected,
+                                       Budget(budget, args.chunk_size, args.window))
         else:
-            generate.prefill(model, real_cache, s.ids, s.n_protected, budget, args.chunk_size, args.window)
+            generate.prefill(model, real_cache, s.ids, s.n_protected, Budget(budget, args.chunk_size, args.window))
         # generate.prefill_kvzip feeds the last token in a second forward (for its logits): its keys and
         # values match the one-forward replay to rounding only, so KVzip is held to positions + 2e-5 of scale
         same_cache(fast, real_cache, exact=method != "kvzip")
@@ -259,7 +261,7 @@ def test_needles_and_probes_are_where_they_claim(real):
 def test_prose_contexts_are_held_out_corpus_text(real):
     """--text prose: contexts cut from the last documents of each source of the gates' training corpus
     (none of which train_gate.py selects before document 672), with needles as in Austen's; the experiment's
-    key names the text, and an Austen run's key is the one it always was."""
+    key names the text (austen or prose)."""
     texts = quality.prose_texts()
     corpus = fetch_assets.text_docs("corpus")
     index = {p.stem.split("-")[0]: i for i, p in enumerate(corpus)}
@@ -269,26 +271,27 @@ def test_prose_contexts_are_held_out_corpus_text(real):
         first, last = (index[x] for x in name.split()[1].split("-"))
         assert first >= 672 and text.startswith(corpus[first].read_text(encoding="utf-8").strip())
     args = bench.parse_args(["--gate", real["gate"], "--text", "prose", "--lengths", "1500", "--contexts", "2"])
-    _, samples = quality.make_samples(real["tok"], real["fmt"], args)
+    _, samples = quality.make_samples(real["tok"], real["fmt"], bench.experiment(args))
     prose = dict(quality.load_docs(real["tok"], "prose"))
     for s in samples:
         hay = s.ids[s.n_protected:s.n_protected + 50]  # the context starts with its document's text
         assert s.doc in prose and any(prose[s.doc][i:i + 50] == hay for i in range(len(prose[s.doc]) - 49))
     config = dict(model=dict(sha256="m"), gate=dict(sha256="g"))
-    assert quality.quality_key(args, config)["text"] == "prose"
+    assert quality.quality_key(bench.experiment(args), config)["text"] == "prose"
     results = dict(config=dict(config, flags=vars(args), started="t", gate=dict(source="g", sha256="g"),
                                git_commit="c" * 10, git_dirty=False), n_contexts=2, rows=[], seconds=1)
     assert "2 held-out prose contexts" in report.markdown(results)
-    assert "text" not in quality.quality_key(bench.parse_args(["--gate", real["gate"]]), config)
+    austen = bench.experiment(bench.parse_args(["--gate", real["gate"]]))
+    assert quality.quality_key(austen, config)["text"] == "austen"
 
 
 @pytest.mark.slow
 def test_chat_flag_sets_the_prompt_format_and_the_experiment(real, tmp_path, monkeypatch):
     """--chat / --no-chat: the contexts' prompt format (as generate.py's flag), part of the experiment's key
-    (absent when not given, so earlier runs still match) and named in results.md."""
+    (None when not given: the model's default) and named in results.md."""
     seen = []
 
-    def stop(model, tok, fmt, args, done=(), on_context=None):
+    def stop(model, tok, fmt, *args, **kwargs):
         seen.append(fmt)
         raise UsageError("stopped by the test")  # the format is all it needs: stop before any context runs
 
@@ -301,8 +304,9 @@ def test_chat_flag_sets_the_prompt_format_and_the_experiment(real, tmp_path, mon
     assert seen == [M.prompt_format(cfg, M.OFFLINE_DEFAULT, chat=True), M.prompt_format(cfg, M.OFFLINE_DEFAULT, chat=False)]
     assert seen[0] != seen[1]
     config = dict(model=dict(sha256="m"), gate=dict(sha256="g"))
-    keys = [quality.quality_key(bench.parse_args(f), config) for f in ([], ["--chat"], ["--no-chat"])]
-    assert "chat" not in keys[0] and keys[1]["chat"] is True and keys[2]["chat"] is False
+    keys = [quality.quality_key(bench.experiment(bench.parse_args(f)), config)
+            for f in ([], ["--chat"], ["--no-chat"])]
+    assert keys[0]["chat"] is None and keys[1]["chat"] is True and keys[2]["chat"] is False
     args = bench.parse_args(["--no-chat", "--lengths", "1500", "--contexts", "2"])
     results = dict(config=dict(config, flags=vars(args), started="t", gate=dict(source="g", sha256="g"),
                                git_commit="c" * 10, git_dirty=False), n_contexts=2, rows=[], seconds=1)
@@ -365,9 +369,9 @@ def test_gpu_section_code_path_on_cpu(tmp_path):
     and memory is accounted as on the real model (evicting keeps less than full)."""
     fetch_assets.require_for_test("tokenizers", "qwen3")
     args = bench.parse_args(["--gpu-lengths", "96", "--speed-decode", "3"])
-    args.out_dir = str(tmp_path)
     shape = dict(QWEN3_TINY, model_type="qwen3", vocab_size=151936, max_position_embeddings=4096)
-    rows = speed.gpu_section(args, shape=shape, device="cpu", chunk=32, window=16)  # 3 chunks: evicts twice
+    rows = speed.gpu_section(bench.speed_settings(args), args.gpu_lengths, tmp_path, shape=shape, device="cpu",
+                             chunk=32, window=16)  # 3 chunks: evicts twice
     assert [(r["method"], r["budget"]) for r in rows] == [("full", 1.0), ("fastkvzip", 0.3), ("kvzip", 0.3)] + [
         ("fastkvzip", b) for b in (0.75, 0.5, 0.4, 0.2, 0.1)]  # every budget's decode speed on the first length
     full, fast, kvzip = rows[:3]
@@ -419,7 +423,7 @@ def speed_only_run(folder, rows):
     args = bench.parse_args(["--no-quality"])
     config = dict(model=dict(sha256="m"), gate=dict(source="g", sha256="g"))
     config.update(flags=vars(args), command="bench.py --no-quality", started="t", git_commit="c" * 10, git_dirty=False,
-                  quality_key=quality.quality_key(args, config), speed_key={"speed_budget": 0.3})
+                  quality_key=quality.quality_key(bench.experiment(args), config), speed_key={"speed_budget": 0.3})
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "results.json").write_text(json.dumps(dict(config=config, rows=[], speed=rows, complete=True)))
@@ -463,7 +467,7 @@ def test_average_title_names_only_the_tasks_asked():
                                   kept=[1.0], nbytes=1, decode=[0, 0.0])
     records = [dict(context=c, doc="d", n_tokens=100, answers=[], agreement=None,
                     entries={"full@1": entry(c, 0.0), "streaming@0.5": entry(c, 0.1)}) for c in range(3)]
-    res = quality.quality_results(records, args)
+    res = quality.quality_results(records, args.bootstrap, args.seed, args.average)
     assert res["averaged"] == ["nll_next", "nll_repeat"]
     avg = next(r for r in res["rows"] if r["task"] == "average" and r["method"] == "streaming")
     assert avg["relative"] == pytest.approx((math.exp(-0.1) + math.exp(-0.2)) / 2)
@@ -532,7 +536,7 @@ def test_peer_column_on_a_tiny_gemma3(tmp_path):
                                    cfg.group_size), {"note": "random, tests only"})
     g = torch.Generator().manual_seed(0)
     ids_for = lambda n: ([cfg.bos_token_id] + torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist(), 1)
-    rows, peer = speed.speed(model, None, [80], ids_for, args, peer=speed.load_peer(folder))  # 3 chunks
+    rows, peer = speed.speed(model, None, [80], ids_for, bench.speed_settings(args), peer=speed.load_peer(folder))  # 3 chunks
     assert [(r["method"], r["budget"], r["repeats"]) for r in rows] == [("full", 1.0, 2), ("fastkvzip", 0.3, 2)]
     assert len(peer) == 1 and peer[0]["repeats"] == 2 and peer[0]["context"] == 80
     # transformers keeps every token of the global layer and at most the window of the sliding ones

@@ -250,7 +250,7 @@ class FixedScorer:
 
 @pytest.mark.parametrize("budget", [0.5, 0.3, 0.01])
 def test_kept_by_rule_is_what_the_cache_keeps(tiny, budget):
-    """quality.kept_by_rule (the agreement metrics' kept sets) against the cache itself: one prefill chunk
+    """teacher.kept_by_rule (the agreement metrics' kept sets) against the cache itself: one prefill chunk
     of the same scores keeps exactly the same pairs, window and empty-layer floor included."""
     from harness.quality import kept_by_rule
     cfg = tiny.config

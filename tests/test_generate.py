@@ -293,19 +293,41 @@ def test_fifo_context_file_says_it_waits(no_weights, tmp_path):
         p.kill()
 
 
-def test_build_inputs_takes_plain_values():
+def test_no_context_runs_the_shipped_example(capsys, tmp_path_factory):
+    """`python generate.py --budget 0.3` (no --prompt, no --context-file) answers the README's first
+    question about the shipped chapter at that budget, and says so in one line first."""
+    import generate
+    folder = tiny_checkpoint("gemma3", tmp_path_factory.mktemp("long"), max_position_embeddings=32768)
+    tiny_tokenizer(folder)
+    capsys.readouterr()  # the checkpoint's own progress bars
+    generate.main(["--model", str(folder), "--method", "streaming", "--budget", "0.3",
+                   "--max-new-tokens", "2", "--chunk-size", "4096", "--json"])
+    out = capsys.readouterr()
+    said = out.err.strip().splitlines()
+    assert len(said) == 1 and "shipped example" in said[0] and "--budget 0.3" in said[0], out.err
+    res = json.loads(out.out)
+    text = (ROOT / "examples" / "persuasion-chapter-1.txt").read_text()
+    assert [a["question"] for a in res["answers"]] == ["How old is Elizabeth?"]
+    assert res["stats"]["budget"] == 0.3 and res["stats"]["context_tokens"] >= len(text.encode()) - 2
+
+
+def test_build_inputs_takes_plain_values(tmp_path):
     """The prefill ids, the protected system prompt and one question turn per question string; a base
     model's turn (no chat postfix) ends with the start of its answer, a chat model's with its postfix."""
-    from types import SimpleNamespace
     from generate import build_inputs
-    tok = SimpleNamespace(encode=lambda s, add_special_tokens=False: SimpleNamespace(ids=list(s.encode())))
-    ids, n_protected, qs = build_inputs(tok, M.PromptFormat("<s>", ""), "ctx", ["Who?", "Where?"])
-    assert ids == list(b"<s>ctx")
-    assert n_protected == 3 and [q for q, _ in qs] == ["Who?", "Where?"]
-    assert qs[0][1] == list(b"\n\nQ: Who?\nA:")
-    _, _, qs = build_inputs(tok, M.PromptFormat("<s>", "<end>"), "ctx")
-    assert qs == [("", list(b"<end>"))]  # no question: the prompt's turn just ends
-    assert build_inputs(tok, M.PromptFormat("<s>", "<end>"), "ctx", ["Who?"])[2][0][1] == list(b"\n\nQ: Who?<end>")
+    from tests.helpers import tiny_tokenizer
+    tiny_tokenizer(tmp_path)  # one id per byte, one per template token
+    tok = M.load_tokenizer(tmp_path)
+    text = lambda s: M.encode_text(tok, s)
+    bos, end = tok.token_to_id("<bos>"), tok.token_to_id("<end_of_turn>")
+    ids, n_protected, qs = build_inputs(tok, M.PromptFormat("<bos>", ""), "ctx", ["Who?", "Where?"])
+    assert ids == [bos] + text("ctx") and len(text("ctx")) == 3
+    assert n_protected == 1 and [q for q, _ in qs] == ["Who?", "Where?"]
+    assert qs[0][1] == text("\n\nQ: Who?\nA:")
+    _, _, qs = build_inputs(tok, M.PromptFormat("<bos>", "<end_of_turn>"), "ctx")
+    assert qs == [("", [end])]  # no question: the prompt's turn just ends
+    chat = M.PromptFormat("<bos>", "<end_of_turn>")
+    assert build_inputs(tok, chat, "ctx", ["Who?"])[2][0][1] == text("\n\nQ: Who?") + [end]
 
 
 def test_summary_line_says_what_was_kept_where():

@@ -8,7 +8,7 @@ import gate
 import model as M
 from harness import quality
 from gate import GateScorer
-from teacher import KVzipTeacher
+from teacher import KVzipTeacher, kept_by_rule
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 from tests.test_bench import same_cache
 from harness import layer_swap
@@ -37,7 +37,7 @@ def test_swap_caches_are_the_methods_own_caches(tmp_path):
     with torch.no_grad():
         full, scores = layer_swap.capture(model, sample, teacher, GateScorer(gate.load_gate(gate_file, cfg)),
                                           args.chunk_size)
-        keep = {s: quality.kept_by_rule(x, budget, args.chunk_size, args.window)[0] for s, x in scores.items()}
+        keep = {s: kept_by_rule(x, budget, args.chunk_size, args.window)[0] for s, x in scores.items()}
         assert not torch.equal(keep["T"], keep["G"]), "teacher and gate must keep different sets here"
         # the oracle: each method's cache, made by the benchmark from its own capture
         ref_full, logits, tscores = quality.capture_prefill(model, sample.ids, args.chunk_size, teacher, p)

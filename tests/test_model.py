@@ -401,8 +401,6 @@ def test_prompt_formats_are_method_4_1():
     assert g.system == ("<bos><start_of_turn>user\nYou are a helpful assistant.\n\n"
                         "Given the context, answer to the following reasoning question.\n\n")
     assert g.postfix == "<end_of_turn>\n<start_of_turn>model\n"
-    assert M.question_text(g, "Who?") == "\n\nQ: Who?<end_of_turn>\n<start_of_turn>model\n"
-    assert M.question_text(g, "Who?", evaluation=False) == "Who?<end_of_turn>\n<start_of_turn>model\n"
     assert M.prompt_format(gemma, "x", chat=False) == M.PromptFormat("<bos>", "")
     assert M.prompt_format(qwen, "x", chat=False) == M.PromptFormat("", "")
     assert 106 in gemma.eos_token_ids and 151645 in qwen.eos_token_ids  # end-of-turn stops chat models
@@ -477,9 +475,10 @@ def test_unreadable_model_folder_and_foreign_tokenizer(checkpoints, tmp_path):
         _one_line_error(lambda: M.load_tokenizer(tmp_path / "locked" / "m"), "cannot read")
     shutil.copy(M.resolve_model(M.OFFLINE_DEFAULT) / "tokenizer.json", tmp_path / "locked" / "m")
     cfg = M.ModelConfig.from_json(tmp_path / "locked" / "m")
-    _one_line_error(lambda: M.load_tokenizer(tmp_path / "locked" / "m", cfg.vocab_size), "262144 token ids",
+    _one_line_error(lambda: M.load_tokenizer(tmp_path / "locked" / "m", cfg), "262144 token ids",
                     f"vocab_size {cfg.vocab_size}")
-    assert M.load_tokenizer(M.resolve_model(M.OFFLINE_DEFAULT), 262144).get_vocab_size() == 262144  # its own fits
+    own = M.resolve_model(M.OFFLINE_DEFAULT)
+    assert M.load_tokenizer(own, M.ModelConfig.from_json(own)).get_vocab_size() == 262144  # it fits
 
 
 def overflowing_gemma3(folder):

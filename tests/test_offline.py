@@ -415,7 +415,7 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     import model as M
     from harness import quality
     from gate import GateScorer
-    from teacher import KVzipTeacher
+    from teacher import KVzipTeacher, spearman
 
     cfg = smollm2_model.config
     gates = gate.resolve_gate(None, cfg, "smollm2-135m-gguf")
@@ -430,7 +430,7 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
 
     def rho(gates):
         student = quality.captured_scores(smollm2_model, GateScorer(gates), full)
-        return [quality.spearman(s[..., p:].flatten().float(), t[..., p:].flatten().float()) for s, t in zip(student, teacher)]
+        return [spearman(s[..., p:].flatten().float(), t[..., p:].flatten().float()) for s, t in zip(student, teacher)]
 
     ours = rho(gates)
     torch.manual_seed(0)

@@ -96,7 +96,8 @@ def test_seeded():
     assert a == ruler.make_samples(tok, 1024, 2, seed=7)
     b = ruler.make_samples(tok, 1024, 2, seed=8)
     assert all(x["context"] != y["context"] for x, y in zip(a, b))
-    assert a[1] == ruler.make_sample(tok, a[1]["task"], 1024, seed=7, index=1)  # alone, as a shard
+    one = a[len(ruler.TASKS) + 1]  # sample 1 of the second task: made alone, as a shard makes it
+    assert one == ruler.make_sample(tok, ruler.TASKS[1], 1024, seed=7, index=1)
     assert a[0]["context"] != a[1]["context"]
 
 

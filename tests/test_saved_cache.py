@@ -19,7 +19,7 @@ import torch
 import cache as C
 import cli
 import model as M
-from cache import Batch, CacheFileError, load_cache
+from cache import Batch, Budget, CacheFileError, load_cache
 from gate import Gates, save_gate
 from generate import (METHODS, begin_answer, build_inputs, decode_one, make_cache, prefill,
                       prefill_kvzip, sample)
@@ -70,14 +70,15 @@ def compressed(t, method, budget, decode):
     model = t["model"]
     ids, n_protected = prompt(t)
     m = "full" if budget == 1.0 and decode is None else method
+    plan = Budget(budget, CHUNK, WINDOW)
     cache = make_cache(m, model, "tiny", n_protected, decode_tokens_per_head=decode,
                        gates=t["gates"])
     with torch.no_grad():
         if m == "kvzip":
             teacher = KVzipTeacher(model, t["tok"], t["fmt"])
-            last = prefill_kvzip(model, teacher, cache, ids, n_protected, budget, CHUNK, WINDOW)
+            last = prefill_kvzip(model, teacher, cache, ids, n_protected, plan)
         else:
-            last = prefill(model, cache, ids, n_protected, budget, CHUNK, WINDOW)
+            last = prefill(model, cache, ids, n_protected, plan)
     return cache, ids, last
 
 
@@ -239,13 +240,13 @@ def test_offline_models_answer_the_same_from_a_file(offline, tmp_path, method, d
     ids, n_protected, [(_, q)] = build_inputs(t["tok"], t["fmt"], text, ["Where?"])
     budget = 1.0 if method == "full" else 0.3
     cache = make_cache(method, t["model"], t["name"], n_protected, decode_tokens_per_head=decode)
-    model = t["model"]
+    model, plan = t["model"], Budget(budget, CHUNK, WINDOW)
     with torch.no_grad():
         if method == "kvzip":
             teacher = KVzipTeacher(model, t["tok"], t["fmt"])
-            last = prefill_kvzip(model, teacher, cache, ids, n_protected, budget, CHUNK, WINDOW)
+            last = prefill_kvzip(model, teacher, cache, ids, n_protected, plan)
         else:
-            last = prefill(model, cache, ids, n_protected, budget, CHUNK, WINDOW)
+            last = prefill(model, cache, ids, n_protected, plan)
     cache.save(tmp_path / "doc.kv", model, ids, last, n_protected=n_protected)
     scorer = getattr(cache, "scorer", None) if decode else None
     loaded, info = load_cache(tmp_path / "doc.kv", t["model"], scorer)
