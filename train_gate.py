@@ -556,7 +556,7 @@ def run(args):
     check_dtype(cfg, dtype)
     tokenizer = load_tokenizer(folder, cfg)
     prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
-    chat = uses_chat(args.model, args.chat)
+    chat = uses_chat(cfg, args.chat)
     fmt = prompt_format(cfg, args.model, chat=chat)
     stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
     system = encode_prompt(tokenizer, fmt.system)
@@ -742,8 +742,8 @@ def parse_args(argv=None):
                    "do not depend on the model dtype, at a negligible cost) or the model dtype as "
                    "the authors (bf16)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap in the model's chat template (default: on, except for the base "
-                   "offline model)")
+                   help="wrap in the model's chat template (default: on, except for a base "
+                   "model, whose tokenizer has no template)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; the local "
                    "rank's GPU under torchrun)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -755,8 +755,8 @@ def parse_args(argv=None):
                    "token, e.g. SmolLM2-135M's 69 KB)")
     p.add_argument("--layer-groups", type=int, default=0, help="train the layers in this many "
                    "groups one after another, each with its features read into memory (the gates "
-                   f"are the same); 0: as few as fit in {MEMORY_SHARE * 100:.0f}%% of this machine's "
-                   "memory")
+                   f"are the same); 0: as few as fit in {MEMORY_SHARE * 100:.0f}%% of this "
+                   "machine's memory")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). "
                    "On small or shared CPUs 1 is often much faster: the gate's small ops pay for "
                    "every thread hand-off")

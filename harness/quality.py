@@ -620,8 +620,8 @@ def quality_results(records, n_boot, seed, averaged=AVERAGED):
     """The quality part of results.json, from the finished contexts' records (any order); intervals from
     n_boot bootstrap resamples, the relative average over the tasks in `averaged`."""
     tallies, extras = accumulate(records)
-    # the tasks the average is over, as its title names them: those asked (--passkeys 0 asks none) and scored
-    # above 0 by the full cache (average_relative leaves the others out)
+    # the tasks the average is over, as its title names them: those asked (--passkeys 0 asks none)
+    # and scored above 0 by the full cache (average_relative leaves the others out)
     full = tallies[("full", 1.0)]
     averaged = [t for t in averaged if np.isfinite(relative(t, full[t].value(), full[t].value()))]
     out = dict(rows=summarize(tallies, extras, n_boot, seed, averaged), averaged=averaged,
@@ -659,7 +659,8 @@ def markdown(results):
                                "|---|" + "---|" * len(budgets)] + [
         f"| {c} | " + " | ".join(cell(get(task, c, b)) if get(task, c, b) else "" for b in budgets) + " |"
         for c in configs]
-    averaged = ", ".join(results.get("averaged", AVERAGED)) or "no task: none was asked or scored by the full cache"
+    averaged = (", ".join(results.get("averaged", AVERAGED))
+                or "no task: none was asked or scored by the full cache")
     out = [f"## Relative performance (mean of {averaged}; 1 = full cache)", "",
             "Cells: relative [95% bootstrap interval over contexts]. Budget = fraction of the context's KV "
             "pairs kept in the compressed layers. At budget 1.0 nothing is evicted (checked per context: every "

@@ -645,6 +645,8 @@ def markdown(results):
     for r in averages:
         out.append(f"| {label(r)} | {r['compression_ratio']:g} | "
                    + " | ".join(f"{get(t, r)['score']:.1f}" for t in tasks) + " |")
+    if len(averages) == 1:  # the full cache alone
+        return out
     out += ["", "## Kept fraction per compressed layer (mean over contexts)", "",
             "| method | budget | kept per layer | KV held |", "|---|---|---|---|"]
     for r in averages[1:]:

@@ -161,14 +161,14 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     if final.exists():
         if is_ready(final):  # a concurrent conversion finished first: keep its folder
             return
-        old = final.parent / f".{final.name}.old-{os.getpid()}"  # an older converter's output, or a file
+        old = final.parent / f".{final.name}.old-{os.getpid()}"  # an older version's output, a file
         final.rename(old)
         _remove(old)
     tmp.rename(final)  # atomic: the folder appears complete or not at all
 
 
 def _remove(path: Path) -> None:
-    """Remove a folder, a file or a link (shutil.rmtree removes folders only, and fails on the others)."""
+    """Remove a folder, a file or a link (shutil.rmtree removes folders only)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -597,6 +597,7 @@ def _progress(total: int, desc: str, say):
 if __name__ == "__main__":
     import cli  # one-line errors, Ctrl-C and SIGTERM as the other scripts
     if sys.argv[1:2] in (["-h"], ["--help"]):  # the usage lines that end the docstring
-        print("usage: python -m offline.models" + __doc__.rsplit("python -m offline.models", 1)[1].rstrip())
+        command = "python -m offline.models"
+        print("usage: " + command + __doc__.rsplit(command, 1)[1].rstrip())
         sys.exit(0)
     cli.main(lambda argv: print(ensure_offline_model(*argv)), sys.argv[1:2], OfflineModelError)

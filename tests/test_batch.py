@@ -1,10 +1,13 @@
 """Many requests at once (generate.generate_batch, cache.Batch): with greedy decoding every request's answers
 and kept positions in a batch are the ones it gets alone. The oracle is the single-request path itself
 (prefill + answer + rollback, as a lone request), on tiny random models."""
+import json
+
 import pytest
 import torch
 
 import model as M
+from cli import UsageError
 from cache import Batch, Budget
 from gate import Gates
 from teacher import KVzipTeacher
@@ -273,6 +276,15 @@ def test_batch_cli_prints_what_each_request_gets_alone(capsys, tiny_cli, tmp_pat
     ('{"context": "x", "max_new_tokens": 2.5}', ["line 2", "max_new_tokens"]),
     ('{"context_file": "missing.txt"}', ["line 2", "missing.txt", "No such file"]),
     ('{"context": "' + "word " * 300 + '"}', ["line 2", "exceeds the model's maximum"]),
+    # a key given twice took the last; NUL, refused in --context-file, and lone surrogates (a
+    # TypeError in tokenizers) were taken
+    ('{"context": "x", "context": "y"}', ["line 2", "key 'context' given twice"]),
+    ('{"context": "a\\u0000b"}', ["line 2", "\"context\" holds a NUL character"]),
+    ('{"context": "x", "questions": ["why\\u0000"]}', ["line 2", "a question holds a NUL"]),
+    ('{"context": "x", "questions": ["\\ud800?"]}', ["line 2", "a question holds a lone"]),
+    ('{"context": "\\udc80x"}', ["line 2", "\"context\" holds a lone surrogate"]),
+    ('{"context": "' + "word " * 20 + '", "budget": 0.01, "max_new_tokens": 4}',
+     ["line 2", "fastkvzip would choose nothing"]),  # the 2% window is the whole budget
 ])
 def test_bad_batch_lines_fail_before_the_weights_load(capsys, tiny_cli, tmp_path, line, words):
     _, bare = tiny_cli
@@ -284,6 +296,31 @@ def test_bad_batch_lines_fail_before_the_weights_load(capsys, tiny_cli, tmp_path
     assert len(lines) == 1 and lines[0].startswith("error: ") and "safetensors" not in lines[0], err
     for w in words:
         assert w in lines[0], lines[0]
+
+
+def test_batch_lines_end_at_newlines_and_files_are_found_beside_the_batch(tiny_cli, tmp_path,
+                                                                          monkeypatch):
+    """A JSON string may hold U+2028 or U+0085 as they are: the file was split with
+    str.splitlines(), which breaks lines there too ("Unterminated string"). A relative context_file
+    is read from the batch file's folder (it was read from the current one), and a missing one is
+    named with the folder looked in."""
+    import generate
+    folder, _ = tiny_cli
+    tok, fmt = M.load_tokenizer(folder), M.PromptFormat("", "")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "doc.txt").write_text("the document beside the batch file")
+    context = "one\u2028two\x85three"
+    lines = [json.dumps({"context": context}, ensure_ascii=False),
+             json.dumps({"context_file": "doc.txt"})]
+    (tmp_path / "b" / "req.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)  # not the batch file's folder
+    reqs = generate.read_requests("b/req.jsonl", tok, fmt, 1024, Budget(0.5), 4)
+    assert [r["ids"] for r in reqs] == [tok.encode(t, add_special_tokens=False).ids
+                                        for t in (context, "the document beside the batch file")]
+    (tmp_path / "b" / "req.jsonl").write_text(json.dumps({"context_file": "missing.txt"}) + "\n")
+    missing = tmp_path / "b" / "missing.txt"
+    with pytest.raises(UsageError, match=f"context_file {missing}: No such file"):
+        generate.read_requests("b/req.jsonl", tok, fmt, 1024, Budget(0.5), 4)
 
 
 @pytest.mark.parametrize("flags,words", [

@@ -414,25 +414,30 @@ def test_merge_refuses_speed_rows_of_two_configurations(tmp_path):
 
 
 def speed_row(context, method, budget):
-    return dict(context=context, method=method, budget=budget, prefill_s=1.0, prefill_vs_full=1.0, score_fraction=0.0,
-                kv_bytes=2**20, kv_vs_full=1.0, peak_kv_bytes=2**20, peak_vs_full=1.0, decode_tok_s=5.0, device="cpu")
+    return dict(context=context, method=method, budget=budget, prefill_s=1.0, prefill_vs_full=1.0,
+                score_fraction=0.0, kv_bytes=2**20, kv_vs_full=1.0, peak_kv_bytes=2**20,
+                peak_vs_full=1.0, decode_tok_s=5.0, device="cpu")
 
 
 def speed_only_run(folder, rows):
-    """A bench --out folder as a --no-quality run leaves it: config.json, results.json with speed rows."""
+    """A bench --out folder as a --no-quality run leaves it: config.json, results.json with speed
+    rows."""
     args = bench.parse_args(["--no-quality"])
     config = dict(model=dict(sha256="m"), gate=dict(source="g", sha256="g"))
-    config.update(flags=vars(args), command="bench.py --no-quality", started="t", git_commit="c" * 10, git_dirty=False,
-                  quality_key=quality.quality_key(bench.experiment(args), config), speed_key={"speed_budget": 0.3})
+    config.update(flags=vars(args), command="bench.py --no-quality", started="t",
+                  git_commit="c" * 10, git_dirty=False, speed_key={"speed_budget": 0.3},
+                  quality_key=quality.quality_key(bench.experiment(args), config))
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "results.json").write_text(json.dumps(dict(config=config, rows=[], speed=rows, complete=True)))
+    results = dict(config=config, rows=[], speed=rows, complete=True)
+    (folder / "results.json").write_text(json.dumps(results))
     return str(folder)
 
 
 def test_merge_counts_each_run_and_each_speed_row_once(tmp_path):
-    """--merge A,A, or shards that each measured the same speed rows: every row once (3 rows stay 3, not 6).
-    Runs without a finished context (speed only) merge without a quality section, complete."""
+    """--merge A,A, or shards that each measured the same speed rows: every row once (3 rows stay
+    3, not 6). Runs without a finished context (speed only) merge without a quality section,
+    complete."""
     rows = [speed_row(256, m, b) for m, b in (("full", 1.0), ("fastkvzip", 0.3), ("kvzip", 0.3))]
     a = speed_only_run(tmp_path / "a", rows)
     b = speed_only_run(tmp_path / "b", rows + [speed_row(512, "full", 1.0)])
@@ -440,15 +445,16 @@ def test_merge_counts_each_run_and_each_speed_row_once(tmp_path):
         bench.main(["--merge", f"{a},{a}", "--out", str(tmp_path / "merged")])
     bench.main(["--merge", f"{a},{b}", "--out", str(tmp_path / "merged")])
     res = json.loads((tmp_path / "merged" / "results.json").read_text())
-    assert [(r["context"], r["method"]) for r in res["speed"]] == [(256, "full"), (256, "fastkvzip"), (256, "kvzip"),
-                                                                  (512, "full")]
+    assert [(r["context"], r["method"]) for r in res["speed"]] == [
+        (256, "full"), (256, "fastkvzip"), (256, "kvzip"), (512, "full")]
     assert res["complete"] and res["rows"] == []
     assert "No quality section" in (tmp_path / "merged" / "results.md").read_text()
 
 
 def test_merge_of_what_is_not_a_bench_run_or_into_a_file_is_one_line(tmp_path):
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a model folder
+    model_config = json.dumps({"model_type": "llama"})  # a model's folder
+    (tmp_path / "model" / "config.json").write_text(model_config)
     with pytest.raises(UsageError, match="model/config.json is not a bench run's"):
         bench.main(["--merge", str(tmp_path / "model"), "--out", str(tmp_path / "merged")])
     a = speed_only_run(tmp_path / "a", [speed_row(256, "full", 1.0)])
@@ -458,20 +464,22 @@ def test_merge_of_what_is_not_a_bench_run_or_into_a_file_is_one_line(tmp_path):
 
 
 def test_average_title_names_only_the_tasks_asked():
-    """--passkeys 0 --kv-pairs 0 --kv-questions 0: the average is over the two NLL probes, and its title says
-    so (it named all four tasks)."""
+    """--passkeys 0 --kv-pairs 0 --kv-questions 0: the average is over the two NLL probes, and its
+    title says so (it named all four tasks)."""
     args = bench.parse_args(["--passkeys", "0", "--kv-pairs", "0", "--kv-questions", "0"])
     nll = lambda c, worse: [64 * (2 + 0.1 * c + worse), 64]
     entry = lambda c, worse: dict(tally=dict(passkey=[0, 0], kv=[0, 0], nll_next=nll(c, worse),
                                              nll_repeat=nll(c, 2 * worse), agreement=[1, 1]),
                                   kept=[1.0], nbytes=1, decode=[0, 0.0])
     records = [dict(context=c, doc="d", n_tokens=100, answers=[], agreement=None,
-                    entries={"full@1": entry(c, 0.0), "streaming@0.5": entry(c, 0.1)}) for c in range(3)]
+                    entries={"full@1": entry(c, 0.0), "streaming@0.5": entry(c, 0.1)})
+               for c in range(3)]
     res = quality.quality_results(records, args.bootstrap, args.seed, args.average)
     assert res["averaged"] == ["nll_next", "nll_repeat"]
     avg = next(r for r in res["rows"] if r["task"] == "average" and r["method"] == "streaming")
     assert avg["relative"] == pytest.approx((math.exp(-0.1) + math.exp(-0.2)) / 2)
-    assert quality.markdown(res)[0] == "## Relative performance (mean of nll_next, nll_repeat; 1 = full cache)"
+    title = "## Relative performance (mean of nll_next, nll_repeat; 1 = full cache)"
+    assert quality.markdown(res)[0] == title
 
 
 def test_damaged_context_record_is_named(tmp_path):
@@ -500,9 +508,11 @@ def test_quick_keeps_explicit_flags_and_checks_them(capsys):
     (["--speed-budget", "0"], "--speed-budget 0.0"), (["--lengths=-5,200"], "token counts must be positive"),
     (["--lengths", "0"], "--lengths is empty"), (["--methods", "fastkvzip,magic"], "'magic'"),
     (["--seed", str(2**70)], "64 bits"),
-    (["--speed-repeats", "0"], "--speed-repeats must be >= 1"),  # StopIteration, after config.json was written
-    (["--batch-length", "0"], "--batch-length must be >= 1"),  # a benchmark of 0-token contexts
-    (["--shard", "1/2", "--lengths", "512", "--contexts", "1"], "shard 1 holds none"),  # ran nothing, "complete"
+    # a StopIteration after config.json was written; a benchmark of 0-token contexts; a shard
+    # that ran nothing and said "complete"
+    (["--speed-repeats", "0"], "--speed-repeats must be >= 1"),
+    (["--batch-length", "0"], "--batch-length must be >= 1"),
+    (["--shard", "1/2", "--lengths", "512", "--contexts", "1"], "shard 1 holds none"),
 ])
 def test_bad_bench_flags_exit_2(capsys, flags, words):
     with pytest.raises(SystemExit) as e:

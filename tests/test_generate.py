@@ -109,6 +109,7 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--context-file", "ctx.txt"], ["--prompt", "--context-file", "not both"]),
     (["--prompt", "  "], ["--prompt is empty"]),
     (["--thinking"], ["--thinking", "drop it"]),
+    (["--question", ""], ["--question is empty"]),  # it continued the context instead
 ])
 def test_bad_flags_fail_before_the_weights_load(capsys, no_weights, flags, words):
     argv = ["--model", str(no_weights), *flags]
@@ -235,15 +236,16 @@ def test_foreign_tokenizer_and_invalid_utf8_prompt_are_one_line(capsys, no_weigh
 
 
 def test_not_utf8_context_names_the_encoding_its_bytes_suggest(capsys, no_weights, tmp_path):
-    """A Windows-1252 file (curly quotes, a dash, the euro sign in bytes 0x80-0x9F): the suggested iconv
-    gives back its text; Latin-1 would turn those bytes into invisible C1 control characters. A file
-    without such bytes is still told Latin-1."""
+    """A Windows-1252 file (curly quotes, a dash, the euro sign in bytes 0x80-0x9F): the suggested
+    iconv gives back its text; Latin-1 would turn those bytes into invisible C1 control characters.
+    A file without such bytes is still told Latin-1."""
     import re
-    for text in ("\u201cEmma,\u201d she said \u2014 it cost 20 \u20ac.", "\xc9mile \xe0 Paris, \xa9 1815"):
+    for text in ("\u201cEmma,\u201d she said \u2014 it cost 20 \u20ac.",
+                 "\xc9mile \xe0 Paris, \xa9 1815"):
         data = text.encode("cp1252")
         (tmp_path / "ctx.txt").write_bytes(data)
-        line = main_error(capsys, "--model", str(no_weights), "--context-file", str(tmp_path / "ctx.txt"),
-                          "--question", "q")
+        line = main_error(capsys, "--model", str(no_weights), "--context-file",
+                          str(tmp_path / "ctx.txt"), "--question", "q")
         encoding = re.search(r"iconv -f (\S+) -t utf-8", line)[1]
         assert data.decode(encoding) == text, line
 
@@ -254,16 +256,113 @@ def test_a_reader_that_leaves_early_stops_the_program_quietly(tiny_folder, tmp_p
     without a BrokenPipeError traceback."""
     (tmp_path / "req.jsonl").write_text('{"context": "one"}\n{"context": "two"}\n')
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "generate.py"), "--model", str(tiny_folder), "--method",
+               "full", "--max-new-tokens", "3"]
     for args in (["--prompt", "Water boils at"], ["--batch", str(tmp_path / "req.jsonl")]):
         read, write = os.pipe()
         os.close(read)  # the reader has left: every write to stdout fails with EPIPE
         try:
-            res = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--model", str(tiny_folder),
-                                  "--method", "full", "--max-new-tokens", "3", *args], stdout=write,
-                                 stderr=subprocess.PIPE, text=True, env=env, timeout=300, cwd=ROOT)
+            res = subprocess.run(command + args, stdout=write, stderr=subprocess.PIPE, text=True,
+                                 env=env, timeout=300, cwd=ROOT)
         finally:
             os.close(write)
-        assert res.returncode == 141 and "Error" not in res.stderr, (args, res.returncode, res.stderr)
+        assert res.returncode == 141 and "Error" not in res.stderr, (args, res.returncode,
+                                                                     res.stderr)
+
+
+def test_a_window_that_takes_the_whole_budget_is_refused(capsys, no_weights, tmp_path):
+    """--chunk-size 64 --budget 0.3 on a 300-token context with the default --window 4096: the
+    window (capped at the context) holds the whole budget, so the gate would never be asked and
+    fastkvzip would keep what streaming keeps. Refused before the weights load, saying what to
+    change; streaming, or a window below the budget, go on (to the missing gate or weights)."""
+    (tmp_path / "ctx.txt").write_text("w" * 300)  # one token per byte
+    base = ["--model", str(no_weights), "--context-file", str(tmp_path / "ctx.txt"),
+            "--question", "q", "--no-chat", "--max-new-tokens", "4"]
+    refused = ((["--chunk-size", "64"], ["--window 4096", "a --window below 90",
+                                         "--method fastkvzip would choose nothing"]),
+               (["--budget", "0.01"], ["keeps 3 of the 300", "last 2%", "above 0.02"]),
+               (["--chunk-size", "64", "--method", "kvzip"], ["kvzip would choose nothing"]))
+    for flags, words in refused:
+        line = main_error(capsys, *base, *flags)
+        assert all(w in line for w in words), line
+    for flags in (["--chunk-size", "64", "--method", "streaming"],
+                  ["--chunk-size", "64", "--window", "32"], ["--budget", "0.05"]):
+        line = main_error(capsys, *base, *flags)  # the next check's error: no gate, no weights
+        assert "no gate for model" in line or "no *.safetensors" in line, line
+
+
+def test_sampling_at_a_tiny_temperature_is_greedy():
+    """--temperature 1e-40 passed the checks, then float32 overflowed (logits / T = inf,
+    inf - inf = NaN) and torch.multinomial raised. A temperature that small is greedy; a tie
+    splits the mass."""
+    from generate import logits_to_probs, sample
+    logits = torch.tensor([0.5, 3.0, 1.0, -float("inf")])
+    g = torch.Generator().manual_seed(0)
+    for t in (1e-40, 1e-320):
+        probs = logits_to_probs(logits, t)
+        assert torch.equal(probs, torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=probs.dtype)), probs
+        assert sample(logits, t, generator=g) == 1
+    assert logits_to_probs(torch.tensor([3.0, 3.0, 1.0]), 1e-40).tolist() == [0.5, 0.5, 0.0]
+    as_before = torch.softmax(logits / 0.7, -1)
+    assert torch.allclose(logits_to_probs(logits, 0.7).float(), as_before)
+
+
+def test_streamed_answer_prints_characters_whole(capsys, tiny_folder, monkeypatch):
+    """The streamed answer printed each token decoded alone: a character split over tokens (an
+    emoji is four byte tokens here, as in SmolLM2's byte-level BPE) came out as replacement
+    characters. It prints what decodes whole, and the whole answer in the end."""
+    import types
+    import generate
+    tok = M.load_tokenizer(tiny_folder)
+    text = "caf\u00e9 \U0001F600 ok \u2014 done"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert len(ids) == len(text.encode()) and tok.decode(ids) == text  # one token per byte
+
+    def answers(model, reqs, *a, **kw):  # the decode loop's events for this answer
+        r = types.SimpleNamespace(questions=[("q?", [])], q=0, out=[], answers=[])
+        yield "question", r
+        for t in ids:
+            r.out.append(t)
+            yield "token", r
+        r.answers.append({"question": "q?", "output_ids": r.out})
+        yield "answer", r
+
+    monkeypatch.setattr(generate, "generate_batch", answers)
+    generate.main(["--model", str(tiny_folder), "--prompt", "hi", "--question", "q?",
+                   "--method", "full"])
+    assert capsys.readouterr().out == f"\nQ: q?\nA:{text}\n"
+
+
+def test_an_answer_without_decode_steps_has_no_decode_speed(capsys, tiny_folder):
+    """--max-new-tokens 1: the token comes from the question's forward, no decode step runs; the
+    stats said "decode 1247.8 tok/s" (one token over the time of one sampling). Now no decode
+    speed; with 3 tokens, the 2 decode forwards' rate."""
+    import generate
+    for n, has_speed in ((1, False), (3, True)):
+        generate.main(["--model", str(tiny_folder), "--prompt", "hi", "--question", "q?",
+                       "--method", "full", "--max-new-tokens", str(n), "--json"])
+        stats = json.loads(capsys.readouterr().out)["stats"]
+        assert (stats["decode_tokens_per_s"] is not None) == has_speed, stats
+        assert ("decode" in generate.summary_line(stats)) == has_speed
+
+
+def test_a_base_model_is_prompted_as_one_whatever_its_name(capsys):
+    """The offline Gemma 3 270M is a base model (its tokenizer has no chat template): named by its
+    folder, it got the chat template and answered "Water boils at" with "The temperature of". By
+    folder or by name, the same prompt and answer now."""
+    import generate
+    folder = M.resolve_model(M.OFFLINE_DEFAULT)
+    cfg = M.ModelConfig.from_json(folder)
+    assert cfg.chat_template is False and not M.uses_chat(cfg)
+    plain = M.PromptFormat("<bos>", "")
+    assert M.prompt_format(cfg, str(folder)) == M.prompt_format(cfg, M.OFFLINE_DEFAULT) == plain
+    runs = []
+    for name in (str(folder), M.OFFLINE_DEFAULT):
+        generate.main(["--model", name, "--prompt", "Water boils at", "--budget", "1.0",
+                       "--max-new-tokens", "3", "--json"])
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["prompt_ids"] == runs[1]["prompt_ids"]
+    assert runs[0]["answers"][0]["output_ids"] == runs[1]["answers"][0]["output_ids"]
 
 
 def test_gate_dev_null_is_empty_not_missing(capsys, no_weights):

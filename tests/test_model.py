@@ -316,11 +316,12 @@ def test_bad_weights(checkpoints, tmp_path):
     _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "lacks")
 
 
-@pytest.mark.parametrize("text", ["{not json", "[]", '{"metadata": {}}', '{"weight_map": ["a.safetensors"]}',
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"metadata": {}}',
+                                  '{"weight_map": ["a.safetensors"]}',
                                   '{"weight_map": {"lm_head.weight": 3}}'])
 def test_unreadable_shard_index(checkpoints, tmp_path, text):
-    """A model.safetensors.index.json that is not JSON, lacks weight_map or holds the wrong types: one line
-    naming the index, not a JSONDecodeError, KeyError or AttributeError."""
+    """A model.safetensors.index.json that is not JSON, lacks weight_map or holds the wrong types:
+    one line naming the index, not a JSONDecodeError, KeyError or AttributeError."""
     shutil.copytree(checkpoints("qwen3-gqa4-untied-sharded")[0], tmp_path / "m")
     (tmp_path / "m" / "model.safetensors.index.json").write_text(text)
     _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "model.safetensors.index.json",
@@ -354,7 +355,7 @@ def test_parse_device():
     assert M.parse_device("cpu") == torch.device("cpu") and M.parse_device(None) == M.default_device()
     _one_line_error(lambda: M.parse_device("foo"), "--device 'foo' is not a device")
     _one_line_error(lambda: M.parse_device("meta"), "only cpu and cuda")
-    # torch takes cpu:N; safetensors refused it, which read as "corrupt safetensors file ... re-download it"
+    # torch takes cpu:N; safetensors refused it: "corrupt safetensors file ... re-download it"
     _one_line_error(lambda: M.parse_device("cpu:1"), "--device cpu:1", "use --device cpu")
     assert M.parse_device("cpu:0") == torch.device("cpu")
     if not torch.cuda.is_available():
@@ -432,6 +433,25 @@ def test_the_tokenizer_template_decides_the_prompt(checkpoints, tmp_path):
     (tmp_path / "m" / "tokenizer_config.json").unlink()  # newer repos: chat_template.jinja
     (tmp_path / "m" / "chat_template.jinja").write_text("{{ '<|start_header_id|>' + m['role'] }}")
     assert M.ModelConfig.from_json(tmp_path / "m").chat_format == "llama3"
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_base_model(checkpoints, tmp_path):
+    """What the model is decides whether prompts use a chat template, not the name it is given by:
+    a tokenizer_config.json without a template is a base model's (the offline Gemma 3 270M's),
+    prompted without one unless --chat; a folder without tokenizer_config.json keeps the template,
+    as before."""
+    shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "m")
+    cfg = M.ModelConfig.from_json(tmp_path / "m")
+    assert cfg.chat_template is None and M.uses_chat(cfg)
+    config = json.dumps({"bos_token": "<|begin_of_text|>"})
+    (tmp_path / "m" / "tokenizer_config.json").write_text(config)
+    cfg = M.ModelConfig.from_json(tmp_path / "m")
+    assert cfg.chat_template is False and not M.uses_chat(cfg) and M.uses_chat(cfg, chat=True)
+    assert M.prompt_format(cfg, "llama3.1-8b") == M.PromptFormat("<|begin_of_text|>", "")
+    (tmp_path / "m" / "chat_template.jinja").write_text("{{ '<|im_start|>' + m['role'] }}")
+    cfg = M.ModelConfig.from_json(tmp_path / "m")
+    assert cfg.chat_template is True and M.uses_chat(cfg) and not M.uses_chat(cfg, chat=False)
+    assert "chat_template.jinja" in M._HUB_FILES  # downloaded, so that a model's template is seen
 
 
 def test_prompt_pieces_tokenize_to_the_special_tokens():

@@ -167,18 +167,21 @@ def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
 
 
 def test_a_file_where_the_model_folder_goes_is_replaced_without_leftovers(tmp_path, monkeypatch):
-    """A file named like the model inside FASTKVZIP_CACHE (and one a dead conversion left as .NAME.old-PID):
-    the conversion puts the model's folder in its place and leaves nothing else behind."""
+    """A file named like the model inside FASTKVZIP_CACHE (and one a dead conversion left as
+    .NAME.old-PID): the conversion puts the model's folder in its place and leaves nothing else
+    behind."""
     monkeypatch.setenv("FASTKVZIP_CACHE", str(tmp_path))
     (tmp_path / models.NAME).write_text("not a model")
     (tmp_path / f".{models.NAME}.old-999999999").write_text("left by a dead process")
 
     def fake(name, out, say, progress):
-        (out / "conversion.json").write_text(json.dumps({"version": models.CONVERTER_VERSIONS[models.NAME]}))
+        version = models.CONVERTER_VERSIONS[models.NAME]
+        (out / "conversion.json").write_text(json.dumps({"version": version}))
 
     monkeypatch.setattr(models, "convert", fake)
     assert models.ensure_offline_model(progress=False) == tmp_path / models.NAME
-    assert [p.name for p in tmp_path.iterdir()] == [models.NAME] and (tmp_path / models.NAME).is_dir()
+    assert [p.name for p in tmp_path.iterdir()] == [models.NAME]
+    assert (tmp_path / models.NAME).is_dir()
 
 
 def test_read_only_cache_is_a_one_line_error(tmp_path, monkeypatch):

@@ -525,7 +525,7 @@ def test_truncated_or_foreign_shard_is_recomputed(features_run, tmp_path, capsys
 
 
 def overwrite_tensor(path, name, fn):
-    """Damage shard `path` in place, its size unchanged: the bytes of tensor `name` become fn(tensor)."""
+    """Damage shard `path` in place, its size unchanged: tensor `name`'s bytes become fn(tensor)."""
     import struct
     data = bytearray(path.read_bytes())
     n = struct.unpack("<Q", data[:8])[0]
@@ -537,9 +537,10 @@ def overwrite_tensor(path, name, fn):
 
 
 def test_shard_damaged_in_place_is_named_and_recomputed(features_run, tmp_path, capsys):
-    """A shard whose size and header are intact but whose values were changed (scores zeroed, part of the
-    hidden states overwritten, one NaN written): the header cannot tell, the sha256 recorded when the shard
-    was written can. Each is named and recomputed, never trained on; so is a shard without a checksum."""
+    """A shard whose size and header are intact but whose values were changed (scores zeroed, part
+    of the hidden states overwritten, one NaN written): the header cannot tell, the sha256 recorded
+    when the shard was written can. Each is named and recomputed, never trained on; so is a shard
+    without a checksum."""
     import shutil
     args, fresh = features_run
     out = tmp_path / "out"
@@ -548,8 +549,10 @@ def test_shard_damaged_in_place_is_named_and_recomputed(features_run, tmp_path, 
     assert len(paths) >= 4
     sizes = [p.stat().st_size for p in paths]
     overwrite_tensor(paths[0], "scores", torch.zeros_like)
-    overwrite_tensor(paths[1], "hidden", lambda t: torch.cat([torch.full_like(t[:100], 7.0), t[100:]]))
-    overwrite_tensor(paths[2], "hidden", lambda t: t.index_fill(0, torch.tensor([len(t) // 2]), float("nan")))
+    overwrite_tensor(paths[1], "hidden", lambda t: torch.cat([torch.full_like(t[:100], 7.0),
+                                                              t[100:]]))
+    overwrite_tensor(paths[2], "hidden", lambda t: t.index_fill(0, torch.tensor([len(t) // 2]),
+                                                                float("nan")))
     tensors = load_file(str(paths[3]))  # as written before shards recorded their checksum
     from safetensors import safe_open
     with safe_open(str(paths[3]), "pt") as f:
@@ -719,8 +722,9 @@ def test_sigterm_cleans_up_and_says_how_to_resume(features_run, tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--threads", "0"], ["--long-doc-tokens", "300"], ["--device", "foo"],
-                                   ["--seed", str(2**70)], ["--layer-groups", "-1"], ["--lr", "nan"],
-                                   ["--lr", "inf"], ["--recipe", "adam-logmse", "--lr", "nan"]])
+                                   ["--seed", str(2**70)], ["--layer-groups", "-1"],
+                                   ["--lr", "nan"], ["--lr", "inf"],
+                                   ["--recipe", "adam-logmse", "--lr", "nan"]])
 def test_bad_flags_exit_2_without_traceback(tmp_path, capsys, flags):
     with pytest.raises(SystemExit) as e:
         run_main(["--data", tmp_path, "--out", tmp_path / "out", "--min-doc-tokens", "300", *flags])
@@ -728,14 +732,15 @@ def test_bad_flags_exit_2_without_traceback(tmp_path, capsys, flags):
     assert e.value.code == 2 and "Traceback" not in err and flags[0] in err, err
 
 
-PROGRAMS = ["generate", "train_gate", "bench", "harness.gpu_check", "harness.layer_swap", "harness.profile_decode",
-            "harness.profile_prefill", "offline.fetch_assets", "offline.models"]
+PROGRAMS = ["generate", "train_gate", "bench", "harness.gpu_check", "harness.layer_swap",
+            "harness.profile_decode", "harness.profile_prefill", "offline.fetch_assets",
+            "offline.models"]
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_every_programs_help_works(program, monkeypatch, capsys):
-    """`python -m PROGRAM --help` (and -h) prints its usage and exits 0: a help string with a literal %
-    (argparse formats them with %) made train_gate.py --help a TypeError."""
+    """`python -m PROGRAM --help` (and -h) prints its usage and exits 0: a help string with a
+    literal % (argparse formats them with %) made train_gate.py --help a TypeError."""
     import runpy
     for flag in ("--help", "-h"):
         monkeypatch.setattr(sys, "argv", [program, flag])
@@ -752,10 +757,10 @@ def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_data_files_by_their_kind_whatever_the_case_and_each_once(tmp_path):
-    """--data: D.JSONL is JSON lines (it was one plain-text document of raw JSON), X.PARQUET a parquet
-    file (it was refused as binary); '**/*.txt' through a link back up (a loop) reads a file once, not
-    some 40 times."""
+def test_data_files_by_their_kind_whatever_the_case_and_each_once(qwen, tmp_path):
+    """--data: D.JSONL is JSON lines (it was one plain-text document of raw JSON), X.PARQUET a
+    parquet file (it was refused as binary); '**/*.txt' through a link back up (a loop) reads a file
+    once, not some 40 times."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     data = tmp_path / "data"
@@ -764,12 +769,13 @@ def test_data_files_by_their_kind_whatever_the_case_and_each_once(tmp_path):
     (data / "sub" / "a.txt").write_text("plain words")
     (data / "D.JSONL").write_text('{"text": "first line"}\n{"text": "second line"}\n')
     pq.write_table(pa.table({"text": ["a parquet row"]}), str(data / "X.PARQUET"))
-    tok = lambda: None
-    tok.encode = lambda text, add_special_tokens=False: type("E", (), {"ids": text.split()})()
+    tok = M.load_tokenizer(qwen)
     docs = list(features.iter_files(str(data / "**" / "*"), tok))
-    assert sorted(d.text for d in docs) == ["a parquet row", "first line", "plain words", "second line"], docs
+    texts = ["a parquet row", "first line", "plain words", "second line"]
+    assert sorted(d.text for d in docs) == texts, docs
     assert len(features.list_files(str(data / "**" / "*.txt"))) == 1
-    assert [d.text for d in features.iter_files(str(data), tok)] == [d.text for d in docs]  # a folder: the same
+    folder = [d.text for d in features.iter_files(str(data), tok)]  # a folder: the same documents
+    assert folder == [d.text for d in docs]
 
 
 def test_documents_spread_over_ranks_by_length():
