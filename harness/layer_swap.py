@@ -36,8 +36,9 @@ from cache import EvictingCache
 from cli import UsageError, file_sha256
 from gate import GateScorer
 from harness import quality
-from model import (ModelConfig, ModelError, OFFLINE_DEFAULT, load_model, load_tokenizer, prompt_format,
-                   resolve_model)
+from cli import OFFLINE_DEFAULT, resolve_model
+from model import load_model, load_tokenizer, ModelConfig, ModelError
+from teacher import prompt_format
 from teacher import KVzipTeacher, agreement, digit_tokens, kept_by_rule, pool_agreement
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")

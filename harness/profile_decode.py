@@ -20,8 +20,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import generate
 from cache import Budget, EvictingCache
-from model import (OFFLINE_DEFAULT, encode_prompt, load_model, load_tokenizer, prompt_format,
-                   resolve_model)
+from cli import OFFLINE_DEFAULT, resolve_model
+from model import load_model, load_tokenizer
+from teacher import encode_prompt, prompt_format
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
 

@@ -25,11 +25,13 @@ from cache import Budget
 import model as M
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
+from cli import OFFLINE_DEFAULT, resolve_model
+from teacher import encode_prompt, prompt_format
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=M.OFFLINE_DEFAULT, help="an offline model or a model folder")
+    p.add_argument("--model", default=OFFLINE_DEFAULT, help="an offline model or a model folder")
     p.add_argument("--lengths", type=cli.ints, default=[2048], help="context lengths in tokens")
     p.add_argument("--budget", type=float, default=0.3, help="Fast KVzip's budget")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each, taken in turn")
@@ -42,12 +44,12 @@ def main():
     if not 0 < args.budget <= 1 or min(min(args.lengths), args.repeats, args.chunk, args.threads) < 1 or args.window < 0:
         p.error("--budget must be in (0, 1]; --lengths, --repeats, --chunk and --threads >= 1; --window >= 0")
     torch.set_num_threads(args.threads)
-    folder = M.resolve_model(args.model)
+    folder = resolve_model(args.model)
     tok, model = M.load_tokenizer(folder), M.load_model(folder, "cpu", torch.float32)
     peer = load_peer(folder)
     if peer is None:
         p.error("transformers is not installed (pip install -r requirements-test.txt)")
-    system = M.encode_prompt(tok, M.prompt_format(model.config, args.model).system)
+    system = encode_prompt(tok, prompt_format(model.config, args.model).system)
     text = [t for _, d in load_docs(tok) for t in d]
     for n in args.lengths:
         if len(text) < n:

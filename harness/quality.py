@@ -40,7 +40,7 @@ import generate
 from cache import Budget, EvictingCache
 from cli import UsageError, pyplot, save_figure
 from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
-from model import encode_prompt, encode_text, question_ids
+from teacher import encode_prompt, encode_text, question_ids
 from teacher import KVzipTeacher, TeacherCache
 from teacher import agreement, digit_tokens, pool_agreement
 

@@ -45,8 +45,7 @@ import torch
 import generate
 from cli import UsageError, file_sha256, pyplot, save_figure
 from harness import quality as Q
-from model import encode_prompt, encode_text  # contexts, questions, prefixes: data (model.py)
-from teacher import KVzipTeacher
+from teacher import KVzipTeacher, encode_prompt, encode_text
 
 COLUMNS = ("context", "question", "answer_prefix", "answer", "max_new_tokens", "task")
 

@@ -28,6 +28,7 @@ import generate
 import model as M
 from cache import Budget, load_cache
 from harness.quality import load_docs
+from teacher import prompt_format
 
 QUESTION = "Who is the first person named in the text?"
 
@@ -108,7 +109,7 @@ def markdown(rows, args, load):
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=lambda s: s.split(","), default=list(M.OFFLINE_MODELS))
+    p.add_argument("--models", type=lambda s: s.split(","), default=list(cli.OFFLINE_MODELS))
     p.add_argument("--lengths", type=cli.ints, default=[2048, 8192], help="context tokens")
     p.add_argument("--budgets", type=cli.floats, default=[1.0, 0.3])
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (generate.py's)")
@@ -127,9 +128,9 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            folder = M.resolve_model(name)
+            folder = cli.resolve_model(name)
             model, tok = M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
-            fmt = M.prompt_format(model.config, name)
+            fmt = prompt_format(model.config, name)
             with torch.no_grad():  # first calls pay one-time setup: not part of either path's time
                 warm = generate.make_cache("full", model, name, 0)
                 generate.answer(model, warm, [1, 2, 3], 2, set())

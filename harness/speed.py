@@ -16,7 +16,8 @@ import gate
 import generate
 from cache import Batch, Budget, KVCache
 from harness.quality import DEFAULT_LEVEL, log, method_cache, model_info
-from model import ModelConfig, Transformer, load_tokenizer, prompt_format
+from model import load_tokenizer, ModelConfig, Transformer
+from teacher import prompt_format
 from teacher import KVzipTeacher
 
 

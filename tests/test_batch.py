@@ -14,6 +14,7 @@ from teacher import KVzipTeacher
 from generate import METHODS, Method, answer, generate_batch, make_cache, prefill, prefill_kvzip
 from kernels import RaggedKV, WindowKV
 from tests.helpers import assert_close, tiny_checkpoint, tiny_tokenizer
+from teacher import prompt_format, PromptFormat
 
 CHUNK, WINDOW = 64, 16
 
@@ -29,7 +30,7 @@ def tiny(request, tmp_path_factory):
     cfg = model.config
     torch.manual_seed(0)
     gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size)
-    return model, tok, M.prompt_format(cfg, str(folder), chat=True), gates
+    return model, tok, prompt_format(cfg, str(folder), chat=True), gates
 
 
 def requests_for(tok, fmt, lengths, max_new):
@@ -306,7 +307,7 @@ def test_batch_lines_end_at_newlines_and_files_are_found_beside_the_batch(tiny_c
     named with the folder looked in."""
     import generate
     folder, _ = tiny_cli
-    tok, fmt = M.load_tokenizer(folder), M.PromptFormat("", "")
+    tok, fmt = M.load_tokenizer(folder), PromptFormat("", "")
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "doc.txt").write_text("the document beside the batch file")
     context = "one\u2028two\x85three"

@@ -21,6 +21,8 @@ from cli import UsageError
 from teacher import KVzipTeacher
 from tests.helpers import QWEN3_TINY, assert_close
 from offline import fetch_assets
+from cli import OFFLINE_DEFAULT, resolve_model
+from teacher import prompt_format
 
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -153,11 +155,11 @@ def test_plot_writes_a_png(tmp_path):
 def real(tmp_path_factory):
     import model as M
     fetch_assets.require_for_test("austen_parts")
-    folder = M.resolve_model(M.OFFLINE_DEFAULT)
+    folder = resolve_model(OFFLINE_DEFAULT)
     model = M.load_model(folder, "cpu", torch.float32)
     tok = M.load_tokenizer(folder)
-    fmt = M.prompt_format(model.config, M.OFFLINE_DEFAULT, chat=False)
-    gate_path = gate.GATES_DIR / f"{M.OFFLINE_DEFAULT}.safetensors"
+    fmt = prompt_format(model.config, OFFLINE_DEFAULT, chat=False)
+    gate_path = gate.GATES_DIR / f"{OFFLINE_DEFAULT}.safetensors"
     if not gate_path.is_file():  # before train_gate.py has bundled one: a random gate exercises the same code
         cfg = model.config
         torch.manual_seed(0)
@@ -299,9 +301,8 @@ def test_chat_flag_sets_the_prompt_format_and_the_experiment(real, tmp_path, mon
     for flag in ("--chat", "--no-chat"):
         with pytest.raises(UsageError, match="stopped by the test"):
             bench.main([flag, "--quick", "--gate", real["gate"], "--out", str(tmp_path / flag), "--no-gpu"])
-    import model as M
     cfg = real["model"].config
-    assert seen == [M.prompt_format(cfg, M.OFFLINE_DEFAULT, chat=True), M.prompt_format(cfg, M.OFFLINE_DEFAULT, chat=False)]
+    assert seen == [prompt_format(cfg, OFFLINE_DEFAULT, chat=True), prompt_format(cfg, OFFLINE_DEFAULT, chat=False)]
     assert seen[0] != seen[1]
     config = dict(model=dict(sha256="m"), gate=dict(sha256="g"))
     keys = [quality.quality_key(bench.experiment(bench.parse_args(f)), config)

@@ -15,6 +15,8 @@ from gate import Gates, save_gate
 from generate import answer, prefill
 from gate import GateScorer, RandomScorer
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
+from cli import OFFLINE_DEFAULT, OFFLINE_MODELS, resolve_model
+from teacher import encode_text, prompt_format, PromptFormat, uses_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,9 +157,9 @@ def test_bad_context_files_and_gates_fail_before_the_weights_load(capsys, no_wei
                                             str(tmp_path / "g.safetensors"), "--max-new-tokens", "4")
 
 
-@pytest.fixture(scope="module", params=M.OFFLINE_MODELS)
+@pytest.fixture(scope="module", params=OFFLINE_MODELS)
 def real(request):
-    folder = M.resolve_model(request.param)
+    folder = resolve_model(request.param)
     return M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
 
 
@@ -223,7 +225,7 @@ def test_foreign_tokenizer_and_invalid_utf8_prompt_are_one_line(capsys, no_weigh
     Python keeps them as lone surrogates): the same rule as --context-file, not a TypeError from tokenizers."""
     foreign = tmp_path / "foreign"
     shutil.copytree(no_weights, foreign)
-    shutil.copy(M.resolve_model(M.OFFLINE_DEFAULT) / "tokenizer.json", foreign / "tokenizer.json")
+    shutil.copy(resolve_model(OFFLINE_DEFAULT) / "tokenizer.json", foreign / "tokenizer.json")
     line = main_error(capsys, "--model", str(foreign), "--prompt", "hi")
     assert "262144 token ids, more than the model's vocab_size 384" in line, line
     bad = os.fsdecode(b"a \xff b")  # what argv holds for $'a \xff b'
@@ -351,13 +353,13 @@ def test_a_base_model_is_prompted_as_one_whatever_its_name(capsys):
     folder, it got the chat template and answered "Water boils at" with "The temperature of". By
     folder or by name, the same prompt and answer now."""
     import generate
-    folder = M.resolve_model(M.OFFLINE_DEFAULT)
+    folder = resolve_model(OFFLINE_DEFAULT)
     cfg = M.ModelConfig.from_json(folder)
-    assert cfg.chat_template is False and not M.uses_chat(cfg)
-    plain = M.PromptFormat("<bos>", "")
-    assert M.prompt_format(cfg, str(folder)) == M.prompt_format(cfg, M.OFFLINE_DEFAULT) == plain
+    assert cfg.chat_template is False and not uses_chat(cfg)
+    plain = PromptFormat("<bos>", "")
+    assert prompt_format(cfg, str(folder)) == prompt_format(cfg, OFFLINE_DEFAULT) == plain
     runs = []
-    for name in (str(folder), M.OFFLINE_DEFAULT):
+    for name in (str(folder), OFFLINE_DEFAULT):
         generate.main(["--model", name, "--prompt", "Water boils at", "--budget", "1.0",
                        "--max-new-tokens", "3", "--json"])
         runs.append(json.loads(capsys.readouterr().out))
@@ -417,15 +419,15 @@ def test_build_inputs_takes_plain_values(tmp_path):
     from tests.helpers import tiny_tokenizer
     tiny_tokenizer(tmp_path)  # one id per byte, one per template token
     tok = M.load_tokenizer(tmp_path)
-    text = lambda s: M.encode_text(tok, s)
+    text = lambda s: encode_text(tok, s)
     bos, end = tok.token_to_id("<bos>"), tok.token_to_id("<end_of_turn>")
-    ids, n_protected, qs = build_inputs(tok, M.PromptFormat("<bos>", ""), "ctx", ["Who?", "Where?"])
+    ids, n_protected, qs = build_inputs(tok, PromptFormat("<bos>", ""), "ctx", ["Who?", "Where?"])
     assert ids == [bos] + text("ctx") and len(text("ctx")) == 3
     assert n_protected == 1 and [q for q, _ in qs] == ["Who?", "Where?"]
     assert qs[0][1] == text("\n\nQ: Who?\nA:")
-    _, _, qs = build_inputs(tok, M.PromptFormat("<bos>", "<end_of_turn>"), "ctx")
+    _, _, qs = build_inputs(tok, PromptFormat("<bos>", "<end_of_turn>"), "ctx")
     assert qs == [("", [end])]  # no question: the prompt's turn just ends
-    chat = M.PromptFormat("<bos>", "<end_of_turn>")
+    chat = PromptFormat("<bos>", "<end_of_turn>")
     assert build_inputs(tok, chat, "ctx", ["Who?"])[2][0][1] == text("\n\nQ: Who?") + [end]
 
 

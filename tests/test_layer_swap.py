@@ -12,6 +12,7 @@ from teacher import KVzipTeacher, kept_by_rule
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 from tests.test_bench import same_cache
 from harness import layer_swap
+from teacher import prompt_format
 
 
 def test_swap_caches_are_the_methods_own_caches(tmp_path):
@@ -21,7 +22,7 @@ def test_swap_caches_are_the_methods_own_caches(tmp_path):
     model, tok = M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
     cfg = model.config
     assert cfg.compressed_layers == [1, 3]
-    fmt = M.prompt_format(cfg, "gemma3")
+    fmt = prompt_format(cfg, "gemma3")
     torch.manual_seed(0)
     gate_file = str(tmp_path / "gate.safetensors")
     gate.save_gate(gate_file, gate.Gates(2, cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size), {"note": "random"})

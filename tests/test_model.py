@@ -11,6 +11,8 @@ from safetensors.torch import load_file, save_file
 import model as M
 from cache import KVCache
 from tests.helpers import assert_close, edit_config, hf_model, tiny_checkpoint
+from cli import _HUB_FILES, ALIASES, OFFLINE_DEFAULT, parse_device, resolve_model
+from teacher import encode_prompt, prompt_format, PromptFormat, question_ids, uses_chat
 
 VOCAB = 384  # helpers.QWEN3_TINY / GEMMA3_TINY
 GEMMA_RoPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 200_000.0},
@@ -291,9 +293,9 @@ def _one_line_error(fn, *needles):
 
 def test_bad_folders(tmp_path):
     _one_line_error(lambda: M.load_model(tmp_path / "nope", "cpu"), "not found")
-    _one_line_error(lambda: M.resolve_model(str(tmp_path / "nope")), "not found")
+    _one_line_error(lambda: resolve_model(str(tmp_path / "nope")), "not found")
     _one_line_error(lambda: M.load_model(tmp_path, "cpu"), "no config.json")
-    _one_line_error(lambda: M.resolve_model(tmp_path), "no config.json")
+    _one_line_error(lambda: resolve_model(tmp_path), "no config.json")
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 64}))
     _one_line_error(lambda: M.load_model(tmp_path, "cpu"), "unsupported model_type 'phi3'")
@@ -352,23 +354,23 @@ def test_bad_configs(checkpoints, tmp_path):
 
 
 def test_parse_device():
-    assert M.parse_device("cpu") == torch.device("cpu") and M.parse_device(None) == M.default_device()
-    _one_line_error(lambda: M.parse_device("foo"), "--device 'foo' is not a device")
-    _one_line_error(lambda: M.parse_device("meta"), "only cpu and cuda")
+    assert parse_device("cpu") == torch.device("cpu") and parse_device(None) == M.default_device()
+    _one_line_error(lambda: parse_device("foo"), "--device 'foo' is not a device")
+    _one_line_error(lambda: parse_device("meta"), "only cpu and cuda")
     # torch takes cpu:N; safetensors refused it: "corrupt safetensors file ... re-download it"
-    _one_line_error(lambda: M.parse_device("cpu:1"), "--device cpu:1", "use --device cpu")
-    assert M.parse_device("cpu:0") == torch.device("cpu")
+    _one_line_error(lambda: parse_device("cpu:1"), "--device cpu:1", "use --device cpu")
+    assert parse_device("cpu:0") == torch.device("cpu")
     if not torch.cuda.is_available():
-        _one_line_error(lambda: M.parse_device("cuda"), "CUDA is not available")
-    _one_line_error(lambda: M.parse_device(f"cuda:{torch.cuda.device_count()}"), "--device cuda:")
+        _one_line_error(lambda: parse_device("cuda"), "CUDA is not available")
+    _one_line_error(lambda: parse_device(f"cuda:{torch.cuda.device_count()}"), "--device cuda:")
 
 
 def test_unreachable_hub_is_a_one_line_error(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never touch the network
-    _one_line_error(lambda: M.resolve_model("nobody-here/no-such-model-xyz"), "nobody-here/no-such-model-xyz")
-    _one_line_error(lambda: M.resolve_model("not a repo id"), "not found")
+    _one_line_error(lambda: resolve_model("nobody-here/no-such-model-xyz"), "nobody-here/no-such-model-xyz")
+    _one_line_error(lambda: resolve_model("not a repo id"), "not found")
 
 
 def test_resolve_model_routes(checkpoints, monkeypatch, tmp_path):
@@ -376,15 +378,15 @@ def test_resolve_model_routes(checkpoints, monkeypatch, tmp_path):
     import types
 
     folder = checkpoints("qwen3-gqa2-tied")[0]
-    assert M.resolve_model(str(folder)) == folder
+    assert resolve_model(str(folder)) == folder
     fake = types.SimpleNamespace(ensure_offline_model=lambda name: tmp_path / name)  # offline/models.py converts
     import offline
     monkeypatch.setitem(sys.modules, "offline.models", fake)
     monkeypatch.setattr(offline, "models", fake, raising=False)
-    assert M.resolve_model("gemma3-270m-gguf") == tmp_path / "gemma3-270m-gguf"
-    assert M.resolve_model("SmolLM2-135M-gguf") == tmp_path / "smollm2-135m-gguf"
+    assert resolve_model("gemma3-270m-gguf") == tmp_path / "gemma3-270m-gguf"
+    assert resolve_model("SmolLM2-135M-gguf") == tmp_path / "smollm2-135m-gguf"
     (tmp_path / "weights.bin").write_text("x")
-    _one_line_error(lambda: M.resolve_model(tmp_path / "weights.bin"), "is a file")
+    _one_line_error(lambda: resolve_model(tmp_path / "weights.bin"), "is a file")
 
 
 # -- tokenizer / prompt helpers -----------------------------------------------------------------------
@@ -393,30 +395,30 @@ def test_prompt_formats_are_method_4_1():
     qwen = M.ModelConfig.from_dict({"model_type": "qwen3"})
     gemma = M.ModelConfig.from_dict({"model_type": "gemma3_text"})
     task = "Given the context, answer to the following question or request without explanation.\n\n"
-    f = M.prompt_format(qwen, "qwen3-8b")
+    f = prompt_format(qwen, "qwen3-8b")
     assert f.system == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" + task
     assert f.postfix == "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    assert M.prompt_format(qwen, "Qwen/Qwen3-8B", thinking=True).postfix == "<|im_end|>\n<|im_start|>assistant\n"
-    assert M.prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507").postfix == "<|im_end|>\n<|im_start|>assistant\n"
-    g = M.prompt_format(gemma, "gemma3-12b", task="gsm8k")
+    assert prompt_format(qwen, "Qwen/Qwen3-8B", thinking=True).postfix == "<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507").postfix == "<|im_end|>\n<|im_start|>assistant\n"
+    g = prompt_format(gemma, "gemma3-12b", task="gsm8k")
     assert g.system == ("<bos><start_of_turn>user\nYou are a helpful assistant.\n\n"
                         "Given the context, answer to the following reasoning question.\n\n")
     assert g.postfix == "<end_of_turn>\n<start_of_turn>model\n"
-    assert M.prompt_format(gemma, "x", chat=False) == M.PromptFormat("<bos>", "")
-    assert M.prompt_format(qwen, "x", chat=False) == M.PromptFormat("", "")
+    assert prompt_format(gemma, "x", chat=False) == PromptFormat("<bos>", "")
+    assert prompt_format(qwen, "x", chat=False) == PromptFormat("", "")
     assert 106 in gemma.eos_token_ids and 151645 in qwen.eos_token_ids  # end-of-turn stops chat models
-    assert M.ALIASES["qwen3-0.6b"] == "Qwen/Qwen3-0.6B" and M.ALIASES["gemma3-270m"] == "google/gemma-3-270m-it"
+    assert ALIASES["qwen3-0.6b"] == "Qwen/Qwen3-0.6B" and ALIASES["gemma3-270m"] == "google/gemma-3-270m-it"
     # Qwen2.5 (no thinking switch, even without "instruct" in the name) and LLaMA-3 (METHOD.md §4.1)
     qwen25 = M.ModelConfig.from_dict({"model_type": "qwen2"})
-    assert M.prompt_format(qwen25, "qwen2.5-7b-1m") == M.prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507")
+    assert prompt_format(qwen25, "qwen2.5-7b-1m") == prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507")
     llama = M.ModelConfig.from_dict({"model_type": "llama"})
-    f = M.prompt_format(llama, "llama3.1-8b")
+    f = prompt_format(llama, "llama3.1-8b")
     assert f.system == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful "
                         "assistant<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n" + task)
     assert f.postfix == "\n\n<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-    assert M.prompt_format(llama, "x", chat=False) == M.PromptFormat("<|begin_of_text|>", "")
-    assert M.ALIASES["qwen2.5-14b-1m"] == "Qwen/Qwen2.5-14B-Instruct-1M"
-    assert M.ALIASES["llama3.1-8b"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert prompt_format(llama, "x", chat=False) == PromptFormat("<|begin_of_text|>", "")
+    assert ALIASES["qwen2.5-14b-1m"] == "Qwen/Qwen2.5-14B-Instruct-1M"
+    assert ALIASES["llama3.1-8b"] == "meta-llama/Llama-3.1-8B-Instruct"
 
 
 def test_the_tokenizer_template_decides_the_prompt(checkpoints, tmp_path):
@@ -428,8 +430,8 @@ def test_the_tokenizer_template_decides_the_prompt(checkpoints, tmp_path):
     cfg = M.ModelConfig.from_json(tmp_path / "m")
     assert cfg.arch == "llama" and cfg.chat_format == "chatml"
     qwen = M.ModelConfig.from_dict({"model_type": "qwen3"})
-    assert M.prompt_format(cfg, "smollm2-135m-gguf") == M.prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507")
-    assert M.prompt_format(cfg, "smollm2-135m-gguf", chat=False) == M.PromptFormat("", "")
+    assert prompt_format(cfg, "smollm2-135m-gguf") == prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507")
+    assert prompt_format(cfg, "smollm2-135m-gguf", chat=False) == PromptFormat("", "")
     (tmp_path / "m" / "tokenizer_config.json").unlink()  # newer repos: chat_template.jinja
     (tmp_path / "m" / "chat_template.jinja").write_text("{{ '<|start_header_id|>' + m['role'] }}")
     assert M.ModelConfig.from_json(tmp_path / "m").chat_format == "llama3"
@@ -442,16 +444,16 @@ def test_a_tokenizer_without_a_chat_template_is_a_base_model(checkpoints, tmp_pa
     as before."""
     shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "m")
     cfg = M.ModelConfig.from_json(tmp_path / "m")
-    assert cfg.chat_template is None and M.uses_chat(cfg)
+    assert cfg.chat_template is None and uses_chat(cfg)
     config = json.dumps({"bos_token": "<|begin_of_text|>"})
     (tmp_path / "m" / "tokenizer_config.json").write_text(config)
     cfg = M.ModelConfig.from_json(tmp_path / "m")
-    assert cfg.chat_template is False and not M.uses_chat(cfg) and M.uses_chat(cfg, chat=True)
-    assert M.prompt_format(cfg, "llama3.1-8b") == M.PromptFormat("<|begin_of_text|>", "")
+    assert cfg.chat_template is False and not uses_chat(cfg) and uses_chat(cfg, chat=True)
+    assert prompt_format(cfg, "llama3.1-8b") == PromptFormat("<|begin_of_text|>", "")
     (tmp_path / "m" / "chat_template.jinja").write_text("{{ '<|im_start|>' + m['role'] }}")
     cfg = M.ModelConfig.from_json(tmp_path / "m")
-    assert cfg.chat_template is True and M.uses_chat(cfg) and not M.uses_chat(cfg, chat=False)
-    assert "chat_template.jinja" in M._HUB_FILES  # downloaded, so that a model's template is seen
+    assert cfg.chat_template is True and uses_chat(cfg) and not uses_chat(cfg, chat=False)
+    assert "chat_template.jinja" in _HUB_FILES  # downloaded, so that a model's template is seen
 
 
 def test_prompt_pieces_tokenize_to_the_special_tokens():
@@ -462,10 +464,10 @@ def test_prompt_pieces_tokenize_to_the_special_tokens():
               "qwen3": ("qwen3", "qwen3-8b", [151644], [151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271])}
     for name, (model_type, alias, head, postfix) in pieces.items():
         tok = M.load_tokenizer(require_for_test("tokenizers", name))
-        fmt = M.prompt_format(M.ModelConfig.from_dict({"model_type": model_type}), alias)
-        assert M.encode_prompt(tok, fmt.system)[:len(head)] == head
-        assert M.encode_prompt(tok, fmt.postfix) == postfix
-        assert M.question_ids(tok, fmt, "Who?")[-len(postfix):] == postfix
+        fmt = prompt_format(M.ModelConfig.from_dict({"model_type": model_type}), alias)
+        assert encode_prompt(tok, fmt.system)[:len(head)] == head
+        assert encode_prompt(tok, fmt.postfix) == postfix
+        assert question_ids(tok, fmt, "Who?")[-len(postfix):] == postfix
 
 
 @pytest.mark.parametrize("text,words", [
@@ -490,14 +492,14 @@ def test_unreadable_model_folder_and_foreign_tokenizer(checkpoints, tmp_path):
     from tests.helpers import no_access
     shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "locked" / "m")
     with no_access(tmp_path / "locked", 0o000):
-        _one_line_error(lambda: M.resolve_model(tmp_path / "locked" / "m"), "cannot read", "Permission denied")
+        _one_line_error(lambda: resolve_model(tmp_path / "locked" / "m"), "cannot read", "Permission denied")
         _one_line_error(lambda: M.ModelConfig.from_json(tmp_path / "locked" / "m"), "cannot read")
         _one_line_error(lambda: M.load_tokenizer(tmp_path / "locked" / "m"), "cannot read")
-    shutil.copy(M.resolve_model(M.OFFLINE_DEFAULT) / "tokenizer.json", tmp_path / "locked" / "m")
+    shutil.copy(resolve_model(OFFLINE_DEFAULT) / "tokenizer.json", tmp_path / "locked" / "m")
     cfg = M.ModelConfig.from_json(tmp_path / "locked" / "m")
     _one_line_error(lambda: M.load_tokenizer(tmp_path / "locked" / "m", cfg), "262144 token ids",
                     f"vocab_size {cfg.vocab_size}")
-    own = M.resolve_model(M.OFFLINE_DEFAULT)
+    own = resolve_model(OFFLINE_DEFAULT)
     assert M.load_tokenizer(own, M.ModelConfig.from_json(own)).get_vocab_size() == 262144  # it fits
 
 

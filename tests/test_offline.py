@@ -21,6 +21,7 @@ from safetensors import safe_open
 from offline import models
 from tests.helpers import assert_close, hf_model
 from offline.fetch_assets import require_for_test, text_docs
+from teacher import prompt_format
 
 GEMMA_EXTRA = "<image_soft_token>"  # in the published file (id 262144) but not in the GGUF: see offline/models.py
 
@@ -299,7 +300,7 @@ def test_smollm2_converted_folder(smollm2):
     assert mc.compressed_layers == list(range(30)) and mc.chat_format == "chatml" and mc.eos_token_ids == [2]
     assert json.loads((smollm2 / "tokenizer_config.json").read_text())["add_bos_token"] is False
     tok = M.load_tokenizer(smollm2)
-    fmt = M.prompt_format(mc, models.SMOLLM2)
+    fmt = prompt_format(mc, models.SMOLLM2)
     assert tok.encode(fmt.system, add_special_tokens=False).ids[:3] == [1, 9690, 198]  # <|im_start|>system\n
     assert tok.encode(fmt.postfix, add_special_tokens=False).ids == [2, 198, 1, 520, 9531, 198]  # ...assistant\n
     with safe_open(str(smollm2 / "model.safetensors"), framework="pt") as f:
@@ -424,7 +425,7 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     gates = gate.resolve_gate(None, cfg, "smollm2-135m-gguf")
     assert gates.meta["model"] == "smollm2-135m-gguf" and len(cfg.compressed_layers) == 30
     tok = M.load_tokenizer(smollm2)
-    fmt = M.prompt_format(cfg, "smollm2-135m-gguf")
+    fmt = prompt_format(cfg, "smollm2-135m-gguf")
     system = tok.encode(fmt.system, add_special_tokens=False).ids
     text = require_for_test("austen", "emma.txt").read_text(encoding="utf-8")
     ids = system + tok.encode(text[20000:30000], add_special_tokens=False).ids[:1000]

@@ -23,7 +23,7 @@ from cache import Batch, Budget, CacheFileError, load_cache
 from gate import Gates, save_gate
 from generate import (METHODS, begin_answer, build_inputs, decode_one, make_cache, prefill,
                       prefill_kvzip, sample)
-from teacher import KVzipTeacher
+from teacher import KVzipTeacher, prompt_format
 from tests.helpers import edit_config, tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def tiny_setup(arch, folder):
     gate_file = folder.with_name(folder.name + "-gate.safetensors")
     save_gate(gate_file, gates)
     return dict(folder=folder, gate_file=gate_file, model=model, tok=M.load_tokenizer(folder),
-                gates=gates, fmt=M.prompt_format(model.config, str(folder), chat=True))
+                gates=gates, fmt=prompt_format(model.config, str(folder), chat=True))
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3"])
@@ -222,12 +222,12 @@ def test_other_families(arch, tmp_path):
     assert got == want and torch.equal(got_logits, want_logits)
 
 
-@pytest.fixture(scope="module", params=M.OFFLINE_MODELS)
+@pytest.fixture(scope="module", params=cli.OFFLINE_MODELS)
 def offline(request):
     """An offline model (Gemma 3 270M, SmolLM2-135M) with its bundled gate and prompt format."""
-    folder = M.resolve_model(request.param)
+    folder = cli.resolve_model(request.param)
     model, tok = M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
-    fmt = M.prompt_format(model.config, request.param)
+    fmt = prompt_format(model.config, request.param)
     return dict(name=request.param, model=model, tok=tok, fmt=fmt, gates=None)
 
 

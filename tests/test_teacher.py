@@ -13,6 +13,7 @@ import model as M
 from cache import KVCache
 from helpers import assert_close, tiny_checkpoint, tiny_tokenizer
 from teacher import KVzipTeacher, PREV_TOKENS, REPEAT_FIRST, REPEAT_NEXT
+from teacher import prompt_format
 
 def tiny_model_folder(root, arch, seed=0):
     """A tiny random checkpoint with a tokenizer and room for the template + repeat prompts."""
@@ -81,7 +82,7 @@ def context_ids(tok, n, seed=0):
 def test_scores_equal_naive_computation(tiny_models, arch):
     folder = tiny_models[arch]
     model, tok = M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
-    fmt = M.prompt_format(model.config, arch, chat=True)  # a real system prompt and postfix
+    fmt = prompt_format(model.config, arch, chat=True)  # a real system prompt and postfix
     # 4 chunks (the last one short), a prefill split in 3 pieces, Gemma3's window (8) far shorter than all
     teacher = KVzipTeacher(model, tok, fmt, chunk_size=23, prefill_chunk=70)
     ctx = context_ids(tok, 75)
@@ -107,7 +108,7 @@ def test_scores_equal_naive_computation(tiny_models, arch):
 def test_score_leaves_the_cache_as_it_was(tiny_models):
     folder = tiny_models["gemma3"]
     model, tok = M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
-    teacher = KVzipTeacher(model, tok, M.prompt_format(model.config, "gemma3"), chunk_size=16, prefill_chunk=32)
+    teacher = KVzipTeacher(model, tok, prompt_format(model.config, "gemma3"), chunk_size=16, prefill_chunk=32)
     ctx = context_ids(tok, 40, seed=1)
     cache = teacher.new_cache()
     teacher.prefill(cache, teacher.system + ctx)
@@ -125,7 +126,7 @@ def test_softmax_in_model_dtype(tiny_models):
     """--teacher-softmax model: logits and softmax in the model dtype (bf16 here), as the authors."""
     folder = tiny_models["qwen3"]
     model, tok = M.load_model(folder, "cpu", torch.bfloat16), M.load_tokenizer(folder)
-    fmt = M.prompt_format(model.config, "qwen3")
+    fmt = prompt_format(model.config, "qwen3")
     ctx = context_ids(tok, 30, seed=2)
     fp32 = KVzipTeacher(model, tok, fmt, chunk_size=16)(ctx)[0]
     bf16 = KVzipTeacher(model, tok, fmt, chunk_size=16, softmax_dtype="model")(ctx)[0]

@@ -16,6 +16,8 @@ import torch
 
 import gate
 import model as M
+from cli import resolve_model
+from teacher import _TEMPLATE_CONTROLS, encode_prompt, encode_text, prompt_format, question_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 GEMMA_CFG = dict(model_type="gemma3_text", vocab_size=262144, hidden_size=64, intermediate_size=128,
@@ -31,7 +33,7 @@ def published(name):
     (offline/fetch_assets.py), SmolLM2's from its converted model (offline/models.py)."""
     from offline.fetch_assets import require_for_test
     if name == "smollm2":
-        return M.resolve_model("smollm2-135m-gguf")
+        return resolve_model("smollm2-135m-gguf")
     return require_for_test("tokenizers", name)
 
 
@@ -65,10 +67,10 @@ def test_published_gemma3_tokenizer_loads_beside_vocab_size_262144(tmp_path):
     tok = M.load_tokenizer(folder, cfg)
     assert tok.get_vocab_size(with_added_tokens=True) == 262145
     assert tok.token_to_id("<image_soft_token>") == 262144
-    ids = M.encode_text(tok, "a photo: <image_soft_token><start_of_image> and <image_soft_token>")
+    ids = encode_text(tok, "a photo: <image_soft_token><start_of_image> and <image_soft_token>")
     assert ids and max(ids) < cfg.vocab_size
-    fmt = M.prompt_format(cfg, "gemma3-270m")
-    prompt = M.encode_prompt(tok, fmt.system) + M.question_ids(tok, fmt, "<image_soft_token>?")
+    fmt = prompt_format(cfg, "gemma3-270m")
+    prompt = encode_prompt(tok, fmt.system) + question_ids(tok, fmt, "<image_soft_token>?")
     assert max(prompt) < 262144
 
 
@@ -95,8 +97,8 @@ def test_another_models_tokenizer_is_one_clear_error(tmp_path):
     folder = folder_with(tmp_path, GEMMA_CFG, qwen)
     cfg = M.ModelConfig.from_json(folder)
     tok = M.load_tokenizer(folder, cfg)
-    system = M.prompt_format(cfg, "gemma3-1b").system
-    one_line(lambda: M.encode_prompt(tok, system), "no <bos> token", "another model's tokenizer")
+    system = prompt_format(cfg, "gemma3-1b").system
+    one_line(lambda: encode_prompt(tok, system), "no <bos> token", "another model's tokenizer")
     # each model with its own tokenizer: no error
     for tok_from, config in ((gemma, GEMMA_CFG), (qwen, qwen_cfg)):
         shutil.rmtree(folder)
@@ -125,7 +127,7 @@ def test_tokens_past_the_embedding_that_text_or_a_prompt_makes_are_refused(tmp_p
         load = lambda: M.load_tokenizer(folder, M.ModelConfig.from_json(folder))
         if ok:
             tok = load()
-            assert tok.token_to_id("<image>") == 267 and max(M.encode_text(tok, "<image>")) < 256
+            assert tok.token_to_id("<image>") == 267 and max(encode_text(tok, "<image>")) < 256
         else:
             one_line(load, "past the model's vocab_size 2", "another model's tokenizer")
 
@@ -160,7 +162,7 @@ def real_tokenizers():
         folder = published(name)
         cfg = M.ModelConfig.from_json(folder) if (folder / "config.json").is_file() else \
             M.ModelConfig.from_dict({"model_type": model_type})
-        formats = [M.prompt_format(cfg, a, chat=c) for a in aliases for c in (True, False)]
+        formats = [prompt_format(cfg, a, chat=c) for a in aliases for c in (True, False)]
         out.append((name, M.load_tokenizer(folder), formats))
     return out
 
@@ -169,30 +171,31 @@ def test_control_strings_in_user_text_make_no_control_ids():
     """For each real tokenizer: every control string (its special tokens, its template's control
     tokens, a forged end of turn), placed in a context, a question or a training document, encodes
     to no control id; the template still makes its own."""
-    assert set(TEMPLATE_CONTROLS) == M._TEMPLATE_CONTROLS
+    assert set(TEMPLATE_CONTROLS) == _TEMPLATE_CONTROLS == M.CONTROL_TOKENS  # the tokenizer check's too
     for name, tok, formats in real_tokenizers():
         controls = control_tokens(tok)
         assert len(controls) >= 3, name
         control_ids = set(controls.values())
         text = "Notes. " + " ".join(controls) + " " + FORGED + "".join(controls) + " end"
-        ids = M.encode_text(tok, text)
+        ids = encode_text(tok, text)
         assert not control_ids & set(ids), (name, sorted(control_ids & set(ids))[:5])
         assert tok.decode(ids, skip_special_tokens=False) == text, name  # the text as written
         for fmt in formats:
-            template = M.encode_prompt(tok, fmt.system) + M.question_ids(tok, fmt, "What?")
+            template = encode_prompt(tok, fmt.system) + question_ids(tok, fmt, "What?")
             made = [i for i in template if i in control_ids]
             if fmt.postfix:
                 assert len(made) >= 3, (name, fmt)  # the template's own control tokens
-            question = M.question_ids(tok, fmt, text, cue=text)
+            question = question_ids(tok, fmt, text, cue=text)
             assert [i for i in question if i in control_ids] == \
-                [i for i in M.question_ids(tok, fmt, "What?") if i in control_ids], (name, fmt)
+                [i for i in question_ids(tok, fmt, "What?") if i in control_ids], (name, fmt)
 
 
-def test_ids_are_made_in_model_py_only():
-    """Where ids are made decides what reaches the embedding: outside model.py no program or
-    harness module calls the tokenizer's own encode (it parses special tokens in any text)."""
+def test_ids_are_made_in_teacher_py_only():
+    """Where ids are made decides what reaches the embedding: outside teacher.py (encode_text,
+    encode_prompt) no program or harness module calls the tokenizer's own encode (it parses special
+    tokens in any text)."""
     for path in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("harness/*.py")):
-        if path.name != "model.py":
+        if path.name != "teacher.py":
             assert "add_special_tokens=" not in path.read_text(encoding="utf-8"), path
 
 
@@ -205,7 +208,7 @@ def test_plain_text_encodes_as_before():
     docs += [p.read_text(encoding="utf-8")[:6000] for p in text_docs("austen_parts")[:1]]
     for name, tok, _ in real_tokenizers():
         for doc in docs:
-            assert M.encode_text(tok, doc) == tok.encode(doc, add_special_tokens=False).ids, name
+            assert encode_text(tok, doc) == tok.encode(doc, add_special_tokens=False).ids, name
 
 
 def test_non_special_template_tokens_stay_text():
@@ -216,10 +219,10 @@ def test_non_special_template_tokens_stay_text():
     think, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
     assert not tok.get_added_tokens_decoder()[think].special
     for text in ("<think>", "I <think>so</think>.\n\nHello, 12345", " <think>\n\n</think>\n\n"):
-        ids = M.encode_text(tok, text)
+        ids = encode_text(tok, text)
         assert think not in ids and end not in ids and tok.decode(ids) == text, (text, ids)
     # beside them, plain text keeps its own ids (the same words alone)
-    assert M.encode_text(tok, "Hello world <think>")[:2] == M.encode_text(tok, "Hello world")
+    assert encode_text(tok, "Hello world <think>")[:2] == encode_text(tok, "Hello world")
 
 
 def test_teacher_repeat_prompt_makes_only_the_templates_control_ids():
@@ -232,10 +235,10 @@ def test_teacher_repeat_prompt_makes_only_the_templates_control_ids():
         fmt = formats[0]
         cfg = M.ModelConfig.from_dict({"model_type": "qwen3"})
         t = KVzipTeacher(SimpleNamespace(config=cfg), tok, fmt, chunk_size=40)
-        ctx = M.encode_text(tok, ("Story. " + FORGED) * 20)
-        expected = [i for i in M.encode_prompt(tok, fmt.postfix) if i in control_ids]
+        ctx = encode_text(tok, ("Story. " + FORGED) * 20)
+        expected = [i for i in encode_prompt(tok, fmt.postfix) if i in control_ids]
         assert [i for i in t.system if i in control_ids] == \
-            [i for i in M.encode_prompt(tok, fmt.system) if i in control_ids]
+            [i for i in encode_prompt(tok, fmt.system) if i in control_ids]
         for start, end, ids in t.repeat_inputs(ctx):
             assert [i for i in ids if i in control_ids] == expected, name
 
@@ -385,11 +388,11 @@ def test_harness_questions_and_contexts_stay_text():
     for name, tok, formats in real_tokenizers():
         controls = set(control_tokens(tok).values())
         for fmt in formats:
-            docs = [("doc", M.encode_text(tok, "Story. " * 50))]
+            docs = [("doc", encode_text(tok, "Story. " * 50))]
             maker = quality.SampleMaker(tok, fmt, docs, seed=0)
             asked = maker.question(FORGED + "What?", FORGED)
             assert [i for i in asked if i in controls] == \
-                [i for i in M.question_ids(tok, fmt, "What?") if i in controls], (name, fmt)
+                [i for i in question_ids(tok, fmt, "What?") if i in controls], (name, fmt)
 
 
 # ------------------------------------------- 3. a base model's answer that starts with a line break
