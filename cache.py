@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from cli import checksum_ok, tensor_bytes, tensors_sha256, write_safetensors
 from kernels import RaggedKV, WindowKV, _ranges
@@ -706,7 +707,6 @@ def load_cache(path, model, scorer=None, verify=True):
     -> (cache, info): info holds the prompt ids, n_protected, last_logits, what made the cache
     (method, budget, chunk_size, window, plan, prefill_seconds, prefill_peak_kv_bytes,
     decode_tokens_per_head), kv_bytes, file_bytes and load_seconds."""
-    from safetensors import SafetensorError, safe_open
     t0 = time.perf_counter()
     weight = model.model.embed_tokens.weight
     state = check_cache_file(path, getattr(model, "identity", None) or {}, weight.dtype)

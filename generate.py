@@ -27,20 +27,30 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
+from safetensors import safe_open
 
 import cli
-from cache import (Batch, Budget, CacheFileError, EvictingCache, KVCache, LEVELS, check_cache_file,
-                   load_cache, read_header)
-from cli import UsageError
-from cli import OFFLINE_DEFAULT, parse_device, resolve_model
-from model import (check_dtype, compute_dtype, load_model, load_tokenizer, model_identity,
-                   ModelConfig, ModelError)
-from teacher import encode_prompt, encode_text, prompt_format, question_ids, uses_chat
+import gate
+from cache import (
+    LEVELS,
+    Batch,
+    Budget,
+    CacheFileError,
+    EvictingCache,
+    KVCache,
+    check_cache_file,
+    load_cache,
+    read_header,
+)
+from cli import OFFLINE_DEFAULT, UsageError, parse_device, resolve_model
+from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_model, load_tokenizer, model_identity
+from teacher import KVzipTeacher, encode_prompt, encode_text, prompt_format, question_ids, uses_chat
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 
@@ -370,7 +380,6 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     dtype, device = weight.dtype, weight.device
     if method == "full":
         return KVCache(cfg, dtype, device)
-    import gate
     H = cfg.num_key_value_heads
     if method == "fastkvzip":
         if gates is None:
@@ -449,7 +458,6 @@ def check_args(args):
 def read_context(path, what="--context-file"):
     """The text of --context-file (or of the file `what` names), refusing what cannot be a text context with
     one line (cli.decode_text)."""
-    import stat
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
@@ -543,7 +551,6 @@ def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions
     """load_request()'s request dict for a saved cache and the questions asked of it: refused with
     one line when its system prompt is not this prompt format's (another --chat / --thinking: the
     questions would be asked in another format) or when the answers would not fit in the model."""
-    from safetensors import safe_open
     qs = build_inputs(tok, fmt, "", questions)[2]
     with safe_open(str(path), framework="pt") as f:  # the prompt ids: a small tensor of the file
         system = f.get_tensor("ids")[:state["n_protected"]].tolist()
@@ -699,11 +706,9 @@ def run(args):
     gated_files = any(r["cache_state"]["method"] == "fastkvzip" and r["cache_state"].get(
         "decode_tokens_per_head") is not None for r in reqs if "cache_file" in r)
     if (args.method == "fastkvzip" and evicting) or gated_files or args.gate:  # --gate is checked
-        import gate
         method.gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
     model = load_model(folder, device, dtype)
     if args.method == "kvzip" and evicting:
-        from teacher import KVzipTeacher
         method.teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
     # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own
     line_breaks = set() if fmt.postfix else line_break_ids(tok)
@@ -881,7 +886,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    import gate
     cli.main(run, parse_args(argv), ModelError, gate.GateError, CacheFileError)
 
 

@@ -13,7 +13,6 @@ set beside the bytes a full cache holds after the same prefill (generate.full_ca
 (run from the repository root.) Writes OUT/results.json and OUT/results.md.
 """
 import argparse
-import json
 import os
 import statistics
 import sys

@@ -21,8 +21,7 @@ import cli
 import model as M
 from cache import Batch, Budget, CacheFileError, load_cache
 from gate import Gates, save_gate
-from generate import (METHODS, begin_answer, build_inputs, decode_one, make_cache, prefill,
-                      prefill_kvzip, sample)
+from generate import METHODS, begin_answer, build_inputs, decode_one, make_cache, prefill, prefill_kvzip, sample
 from teacher import KVzipTeacher, prompt_format
 from tests.helpers import edit_config, tiny_checkpoint, tiny_tokenizer
 
