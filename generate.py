@@ -741,10 +741,10 @@ def parse_args(argv=None):
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (the authors use 16000)")
     p.add_argument("--window", type=int, default=4096,
                    help="recent context tokens always kept (contexts shorter than one chunk keep their last 2%%)")
-    p.add_argument("--decode-tokens-per-head", "--decode-budget", type=int, default=None, metavar="N",
+    p.add_argument("--decode-tokens-per-head", type=int, default=None, metavar="N",
                    help="during decoding, evict back to this many tokens per compressed head on average "
                         "every 128 tokens (default: keep generated tokens; a count, where --budget is a "
-                        "fraction; --decode-budget is its old name)")
+                        "fraction)")
     p.add_argument("--level", choices=LEVELS, default=None,
                    help="eviction structure: one global threshold over layers x heads (fastkvzip default), "
                         "uniform per layer, or uniform per head (baselines' default)")
