@@ -13,12 +13,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-
-from model import ModelError, default_device
+from safetensors import SafetensorError
 
 
 class UsageError(Exception):
     """Bad input (flags, files, folders): printed by `main` as one line, exit code 2."""
+
+
+class ModelError(Exception):
+    """Bad model input (folder, config, weights); the message is one line that says how to fix it."""
 
 
 class WriteError(UsageError):
@@ -96,7 +99,6 @@ def _legacy_encoding(data):
 def _write_failure(e):
     """The reason a write failed, when `e` is a failed write (OSError, or safetensors' own error type,
     which wraps the OS's), else None."""
-    from safetensors import SafetensorError
     if isinstance(e, OSError):
         return e.strerror or str(e)
     if isinstance(e, SafetensorError):  # "Error while serializing: I/O error: No space left on device (os error 28)"
@@ -224,8 +226,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
 
 def _download(repo: str) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
     try:
         folder = Path(snapshot_download(repo, allow_patterns=_HUB_FILES))  # shows its own progress bars
     except GatedRepoError:
@@ -244,6 +245,10 @@ def _download(repo: str) -> Path:
     if not (folder / "config.json").is_file():
         raise ModelError(f"{repo}: the repo has no config.json; is it a transformers checkpoint?")
     return folder
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def parse_device(spec: str | None) -> torch.device:

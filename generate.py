@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -30,11 +31,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import cli
-from cache import Batch, Budget, EvictingCache, KVCache, LEVELS
-from cli import UsageError
-from cli import OFFLINE_DEFAULT, parse_device, resolve_model
-from model import check_dtype, compute_dtype, load_model, load_tokenizer, ModelConfig, ModelError
-from teacher import encode_prompt, encode_text, prompt_format, question_ids, uses_chat
+import gate
+from cache import LEVELS, Batch, Budget, EvictingCache, KVCache
+from cli import OFFLINE_DEFAULT, UsageError, parse_device, resolve_model
+from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_model, load_tokenizer
+from teacher import KVzipTeacher, encode_prompt, encode_text, prompt_format, question_ids, uses_chat
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 
@@ -335,7 +336,6 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     dtype, device = weight.dtype, weight.device
     if method == "full":
         return KVCache(cfg, dtype, device)
-    import gate
     H = cfg.num_key_value_heads
     if method == "fastkvzip":
         if gates is None:
@@ -401,7 +401,6 @@ def check_args(args):
 def read_context(path, what="--context-file"):
     """The text of --context-file (or of the file `what` names), refusing what cannot be a text context with
     one line (cli.decode_text)."""
-    import stat
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
@@ -601,11 +600,9 @@ def run(args):
                     decode_tokens_per_head=args.decode_tokens_per_head)
     evicting = args.decode_tokens_per_head is not None or any(r["budget"].ratio < 1 for r in reqs)
     if (args.method == "fastkvzip" and evicting) or args.gate:  # a --gate given is checked
-        import gate
         method.gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
     model = load_model(folder, device, dtype)
     if args.method == "kvzip" and evicting:
-        from teacher import KVzipTeacher
         method.teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
     # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own
     events = generate_batch(model, reqs, method, args.batch_size if args.batch else 1,
@@ -751,10 +748,10 @@ def parse_args(argv=None):
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (the authors use 16000)")
     p.add_argument("--window", type=int, default=4096,
                    help="recent context tokens always kept (contexts shorter than one chunk keep their last 2%%)")
-    p.add_argument("--decode-tokens-per-head", "--decode-budget", type=int, default=None, metavar="N",
+    p.add_argument("--decode-tokens-per-head", type=int, default=None, metavar="N",
                    help="during decoding, evict back to this many tokens per compressed head on average "
                         "every 128 tokens (default: keep generated tokens; a count, where --budget is a "
-                        "fraction; --decode-budget is its old name)")
+                        "fraction)")
     p.add_argument("--level", choices=LEVELS, default=None,
                    help="eviction structure: one global threshold over layers x heads (fastkvzip default), "
                         "uniform per layer, or uniform per head (baselines' default)")
@@ -771,7 +768,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    import gate
     cli.main(run, parse_args(argv), ModelError, gate.GateError)
 
 
