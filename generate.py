@@ -275,17 +275,17 @@ def load_request(model, req, method=Method(), seed=0, index=0):
 
 
 def generate_batch(model, requests, method=Method(), batch_size=1, stop_ids=(),
-                   answer_stop_ids=None, temperature=0.0, top_p=1.0, seed=0, line_breaks=()):
+                   answer_stop_ids=None, temperature=0.0, top_p=1.0, seed=0, ends_line=None):
     """Answer requests (setup's dicts), at most batch_size decoding at once: each is prefilled when
     it is admitted, then decode() answers it; yields decode's events."""
     reqs = (setup(model, req, method, seed, i) for i, req in enumerate(requests))
     return decode(model, reqs, batch_size, stop_ids, answer_stop_ids, temperature, top_p,
-                  line_breaks)
+                  ends_line)
 
 
 @torch.no_grad()
 def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, temperature=0.0,
-           top_p=1.0, line_breaks=()):
+           top_p=1.0, ends_line=None):
     """The decode loop, for one request or many: each Request's questions are answered in turn from
     its cache, each rolled back afterwards (METHOD.md §11); at most batch_size requests (taken from
     the iterator `requests` as slots free) answer at once, their rows in one cache.Batch, one
@@ -295,9 +295,8 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
     (request.q starts), "token" (request.out[-1]), "answer" (request.answers[-1], before the
     rollback), "done" (request.stats() still readable). answer_stop_ids (default stop_ids) end an
     answer to a question; stop_ids end a continuation of the context (question text "").
-    line_breaks (a base model's one-line answers) end an answer to a question at the first one
-    after text: before any, they are part of the answer (a model that first writes "\\n" goes on
-    to say its answer; taken for the end, they gave empty answers)."""
+    ends_line(answer so far, token) -> bool, for a base model's one-line answers (one_line): also
+    ends an answer to a question."""
     emb = model.model.embed_tokens.weight
     batch = Batch(model.config, emb.dtype, emb.device) if batch_size > 1 else None
     stops = set(stop_ids)
@@ -335,7 +334,7 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
             token = r.sample(temperature, top_p)
             asked = bool(r.questions[r.q][0])
             stop = token in (answer_stops if asked else stops) or (
-                asked and token in line_breaks and any(t not in line_breaks for t in r.out))
+                asked and ends_line is not None and ends_line(r.out, token))
             if not stop:
                 r.out.append(token)
                 yield "token", r
@@ -711,7 +710,7 @@ def run(args):
     if args.method == "kvzip" and evicting:
         method.teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
     # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own
-    line_breaks = set() if fmt.postfix else line_break_ids(tok)
+    ends_line = None if fmt.postfix else one_line(tok)
     if args.save_cache is not None:  # prefill, save, then answer (if asked) from the same cache
         with torch.no_grad():
             r = setup(model, reqs[0], method, args.seed)
@@ -720,11 +719,11 @@ def run(args):
                      budget.chunk_size, budget.window, prefill_seconds=r.prefill_s)
         r.cache_file, r.file_s = args.save_cache, time.perf_counter() - t0
         events = decode(model, [r], 1, cfg.eos_token_ids, cfg.eos_token_ids, args.temperature,
-                        args.top_p, line_breaks)
+                        args.top_p, ends_line)
     else:
         events = generate_batch(model, reqs, method, args.batch_size if args.batch else 1,
                                 cfg.eos_token_ids, cfg.eos_token_ids, args.temperature,
-                                args.top_p, args.seed, line_breaks)
+                                args.top_p, args.seed, ends_line)
     stream = args.batch is None and not args.json
     from tqdm import tqdm
     bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr,
@@ -769,6 +768,15 @@ def line_break_ids(tok):
     answer ends."""
     ids = [encode_text(tok, s) for s in ("\n", "\n\n")]
     return {i[0] for i in ids if len(i) == 1}
+
+
+def one_line(tok):
+    """decode()'s ends_line for a base model's one-line answer: (answer so far, next token) -> it
+    ends at the first line break after text. Line breaks and spaces before any text are part of the
+    answer, not its end: a model that first writes "\\n" goes on to say its answer (taken for the
+    end, they gave empty answers)."""
+    breaks = line_break_ids(tok)
+    return lambda out, token: token in breaks and bool(tok.decode(out).strip())
 
 
 def full_cache_bytes(cache, n_tokens):
@@ -861,10 +869,10 @@ def parse_args(argv=None):
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (the authors use 16000)")
     p.add_argument("--window", type=int, default=4096,
                    help="recent context tokens always kept (contexts shorter than one chunk keep their last 2%%)")
-    p.add_argument("--decode-tokens-per-head", "--decode-budget", type=int, default=None, metavar="N",
+    p.add_argument("--decode-tokens-per-head", type=int, default=None, metavar="N",
                    help="during decoding, evict back to this many tokens per compressed head on average "
                         "every 128 tokens (default: keep generated tokens; a count, where --budget is a "
-                        "fraction; --decode-budget is its old name)")
+                        "fraction)")
     p.add_argument("--level", choices=LEVELS, default=None,
                    help="eviction structure: one global threshold over layers x heads (fastkvzip default), "
                         "uniform per layer, or uniform per head (baselines' default)")
