@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from cli import atomic_path
+from cli import checksum_ok, tensor_bytes, tensors_sha256, write_safetensors
 from kernels import RaggedKV, WindowKV, _ranges
 
 
@@ -179,7 +180,7 @@ class KVCache:
             kv.lens, kv.caps, kv.starts = lens.clone(), lens.clone(), torch.cumsum(lens, 0) - lens
             if sliding:
                 kv.first, kv.ring = tensors[f"layer.{i}.first"].cpu(), bool(spec["ring"])
-        self.n_seen, self.peak_nbytes = int(state["n_seen"]), int(state["peak_nbytes"])
+        self.n_seen, self.peak_nbytes = int(state["n_seen"]), self.nbytes  # this process's peak
 
 
 # -------------------------------------------------------------------------------------------------
@@ -436,7 +437,7 @@ class EvictingCache(KVCache):
         for layer in self.compressed:
             if f"buffer.{layer}" in tensors:
                 self.buffer[layer] = [tensors[f"buffer.{layer}"]]
-        if "scorer.generator" in tensors:
+        if "scorer.generator" in tensors and self.scorer is not None:  # needed to go on scoring
             self.scorer.generator.set_state(tensors["scorer.generator"].cpu())
 
     # -- what was kept --
@@ -633,8 +634,6 @@ class HeadSlice:
 # every byte before it.
 
 CACHE_FORMAT, CACHE_VERSION = "fastkvzip-kv-cache", 1
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-           torch.uint8: "U8"}
 
 
 class CacheFileError(Exception):
@@ -642,52 +641,8 @@ class CacheFileError(Exception):
     format version, a truncated or corrupt file): one line, nothing loaded."""
 
 
-def tensors_sha256(tensors):
-    """One sha256 of named tensors (names, dtypes, shapes, bytes; name order): a gate's identity."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(f"{name}\t{t.dtype}\t{tuple(t.shape)}\n".encode())
-        h.update(_bytes(t))
-    return h.hexdigest()
-
-
 def _ids_sha256(ids):
-    return hashlib.sha256(_bytes(ids.to(torch.int64))).hexdigest()
-
-
-def _bytes(t):
-    """A tensor's bytes (little-endian, as safetensors stores them) as a buffer (no copy on CPU)."""
-    t = t.detach().contiguous().cpu()
-    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-
-
-def write_safetensors(path, tensors, metadata):
-    """A safetensors file written by hand, so that it streams tensor by tensor (one tensor at a time
-    on the host, from a GPU) and ends in a "checksum" tensor: the sha256 of every byte before it.
-    Tensors lie by element size, largest first, so each starts aligned to its element; the header is
-    padded to 8 bytes. Atomic: written beside `path`, then renamed (cli.atomic_path)."""
-    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header, offset = {}, 0
-    for name in names:
-        t = tensors[name]
-        n = t.numel() * t.element_size()
-        header[name] = dict(dtype=_DTYPES[t.dtype], shape=list(t.shape),
-                            data_offsets=[offset, offset + n])
-        offset += n
-    header["checksum"] = dict(dtype="U8", shape=[32], data_offsets=[offset, offset + 32])
-    header["__metadata__"] = metadata
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            digest = hashlib.sha256()
-            for chunk in [struct.pack("<Q", len(head)), head] + [_bytes(tensors[n]) for n in names]:
-                f.write(chunk)
-                digest.update(chunk)
-            f.write(digest.digest())
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it visible
+    return hashlib.sha256(tensor_bytes(ids.to(torch.int64))).hexdigest()
 
 
 def read_header(path):
@@ -727,16 +682,20 @@ def read_header(path):
     return header, state
 
 
-def verify_checksum(path):
-    """Hash every byte of the file but the last 32 and compare with them: a flipped bit anywhere."""
-    with open(path, "rb") as f:
-        h, left = hashlib.sha256(), os.fstat(f.fileno()).st_size - 32
-        while left > 0:
-            chunk = f.read(min(left, 16 << 20))
-            h.update(chunk)
-            left -= len(chunk)
-        if h.digest() != f.read(32):
-            raise CacheFileError(f"cache file {path} is corrupt (its checksum does not match)")
+def check_cache_file(path, identity, dtype):
+    """The state of cache file `path` (read_header), refused unless made by the model of this
+    identity (model.model_identity) in `dtype`: what a caller checks before the weights load."""
+    _, state = read_header(path)
+    for key, what in (("config_sha256", "another model (another config.json)"),
+                      ("weights_sha256", "another model (other weights, the same config)"),
+                      ("tokenizer_sha256", "another tokenizer")):
+        if state["model"].get(key) != identity.get(key):
+            raise CacheFileError(f"cache file {path} was made by {what}: not answered from here")
+    dtype = str(dtype).removeprefix("torch.")
+    if state["dtype"] != dtype:
+        raise CacheFileError(f"cache file {path} holds {state['dtype']} keys and values, the model "
+                             f"runs in {dtype}: load the model in {state['dtype']}")
+    return state
 
 
 def load_cache(path, model, scorer=None, verify=True):
@@ -746,22 +705,11 @@ def load_cache(path, model, scorer=None, verify=True):
     corrupt (verify: the file's sha256, about a second per GB). scorer: what scores decoded tokens,
     for a cache saved with decode-time eviction: the same kind, and for the gate the same gate.
     -> (cache, info): info holds the prompt ids, n_protected, last_logits, what made the cache
-    (method, budget, chunk_size, window, plan, prefill_seconds), kv_bytes, file_bytes and
-    load_seconds."""
-    from safetensors import SafetensorError, safe_open
+    (method, budget, chunk_size, window, plan, prefill_seconds, prefill_peak_kv_bytes,
+    decode_tokens_per_head), kv_bytes, file_bytes and load_seconds."""
     t0 = time.perf_counter()
-    header, state = read_header(path)
     weight = model.model.embed_tokens.weight
-    mine = getattr(model, "identity", None) or {}
-    for key, what in (("config_sha256", "another model (another config.json)"),
-                      ("weights_sha256", "another model (other weights, the same config)"),
-                      ("tokenizer_sha256", "another tokenizer")):
-        if state["model"].get(key) != mine.get(key):
-            raise CacheFileError(f"cache file {path} was made by {what}: not answered from here")
-    dtype = str(weight.dtype).removeprefix("torch.")
-    if state["dtype"] != dtype:
-        raise CacheFileError(f"cache file {path} holds {state['dtype']} keys and values, the model "
-                             f"runs in {dtype}: load the model in {state['dtype']}")
+    state = check_cache_file(path, getattr(model, "identity", None) or {}, weight.dtype)
     evicting = state["cache"] == "EvictingCache"
     if evicting and state["decode_tokens_per_head"] is not None:
         if scorer is None or type(scorer).__name__ != state["scorer"]:
@@ -772,8 +720,8 @@ def load_cache(path, model, scorer=None, verify=True):
         if gates is not None and tensors_sha256(gates.state_dict()) != state["gate_sha256"]:
             raise CacheFileError(f"cache file {path} was made with another gate (gate sha256 "
                                  f"{state['gate_sha256'][:12]}): give that gate")
-    if verify:
-        verify_checksum(path)
+    if verify and not checksum_ok(path):
+        raise CacheFileError(f"cache file {path} is corrupt (its checksum does not match)")
     try:
         with safe_open(str(path), framework="pt", device=str(weight.device)) as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
@@ -795,8 +743,10 @@ def load_cache(path, model, scorer=None, verify=True):
         cache._restore(tensors, state)
     except (KeyError, CacheFileError) as e:
         raise CacheFileError(f"cache file {path} does not fit the model: {e}") from None
-    info = {k: state[k] for k in ("method", "budget", "chunk_size", "window", "plan", "n_context",
-                                  "n_protected", "prefill_seconds")}
+    info = {k: state.get(k) for k in ("method", "budget", "chunk_size", "window", "plan",
+                                      "n_context", "n_protected", "prefill_seconds",
+                                      "decode_tokens_per_head")}
+    info["prefill_peak_kv_bytes"] = state["peak_nbytes"]
     info.update(ids=ids.tolist(), last_logits=tensors["last_logits"], kv_bytes=cache.nbytes,
                 file_bytes=os.path.getsize(path), load_seconds=time.perf_counter() - t0)
     return cache, info

@@ -1,24 +1,30 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with exit
 code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how to
-resume, outputs written atomically, one rule for what counts as text, and matplotlib for --plot."""
+resume, outputs written atomically (safetensors too: streamed, with a checksum), one rule for what
+counts as text, and matplotlib for --plot."""
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import re
 import signal
+import struct
 import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-
-from model import ModelError, default_device
+from safetensors import SafetensorError
 
 
 class UsageError(Exception):
     """Bad input (flags, files, folders): printed by `main` as one line, exit code 2."""
+
+
+class ModelError(Exception):
+    """Bad model input (folder, config, weights); the message is one line that says how to fix it."""
 
 
 class WriteError(UsageError):
@@ -96,7 +102,6 @@ def _legacy_encoding(data):
 def _write_failure(e):
     """The reason a write failed, when `e` is a failed write (OSError, or safetensors' own error type,
     which wraps the OS's), else None."""
-    from safetensors import SafetensorError
     if isinstance(e, OSError):
         return e.strerror or str(e)
     if isinstance(e, SafetensorError):  # "Error while serializing: I/O error: No space left on device (os error 28)"
@@ -146,6 +151,68 @@ def tree_sha256(files: list[Path], root: Path) -> str:
     so the two can be compared: same hash, same bytes under the same names."""
     lines = sorted(f"{Path(f).relative_to(root).as_posix()}\t{file_sha256(Path(f))}\n" for f in files)
     return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+# safetensors written by hand: streamed tensor by tensor, ending in a checksum (cache.KVCache.save)
+_ST_DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
+              "torch.int64": "I64", "torch.uint8": "U8"}
+
+
+def tensor_bytes(t):
+    """A tensor's bytes (little-endian, as safetensors stores them) as a buffer (no copy on CPU)."""
+    import torch  # only the callers that hold tensors pay for it
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
+def tensors_sha256(tensors):
+    """One sha256 of named tensors (names, dtypes, shapes, bytes; name order): a gate's identity."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}\t{t.dtype}\t{tuple(t.shape)}\n".encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def write_safetensors(path, tensors, metadata):
+    """A safetensors file written by hand, so that it streams tensor by tensor (one tensor at a time
+    on the host, from a GPU) and ends in a "checksum" tensor: the sha256 of every byte before it
+    (checksum_ok). Tensors lie by element size, largest first, so each starts aligned to its
+    element; the header is padded to 8 bytes. Atomic (atomic_path): a failed write leaves no file."""
+    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header, offset = {}, 0
+    for name in names:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = dict(dtype=_ST_DTYPES[str(t.dtype)], shape=list(t.shape),
+                            data_offsets=[offset, offset + n])
+        offset += n
+    header["checksum"] = dict(dtype="U8", shape=[32], data_offsets=[offset, offset + 32])
+    header["__metadata__"] = metadata
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            digest = hashlib.sha256()
+            head = [struct.pack("<Q", len(head)), head]
+            for chunk in itertools.chain(head, (tensor_bytes(tensors[n]) for n in names)):
+                f.write(chunk)
+                digest.update(chunk)
+            f.write(digest.digest())
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+
+
+def checksum_ok(path):
+    """Whether the last 32 bytes of a write_safetensors file are the sha256 of all bytes before."""
+    with open(path, "rb") as f:
+        h, left = hashlib.sha256(), os.fstat(f.fileno()).st_size - 32
+        while left > 0:
+            chunk = f.read(min(left, 16 << 20))
+            h.update(chunk)
+            left -= len(chunk)
+        return h.digest() == f.read(32)
 
 
 def floats(s):
@@ -224,8 +291,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
 
 def _download(repo: str) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
     try:
         folder = Path(snapshot_download(repo, allow_patterns=_HUB_FILES))  # shows its own progress bars
     except GatedRepoError:
@@ -244,6 +310,10 @@ def _download(repo: str) -> Path:
     if not (folder / "config.json").is_file():
         raise ModelError(f"{repo}: the repo has no config.json; is it a transformers checkpoint?")
     return folder
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def parse_device(spec: str | None) -> torch.device:

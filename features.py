@@ -12,6 +12,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import socket
 import struct
 import sys
@@ -19,12 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 import cli
 from cli import UsageError, tree_sha256
+from gate import bundled_gate_path, gate_metadata
 from model import DTYPES, load_model
-from teacher import encode_text
+from teacher import KVzipTeacher, encode_text
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
 FINEWEB_FILE = "sample/10BT/000_00000.parquet"   # first shard of the sample-10BT config
@@ -159,7 +163,6 @@ def note_bundled_corpus(model_name, data_hash):
     """One line when the model has a bundled gate: whether --data is the text that gate was trained
     on (its metadata's training.data_sha256), i.e. whether the gate's recorded command reproduces it
     exactly."""
-    from gate import bundled_gate_path, gate_metadata
     path = bundled_gate_path(model_name)
     if not path.is_file():
         return
@@ -287,9 +290,6 @@ def write_shard(path, hidden, scores, meta):
     """Atomically: write into partial_dir(path), then rename (a killed run never leaves half a shard
     where a shard is expected; the next run sweeps what it left, sweep_temporaries). The metadata
     records the sha256 of each tensor's bytes, which a resumed run checks (shard_problem)."""
-    import shutil
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
     tensors = {"hidden": hidden.detach().cpu().contiguous(),
                "scores": scores.detach().cpu().contiguous()}
     # the bytes safetensors writes: the tensor's own, little-endian as torch holds them on x86, ARM
@@ -302,7 +302,7 @@ def write_shard(path, hidden, scores, meta):
     try:
         # one metadata entry: safetensors writes several in no fixed order, and a resumed run must
         # produce byte-identical files
-        save_file(tensors, str(tmp), metadata={"document": json.dumps(meta, sort_keys=True)})
+        safetensors.torch.save_file(tensors, str(tmp), metadata={"document": json.dumps(meta, sort_keys=True)})
         os.chmod(tmp, 0o644)  # safetensors writes 0600
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk, above all
@@ -318,7 +318,6 @@ def sweep_temporaries(out, docs, rank):
     (no other rank writes those), and on rank 0 the temporary files beside the gate and the json
     outputs (safetensors' .tmpXXXXXX of a killed gate write, cli.atomic_path's .NAME.tmpPID). Says
     how much disk it freed."""
-    import shutil
     found = [partial_dir(shard_path(out, i)) for i in docs]
     if rank == 0 and Path(out).is_dir():
         found += [p for p in Path(out).iterdir()
@@ -437,7 +436,6 @@ def extract_features(out, model_folder, dtype, device, docs, fmt, tokenizer, tea
         todo.append(i)
     if not todo:
         return
-    from teacher import KVzipTeacher
     model = load_model(model_folder, device, dtype)
     teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=teacher_chunk,
                            prefill_chunk=prefill_chunk, softmax_dtype=teacher_softmax)
@@ -484,9 +482,8 @@ class FeatureStore:
         missing = [str(p) for p in paths if not p.exists()]
         assert not missing, f"missing feature shards: {missing[:3]}"
         self.hidden = [_mmap_tensor(p, "hidden") for p in paths]
-        from safetensors.torch import load_file
         # (L, H, N)
-        self.scores = torch.cat([load_file(str(p))["scores"].float() for p in paths], dim=-1)
+        self.scores = torch.cat([safetensors.torch.load_file(str(p))["scores"].float() for p in paths], dim=-1)
         lens = torch.tensor([h.shape[1] for h in self.hidden])
         self.starts = torch.cumsum(lens, 0) - lens
         # held-out whole documents (none with --val-docs 0)

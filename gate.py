@@ -20,19 +20,22 @@ Sections, method first:
 3. Gate files: our format (safetensors + JSON metadata), the authors' released `.pt` files (read without
    unpickling code), and `resolve_gate` (explicit path → bundled gate → the authors' released gate).
 """
+import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import stat
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from cli import ALIASES, atomic_path
-
 
 
 class GateError(Exception):
@@ -395,7 +398,6 @@ def save_gate(path, gates, meta=None, curves=None):
         with atomic_path(path) as tmp:
             torch.save(obj, tmp)
         return
-    from safetensors.torch import save_file
     tensors = {f"layers.{l}.{key}": t.to("cpu").clone().contiguous()  # clone: no shared storage
                for l in range(gates.n_layers) for key, t in gates.layer_state_dict(l).items()}
     header = dict(meta or {})
@@ -403,18 +405,16 @@ def save_gate(path, gates, meta=None, curves=None):
                   n_kv_heads=gates.n_kv_heads, group=gates.group, dim=gates.dim, sinks=gates.sinks,
                   dtype=str(gates.dtype).removeprefix("torch."), bias="added once")
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt", "fastkvzip": json.dumps(header)})
+        safetensors.torch.save_file(tensors, str(tmp), metadata={"format": "pt", "fastkvzip": json.dumps(header)})
 
 
 def gate_metadata(path):
     """The JSON metadata of one of our gate files, without reading its tensors ({} if it has none)."""
-    from safetensors import safe_open
     with safe_open(str(path), framework="pt") as f:
         return json.loads((f.metadata() or {}).get("fastkvzip", "{}"))
 
 
 def _read_safetensors(path):
-    from safetensors import safe_open
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("fastkvzip", "{}"))
@@ -457,7 +457,6 @@ def _read_authors_pt(path):
     """The authors' released file (METHOD.md §2): torch.save({"module": [state dict per gate layer],
     "loss": ..., "acc": ...}). Loaded with weights_only=True: a pickle that would import anything beyond
     tensors, containers and numpy arrays is refused before it can run."""
-    import pickle
     try:
         with torch.serialization.safe_globals(_numpy_safe_globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -553,7 +552,6 @@ def tensors_sha256(path):
 
 
 def _tensors_sha256(layers):
-    import hashlib
     h = hashlib.sha256()
     for i, layer in enumerate(layers):  # each tensor: its layer, key, dtype, shape, then its bytes
         for key in sorted(layer):

@@ -16,6 +16,10 @@ CPU example (the offline Gemma 3 270M, converted from PyPI on first use; the fir
       (a line: {"context_file": "examples/persuasion-chapter-1.txt",
                 "questions": ["How old is Elizabeth?"]}; a relative context_file is read from the
        batch file's folder)
+Compress once, answer later (METHOD.md §8.1; in --batch, a line {"cache_file": "ch1.kv", ...}):
+    python generate.py --context-file examples/persuasion-chapter-1.txt --save-cache ch1.kv \
+        --max-new-tokens 0    # compress and save only: no question
+    python generate.py --load-cache ch1.kv --question "How old is Elizabeth?" --max-new-tokens 8
 Full-size example (GPU, a released gate is fetched from the hub):
     python generate.py --model qwen3-8b --context-file doc.txt --question "..." --budget 0.3
 """
@@ -23,18 +27,30 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
+from safetensors import safe_open
 
 import cli
-from cache import Batch, Budget, EvictingCache, KVCache, LEVELS
-from cli import UsageError
-from cli import OFFLINE_DEFAULT, parse_device, resolve_model
-from model import check_dtype, compute_dtype, load_model, load_tokenizer, ModelConfig, ModelError
-from teacher import encode_prompt, encode_text, prompt_format, question_ids, uses_chat
+import gate
+from cache import (
+    LEVELS,
+    Batch,
+    Budget,
+    CacheFileError,
+    EvictingCache,
+    KVCache,
+    check_cache_file,
+    load_cache,
+    read_header,
+)
+from cli import OFFLINE_DEFAULT, UsageError, parse_device, resolve_model
+from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_model, load_tokenizer, model_identity
+from teacher import KVzipTeacher, encode_prompt, encode_text, prompt_format, question_ids, uses_chat
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 
@@ -162,6 +178,9 @@ class Request:
     prefill_s: float = 0.0
     kv_bytes: int = 0  # held after prefill
     peak_kv_bytes: int = 0
+    source: str = "prefill"  # where the cache came from: "prefill", or "file" (load_cache)
+    cache_file: str = None  # the file it was loaded from, or saved to (--save-cache)
+    file_s: float = None  # seconds the load (or the save) took
     q: int = -1  # the question being answered
     out: list = None  # its answer so far; None between answers
     state: dict = None  # the cache's checkpoint from before the question
@@ -197,7 +216,11 @@ class Request:
                     n_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window,
                     sliding_layers=[i for i in range(cfg.num_hidden_layers)
                                     if cfg.window(i) is not None and i not in compressed],
-                    prefill_seconds=self.prefill_s, prefill_tokens_per_s=n / self.prefill_s,
+                    prefill_seconds=self.prefill_s,
+                    prefill_tokens_per_s=n / self.prefill_s if self.prefill_s else None,
+                    cache_source=self.source, cache_file=self.cache_file,
+                    load_seconds=self.file_s if self.source == "file" else None,
+                    save_seconds=self.file_s if self.source != "file" else None,
                     decode_tokens_per_s=self.n_steps / self.decode_s if self.n_steps else None,
                     kv_bytes=self.kv_bytes, kv_bytes_full=full_cache_bytes(cache, n),
                     peak_kv_bytes=self.peak_kv_bytes,
@@ -211,6 +234,8 @@ def setup(model, req, method=Method(), seed=0, index=0):
     "n_protected": system prompt length, "questions": [(text, ids)], "budget": a cache.Budget,
     "max_new_tokens"} -> a Request whose cache for `method` is prefilled alone. Budget 1.0 without
     decode-time eviction keeps every pair: the full cache, no scorer (and no gate) needed."""
+    if "cache_file" in req:
+        return load_request(model, req, method, seed, index)
     ids, n_protected, budget = req["ids"], req["n_protected"], req["budget"]
     keeps_all = budget.ratio == 1.0 and method.decode_tokens_per_head is None
     name = "full" if keeps_all else method.name
@@ -230,18 +255,37 @@ def setup(model, req, method=Method(), seed=0, index=0):
                    peak_kv_bytes=cache.peak_nbytes)
 
 
+def load_request(model, req, method=Method(), seed=0, index=0):
+    """setup() for a request whose cache was saved (KVCache.save): req {"cache_file", "questions",
+    "max_new_tokens"}. The file decides what its prefill did (method, budget, decode-time eviction);
+    `method` only lends the scorer that goes on evicting while decoding (the same gate)."""
+    path, state = req["cache_file"], req.get("cache_state") or {}
+    scorer = None
+    if state.get("decode_tokens_per_head") is not None:  # the file checks it is the scorer it had
+        scorer = make_cache(state["method"], model, method.model_name, state["n_protected"],
+                            decode_tokens_per_head=state["decode_tokens_per_head"], seed=seed,
+                            gates=method.gates).scorer
+    cache, info = load_cache(path, model, scorer)
+    return Request(cache, req["questions"], req["max_new_tokens"], info["last_logits"],
+                   torch.Generator().manual_seed(seed), index=index, ids=info["ids"],
+                   n_protected=info["n_protected"], method=info["method"] or "full",
+                   budget=info["budget"] or 1.0, prefill_s=None, kv_bytes=cache.nbytes,
+                   peak_kv_bytes=cache.peak_nbytes, source="file", cache_file=str(path),
+                   file_s=info["load_seconds"])
+
+
 def generate_batch(model, requests, method=Method(), batch_size=1, stop_ids=(),
-                   answer_stop_ids=None, temperature=0.0, top_p=1.0, seed=0, line_breaks=()):
+                   answer_stop_ids=None, temperature=0.0, top_p=1.0, seed=0, ends_line=None):
     """Answer requests (setup's dicts), at most batch_size decoding at once: each is prefilled when
     it is admitted, then decode() answers it; yields decode's events."""
     reqs = (setup(model, req, method, seed, i) for i, req in enumerate(requests))
     return decode(model, reqs, batch_size, stop_ids, answer_stop_ids, temperature, top_p,
-                  line_breaks)
+                  ends_line)
 
 
 @torch.no_grad()
 def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, temperature=0.0,
-           top_p=1.0, line_breaks=()):
+           top_p=1.0, ends_line=None):
     """The decode loop, for one request or many: each Request's questions are answered in turn from
     its cache, each rolled back afterwards (METHOD.md §11); at most batch_size requests (taken from
     the iterator `requests` as slots free) answer at once, their rows in one cache.Batch, one
@@ -251,9 +295,8 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
     (request.q starts), "token" (request.out[-1]), "answer" (request.answers[-1], before the
     rollback), "done" (request.stats() still readable). answer_stop_ids (default stop_ids) end an
     answer to a question; stop_ids end a continuation of the context (question text "").
-    line_breaks (a base model's one-line answers) end an answer to a question at the first one
-    after text: before any, they are part of the answer (a model that first writes "\\n" goes on
-    to say its answer; taken for the end, they gave empty answers)."""
+    ends_line(answer so far, token) -> bool, for a base model's one-line answers (one_line): also
+    ends an answer to a question."""
     emb = model.model.embed_tokens.weight
     batch = Batch(model.config, emb.dtype, emb.device) if batch_size > 1 else None
     stops = set(stop_ids)
@@ -291,7 +334,7 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
             token = r.sample(temperature, top_p)
             asked = bool(r.questions[r.q][0])
             stop = token in (answer_stops if asked else stops) or (
-                asked and token in line_breaks and any(t not in line_breaks for t in r.out))
+                asked and ends_line is not None and ends_line(r.out, token))
             if not stop:
                 r.out.append(token)
                 yield "token", r
@@ -336,7 +379,6 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     dtype, device = weight.dtype, weight.device
     if method == "full":
         return KVCache(cfg, dtype, device)
-    import gate
     H = cfg.num_key_value_heads
     if method == "fastkvzip":
         if gates is None:
@@ -362,6 +404,19 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
 
 def check_args(args):
     """Everything about the flags that can be checked before anything is read or loaded."""
+    if args.load_cache is not None:
+        flags = (("--prompt", args.prompt), ("--context-file", args.context_file),
+                 ("--budget", args.budget), ("--batch", args.batch),
+                 ("--save-cache", args.save_cache), ("--level", args.level),
+                 ("--decode-tokens-per-head", args.decode_tokens_per_head))
+        given = [f for f, v in flags if v is not None]
+        if given:
+            where = ' (in --batch: a line {"cache_file": ...})' if given[0] == "--batch" else ""
+            raise UsageError(f"--load-cache answers from a cache made with its context, budget and "
+                             f"method: drop {given[0]}{where}")
+    if args.save_cache is not None and args.batch is not None:
+        raise UsageError("--save-cache saves one context's cache: drop --batch (or run each alone)")
+    args.budget = 0.3 if args.budget is None else args.budget
     if not 0 < args.budget <= 1:  # also refuses nan
         raise UsageError(f"--budget must be in (0, 1] (the fraction of context KV pairs kept), got {args.budget}")
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 0), ("--chunk-size", args.chunk_size, 1),
@@ -402,7 +457,6 @@ def check_args(args):
 def read_context(path, what="--context-file"):
     """The text of --context-file (or of the file `what` names), refusing what cannot be a text context with
     one line (cli.decode_text)."""
-    import stat
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
@@ -432,7 +486,7 @@ def build_inputs(tok, fmt, context, questions=None):
     return system + encode_text(tok, context), len(system), qs
 
 
-REQUEST_KEYS = ("context", "context_file", "questions", "budget", "max_new_tokens")
+REQUEST_KEYS = ("context", "context_file", "cache_file", "questions", "budget", "max_new_tokens")
 
 
 def make_request(tok, fmt, context, questions, budget, max_new_tokens, max_positions, where="",
@@ -492,11 +546,31 @@ def check_text(text, what):
                          f"half of a UTF-16 pair: not text") from None
 
 
-def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, method="full"):
+def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions, where):
+    """load_request()'s request dict for a saved cache and the questions asked of it: refused with
+    one line when its system prompt is not this prompt format's (another --chat / --thinking: the
+    questions would be asked in another format) or when the answers would not fit in the model."""
+    qs = build_inputs(tok, fmt, "", questions)[2]
+    with safe_open(str(path), framework="pt") as f:  # the prompt ids: a small tensor of the file
+        system = f.get_tensor("ids")[:state["n_protected"]].tolist()
+    if system != encode_prompt(tok, fmt.system):
+        raise UsageError(f"{where} {path} was made with another prompt format (its system prompt "
+                         "differs): pass the --chat / --thinking it was made with")
+    longest = state["n_seen"] + max(len(q) for _, q in qs) + max_new_tokens
+    if longest > max_positions:
+        raise UsageError(f"{where} {path}: its {state['n_seen']} tokens + question + max new "
+                         f"tokens = {longest} exceed the model's maximum of {max_positions}")
+    return dict(cache_file=path, cache_state=state, questions=qs, max_new_tokens=max_new_tokens)
+
+
+def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, method="full",
+                  from_file=None):
     """--batch FILE: one JSON object a line -> setup()'s requests, every line checked before any
     model work; a bad one is a UsageError naming its line. budget (a cache.Budget) and
     max_new_tokens: the flags, the defaults; method: what will score the KV pairs (check_window).
-    A relative context_file is read from the batch file's folder."""
+    A relative context_file (or cache_file) is read from the batch file's folder. from_file(path,
+    questions, max_new_tokens, where): the request of a "cache_file" line (a saved cache, checked
+    against the model)."""
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
             # lines end at "\n" (and "\r\n") only: JSON strings may hold U+2028 or U+0085 as
@@ -522,13 +596,22 @@ def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, method=
         unknown = sorted(set(obj) - set(REQUEST_KEYS))
         if unknown:
             raise UsageError(f"{where}: unknown key {unknown[0]!r} (expected {', '.join(REQUEST_KEYS)})")
-        if ("context" in obj) == ("context_file" in obj):
-            raise UsageError(f"{where}: give exactly one of \"context\" (the text) or \"context_file\" (a path)")
+        if sum(k in obj for k in ("context", "context_file", "cache_file")) != 1:
+            raise UsageError(f"{where}: give exactly one of \"context\" (the text), "
+                             f"\"context_file\" (a path) or \"cache_file\" (a saved cache)")
+        if "cache_file" in obj and "budget" in obj:
+            raise UsageError(f"{where}: a \"cache_file\" was compressed at the budget it was made "
+                             f"with: drop \"budget\"")
+        if "cache_file" in obj and not isinstance(obj["cache_file"], str):
+            raise UsageError(f"{where}: \"cache_file\" must be a path (a string)")
+        context = None
         if "context" in obj:
             context = obj["context"]
             if not isinstance(context, str) or not context.strip():
                 raise UsageError(f"{where}: \"context\" must be a non-empty string")
             check_text(context, f"{where}: \"context\"")
+        elif "cache_file" in obj:
+            pass
         elif not isinstance(obj["context_file"], str):
             raise UsageError(f"{where}: \"context_file\" must be a path (a string)")
         else:
@@ -546,6 +629,10 @@ def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, method=
         r_new = obj.get("max_new_tokens", max_new_tokens)
         if isinstance(r_new, bool) or not isinstance(r_new, int) or r_new < 0:
             raise UsageError(f"{where}: \"max_new_tokens\" must be an integer >= 0, got {r_new!r}")
+        if "cache_file" in obj:  # a relative path from the batch file's folder, as context_file
+            file = os.path.join(folder, os.path.expanduser(obj["cache_file"]))
+            reqs.append(from_file(file, questions, r_new, f"{where}: cache_file"))
+            continue
         r_budget = replace(budget, ratio=float(r_budget))
         reqs.append(make_request(tok, fmt, context, questions, r_budget, r_new, max_positions,
                                  f"{where}: ", "max_new_tokens", method))
@@ -579,7 +666,7 @@ def run(args):
     device = parse_device(args.device)
     budget = Budget(args.budget, args.chunk_size, args.window)
     context, questions = args.prompt, args.question
-    if args.batch is None and context is None:
+    if args.batch is None and context is None and args.load_cache is None:
         path = args.context_file
         if not path:  # nothing given: the README's first command, at these flags
             path, questions = EXAMPLE[0], questions or [EXAMPLE[1]]
@@ -590,29 +677,53 @@ def run(args):
     if context is not None and not context.strip():
         raise UsageError("--prompt is empty: there is no context to continue")
     # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes
-    folder, cfg, tok, dtype, fmt = model_setup(args.model, args.dtype, args.chat, args.thinking,
-                                               device)
+    dtype = args.dtype
+    if args.load_cache is not None and dtype is None:  # the dtype the cache holds, unless asked
+        dtype = read_header(args.load_cache)[1]["dtype"]
+    folder, cfg, tok, dtype, fmt = model_setup(args.model, dtype, args.chat, args.thinking, device)
     n_pos = cfg.max_position_embeddings
+    identity = {}
+
+    def from_file(path, questions, max_new_tokens, where="--load-cache"):
+        identity.update(identity or model_identity(folder))  # a sample of the weights: once
+        return file_request(tok, fmt, path, check_cache_file(path, identity, dtype), questions,
+                            max_new_tokens, n_pos, where)
+
     if args.batch is not None:
-        reqs = read_requests(args.batch, tok, fmt, n_pos, budget, args.max_new_tokens, args.method)
+        reqs = read_requests(args.batch, tok, fmt, n_pos, budget, args.max_new_tokens, args.method,
+                             from_file)
+    elif args.load_cache is not None:
+        reqs = [from_file(args.load_cache, questions, args.max_new_tokens)]
     else:
         reqs = [make_request(tok, fmt, context, questions, budget, args.max_new_tokens, n_pos,
                              method=args.method)]
     method = Method(args.method, args.model, level=args.level,
                     decode_tokens_per_head=args.decode_tokens_per_head)
-    evicting = args.decode_tokens_per_head is not None or any(r["budget"].ratio < 1 for r in reqs)
-    if (args.method == "fastkvzip" and evicting) or args.gate:  # a --gate given is checked
-        import gate
+    prefills = [r for r in reqs if "cache_file" not in r]
+    evicting = any(args.decode_tokens_per_head is not None or r["budget"].ratio < 1
+                   for r in prefills)
+    gated_files = any(r["cache_state"]["method"] == "fastkvzip" and r["cache_state"].get(
+        "decode_tokens_per_head") is not None for r in reqs if "cache_file" in r)
+    if (args.method == "fastkvzip" and evicting) or gated_files or args.gate:  # --gate is checked
         method.gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
     model = load_model(folder, device, dtype)
     if args.method == "kvzip" and evicting:
-        from teacher import KVzipTeacher
         method.teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
     # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own
-    line_breaks = set() if fmt.postfix else line_break_ids(tok)
-    events = generate_batch(model, reqs, method, args.batch_size if args.batch else 1,
-                            cfg.eos_token_ids, cfg.eos_token_ids, args.temperature, args.top_p,
-                            args.seed, line_breaks)
+    ends_line = None if fmt.postfix else one_line(tok)
+    if args.save_cache is not None:  # prefill, save, then answer (if asked) from the same cache
+        with torch.no_grad():
+            r = setup(model, reqs[0], method, args.seed)
+        t0 = time.perf_counter()
+        r.cache.save(args.save_cache, model, r.ids, r.logits, r.n_protected, r.method, r.budget,
+                     budget.chunk_size, budget.window, prefill_seconds=r.prefill_s)
+        r.cache_file, r.file_s = args.save_cache, time.perf_counter() - t0
+        events = decode(model, [r], 1, cfg.eos_token_ids, cfg.eos_token_ids, args.temperature,
+                        args.top_p, ends_line)
+    else:
+        events = generate_batch(model, reqs, method, args.batch_size if args.batch else 1,
+                                cfg.eos_token_ids, cfg.eos_token_ids, args.temperature,
+                                args.top_p, args.seed, ends_line)
     stream = args.batch is None and not args.json
     from tqdm import tqdm
     bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr,
@@ -659,6 +770,15 @@ def line_break_ids(tok):
     return {i[0] for i in ids if len(i) == 1}
 
 
+def one_line(tok):
+    """decode()'s ends_line for a base model's one-line answer: (answer so far, next token) -> it
+    ends at the first line break after text. Line breaks and spaces before any text are part of the
+    answer, not its end: a model that first writes "\\n" goes on to say its answer (taken for the
+    end, they gave empty answers)."""
+    breaks = line_break_ids(tok)
+    return lambda out, token: token in breaks and bool(tok.decode(out).strip())
+
+
 def full_cache_bytes(cache, n_tokens):
     """What a full cache would hold after prefilling n_tokens: every token in every full-attention
     layer, and the same rolling window as ours in sliding layers."""
@@ -699,8 +819,13 @@ def summary_line(s):
             f"KV held {mib(s['kv_bytes'])} of {mib(s['kv_bytes_full'])} MiB full "
             f"({s['kv_bytes'] / s['kv_bytes_full']:.0%}), peak {mib(s['peak_kv_bytes'])} MiB")
     dec = f", decode {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] else ""
-    return (f"[{s['method']}] {s['context_tokens']} context tokens: {kept}; {held}; prefill "
-            f"{s['prefill_seconds']:.1f} s ({s['prefill_tokens_per_s']:.0f} tok/s){dec}")
+    if s.get("cache_source") == "file":  # no prefill here: the cache was compressed before
+        made = f"loaded from {s['cache_file']} in {s['load_seconds']:.2f} s, no prefill"
+    else:
+        made = f"prefill {s['prefill_seconds']:.1f} s ({s['prefill_tokens_per_s']:.0f} tok/s)"
+        if s.get("cache_file"):
+            made += f", saved to {s['cache_file']} in {s['save_seconds']:.2f} s"
+    return f"[{s['method']}] {s['context_tokens']} context tokens: {kept}; {held}; {made}{dec}"
 
 
 SHADES = " ░▒▓█"
@@ -737,17 +862,17 @@ def parse_args(argv=None):
                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU, where bf16 is ~4x slower without bf16 units)")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, answers, stats)")
     p.add_argument("--method", choices=METHODS, default="fastkvzip", help="what scores the KV pairs")
-    p.add_argument("--budget", type=float, default=0.3,
+    p.add_argument("--budget", type=float, default=None,
                    help="fraction r of the context's KV pairs kept in the compressed layers, window included "
                         "(default 0.3; 1.0 = no eviction)")
     p.add_argument("--gate", help="gate file (default: the bundled gate, or the authors' released gate)")
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (the authors use 16000)")
     p.add_argument("--window", type=int, default=4096,
                    help="recent context tokens always kept (contexts shorter than one chunk keep their last 2%%)")
-    p.add_argument("--decode-tokens-per-head", "--decode-budget", type=int, default=None, metavar="N",
+    p.add_argument("--decode-tokens-per-head", type=int, default=None, metavar="N",
                    help="during decoding, evict back to this many tokens per compressed head on average "
                         "every 128 tokens (default: keep generated tokens; a count, where --budget is a "
-                        "fraction; --decode-budget is its old name)")
+                        "fraction)")
     p.add_argument("--level", choices=LEVELS, default=None,
                    help="eviction structure: one global threshold over layers x heads (fastkvzip default), "
                         "uniform per layer, or uniform per head (baselines' default)")
@@ -760,12 +885,16 @@ def parse_args(argv=None):
                    '{"context": "..."} or {"context_file": "path"}, "questions": [...], optional "budget" and '
                    '"max_new_tokens" (default: the flags); prints one --json line per request, in order')
     p.add_argument("--batch-size", type=int, default=8, help="--batch: requests decoded at once (default 8)")
+    p.add_argument("--save-cache", metavar="FILE", help="write the compressed cache to FILE (one "
+                   "safetensors file) after the prefill, to answer from later with --load-cache; "
+                   "questions are answered too (--max-new-tokens 0: none)")
+    p.add_argument("--load-cache", metavar="FILE", help="answer --question from a cache saved with "
+                   "--save-cache: no context, no prefill (its budget and method are the file's)")
     return p.parse_args(argv)
 
 
 def main(argv=None):
-    import gate
-    cli.main(run, parse_args(argv), ModelError, gate.GateError)
+    cli.main(run, parse_args(argv), ModelError, gate.GateError, CacheFileError)
 
 
 if __name__ == "__main__":

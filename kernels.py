@@ -42,8 +42,10 @@ FlashAttention-3; with flash-attn 2 pass a RaggedKV right after select() (no sla
 import copy
 import functools
 import os
+import time
 
 import torch
+import torch.nn.functional as F
 
 # -----------------------------------------------------------------------------------------------
 # The reference: the readable spec of the varlen contract above; and the CPU path, the same blocks
@@ -125,7 +127,6 @@ def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     eviction) share each call as its batch dimension, strided views of the flat storage, nothing copied;
     masks are built once per block shape (_block_mask), none where the block is plainly causal.
     In fp32, as the reference; tests/test_kernels.py holds the two equal."""
-    import torch.nn.functional as F
     total_q, n_q_heads, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     out = torch.zeros(total_q, n_q_heads, d, dtype=q.dtype, device=q.device)
@@ -628,7 +629,6 @@ def _timeit(fn, cuda):
     """Seconds per call: triton's do_bench on CUDA, a plain loop of at least 0.3 s on CPU."""
     if cuda:
         return triton.testing.do_bench(fn, warmup=10, rep=50) / 1e3
-    import time
     fn()
     n, t0 = 0, time.perf_counter()
     while n < 3 or time.perf_counter() - t0 < 0.3:
@@ -652,7 +652,6 @@ def _bench_attend(name, kv, t, G, cuda):
     head, masked) and flash-attn varlen on the same ragged layout. GB/s and TFLOP/s count the work
     actually needed (kept K/V bytes, visible query-key pairs), the same for every row; the last
     column is each output's max difference from ours (a parity check on the first GPU run)."""
-    import torch.nn.functional as F
     H, d, dtype, device = kv.n_heads, kv.head_dim, kv.dtype, kv.device
     q = torch.randn(t, H * G, d, dtype=dtype, device=device)
     scale = d ** -0.5
@@ -711,7 +710,6 @@ def _bench_attend(name, kv, t, G, cuda):
 def _bench_append(sizes, H, d, dtype, device, cuda, n_appends=100):
     """Cost of appending one decode token vs cache size. Into slack it must be flat; a regrow
     copies the cache (O(n)) but leaves n/2 rows of slack per head, so its amortised share is flat too."""
-    import time
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     print(f"RaggedKV.append of 1 token, H={H}, d={d}:")
     for n in sizes:

@@ -32,6 +32,7 @@ Llama (`model_type` "llama": Llama 3.x, SmolLM2) and Qwen2 ("qwen2": Qwen2.5) ar
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -39,12 +40,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
 from torch import nn
 
-
-class ModelError(Exception):
-    """Bad model input (folder, config, weights); the message is one line that says how to fix it."""
-
+from cli import ModelError, default_device
 
 # ------------------------------------------------------------------------------------------- config
 
@@ -593,15 +593,10 @@ def check_dtype(cfg: ModelConfig, dtype: torch.dtype) -> None:
                          "turn to inf/NaN; use --dtype bfloat16 or float32")
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def load_model(folder: str | Path, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None) -> Transformer:
     """Build on the meta device, then assign the checkpoint's tensors shard by shard (never two copies).
     dtype None: bf16 on GPU, fp32 on CPU (bf16 matmuls are emulated and ~4x slower on CPUs)."""
-    from safetensors import SafetensorError, safe_open
 
     folder = Path(folder).expanduser()
     if not folder.is_dir():
@@ -654,7 +649,6 @@ def model_identity(folder: str | Path) -> dict[str, str | None]:
     JSON), of tokenizer.json (None without one) and of a weight sample: each file's name, size and
     first, middle and last MiB (the first holds its header), enough to tell two fine-tunes of one
     config apart in milliseconds where hashing 16 GB takes a minute."""
-    import hashlib
     folder, h, piece = Path(folder).expanduser(), hashlib.sha256(), 2**20
     config = json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True)
     tok = folder / "tokenizer.json"
@@ -692,7 +686,6 @@ def load_tokenizer(folder: str | Path, cfg: ModelConfig | None = None):
     can make (its base vocabulary, its added tokens, a template's control tokens) reach past the
     embedding, or whose own bos / eos tokens (tokenizer_config.json) are not the config's. Special
     tokens past the embedding are fine: text never makes them (Gemma 3's <image_soft_token>)."""
-    from tokenizers import Tokenizer
 
     path = Path(folder).expanduser() / "tokenizer.json"
     try:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache import KVCache
+from cache import KVCache, plan_prefill, select_segment
 from model import ModelConfig, ModelError
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."                              # METHOD.md §4.2
@@ -187,7 +187,6 @@ def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
     context prefilled in one chunk (METHOD.md §6): the last `window` tokens (2% of n for a context
     shorter than a chunk) in every head, and of the rest exactly ⌊r'·L·H·s⌋ pairs, r' chosen so that a
     fraction `ratio` of the context is kept in all."""
-    from cache import plan_prefill, select_segment
     L, H, n = scores.shape
     plan = plan_prefill(n, ratio, chunk_size, window)
     keep = torch.ones(L, H, n, dtype=torch.bool, device=scores.device)

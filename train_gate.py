@@ -35,10 +35,12 @@ Full size (the paper's recipe for Qwen3-8B; one GPU, or N GPUs for the feature s
 """
 import argparse
 import datetime
+import errno
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -47,13 +49,11 @@ import torch
 import torch.nn.functional as F
 
 import cli
-from cli import UsageError, pyplot, save_figure, write_json
-from features import (FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype,
-                      load_documents, make_manifest, note_bundled_corpus)
-from cli import OFFLINE_DEFAULT, parse_device, resolve_model
-from model import check_dtype, compute_dtype, load_tokenizer, ModelConfig, ModelError
-from teacher import encode_prompt, prompt_format, uses_chat
-from teacher import agreement, digit_tokens, pool_agreement, spearman
+from cli import OFFLINE_DEFAULT, UsageError, parse_device, pyplot, resolve_model, save_figure, write_json
+from features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents, make_manifest, note_bundled_corpus
+from gate import Gates, authors_file_name, save_gate
+from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_tokenizer
+from teacher import agreement, digit_tokens, encode_prompt, pool_agreement, prompt_format, spearman, uses_chat
 
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
 EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
@@ -130,7 +130,6 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
         raise UsageError(f"only {N} tokens: need at least {VAL_EVERY} for one validation token; "
                          f"raise --tokens")
     torch.manual_seed(seed)
-    from gate import Gates
     # projections and b in the model's dtype, norms and sink keys in fp32 (METHOD.md §1.2)
     make = lambda n: Gates(n, cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
                            dtype=store.dtype, device=device)
@@ -602,7 +601,6 @@ def run(args):
     metrics["n_val_docs"] = sum(d["split"] == "val" for d in manifest["documents"])
     metrics["agreement"] = agreement_with_teacher(gates, store, manifest, docs, tokenizer, device)
     metrics["command"] = " ".join(sys.argv)
-    from gate import authors_file_name, save_gate
     summary = dict(command=metrics["command"], data=args.data, data_sha256=data_hash,
                    documents=len(docs), tokens=store.n_tokens, steps=args.steps,
                    batch_tokens=args.batch_tokens, seed=args.seed, recipe_name=args.recipe,
@@ -643,8 +641,6 @@ def make_recipe(name, flags):
 def check_out(out):
     """--out must be a folder we can write into, or create: checked before hours of work go into
     it, without creating it (make_out does, once the input is accepted)."""
-    import errno
-    import tempfile
     path = Path(out).absolute()
     try:
         # the folder, or where it will be

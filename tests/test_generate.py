@@ -95,7 +95,6 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--window", "-5"], ["--window", "-5"]),
     (["--decode-tokens-per-head", "-5"], ["--decode-tokens-per-head", "-5"]),
     (["--decode-tokens-per-head", "0"], ["--decode-tokens-per-head", "positive"]),
-    (["--decode-budget", "0"], ["--decode-tokens-per-head", "positive"]),  # the flag's old name still works
     (["--chunk-size", "0"], ["--chunk-size", "positive"]),
     (["--max-new-tokens", "-1"], ["--max-new-tokens", "-1"]),
     (["--temperature", "-1"], ["--temperature", "-1"]),

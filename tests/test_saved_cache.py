@@ -4,7 +4,7 @@ The oracle is the cache that was saved: with greedy decoding a question answered
 cache gets the same tokens (and bit-equal logits) as from the saved one, in this process and in
 another, for every method, budgets 1.0 and 0.3, decode-time eviction on and off, on tiny random
 models of each family. Every file that must be refused is refused in one line; nothing is written
-half."""
+half. The command line: --save-cache, --load-cache and "cache_file" in --batch, the same way."""
 import errno
 import json
 import os
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import cache as C
+import cli
 import model as M
 from cache import Batch, Budget, CacheFileError, load_cache
-from cli import WriteError
 from gate import Gates, save_gate
-from generate import METHODS, begin_answer, decode_one, make_cache, prefill, prefill_kvzip, sample
+from generate import METHODS, begin_answer, build_inputs, decode_one, make_cache, prefill, prefill_kvzip, sample
 from teacher import KVzipTeacher, prompt_format
 from tests.helpers import edit_config, tiny_checkpoint, tiny_tokenizer
 
@@ -69,14 +69,15 @@ def compressed(t, method, budget, decode):
     model = t["model"]
     ids, n_protected = prompt(t)
     m = "full" if budget == 1.0 and decode is None else method
+    plan = Budget(budget, CHUNK, WINDOW)
     cache = make_cache(m, model, "tiny", n_protected, decode_tokens_per_head=decode,
                        gates=t["gates"])
     with torch.no_grad():
         if m == "kvzip":
             teacher = KVzipTeacher(model, t["tok"], t["fmt"])
-            last = prefill_kvzip(model, teacher, cache, ids, n_protected, Budget(budget, CHUNK, WINDOW))
+            last = prefill_kvzip(model, teacher, cache, ids, n_protected, plan)
         else:
-            last = prefill(model, cache, ids, n_protected, Budget(budget, CHUNK, WINDOW))
+            last = prefill(model, cache, ids, n_protected, plan)
     return cache, ids, last
 
 
@@ -220,6 +221,40 @@ def test_other_families(arch, tmp_path):
     assert got == want and torch.equal(got_logits, want_logits)
 
 
+@pytest.fixture(scope="module", params=cli.OFFLINE_MODELS)
+def offline(request):
+    """An offline model (Gemma 3 270M, SmolLM2-135M) with its bundled gate and prompt format."""
+    folder = cli.resolve_model(request.param)
+    model, tok = M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
+    fmt = prompt_format(model.config, request.param)
+    return dict(name=request.param, model=model, tok=tok, fmt=fmt, gates=None)
+
+
+@pytest.mark.parametrize("method, decode", [(m, None) for m in METHODS] + [("fastkvzip", DECODE)])
+def test_offline_models_answer_the_same_from_a_file(offline, tmp_path, method, decode):
+    """The offline models at budget 0.3 (full: 1.0), every method, the gate also with decode-time
+    eviction (past its first 128 tokens): the file answers as the cache that was saved."""
+    t = offline
+    text = "Emma Woodhouse lives at Hartfield with her father. " * 12
+    ids, n_protected, [(_, q)] = build_inputs(t["tok"], t["fmt"], text, ["Where?"])
+    budget = 1.0 if method == "full" else 0.3
+    cache = make_cache(method, t["model"], t["name"], n_protected, decode_tokens_per_head=decode)
+    model, plan = t["model"], Budget(budget, CHUNK, WINDOW)
+    with torch.no_grad():
+        if method == "kvzip":
+            teacher = KVzipTeacher(model, t["tok"], t["fmt"])
+            last = prefill_kvzip(model, teacher, cache, ids, n_protected, plan)
+        else:
+            last = prefill(model, cache, ids, n_protected, plan)
+    cache.save(tmp_path / "doc.kv", model, ids, last, n_protected=n_protected)
+    scorer = getattr(cache, "scorer", None) if decode else None
+    loaded, info = load_cache(tmp_path / "doc.kv", t["model"], scorer)
+    n = 132 if decode else 8
+    want = greedy(t["model"], cache, last, n, q)
+    got = greedy(t["model"], loaded, info["last_logits"], n, q)
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+
+
 # -- refusals: one line each, nothing loaded, nothing written half --------------------------------
 
 @pytest.fixture(scope="module")
@@ -347,9 +382,9 @@ def test_a_full_disk_writes_nothing(saved, tmp_path, monkeypatch):
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    monkeypatch.setattr(C, "open", lambda *a, **kw: FullDisk(real_open(*a, **kw)), raising=False)
+    monkeypatch.setattr(cli, "open", lambda *a, **kw: FullDisk(real_open(*a, **kw)), raising=False)
     for dest in (target, tmp_path / "new.kv"):
-        with pytest.raises(WriteError) as e:
+        with pytest.raises(cli.WriteError) as e:
             cache.save(dest, t["model"], info["ids"], info["last_logits"])
         assert str(e.value) == f"cannot write {dest}: No space left on device"
     monkeypatch.undo()
@@ -366,3 +401,131 @@ def test_a_batch_member_is_not_saved(saved, tmp_path):
     with pytest.raises(ValueError, match="leave the batch"):
         cache.save(tmp_path / "x.kv", t["model"], info["ids"], info["last_logits"])
     assert not (tmp_path / "x.kv").exists()
+
+
+# -- the command line: generate.py --save-cache / --load-cache, "cache_file" in --batch ------------
+
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory):
+    """A tiny Gemma3 folder with a byte tokenizer and a random gate file, and a document."""
+    folder = tmp_path_factory.mktemp("cli")
+    t = tiny_setup("gemma3", folder / "model")
+    (folder / "doc.txt").write_text("Emma lives in Highbury. The code is 4721. " * 8)
+    return t, folder
+
+
+def run_main(capsys, *argv):
+    import generate
+    code = 0
+    try:
+        generate.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line_error(code, err, *words):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+QUESTIONS = ["What is the code?", "Where does Emma live?"]
+
+
+@pytest.mark.parametrize("decode", [None, "40"])
+def test_cli_answers_from_a_saved_cache_as_from_the_prefill(capsys, cli_model, tmp_path, decode):
+    """--save-cache answers and saves in one run; --load-cache (no context, no prefill) answers the
+    same questions with the same tokens; --json stats say where the cache came from and the time."""
+    t, folder = cli_model
+    kv = tmp_path / "doc.kv"
+    flags = ["--model", str(t["folder"]), "--gate", str(t["gate_file"]), "--max-new-tokens",
+             "140", "--json"] + (["--decode-tokens-per-head", decode] if decode else [])
+    qs = [w for q in QUESTIONS for w in ("--question", q)]
+    code, out, err = run_main(capsys, *flags, "--context-file", str(folder / "doc.txt"), "--budget",
+                              "0.3", "--window", "8", "--save-cache", str(kv), *qs)
+    assert code == 0, err
+    made = json.loads(out)
+    assert made["stats"]["cache_source"] == "prefill" and made["stats"]["cache_file"] == str(kv)
+    assert made["stats"]["save_seconds"] > 0 and kv.is_file()
+    load_flags = [f for f in flags if f not in ("--decode-tokens-per-head", decode)]
+    code, out, err = run_main(capsys, *load_flags, "--load-cache", str(kv), *qs)
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["prompt_ids"] == made["prompt_ids"]
+    assert [a["output_ids"] for a in got["answers"]] == [a["output_ids"] for a in made["answers"]]
+    assert len(made["answers"][0]["output_ids"]) == 140  # past 128: decode-time eviction ran
+    s = got["stats"]
+    assert s["cache_source"] == "file" and s["cache_file"] == str(kv) and s["load_seconds"] > 0
+    assert s["prefill_seconds"] is None and (s["method"], s["budget"]) == ("fastkvzip", 0.3)
+    for key in ("kept_fraction", "kept_fraction_per_layer", "kv_bytes", "context_tokens"):
+        assert s[key] == made["stats"][key], key
+    code, _, err = run_main(capsys, *load_flags[:-1], "--load-cache", str(kv), *qs)  # summary line
+    assert code == 0 and f"loaded from {kv}" in err and "no prefill" in err, err
+
+
+def test_batch_request_from_a_file_equals_the_same_request_prefilled(capsys, cli_model, tmp_path):
+    t, folder = cli_model
+    kv = tmp_path / "doc.kv"
+    flags = ["--model", str(t["folder"]), "--gate", str(t["gate_file"]), "--max-new-tokens", "12",
+             "--window", "8"]
+    doc = ["--context-file", str(folder / "doc.txt")]
+    code, _, err = run_main(capsys, *flags, *doc, "--save-cache", str(kv), "--max-new-tokens", "0")
+    assert code == 0, err
+    lines = [{"context_file": str(folder / "doc.txt"), "questions": QUESTIONS},
+             {"cache_file": str(kv), "questions": QUESTIONS},
+             {"context": "Water boils at 100 degrees.", "questions": ["At what?"], "budget": 1.0}]
+    (tmp_path / "req.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    code, out, err = run_main(capsys, *flags, "--batch", str(tmp_path / "req.jsonl"),
+                              "--batch-size", "3")
+    assert code == 0, err
+    prefilled, loaded, _ = [json.loads(x) for x in out.strip().splitlines()]
+    assert loaded["prompt_ids"] == prefilled["prompt_ids"]
+    answers = lambda res: [a["output_ids"] for a in res["answers"]]
+    assert answers(loaded) == answers(prefilled)
+    sources = prefilled["stats"]["cache_source"], loaded["stats"]["cache_source"]
+    assert sources == ("prefill", "file")
+
+
+def test_cli_refusals(capsys, cli_model, tmp_path):
+    """One line each, before the weights load where it can be: --load-cache with a context or a
+    budget (the file decided them), a file of another model, dtype or prompt format, a corrupt file,
+    a batch line with a cache_file and a budget; --save-cache with --batch; a failed write."""
+    t, folder = cli_model
+    kv = tmp_path / "doc.kv"
+    base = ["--model", str(t["folder"]), "--gate", str(t["gate_file"])]
+    doc = ["--context-file", str(folder / "doc.txt")]
+    code, _, err = run_main(capsys, *base, *doc, "--save-cache", str(kv), "--max-new-tokens", "0",
+                            "--window", "8")
+    assert code == 0, err
+    for flags, words in [(["--context-file", "x.txt"], ["--load-cache", "drop --context-file"]),
+                         (["--prompt", "hi"], ["drop --prompt"]),
+                         (["--budget", "0.3"], ["drop --budget"]),
+                         (["--decode-tokens-per-head", "40"], ["drop --decode-tokens-per-head"]),
+                         (["--batch", "r.jsonl"], ["drop --batch", "cache_file"]),
+                         (["--dtype", "bfloat16"], ["float32", "bfloat16"]),
+                         (["--no-chat"], ["another prompt format", "--chat"])]:
+        res = run_main(capsys, *base, "--load-cache", str(kv), "--question", "q", *flags)
+        one_line_error(*res[::2], *words)
+    other = tiny_setup("qwen3", tmp_path / "qwen3")
+    capsys.readouterr()  # transformers' progress bars
+    res = run_main(capsys, "--model", str(other["folder"]), "--load-cache", str(kv), "--question",
+                   "q")
+    one_line_error(*res[::2], str(kv), "another model")
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(kv.read_bytes()[:-100])
+    res = run_main(capsys, *base, "--load-cache", str(bad), "--question", "q")
+    one_line_error(*res[::2], "truncated")
+    res = run_main(capsys, *base, "--load-cache", str(tmp_path / "none.kv"), "--question", "q")
+    one_line_error(*res[::2], "none.kv", "No such file")
+    (tmp_path / "r.jsonl").write_text(json.dumps({"cache_file": str(kv), "budget": 0.5}) + "\n")
+    res = run_main(capsys, *base, "--batch", str(tmp_path / "r.jsonl"))
+    one_line_error(*res[::2], "line 1", "drop \"budget\"")
+    res = run_main(capsys, *base, "--batch", str(tmp_path / "r.jsonl"), "--save-cache", str(kv))
+    one_line_error(*res[::2], "--save-cache", "drop --batch")
+    missing = tmp_path / "no-such-folder" / "x.kv"  # a write that fails: one line, no file
+    res = run_main(capsys, *base, *doc, "--save-cache", str(missing), "--max-new-tokens", "0")
+    one_line_error(*res[::2], "cannot write", str(missing))

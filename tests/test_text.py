@@ -399,9 +399,9 @@ def test_harness_questions_and_contexts_stay_text():
 
 def line_break_model(folder):
     """A tiny Llama (no chat template: a base model's one-line answers) whose greedy continuation
-    of ":" is "\\n", "4", "2", "\\n": its first generated token is a line break. Every attention and
-    MLP output is zero, so each next token is a function of the current one alone: a one-hot
-    embedding per token of the chain, and an lm_head row for its successor."""
+    of ":" is "\\n", " ", "4", "2", "\\n": its first token is a line break, then a space. Every
+    attention and MLP output is zero, so each next token is a function of the current one alone:
+    a one-hot embedding per token of the chain, and an lm_head row for its successor."""
     from safetensors.torch import save_file
     from tests.helpers import tiny_checkpoint, tiny_tokenizer
     tiny_checkpoint("llama", folder, tie_word_embeddings=False)
@@ -409,7 +409,8 @@ def line_break_model(folder):
     tok = M.load_tokenizer(folder)
     model = M.load_model(folder, "cpu", torch.float32)
     one = lambda s: tok.encode(s, add_special_tokens=False).ids[0]  # one byte, one id
-    chain = {one(":"): one("\n"), one("\n"): one("4"), one("4"): one("2"), one("2"): one("\n")}
+    chain = {one(":"): one("\n"), one("\n"): one(" "), one(" "): one("4"), one("4"): one("2"),
+             one("2"): one("\n")}
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     for k in sd:
         if k.endswith(("o_proj.weight", "down_proj.weight")):
@@ -426,7 +427,7 @@ def line_break_model(folder):
 
 def test_an_answer_that_starts_with_a_line_break_is_not_empty(capsys, tmp_path):
     """--no-chat: a base model's answer ends at its first line break after text; leading line breaks
-    are skipped, not taken for the end (they gave empty answers). The same in --batch."""
+    and spaces are skipped, not taken for the end (they gave empty answers). The same in --batch."""
     folder = line_break_model(tmp_path / "m")
     flags = ["--model", folder, "--no-chat", "--max-new-tokens", 8, "--budget", 1.0]
     code, out, err = run_generate(capsys, *flags, "--prompt", "The code is 42.", "--question",
