@@ -183,6 +183,18 @@ class KVCache:
         self.n_seen, self.peak_nbytes = int(state["n_seen"]), self.nbytes  # this process's peak
 
 
+def full_cache_bytes(cache, n_tokens):
+    """What a full cache would hold after prefilling n_tokens: every token in every full-attention
+    layer, and the same rolling window as ours in sliding layers."""
+    total = 0
+    for i, kv in enumerate(cache.layers):
+        if cache._is_sliding(i):
+            total += kv.nbytes
+        else:
+            total += n_tokens * kv.n_heads * 2 * kv.head_dim * kv.k.element_size()
+    return total
+
+
 # -------------------------------------------------------------------------------------------------
 # Budget arithmetic (METHOD.md §6)
 

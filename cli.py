@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import stat
 import struct
 import sys
 import threading
@@ -337,3 +338,175 @@ def parse_device(spec: str | None) -> torch.device:
         raise ModelError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s), "
                          f"numbered from 0")
     return device
+
+
+# ---- what the commands read: a context file, a --batch file ----------------------------------
+
+def read_context(path, what="--context-file"):
+    """The text of --context-file (or of the file `what` names), refusing what cannot be a text context with
+    one line (cli.decode_text)."""
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
+            raise UsageError(f"{what} {path} is not a regular file")  # a folder, /dev/zero, ...
+        if stat.S_ISFIFO(mode):  # open() waits for a writer, read() for it to close: say why nothing happens
+            print(f"reading {what} {path}: a pipe, until its writer closes it", file=sys.stderr, flush=True)
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    text = decode_text(data, f"{what} {path}")
+    if not text.strip():
+        raise UsageError(f"{what} {path} is empty: there is no context to compress")
+    return text
+
+
+REQUEST_KEYS = ("context", "context_file", "cache_file", "questions", "budget", "max_new_tokens")
+
+
+def _unique_keys(pairs):
+    """object_pairs_hook of json.loads: a key given twice is refused, not silently the last one."""
+    keys = [k for k, _ in pairs]
+    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None:
+        raise ValueError(f"key {twice!r} given twice")
+    return dict(pairs)
+
+
+def check_text(text, what):
+    """A string read from JSON, under the rule of cli.decode_text for files: no NUL character, and
+    no lone surrogate ("\\ud800" without its pair: not a character; tokenizers raised a
+    TypeError)."""
+    if "\0" in text:
+        raise UsageError(f"{what} holds a NUL character (\\u0000): not text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what} holds a lone surrogate {text[e.start]!r} at character {e.start}, "
+                         f"half of a UTF-16 pair: not text") from None
+
+
+def read_batch(path, budget, max_new_tokens):
+    """--batch FILE: one JSON object a line -> [(where, request)], every line checked before any
+    model work; a bad one is a UsageError naming its line (`where`). A request is a dict with the
+    text of its "context" (a relative "context_file" is read from the batch file's folder) or the
+    absolute path of its "cache_file", its "questions", and its "budget" and "max_new_tokens"
+    (default: the flags', budget and max_new_tokens)."""
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            # lines end at "\n" (and "\r\n") only: JSON strings may hold U+2028 or U+0085 as
+            # they are, which str.splitlines() would also break lines at
+            lines = f.read().split("\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read --batch {path}: {getattr(e, 'strerror', None) or e}") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue  # blank lines (a trailing newline) are not requests
+        where = f"--batch {path} line {n}"
+        try:
+            obj = json.loads(line, object_pairs_hook=_unique_keys)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON object a line") from None
+        except ValueError as e:  # _unique_keys
+            raise UsageError(f"{where}: {e}; give each key once") from None
+        if not isinstance(obj, dict):
+            raise UsageError(f"{where}: a JSON {type(obj).__name__}, not an object like "
+                             '{"context": "...", "questions": ["..."]}')
+        unknown = sorted(set(obj) - set(REQUEST_KEYS))
+        if unknown:
+            raise UsageError(f"{where}: unknown key {unknown[0]!r} (expected {', '.join(REQUEST_KEYS)})")
+        if sum(k in obj for k in ("context", "context_file", "cache_file")) != 1:
+            raise UsageError(f"{where}: give exactly one of \"context\" (the text), "
+                             f"\"context_file\" (a path) or \"cache_file\" (a saved cache)")
+        if "cache_file" in obj and "budget" in obj:
+            raise UsageError(f"{where}: a \"cache_file\" was compressed at the budget it was made "
+                             f"with: drop \"budget\"")
+        if "cache_file" in obj and not isinstance(obj["cache_file"], str):
+            raise UsageError(f"{where}: \"cache_file\" must be a path (a string)")
+        context = None
+        if "context" in obj:
+            context = obj["context"]
+            if not isinstance(context, str) or not context.strip():
+                raise UsageError(f"{where}: \"context\" must be a non-empty string")
+            check_text(context, f"{where}: \"context\"")
+        elif "cache_file" in obj:
+            pass
+        elif not isinstance(obj["context_file"], str):
+            raise UsageError(f"{where}: \"context_file\" must be a path (a string)")
+        else:
+            check_text(obj["context_file"], f"{where}: \"context_file\"")
+            file = os.path.join(folder, os.path.expanduser(obj["context_file"]))  # kept if absolute
+            context = read_context(file, what=f"{where}: context_file")
+        questions = obj.get("questions", [])
+        if not (isinstance(questions, list) and all(isinstance(q, str) and q.strip() for q in questions)):
+            raise UsageError(f"{where}: \"questions\" must be a list of non-empty strings")
+        for q in questions:
+            check_text(q, f"{where}: a question")
+        r_budget = obj.get("budget", budget)
+        if isinstance(r_budget, bool) or not isinstance(r_budget, (int, float)) or not 0 < r_budget <= 1:
+            raise UsageError(f"{where}: \"budget\" must be a number in (0, 1], got {r_budget!r}")
+        r_new = obj.get("max_new_tokens", max_new_tokens)
+        if isinstance(r_new, bool) or not isinstance(r_new, int) or r_new < 0:
+            raise UsageError(f"{where}: \"max_new_tokens\" must be an integer >= 0, got {r_new!r}")
+        cache_file = None
+        if "cache_file" in obj:  # a relative path from the batch file's folder, as context_file
+            cache_file = os.path.join(folder, os.path.expanduser(obj["cache_file"]))
+        out.append((where, dict(context=context, cache_file=cache_file, questions=questions,
+                                budget=float(r_budget), max_new_tokens=r_new)))
+    if not out:
+        raise UsageError(f"--batch {path} holds no request: one JSON object a line")
+    return out
+
+
+# ---- what the commands print: the summary line, the retention map ------------------------------
+
+def layer_list(layers):
+    """[5, 11, 17] -> "5, 11, 17"; a long run of consecutive layers -> "0-29"."""
+    if len(layers) > 6 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(str(i) for i in layers)
+
+
+def summary_line(s):
+    """What a reader needs after a run: the context, what each kind of layer kept of it, the KV held
+    against a full cache (which keeps every token, and the same window in sliding layers), and speed."""
+    compressed, sliding = s["compressed_layers"], s["sliding_layers"]
+    what = "all layers" if len(compressed) == s["n_layers"] else "layers"
+    if s["method"] == "full":
+        kept = "full cache, nothing evicted"
+    else:
+        per = s["kept_fraction_per_layer"]
+        each = f" ({' / '.join(f'{x:.0%}' for x in per)})" if len(per) <= 6 else ""
+        kept = f"compressed {what} {layer_list(compressed)} kept {s['kept_fraction']:.1%} of it{each}"
+        if sliding:
+            kept += f", the {len(sliding)} sliding-window layers their last {s['sliding_window']} tokens"
+        others = s["n_layers"] - len(compressed) - len(sliding)
+        if others:
+            kept += f", {others} other layers everything"
+    mib = lambda b: f"{b / 2**20:.1f}"
+    held = (f"KV held {mib(s['kv_bytes'])} MiB" if s["method"] == "full" else  # a full cache: nothing to compare
+            f"KV held {mib(s['kv_bytes'])} of {mib(s['kv_bytes_full'])} MiB full "
+            f"({s['kv_bytes'] / s['kv_bytes_full']:.0%}), peak {mib(s['peak_kv_bytes'])} MiB")
+    dec = f", decode {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] else ""
+    if s.get("cache_source") == "file":  # no prefill here: the cache was compressed before
+        made = f"loaded from {s['cache_file']} in {s['load_seconds']:.2f} s, no prefill"
+    else:
+        made = f"prefill {s['prefill_seconds']:.1f} s ({s['prefill_tokens_per_s']:.0f} tok/s)"
+        if s.get("cache_file"):
+            made += f", saved to {s['cache_file']} in {s['save_seconds']:.2f} s"
+    return f"[{s['method']}] {s['context_tokens']} context tokens: {kept}; {held}; {made}{dec}"
+
+
+SHADES = " ░▒▓█"
+
+
+def retention_map(ret, layers):
+    """Layer × head retention in shaded cells (paper Figure 12): blank < 5%, █ ≥ 90%."""
+    lines = ["retention per head (rows: compressed layers; ' ' <5%  ░ <30%  ▒ <60%  ▓ <90%  █ ≥90%)"]
+    for layer, row in zip(layers, ret.tolist()):
+        cells = "".join(SHADES[0 if r < 0.05 else 1 if r < 0.3 else 2 if r < 0.6 else 3 if r < 0.9 else 4] * 2
+                        for r in row)
+        lines.append(f"layer {layer:3d} |{cells}| {sum(row) / len(row):5.1%}")
+    return "\n".join(lines)

@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import stat
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -37,20 +36,12 @@ from safetensors import safe_open
 
 import cli
 import gate
-from cache import (
-    LEVELS,
-    Batch,
-    Budget,
-    CacheFileError,
-    EvictingCache,
-    KVCache,
-    check_cache_file,
-    load_cache,
-    read_header,
-)
-from cli import OFFLINE_DEFAULT, UsageError, parse_device, resolve_model
+from cache import (LEVELS, Batch, Budget, CacheFileError, EvictingCache, KVCache, check_cache_file,
+                   full_cache_bytes, load_cache, read_header)
+from cli import OFFLINE_DEFAULT, UsageError, parse_device, read_context, resolve_model, retention_map, summary_line
 from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_model, load_tokenizer, model_identity
-from teacher import KVzipTeacher, encode_prompt, encode_text, prompt_format, question_ids, uses_chat
+from teacher import (KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids,
+                     uses_chat)
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 
@@ -454,25 +445,6 @@ def check_args(args):
                          "context")
 
 
-def read_context(path, what="--context-file"):
-    """The text of --context-file (or of the file `what` names), refusing what cannot be a text context with
-    one line (cli.decode_text)."""
-    try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
-            raise UsageError(f"{what} {path} is not a regular file")  # a folder, /dev/zero, ...
-        if stat.S_ISFIFO(mode):  # open() waits for a writer, read() for it to close: say why nothing happens
-            print(f"reading {what} {path}: a pipe, until its writer closes it", file=sys.stderr, flush=True)
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise UsageError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    text = cli.decode_text(data, f"{what} {path}")
-    if not text.strip():
-        raise UsageError(f"{what} {path} is empty: there is no context to compress")
-    return text
-
-
 def build_inputs(tok, fmt, context, questions=None):
     """(prefill ids, number of protected system-prompt ids, list of (question text, question ids)),
     for a list of question strings; without any, one empty question: generation continues the
@@ -484,9 +456,6 @@ def build_inputs(tok, fmt, context, questions=None):
     qs = [(q, question_ids(tok, fmt, q) if q else encode_prompt(tok, fmt.postfix))
           for q in questions or [""]]
     return system + encode_text(tok, context), len(system), qs
-
-
-REQUEST_KEYS = ("context", "context_file", "cache_file", "questions", "budget", "max_new_tokens")
 
 
 def make_request(tok, fmt, context, questions, budget, max_new_tokens, max_positions, where="",
@@ -524,28 +493,6 @@ def check_window(method, budget, n_context, where=""):
                      f"streaming")
 
 
-def _unique_keys(pairs):
-    """object_pairs_hook of json.loads: a key given twice is refused, not silently the last one."""
-    keys = [k for k, _ in pairs]
-    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
-    if twice is not None:
-        raise ValueError(f"key {twice!r} given twice")
-    return dict(pairs)
-
-
-def check_text(text, what):
-    """A string read from JSON, under the rule of cli.decode_text for files: no NUL character, and
-    no lone surrogate ("\\ud800" without its pair: not a character; tokenizers raised a
-    TypeError)."""
-    if "\0" in text:
-        raise UsageError(f"{what} holds a NUL character (\\u0000): not text")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise UsageError(f"{what} holds a lone surrogate {text[e.start]!r} at character {e.start}, "
-                         f"half of a UTF-16 pair: not text") from None
-
-
 def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions, where):
     """load_request()'s request dict for a saved cache and the questions asked of it: refused with
     one line when its system prompt is not this prompt format's (another --chat / --thinking: the
@@ -565,79 +512,19 @@ def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions
 
 def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, method="full",
                   from_file=None):
-    """--batch FILE: one JSON object a line -> setup()'s requests, every line checked before any
-    model work; a bad one is a UsageError naming its line. budget (a cache.Budget) and
-    max_new_tokens: the flags, the defaults; method: what will score the KV pairs (check_window).
-    A relative context_file (or cache_file) is read from the batch file's folder. from_file(path,
-    questions, max_new_tokens, where): the request of a "cache_file" line (a saved cache, checked
-    against the model)."""
-    try:
-        with open(path, encoding="utf-8-sig", newline="") as f:
-            # lines end at "\n" (and "\r\n") only: JSON strings may hold U+2028 or U+0085 as
-            # they are, which str.splitlines() would also break lines at
-            lines = f.read().split("\n")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read --batch {path}: {getattr(e, 'strerror', None) or e}") from None
-    folder = os.path.dirname(os.path.abspath(path))
+    """--batch FILE -> setup()'s requests (cli.read_batch reads and checks the file). budget (a
+    cache.Budget) and max_new_tokens: the flags, the defaults; method: what will score the KV pairs
+    (check_window). from_file(path, questions, max_new_tokens, where): the request of a "cache_file"
+    line (a saved cache, checked against the model)."""
     reqs = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue  # blank lines (a trailing newline) are not requests
-        where = f"--batch {path} line {n}"
-        try:
-            obj = json.loads(line, object_pairs_hook=_unique_keys)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON object a line") from None
-        except ValueError as e:  # _unique_keys
-            raise UsageError(f"{where}: {e}; give each key once") from None
-        if not isinstance(obj, dict):
-            raise UsageError(f"{where}: a JSON {type(obj).__name__}, not an object like "
-                             '{"context": "...", "questions": ["..."]}')
-        unknown = sorted(set(obj) - set(REQUEST_KEYS))
-        if unknown:
-            raise UsageError(f"{where}: unknown key {unknown[0]!r} (expected {', '.join(REQUEST_KEYS)})")
-        if sum(k in obj for k in ("context", "context_file", "cache_file")) != 1:
-            raise UsageError(f"{where}: give exactly one of \"context\" (the text), "
-                             f"\"context_file\" (a path) or \"cache_file\" (a saved cache)")
-        if "cache_file" in obj and "budget" in obj:
-            raise UsageError(f"{where}: a \"cache_file\" was compressed at the budget it was made "
-                             f"with: drop \"budget\"")
-        if "cache_file" in obj and not isinstance(obj["cache_file"], str):
-            raise UsageError(f"{where}: \"cache_file\" must be a path (a string)")
-        context = None
-        if "context" in obj:
-            context = obj["context"]
-            if not isinstance(context, str) or not context.strip():
-                raise UsageError(f"{where}: \"context\" must be a non-empty string")
-            check_text(context, f"{where}: \"context\"")
-        elif "cache_file" in obj:
-            pass
-        elif not isinstance(obj["context_file"], str):
-            raise UsageError(f"{where}: \"context_file\" must be a path (a string)")
+    for where, r in cli.read_batch(path, budget.ratio, max_new_tokens):
+        if r["cache_file"]:
+            reqs.append(from_file(r["cache_file"], r["questions"], r["max_new_tokens"],
+                                  f"{where}: cache_file"))
         else:
-            check_text(obj["context_file"], f"{where}: \"context_file\"")
-            file = os.path.join(folder, os.path.expanduser(obj["context_file"]))  # kept if absolute
-            context = read_context(file, what=f"{where}: context_file")
-        questions = obj.get("questions", [])
-        if not (isinstance(questions, list) and all(isinstance(q, str) and q.strip() for q in questions)):
-            raise UsageError(f"{where}: \"questions\" must be a list of non-empty strings")
-        for q in questions:
-            check_text(q, f"{where}: a question")
-        r_budget = obj.get("budget", budget.ratio)
-        if isinstance(r_budget, bool) or not isinstance(r_budget, (int, float)) or not 0 < r_budget <= 1:
-            raise UsageError(f"{where}: \"budget\" must be a number in (0, 1], got {r_budget!r}")
-        r_new = obj.get("max_new_tokens", max_new_tokens)
-        if isinstance(r_new, bool) or not isinstance(r_new, int) or r_new < 0:
-            raise UsageError(f"{where}: \"max_new_tokens\" must be an integer >= 0, got {r_new!r}")
-        if "cache_file" in obj:  # a relative path from the batch file's folder, as context_file
-            file = os.path.join(folder, os.path.expanduser(obj["cache_file"]))
-            reqs.append(from_file(file, questions, r_new, f"{where}: cache_file"))
-            continue
-        r_budget = replace(budget, ratio=float(r_budget))
-        reqs.append(make_request(tok, fmt, context, questions, r_budget, r_new, max_positions,
-                                 f"{where}: ", "max_new_tokens", method))
-    if not reqs:
-        raise UsageError(f"--batch {path} holds no request: one JSON object a line")
+            reqs.append(make_request(tok, fmt, r["context"], r["questions"],
+                                     replace(budget, ratio=r["budget"]), r["max_new_tokens"],
+                                     max_positions, f"{where}: ", "max_new_tokens", method))
     return reqs
 
 
@@ -761,84 +648,6 @@ def run(args):
             print(json.dumps(done.pop(printed)), flush=True)
             printed += 1
     bar.close()
-
-
-def line_break_ids(tok):
-    """The ids of "\n" and "\n\n", each where it is one token: where a base model's one-line
-    answer ends."""
-    ids = [encode_text(tok, s) for s in ("\n", "\n\n")]
-    return {i[0] for i in ids if len(i) == 1}
-
-
-def one_line(tok):
-    """decode()'s ends_line for a base model's one-line answer: (answer so far, next token) -> it
-    ends at the first line break after text. Line breaks and spaces before any text are part of the
-    answer, not its end: a model that first writes "\\n" goes on to say its answer (taken for the
-    end, they gave empty answers)."""
-    breaks = line_break_ids(tok)
-    return lambda out, token: token in breaks and bool(tok.decode(out).strip())
-
-
-def full_cache_bytes(cache, n_tokens):
-    """What a full cache would hold after prefilling n_tokens: every token in every full-attention
-    layer, and the same rolling window as ours in sliding layers."""
-    total = 0
-    for i, kv in enumerate(cache.layers):
-        if cache._is_sliding(i):
-            total += kv.nbytes
-        else:
-            total += n_tokens * kv.n_heads * 2 * kv.head_dim * kv.k.element_size()
-    return total
-
-
-def layer_list(layers):
-    """[5, 11, 17] -> "5, 11, 17"; a long run of consecutive layers -> "0-29"."""
-    if len(layers) > 6 and layers == list(range(layers[0], layers[-1] + 1)):
-        return f"{layers[0]}-{layers[-1]}"
-    return ", ".join(str(i) for i in layers)
-
-
-def summary_line(s):
-    """What a reader needs after a run: the context, what each kind of layer kept of it, the KV held
-    against a full cache (which keeps every token, and the same window in sliding layers), and speed."""
-    compressed, sliding = s["compressed_layers"], s["sliding_layers"]
-    what = "all layers" if len(compressed) == s["n_layers"] else "layers"
-    if s["method"] == "full":
-        kept = "full cache, nothing evicted"
-    else:
-        per = s["kept_fraction_per_layer"]
-        each = f" ({' / '.join(f'{x:.0%}' for x in per)})" if len(per) <= 6 else ""
-        kept = f"compressed {what} {layer_list(compressed)} kept {s['kept_fraction']:.1%} of it{each}"
-        if sliding:
-            kept += f", the {len(sliding)} sliding-window layers their last {s['sliding_window']} tokens"
-        others = s["n_layers"] - len(compressed) - len(sliding)
-        if others:
-            kept += f", {others} other layers everything"
-    mib = lambda b: f"{b / 2**20:.1f}"
-    held = (f"KV held {mib(s['kv_bytes'])} MiB" if s["method"] == "full" else  # a full cache: nothing to compare
-            f"KV held {mib(s['kv_bytes'])} of {mib(s['kv_bytes_full'])} MiB full "
-            f"({s['kv_bytes'] / s['kv_bytes_full']:.0%}), peak {mib(s['peak_kv_bytes'])} MiB")
-    dec = f", decode {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] else ""
-    if s.get("cache_source") == "file":  # no prefill here: the cache was compressed before
-        made = f"loaded from {s['cache_file']} in {s['load_seconds']:.2f} s, no prefill"
-    else:
-        made = f"prefill {s['prefill_seconds']:.1f} s ({s['prefill_tokens_per_s']:.0f} tok/s)"
-        if s.get("cache_file"):
-            made += f", saved to {s['cache_file']} in {s['save_seconds']:.2f} s"
-    return f"[{s['method']}] {s['context_tokens']} context tokens: {kept}; {held}; {made}{dec}"
-
-
-SHADES = " ░▒▓█"
-
-
-def retention_map(ret, layers):
-    """Layer × head retention in shaded cells (paper Figure 12): blank < 5%, █ ≥ 90%."""
-    lines = ["retention per head (rows: compressed layers; ' ' <5%  ░ <30%  ▒ <60%  ▓ <90%  █ ≥90%)"]
-    for layer, row in zip(layers, ret.tolist()):
-        cells = "".join(SHADES[0 if r < 0.05 else 1 if r < 0.3 else 2 if r < 0.6 else 3 if r < 0.9 else 4] * 2
-                        for r in row)
-        lines.append(f"layer {layer:3d} |{cells}| {sum(row) / len(row):5.1%}")
-    return "\n".join(lines)
 
 
 def parse_args(argv=None):

@@ -358,3 +358,19 @@ def question_ids(tok, fmt: PromptFormat, question: str, cue: str = "") -> list[i
     template = "\n\nQ: {question}" + (fmt.postfix + "{cue}" if fmt.postfix else
                                         "\nA:" + (" {cue}" if cue else ""))
     return encode_prompt(tok, template, question=question, cue=cue)
+
+
+def line_break_ids(tok):
+    """The ids of "\n" and "\n\n", each where it is one token: where a base model's one-line
+    answer ends."""
+    ids = [encode_text(tok, s) for s in ("\n", "\n\n")]
+    return {i[0] for i in ids if len(i) == 1}
+
+
+def one_line(tok):
+    """decode()'s ends_line for a base model's one-line answer: (answer so far, next token) -> it
+    ends at the first line break after text. Line breaks and spaces before any text are part of the
+    answer, not its end: a model that first writes "\\n" goes on to say its answer (taken for the
+    end, they gave empty answers)."""
+    breaks = line_break_ids(tok)
+    return lambda out, token: token in breaks and bool(tok.decode(out).strip())

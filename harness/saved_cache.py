@@ -5,7 +5,7 @@ For each offline model, context length and budget: prefill the context as genera
 chunk and window), save the cache (KVCache.save), then answer one question twice, greedily: from the
 cache just compressed (time to the first answer token = prefill + question + first token) and from
 the file (cache.load_cache + question + first token). The answers must be equal; the file's size is
-set beside the bytes a full cache holds after the same prefill (generate.full_cache_bytes).
+set beside the bytes a full cache holds after the same prefill (cache.full_cache_bytes).
 
     python -m harness.saved_cache                                   # both offline models, 2K and 8K
     python -m harness.saved_cache --models smollm2-135m-gguf --lengths 2048 --out /tmp/saved
@@ -25,7 +25,7 @@ import torch
 import cli
 import generate
 import model as M
-from cache import Budget, load_cache
+from cache import Budget, full_cache_bytes, load_cache
 from harness.quality import load_docs
 from teacher import prompt_format
 
@@ -47,7 +47,7 @@ def measure(model, tok, fmt, name, context, budget, args, folder):
     plan = Budget(budget, args.chunk_size, args.window)
     last = generate.prefill(model, cache, ids, n_protected, plan)
     prefill_s = time.perf_counter() - t0
-    full_bytes, kv_bytes = generate.full_cache_bytes(cache, len(ids)), cache.nbytes
+    full_bytes, kv_bytes = full_cache_bytes(cache, len(ids)), cache.nbytes
     path = folder / f"{name}-{len(ids)}-{budget:g}.kv"
     t0 = time.perf_counter()
     cache.save(path, model, ids, last, n_protected=n_protected, method=method, budget=budget,

@@ -14,7 +14,7 @@ import torch
 
 import gate
 import generate
-from cache import Batch, Budget, KVCache
+from cache import Batch, Budget, KVCache, full_cache_bytes
 from harness.quality import DEFAULT_LEVEL, log, method_cache, model_info
 from model import load_tokenizer, ModelConfig, Transformer
 from teacher import prompt_format
@@ -64,7 +64,7 @@ def timed_run(model, method, budget, ids, n_protected, teacher, s):
     out, decode_s = generate.answer(model, cache, [ids[-1]] * 4, s.decode, stop_ids=set())
     return dict(context=len(ids) - n_protected, method=method, budget=budget, prefill_s=prefill_s,
                 prefill_tok_s=len(ids) / prefill_s, score_s=score_s, score_fraction=score_s / prefill_s,
-                kv_bytes=kv_bytes, kv_bytes_full=generate.full_cache_bytes(cache, len(ids)), peak_kv_bytes=peak,
+                kv_bytes=kv_bytes, kv_bytes_full=full_cache_bytes(cache, len(ids)), peak_kv_bytes=peak,
                 decode_tok_s=(len(out) - 1) / decode_s if decode_s > 0 else None, device=device.type)
 
 

@@ -252,7 +252,7 @@ class FixedScorer:
 def test_kept_by_rule_is_what_the_cache_keeps(tiny, budget):
     """teacher.kept_by_rule (the agreement metrics' kept sets) against the cache itself: one prefill chunk
     of the same scores keeps exactly the same pairs, window and empty-layer floor included."""
-    from harness.quality import kept_by_rule
+    from teacher import kept_by_rule
     cfg = tiny.config
     torch.manual_seed(6)
     n, L, H = 100, len(cfg.compressed_layers), cfg.num_key_value_heads

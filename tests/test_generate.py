@@ -15,6 +15,7 @@ from gate import Gates, save_gate
 from generate import answer, prefill
 from gate import GateScorer, RandomScorer
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
+import cli
 from cli import OFFLINE_DEFAULT, OFFLINE_MODELS, resolve_model
 from teacher import encode_text, prompt_format, PromptFormat, uses_chat
 
@@ -344,7 +345,7 @@ def test_an_answer_without_decode_steps_has_no_decode_speed(capsys, tiny_folder)
                        "--method", "full", "--max-new-tokens", str(n), "--json"])
         stats = json.loads(capsys.readouterr().out)["stats"]
         assert (stats["decode_tokens_per_s"] is not None) == has_speed, stats
-        assert ("decode" in generate.summary_line(stats)) == has_speed
+        assert ("decode" in cli.summary_line(stats)) == has_speed
 
 
 def test_a_base_model_is_prompted_as_one_whatever_its_name(capsys):
@@ -433,7 +434,7 @@ def test_build_inputs_takes_plain_values(tmp_path):
 def test_summary_line_says_what_was_kept_where():
     """Context tokens, the compressed layers' kept share (per layer when there are few), what the other
     layers keep, and the KV held against a full cache."""
-    from generate import summary_line
+    from cli import summary_line
     s = dict(method="fastkvzip", context_tokens=3296, compressed_layers=[5, 11, 17], n_layers=18,
              sliding_layers=[i for i in range(18) if i not in (5, 11, 17)], sliding_window=512, kept_fraction=0.3,
              kept_fraction_per_layer=[0.6, 0.28, 0.02], kv_bytes=20.8 * 2**20, kv_bytes_full=34.3 * 2**20,
