@@ -4,15 +4,15 @@ Measure every method side by side: how much quality it loses, how much time and 
 Quality (harness/quality.py): contexts cut from Jane Austen's novels with needles at many depths,
 compressed before any question is seen, then asked pass keys, key-value pairs, and scored by
 teacher-forced NLL, each method relative to the full cache. Speed and memory (harness/speed.py): the
-real path, generate.prefill / prefill_kvzip then decode, on fresh caches, beside transformers on the same
-checkpoint (the peer column, when transformers is installed); on a GPU also random weights in Qwen3-8B's
-shape. What each run costs on 2 CPU cores: benchmarks/*/README.md.
+real path, generate.prefill / prefill_kvzip then decode, on fresh caches, beside transformers on the
+same checkpoint (the peer column, when transformers is installed); on a GPU also random weights in
+Qwen3-8B's shape. What each run costs on 2 CPU cores: benchmarks/*/README.md.
 
 CPU examples (1 thread):
     python bench.py --quick             # smoke run: 2 contexts, budgets 0.5/0.2, every method
     python bench.py --plot              # 18 contexts of 2K/4K/8K x 7 budgets x 7 configs + speed
-Each finished context is saved in --out at once: rerunning the same command resumes. A run split over
-both cores (benchmarks/gemma3-270m-cpu/README.md):
+Each finished context is saved in --out at once: rerunning the same command resumes. A run split
+over both cores (benchmarks/gemma3-270m-cpu/README.md):
     python bench.py --contexts 4 --speed-lengths 0 --shard 0/2 --out results/full-s0 &
     python bench.py --contexts 4 --speed-lengths 0 --shard 1/2 --out results/full-s1; wait
     python bench.py --contexts 4 --no-quality --out results/full-speed
@@ -29,7 +29,8 @@ string_match; benchmarks/ruler-4k-cpu/README.md has the runs and the Qwen3-8B GP
     python bench.py --dataset ruler-4096.parquet --model qwen3-8b --device cuda
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
-Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md, relative.png.
+Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md,
+relative.png.
 """
 import argparse
 import dataclasses
@@ -42,15 +43,13 @@ import torch
 import cli
 import gate
 from cache import LEVELS
-from cli import UsageError, write_text
+from cli import OFFLINE_DEFAULT, UsageError, resolve_model, write_text
 from harness import quality, ruler
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
-from cli import OFFLINE_DEFAULT, resolve_model
-from model import load_model, load_tokenizer, ModelConfig, ModelError
-from teacher import encode_prompt, prompt_format
-from teacher import KVzipTeacher
+from model import ModelConfig, ModelError, load_model, load_tokenizer
+from teacher import KVzipTeacher, encode_prompt, prompt_format
 
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
@@ -58,27 +57,34 @@ BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
 SUITES = ("needle", "ruler")  # --suite: harness/quality.py's needle contexts, or harness/ruler.py
 
 
-# ---- 3. Command line --------------------------------------------------------------------------------
+# ---- 3. Command line -----------------------------------------------------------------------------
 
 # --quick's settings; flags given explicitly win over them
-QUICK = dict(lengths=[512], contexts=2, budgets=[0.5, 0.2], speed_lengths=[256], passkeys=1, kv_questions=1,
-             probe_tokens=32, continue_tokens=0, speed_decode=4, speed_repeats=1, bootstrap=200, extra_levels=[], gpu_lengths=[8192])
+QUICK = dict(lengths=[512], contexts=2, budgets=[0.5, 0.2], speed_lengths=[256], passkeys=1,
+             kv_questions=1, probe_tokens=32, continue_tokens=0, speed_decode=4, speed_repeats=1,
+             bootstrap=200, extra_levels=[], gpu_lengths=[8192])
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run (< 3 min on 2 CPU cores): 2 contexts of 512 "
-                   "tokens, 2 questions each, budgets 0.5 and 0.2, every method at its own level; speed at 256 tokens "
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run (< 3 min on 2 CPU cores): 2 contexts of 512 tokens, 2 questions "
+                   "each, budgets 0.5 and 0.2, every method at its own level; speed at 256 tokens "
                    "(flags given explicitly win over these)")
     p.add_argument("--model", default=OFFLINE_DEFAULT, help="model folder, repo id or alias")
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
                    help="comma list of " + ",".join(METHODS))
-    p.add_argument("--budgets", type=cli.floats, default=list(BUDGETS), help="fractions of the context kept")
-    p.add_argument("--extra-levels", type=lambda s: [x for x in s.split(",") if x], default=["calibrated"],
-                   help="eviction levels run beside the paper's for fastkvzip and kvzip (cache.LEVELS; '' = none)")
-    p.add_argument("--lengths", type=cli.ints, default=[2048, 4096, 8192], help="context lengths in tokens (quality)")
-    p.add_argument("--contexts", type=int, default=6, help="contexts per length (each from another document)")
+    p.add_argument("--budgets", type=cli.floats, default=list(BUDGETS),
+                   help="fractions of the context kept")
+    p.add_argument("--extra-levels", type=lambda s: [x for x in s.split(",") if x],
+                   default=["calibrated"], help="eviction levels run beside the paper's for "
+                   "fastkvzip and kvzip (cache.LEVELS; '' = none)")
+    p.add_argument("--lengths", type=cli.ints, default=[2048, 4096, 8192],
+                   help="context lengths in tokens (quality)")
+    p.add_argument("--contexts", type=int, default=6,
+                   help="contexts per length (each from another document)")
     p.add_argument("--suite", choices=SUITES, default="needle",
                    help="the quality suite: needle (pass keys, JSON pairs and NLL probes in "
                    "Austen, harness/quality.py) or ruler (RULER's 11 offline tasks, scored as "
@@ -93,59 +99,78 @@ def parse_args(argv=None):
     p.add_argument("--ruler-tasks", type=lambda s: [x for x in s.split(",") if x],
                    default=list(ruler.TASKS), help="--suite ruler: comma list of the tasks "
                    "generated (default all 11: " + ",".join(ruler.TASKS) + ")")
-    p.add_argument("--text", choices=quality.TEXTS, default="austen", help="the documents the quality contexts are "
-                   "cut from: austen (the novels, by chapters) or prose (held-out documents of the gates' training "
-                   "corpus: Wikipedia, State of the Union addresses, the Python library reference)")
+    p.add_argument("--text", choices=quality.TEXTS, default="austen",
+                   help="the documents the quality contexts are cut from: austen (the novels, by "
+                   "chapters) or prose (held-out documents of the gates' training corpus: "
+                   "Wikipedia, State of the Union addresses, the Python library reference)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="contexts and questions in the model's chat template, as generate.py "
                    "--chat (default: on, except for a base model, whose tokenizer has no "
                    "template); --no-chat: plain text, as a base model reads it")
-    p.add_argument("--passkeys", type=int, default=3, help="pass keys hidden per context, at stratified depths")
-    p.add_argument("--kv-pairs", type=int, default=8, help="key-value pairs in each context's JSON block")
+    p.add_argument("--passkeys", type=int, default=3,
+                   help="pass keys hidden per context, at stratified depths")
+    p.add_argument("--kv-pairs", type=int, default=8,
+                   help="key-value pairs in each context's JSON block")
     p.add_argument("--kv-questions", type=int, default=3, help="of those, how many are asked")
     p.add_argument("--probe-tokens", type=int, default=64, help="tokens scored by each NLL probe")
-    p.add_argument("--continue-tokens", type=int, default=12, help="greedy tokens of free continuation "
-                   "(agreement only)")
-    p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk; a longer quality context runs the real chunked prefill (KVzip: not chunked)")
-    p.add_argument("--window", type=int, default=4096, help="recent tokens always kept (short contexts: 2%%)")
-    p.add_argument("--speed-lengths", type=cli.ints, default=[2048, 8192, 16384], help="CPU speed contexts ('0' = none)")
-    p.add_argument("--speed-budget", type=float, default=0.3, help="budget of the speed runs (paper Fig. 1b: 30%%)")
-    p.add_argument("--speed-chunk", type=int, default=2048, help="prefill chunk of the CPU speed runs: the "
-                   "paper's 16K chunk over 170K contexts, scaled to 16K contexts")
-    p.add_argument("--speed-window", type=int, default=512, help="local window of the CPU speed runs (scaled 4096)")
+    p.add_argument("--continue-tokens", type=int, default=12,
+                   help="greedy tokens of free continuation (agreement only)")
+    p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk; a longer quality "
+                   "context runs the real chunked prefill (KVzip: not chunked)")
+    p.add_argument("--window", type=int, default=4096,
+                   help="recent tokens always kept (short contexts: 2%%)")
+    p.add_argument("--speed-lengths", type=cli.ints, default=[2048, 8192, 16384],
+                   help="CPU speed contexts ('0' = none)")
+    p.add_argument("--speed-budget", type=float, default=0.3,
+                   help="budget of the speed runs (paper Fig. 1b: 30%%)")
+    p.add_argument("--speed-chunk", type=int, default=2048, help="prefill chunk of the CPU speed "
+                   "runs: the " "paper's 16K chunk over 170K contexts, scaled to 16K contexts")
+    p.add_argument("--speed-window", type=int, default=512,
+                   help="local window of the CPU speed runs (scaled 4096)")
     p.add_argument("--speed-decode", type=int, default=32, help="tokens decoded per speed run")
-    p.add_argument("--speed-repeats", type=int, default=2, help="runs of full, transformers and fastkvzip at "
-                   "--speed-budget per length, taken in turn; their rows hold medians")
-    p.add_argument("--no-peer", action="store_true", help="CPU speed: skip transformers (the peer column; it "
-                   "runs whenever transformers is installed)")
-    p.add_argument("--batch-sizes", type=cli.ints, default=[], help="CPU batched decoding: requests decoded at "
-                   "once, e.g. 1,4,8 ('0' = none, the default)")
-    p.add_argument("--batch-length", type=int, default=1024, help="batched decoding: the longest context (the "
-                   "others 75-100%% of it)")
+    p.add_argument("--speed-repeats", type=int, default=2,
+                   help="runs of full, transformers and fastkvzip at --speed-budget per length, "
+                   "taken in turn; their rows hold medians")
+    p.add_argument("--no-peer", action="store_true", help="CPU speed: skip transformers (the peer "
+                   "column; it " "runs whenever transformers is installed)")
+    p.add_argument("--batch-sizes", type=cli.ints, default=[], help="CPU batched decoding: "
+                   "requests decoded at " "once, e.g. 1,4,8 ('0' = none, the default)")
+    p.add_argument("--batch-length", type=int, default=1024,
+                   help="batched decoding: the longest context (the others 75-100%% of it)")
     p.add_argument("--batch-repeats", type=int, default=1, help="batched decoding: rounds of every "
                    "configuration, taken in turn; the tables show medians")
-    p.add_argument("--gpu-lengths", type=cli.ints, default=[8192, 32768, 131072], help="GPU speed contexts")
+    p.add_argument("--gpu-lengths", type=cli.ints, default=[8192, 32768, 131072],
+                   help="GPU speed contexts")
     p.add_argument("--no-quality", action="store_true", help="skip the quality section")
-    p.add_argument("--no-gpu", action="store_true", help="skip the GPU section even when CUDA is available")
+    p.add_argument("--no-gpu", action="store_true",
+                   help="skip the GPU section even when CUDA is available")
     p.add_argument("--average", type=lambda s: s.split(","), default=list(quality.AVERAGED),
-                   help="tasks in the relative-performance average (default: all four, as the paper's Figure 10); "
-                        "a summary choice: --merge can recompute it from finished runs")
-    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
-    p.add_argument("--seed", type=int, default=0, help="seed for contexts, needles, random scores, bootstrap")
+                   help="tasks in the relative-performance average (default: all four, as the "
+                   "paper's Figure 10); a summary choice: --merge can recompute it from "
+                   "finished runs")
+    p.add_argument("--bootstrap", type=int, default=2000,
+                   help="bootstrap resamples for the intervals")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed for contexts, needles, random scores, bootstrap")
     p.add_argument("--device", default="cpu", help="where the quality suite runs: cpu (fp32) or "
                    "cuda (bf16), e.g. --suite ruler --model qwen3-8b --device cuda")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default). 1: on the "
-                   "2-core CPU, 2 threads made the whole run 5x slower (small decode ops, other load)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (0 = torch's default). 1: on the 2-core CPU, 2 threads "
+                   "made the whole run 5x slower (small decode ops, other load)")
     p.add_argument("--out", help="output folder (default results/<timestamp>/)")
     p.add_argument("--plot", action="store_true", help="also draw relative.png (needs matplotlib)")
-    p.add_argument("--shard", default="0/1", help="k/n: run only the quality contexts c with c %% n == k, to "
-                   "split one experiment over processes or machines (each with its own --out; then --merge)")
+    p.add_argument("--shard", default="0/1",
+                   help="k/n: run only the quality contexts c with c %% n == k, to split one "
+                   "experiment over processes or machines (each with its own --out; then --merge)")
     p.add_argument("--merge", type=lambda s: [x for x in s.split(",") if x],
-                   help="comma list of --out folders of one experiment's shards: merge them into --out, run nothing")
+                   help="comma list of --out folders of one experiment's shards: merge them into "
+                   "--out, run nothing")
     args, unset = p.parse_args(argv), object()
-    # parsed again onto a namespace that already holds every flag, argparse sets only the flags typed:
-    # those keep their value under --quick
-    typed = {k for k, v in vars(p.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))).items()
+    # parsed again onto a namespace that already holds every flag, argparse sets only the flags
+    # typed: those keep their value under --quick
+    typed = {k for k, v in vars(p.parse_args(argv,
+                                             argparse.Namespace(
+                                                 **dict.fromkeys(vars(args), unset)))).items()
              if v is not unset}
     try:
         shard = tuple(int(x) for x in args.shard.split("/"))
@@ -174,31 +199,37 @@ def parse_args(argv=None):
 
 def check_args(p, args):
     """Every flag on its own, before anything loads (p.error: exit 2)."""
-    bad = [m for m in args.methods if m not in METHODS] + [lv for lv in args.extra_levels if lv not in LEVELS]
+    bad = [m for m in args.methods if m not in METHODS] + [lv for lv in args.extra_levels
+                                                           if lv not in LEVELS]
     if bad:
-        p.error(f"unknown method/level {bad}: methods are {','.join(METHODS)}, levels {','.join(LEVELS)}")
+        p.error(f"unknown method/level {bad}: methods are {','.join(METHODS)}, levels "
+                f"{','.join(LEVELS)}")
     if not args.budgets or not all(0 < b <= 1 for b in args.budgets):
         p.error(f"--budgets {','.join(map(str, args.budgets)) or '(none)'}: each must be in (0, 1]")
     if not 0 < args.speed_budget <= 1:
         p.error(f"--speed-budget {args.speed_budget}: must be in (0, 1]")
     if not args.average or any(t not in quality.AVERAGED for t in args.average):
-        p.error(f"--average {','.join(args.average) or '(none)'}: tasks are {','.join(quality.AVERAGED)}")
-    for name in ("methods", "budgets", "extra_levels", "average"):  # a repeated value would run (and count) twice
+        p.error(f"--average {','.join(args.average) or '(none)'}: tasks are "
+                f"{','.join(quality.AVERAGED)}")
+    # a repeated value would run (and count) twice
+    for name in ("methods", "budgets", "extra_levels", "average"):
         setattr(args, name, list(dict.fromkeys(getattr(args, name))))
-    for flag, low in (("contexts", 1), ("chunk_size", 1), ("speed_chunk", 1), ("speed_decode", 1), ("bootstrap", 1),
-                      ("speed_repeats", 1), ("batch_repeats", 1), ("batch_length", 1), ("window", 0),
-                      ("speed_window", 0), ("passkeys", 0), ("kv_pairs", 0), ("kv_questions", 0),
-                      ("continue_tokens", 0), ("threads", 0), ("probe_tokens", quality.CUE_TOKENS + 1)):
+    for flag, low in (("contexts", 1), ("chunk_size", 1), ("speed_chunk", 1), ("speed_decode", 1),
+                      ("bootstrap", 1), ("speed_repeats", 1), ("batch_repeats", 1),
+                      ("batch_length", 1), ("window", 0), ("speed_window", 0), ("passkeys", 0),
+                      ("kv_pairs", 0), ("kv_questions", 0), ("continue_tokens", 0), ("threads", 0),
+                      ("probe_tokens", quality.CUE_TOKENS + 1)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}"
-                    + (f" (the repeat probe's first {quality.CUE_TOKENS} tokens are its cue)" if flag == "probe_tokens"
-                       else ""))
+                    + (f" (the repeat probe's first {quality.CUE_TOKENS} tokens are its cue)"
+                       if flag == "probe_tokens" else ""))
     if not -2**63 <= args.seed < 2**63:
         p.error(f"--seed {args.seed} does not fit in 64 bits")
     if args.passkeys > len(quality.OWNERS):
         p.error(f"--passkeys {args.passkeys}: at most {len(quality.OWNERS)} (one per named owner)")
     if args.kv_questions > args.kv_pairs:
-        p.error(f"--kv-questions {args.kv_questions} asks more pairs than --kv-pairs {args.kv_pairs} holds")
+        p.error(f"--kv-questions {args.kv_questions} asks more pairs than --kv-pairs "
+                f"{args.kv_pairs} holds")
     bad = [t for t in args.ruler_tasks if t not in ruler.TASKS]
     if bad or not args.ruler_tasks:
         p.error(f"--ruler-tasks {','.join(bad) or '(none)'}: tasks are {','.join(ruler.TASKS)} "
@@ -236,8 +267,9 @@ def experiment(args):
 def speed_settings(args):
     """What the speed runs share, as plain values."""
     return SpeedSettings(model=args.model, gate=args.gate, seed=args.seed, budget=args.speed_budget,
-                         budgets=tuple(args.budgets), chunk_size=args.speed_chunk, window=args.speed_window,
-                         decode=args.speed_decode, repeats=args.speed_repeats)
+                         budgets=tuple(args.budgets), chunk_size=args.speed_chunk,
+                         window=args.speed_window, decode=args.speed_decode,
+                         repeats=args.speed_repeats)
 
 
 def run(args):
@@ -268,12 +300,16 @@ def run(args):
         quality_key(exp, config)
     config.update({f"{k}_key": v for k, v in speed_keys(s, "kvzip" in args.methods, args.threads,
                                                           config).items()})
-    done = load_records(out, key)  # an interrupted run with the same --out resumes after its last context
-    results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[], complete=False)
+    # an interrupted run with the same --out resumes after its last context
+    done = load_records(out, key)
+    results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[],
+                   complete=False)
     gpu = torch.cuda.is_available() and not args.no_gpu
     previous = out / "results.json"
-    if previous.exists():  # keep the speed rows of an earlier run of this folder if this one does not redo them
-        old = read_json(previous, "delete it: the finished contexts in contexts/ are kept, only speed rows are lost")
+    # keep the speed rows of an earlier run of this folder if this one does not redo them
+    if previous.exists():
+        old = read_json(previous, "delete it: the finished contexts in contexts/ are kept, only "
+                        "speed rows are lost")
         for k, redo in (("speed", bool(args.speed_lengths)), ("gpu", gpu)):
             if not old.get(k) or redo:
                 continue  # nothing to keep, or replaced by this run
@@ -282,7 +318,8 @@ def run(args):
                                  f"{differing(old['config'].get(f'{k}_key') or {}, config[f'{k}_key'])} differ); "
                                  f"use a new --out, or the flags of the run that wrote them")
             results[k] = old[k]
-            if k == "speed" and old.get("speed_peer"):  # the peer rows were measured in the same run
+            # the peer rows were measured in the same run
+            if k == "speed" and old.get("speed_peer"):
                 results["speed_peer"] = old["speed_peer"]
     write_text(out / "config.json", json.dumps(config, indent=1))
     # CPU: fp32 compute (bf16 is ~4x slower without bf16 units); CUDA: bf16, as the paper runs
@@ -291,33 +328,40 @@ def run(args):
     records = list(done.values())
 
     def save():
-        results["seconds"] = time.perf_counter() - t_start + sum(r["seconds"] for r in done.values())
+        results["seconds"] = (time.perf_counter() - t_start
+                              + sum(r["seconds"] for r in done.values()))
         if records:
             results.update(suite_results(records, key, args.bootstrap, args.seed, args.average))
         write_results(out, results)
 
     def finished(record):  # each context is kept the moment it ends: a killed run loses at most one
         (out / "contexts").mkdir(exist_ok=True)
-        write_text(out / "contexts" / f"context-{record['context']:03d}.json", json.dumps({**record, "key": key}))
+        write_text(out / "contexts" / f"context-{record['context']:03d}.json",
+                   json.dumps({**record, "key": key}))
         records.append(record)
         save()
     log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}"
         + (f"; resuming after {len(done)} finished contexts" if done else ""))
     if not args.no_quality:
         suite = ruler if exp.suite == "ruler" else quality
-        suite.run(model, tok, fmt, exp, args.model, args.gate, args.shard, done, on_context=finished)
+        suite.run(model, tok, fmt, exp, args.model, args.gate, args.shard, done,
+                  on_context=finished)
     if args.speed_lengths:
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
         system = encode_prompt(tok, fmt.system)
         stream = [t for _, d in load_docs(tok) for t in d]
         peer = None if args.no_peer else load_peer(folder)
         results["speed"], results["speed_peer"] = speed(model, teacher, args.speed_lengths,
-                                                        lambda n: (system + stream[:n], len(system)), s, peer=peer)
+                                                        lambda n: (
+                                                            system + stream[:n], len(system)), s,
+                                                        peer=peer)
     if args.batch_sizes:
         system = encode_prompt(tok, fmt.system)
         stream, n = [t for _, d in load_docs(tok) for t in d], args.batch_length
-        lengths = [n - (n // 4) * i // max(1, max(args.batch_sizes) - 1) for i in range(max(args.batch_sizes))]
-        docs = [system + stream[sum(lengths[:i]):sum(lengths[:i]) + m] for i, m in enumerate(lengths)]  # distinct text
+        lengths = [n - (n // 4) * i // max(1, max(args.batch_sizes) - 1)
+                   for i in range(max(args.batch_sizes))]
+        docs = [system + stream[sum(lengths[:i]):sum(lengths[:i]) + m]
+                for i, m in enumerate(lengths)]  # distinct text
         peer = None if args.no_peer else load_peer(folder)
         results["batch_speed"] = batch_speed(model, peer, docs, len(system), s, args.batch_sizes,
                                              args.batch_repeats)
@@ -325,8 +369,9 @@ def run(args):
     if gpu:
         results["gpu"] = gpu_section(s, args.gpu_lengths, out)
     elif not results.get("gpu"):
-        results["gpu_note"] = ("GPU section (random-weight Qwen3-8B shape up to 128K tokens) not run: "
-                               + ("--no-gpu." if args.no_gpu else "no CUDA device on this machine."))
+        results["gpu_note"] = ("GPU section (random-weight Qwen3-8B shape up to 128K "
+                               "tokens) not run: " + ("--no-gpu." if args.no_gpu
+                                                      else "no CUDA device on this machine."))
     results["complete"] = True
     save()
     finish(results, out, args.plot)
@@ -336,45 +381,51 @@ def run(args):
 def check_lengths(args, cfg, tok, n_system):
     """Context lengths against the model, the prefill chunk and the corpus, before anything runs."""
     quality_n = 0 if args.no_quality else max(args.lengths)
-    # after the context: a question turn and its answer, or a probe with its ~20-token cue text; 4 + decoded
-    # tokens after a speed context (generate.answer's prompt)
+    # after the context: a question turn and its answer, or a probe with its ~20-token cue text; 4 +
+    # decoded tokens after a speed context (generate.answer's prompt)
     for flag, n, after in (("--lengths", quality_n, args.probe_tokens + 64),
-                           ("--speed-lengths", max(args.speed_lengths, default=0), args.speed_decode + 4)):
+                           ("--speed-lengths", max(args.speed_lengths, default=0),
+                            args.speed_decode + 4)):
         if n and n_system + n + after > cfg.max_position_embeddings:
-            raise UsageError(f"{flag} {n}: with the system prompt and what follows the context, more than the "
-                             f"model's {cfg.max_position_embeddings} positions; use shorter contexts")
+            raise UsageError(f"{flag} {n}: with the system prompt and what follows the context, "
+                             f"more than the model's {cfg.max_position_embeddings} positions; use "
+                             "shorter contexts")
     if torch.cuda.is_available() and not args.no_gpu and args.gpu_lengths and \
             max(args.gpu_lengths) + args.speed_decode + 4 > QWEN3_8B["max_position_embeddings"]:
-        raise UsageError(f"--gpu-lengths {max(args.gpu_lengths)}: more than the {QWEN3_8B['max_position_embeddings']} "
-                         f"positions of Qwen3-8B's shape with the decoded tokens")
-    corpus = sum(len(d) for _, d in load_docs(tok)) if args.speed_lengths else 0  # speed contexts are cut from it
+        raise UsageError(f"--gpu-lengths {max(args.gpu_lengths)}: more than the "
+                         f"{QWEN3_8B['max_position_embeddings']} positions of Qwen3-8B's shape "
+                         "with the decoded tokens")
+    # speed contexts are cut from it
+    corpus = sum(len(d) for _, d in load_docs(tok)) if args.speed_lengths else 0
     if args.speed_lengths and max(args.speed_lengths) > corpus:
-        raise UsageError(f"--speed-lengths {max(args.speed_lengths)}: longer than the whole Austen corpus ({corpus} "
-                         f"tokens)")
+        raise UsageError(f"--speed-lengths {max(args.speed_lengths)}: longer than the whole Austen "
+                         f"corpus ({corpus} tokens)")
 
 
 def read_json(path, fix):
-    """A JSON object this script wrote (atomically): damaged by something else (a copy cut short) -> UsageError
-    naming the file and `fix`, what to do about it."""
+    """A JSON object this script wrote (atomically): damaged by something else (a copy cut short) ->
+    UsageError naming the file and `fix`, what to do about it."""
     try:
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise UsageError(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
+        raise UsageError(f"{path} is not valid JSON ({type(e).__name__}: "
+                         f"{str(e)[:80]}); {fix}") from None
     if not isinstance(obj, dict):
         raise UsageError(f"{path} holds a JSON {type(obj).__name__}, not a bench result; {fix}")
     return obj
 
 
 def kept(args):
-    """What an interrupted run (Ctrl-C, SIGTERM, a full disk) keeps, and how to resume it: a clause for
-    cli.main."""
+    """What an interrupted run (Ctrl-C, SIGTERM, a full disk) keeps, and how to resume it: a clause
+    for cli.main."""
     out = getattr(args, "out_dir", None)  # set once --out exists
     if args.merge or out is None:
         return None
     n = len(list((Path(out) / "contexts").glob("context-*.json")))
-    again = "the same command" + ("" if args.out else f" with --out {out}")  # the default --out is a new folder
+    # the default --out is a new folder
+    again = "the same command" + ("" if args.out else f" with --out {out}")
     return f"{n} finished contexts are kept in {out}; rerun {again} to resume"
 
 
@@ -385,7 +436,8 @@ def write_results(out, results):
 
 def suite_results(records, key, n_boot, seed, averaged):
     """The quality part of results.json for the suite that wrote `key` (a run's, or the merged
-    runs'): intervals from n_boot bootstrap resamples; the needle suite's average over `averaged`."""
+    runs'): intervals from n_boot bootstrap resamples; the needle suite's average over
+    `averaged`."""
     if key.get("suite") != "ruler":
         return quality_results(records, n_boot, seed, averaged)
     source = key.get("dataset_name") or max(key["lengths"])
@@ -397,15 +449,18 @@ def finish(results, out, plot):
         ruler.plot(results, out / "ruler.png")
     elif plot:
         quality.plot(results, out / "relative.png")
-    avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"] if r["task"] == "average"}
+    avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"]
+           if r["task"] == "average"}
     low = min((b for _, b in avg), default=None)
-    log("relative at the lowest budget: " + ", ".join(f"{c}@{b:g} {v:.2f}" for (c, b), v in avg.items()
-                                                       if v is not None and b == low))
+    log("relative at the lowest budget: " + ", ".join(f"{c}@{b:g} {v:.2f}"
+                                                      for (c, b), v in avg.items()
+                                                      if v is not None and b == low))
 
 
 def merge(folders, out, n_boot, seed, averaged, plot=False):
-    """Several runs of one experiment (shards: --shard k/n, each with its own --out) -> one result in `out`,
-    its intervals from n_boot bootstrap resamples, the relative average over the tasks in `averaged`."""
+    """Several runs of one experiment (shards: --shard k/n, each with its own --out) -> one result
+    in `out`, its intervals from n_boot bootstrap resamples, the relative average over the tasks in
+    `averaged`."""
     folders = [Path(f) for f in folders]
     real = [f.resolve() for f in folders]
     same = [str(f) for i, f in enumerate(folders) if real[i] in real[:i]]
@@ -414,7 +469,8 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
     missing = [str(f) for f in folders if not (f / "config.json").exists()]
     if missing:
         raise UsageError(f"no bench run in {', '.join(missing)} (config.json missing)")
-    configs = [read_json(f / "config.json", "rerun that folder's command to rewrite it, or leave it out of --merge")
+    configs = [read_json(f / "config.json",
+                         "rerun that folder's command to rewrite it, or leave it out of --merge")
                for f in folders]
     foreign = [f for f, c in zip(folders, configs) if not isinstance(c.get("quality_key"), dict)]
     if foreign:
@@ -425,23 +481,27 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
                                             commands=[c["command"] for c in configs]), rows=[])
     for f in folders:
         for c, rec in load_records(f, key).items():
-            records.setdefault(c, rec)  # a context run twice (same seed, same flags) is the same context
-        old = read_json(f / "results.json", "delete it: the contexts are merged from contexts/, its speed rows are "
-                        "lost") if (f / "results.json").exists() else {}
+            # a context run twice (same seed, same flags) is the same context
+            records.setdefault(c, rec)
+        old = (read_json(f / "results.json", "delete it: the contexts are merged from contexts/, "
+                         "its speed rows are " "lost") if (f / "results.json").exists() else {})
         for k in ("speed", "gpu"):
             if not old.get(k):
                 continue
             row_key = old["config"].get(f"{k}_key")
             if results.get(k) and results["config"].get(f"{k}_key") != row_key:
-                raise UsageError(f"{f} holds {k} rows of another configuration than the folders before it "
-                                 f"({differing(results['config'].get(f'{k}_key') or {}, row_key or {})} differ)")
+                raise UsageError(
+                    f"{f} holds {k} rows of another configuration than the folders before it "
+                    f"({differing(results['config'].get(f'{k}_key') or {}, row_key or {})} differ)")
             results[k] = merge_rows(results.get(k, []), old[k], f, k)
             results["config"][f"{k}_key"] = row_key
             if k == "speed" and old.get("speed_peer"):  # measured in the same run as these rows
                 results["speed_peer"] = merge_rows(results.get("speed_peer", []),
                                                    old["speed_peer"], f, k)
-        results["compressed_layers"] = old.get("compressed_layers", results.get("compressed_layers"))
-        results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))  # shards run side by side
+        results["compressed_layers"] = old.get("compressed_layers",
+                                               results.get("compressed_layers"))
+        # shards run side by side
+        results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))
     # runs made with --no-quality (speed rows only) expect no context
     quality_runs = [c for c in configs if not (c.get("flags") or {}).get("no_quality")]
     expected = len(key.get("lengths", [])) * key.get("contexts", 0)
@@ -479,4 +539,5 @@ def merge_rows(rows, new, folder, kind):
 
 
 if __name__ == "__main__":
-    cli.main(run, parse_args(), ModelError, gate.GateError, kept=kept)  # bad --model / --gate / folders: one line
+    # bad --model / --gate / folders: one line
+    cli.main(run, parse_args(), ModelError, gate.GateError, kept=kept)

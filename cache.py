@@ -381,7 +381,8 @@ class EvictingCache(KVCache):
             hidden = torch.cat(self.buffer[layer])
             self.buffer[layer] = []
             t = hidden.shape[0]
-            score = self._score(self.index[layer], hidden, None, None, torch.arange(self.n_seen - t, self.n_seen, device=self.device))
+            score = self._score(self.index[layer], hidden, None, None,
+                                torch.arange(self.n_seen - t, self.n_seen, device=self.device))
             self.layers[layer].set_tail_scores(score)
         self._evict_to_budget()
 

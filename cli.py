@@ -1,7 +1,7 @@
-"""What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with exit
-code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how to
-resume, outputs written atomically (safetensors too: streamed, with a checksum), one rule for what
-counts as text, and matplotlib for --plot."""
+"""What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with
+exit code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how
+to resume, outputs written atomically (safetensors too: streamed, with a checksum), one rule for
+what counts as text, and matplotlib for --plot."""
 import argparse
 import hashlib
 import itertools
@@ -25,7 +25,8 @@ class UsageError(Exception):
 
 
 class ModelError(Exception):
-    """Bad model input (folder, config, weights); the message is one line that says how to fix it."""
+    """Bad model input (folder, config, weights); the message is one line that says how to fix
+    it."""
 
 
 class WriteError(UsageError):
@@ -43,12 +44,13 @@ def _terminate(signum, frame):
 
 
 def main(run, args, *errors, kept=lambda args: None):
-    """run(args), with a UsageError or any of `errors` (model.ModelError, gate.GateError, ...) reported as
-    one line `error: message` and exit code 2 instead of a traceback; Ctrl-C (exit code 130) and SIGTERM
-    (143) as one line `interrupted: ...`; a closed stdout (`| head`) as a quiet exit 141.
-    kept(args): what the run keeps and how to resume it (a clause, or None when nothing is kept),
-    added to the interrupt line and to a failed write."""
-    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    """run(args), with a UsageError or any of `errors` (model.ModelError, gate.GateError, ...)
+    reported as one line `error: message` and exit code 2 instead of a traceback; Ctrl-C (exit code
+    130) and SIGTERM (143) as one line `interrupted: ...`; a closed stdout (`| head`) as a quiet
+    exit 141. kept(args): what the run keeps and how to resume it (a clause, or None when nothing is
+    kept), added to the interrupt line and to a failed write."""
+    # only it may set handlers
+    in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         result = run(args)
@@ -66,7 +68,8 @@ def main(run, args, *errors, kept=lambda args: None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:
-        note = str(e) or kept(args)  # an exception may carry its own (offline/models.py's conversion)
+        # an exception may carry its own (offline/models.py's conversion)
+        note = str(e) or kept(args)
         print("\ninterrupted" + (f": {note}" if note else ""), file=sys.stderr)
         sys.exit(143 if isinstance(e, Terminated) else 130)
     finally:
@@ -75,16 +78,18 @@ def main(run, args, *errors, kept=lambda args: None):
 
 
 def decode_text(data, name):
-    """The text in `data` (bytes), or a UsageError naming `name` (a file, a flag) when they cannot be text:
-    NUL bytes (a binary file) or bytes that are not UTF-8. A leading byte-order mark is not part of the text.
-    The one rule for generate.py's --context-file and --prompt and train_gate.py's --data documents."""
+    """The text in `data` (bytes), or a UsageError naming `name` (a file, a flag) when they cannot
+    be text: NUL bytes (a binary file) or bytes that are not UTF-8. A leading byte-order mark is not
+    part of the text. The one rule for generate.py's --context-file and --prompt and train_gate.py's
+    --data documents."""
     if b"\0" in data:
         raise UsageError(f"{name} holds NUL bytes: a binary file, not text")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise UsageError(f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                         f"convert it, e.g. iconv -f {_legacy_encoding(data)} -t utf-8") from None
+        raise UsageError(f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                         f"{e.start}); convert it, e.g. iconv -f "
+                         f"{_legacy_encoding(data)} -t utf-8") from None
 
 
 def _legacy_encoding(data):
@@ -101,11 +106,12 @@ def _legacy_encoding(data):
 
 
 def _write_failure(e):
-    """The reason a write failed, when `e` is a failed write (OSError, or safetensors' own error type,
-    which wraps the OS's), else None."""
+    """The reason a write failed, when `e` is a failed write (OSError, or safetensors' own error
+    type, which wraps the OS's), else None."""
     if isinstance(e, OSError):
         return e.strerror or str(e)
-    if isinstance(e, SafetensorError):  # "Error while serializing: I/O error: No space left on device (os error 28)"
+    # "Error while serializing: I/O error: No space left on device (os error 28)"
+    if isinstance(e, SafetensorError):
         m = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", " ".join(str(e).split()))
         return m.group(1) if m else None  # not I/O: a bug, left to its traceback
     return None
@@ -113,9 +119,9 @@ def _write_failure(e):
 
 @contextmanager
 def atomic_path(path):
-    """A temporary name beside `path` to write to; it replaces `path` when the block ends without error
-    (os.replace), so a killed run never leaves half a file, and is removed otherwise. A failed write (a
-    full disk) is a WriteError naming `path`."""
+    """A temporary name beside `path` to write to; it replaces `path` when the block ends without
+    error (os.replace), so a killed run never leaves half a file, and is removed otherwise. A failed
+    write (a full disk) is a WriteError naming `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -136,21 +142,24 @@ def write_text(path, text):
 
 
 def write_json(path, obj, indent=2):
-    """obj as UTF-8 JSON text (non-ASCII characters as they are) ending in a newline, written atomically."""
+    """obj as UTF-8 JSON text (non-ASCII characters as they are) ending in a newline, written
+    atomically."""
     write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
 
 
 def file_sha256(path) -> str:
-    """The sha256 of a file, as hex: the one hash of files in this project (assets, models, gates)."""
+    """The sha256 of a file, as hex: the one hash of files in this project (assets, models,
+    gates)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tree_sha256(files: list[Path], root: Path) -> str:
-    """One hash for a set of files: sha256 over the sorted lines "<path relative to root>\t<file sha256>\n".
-    MANIFEST.txt records it for every part, and train_gate.py for the text a gate was trained on (--data),
-    so the two can be compared: same hash, same bytes under the same names."""
-    lines = sorted(f"{Path(f).relative_to(root).as_posix()}\t{file_sha256(Path(f))}\n" for f in files)
+    """One hash for a set of files: sha256 over the sorted lines "<path relative to root>\t<file
+    sha256>\n". MANIFEST.txt records it for every part, and train_gate.py for the text a gate was
+    trained on (--data), so the two can be compared: same hash, same bytes under the same names."""
+    lines = sorted(
+        f"{Path(f).relative_to(root).as_posix()}\t{file_sha256(Path(f))}\n" for f in files)
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
@@ -180,7 +189,8 @@ def write_safetensors(path, tensors, metadata):
     """A safetensors file written by hand, so that it streams tensor by tensor (one tensor at a time
     on the host, from a GPU) and ends in a "checksum" tensor: the sha256 of every byte before it
     (checksum_ok). Tensors lie by element size, largest first, so each starts aligned to its
-    element; the header is padded to 8 bytes. Atomic (atomic_path): a failed write leaves no file."""
+    element; the header is padded to 8 bytes. Atomic (atomic_path): a failed write leaves no
+    file."""
     names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     header, offset = {}, 0
     for name in names:
@@ -229,13 +239,15 @@ def ints(s):
 
 
 def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend, or None (with a note) when matplotlib is missing."""
+    """matplotlib.pyplot on the file-only Agg backend, or None (with a note) when matplotlib is
+    missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: --plot needs matplotlib (pip install -r requirements.txt); no plot written", file=sys.stderr)
+        print("note: --plot needs matplotlib (pip install -r requirements.txt); no plot written",
+              file=sys.stderr)
         return None
     return plt
 
@@ -249,23 +261,27 @@ def save_figure(fig, path, dpi=120):
     return path
 
 
-# ---- --model and --device: a name -> the folder model.load_model reads; a flag -> a torch device ----
-# The one heavy source, the GGUF conversion of the offline models, lives apart in the offline/ wing
-# (offline/models.py), imported only when such a model is asked for.
+# ---- --model and --device: a name -> the folder model.load_model reads; a flag -> a torch device
+# ---- The one heavy source, the GGUF conversion of the offline models, lives apart in the offline/
+# wing (offline/models.py), imported only when such a model is asked for.
 
-ALIASES = {f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
+ALIASES = {f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}"
+           for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
 ALIASES |= {f"gemma3-{s}": f"google/gemma-3-{s}-it" for s in ("270m", "1b", "4b", "12b", "27b")}
-ALIASES |= {f"qwen2.5-{s}-1m": f"Qwen/Qwen2.5-{s.upper()}-Instruct-1M" for s in ("7b", "14b")}  # released gates
+# released gates
+ALIASES |= {f"qwen2.5-{s}-1m": f"Qwen/Qwen2.5-{s.upper()}-Instruct-1M" for s in ("7b", "14b")}
 ALIASES |= {"llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
 OFFLINE_DEFAULT = "gemma3-270m-gguf"  # Gemma 3 270M from PyPI, converted once by offline/models.py
-OFFLINE_MODELS = (OFFLINE_DEFAULT, "smollm2-135m-gguf")  # SmolLM2-135M-Instruct: every layer compressed
+# SmolLM2-135M-Instruct: every layer compressed
+OFFLINE_MODELS = (OFFLINE_DEFAULT, "smollm2-135m-gguf")
 _HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """A local folder, an alias (qwen3-8b, gemma3-12b, ...), a Hugging Face repo id (downloads only the
-    files above), or an offline model ("gemma3-270m-gguf", "smollm2-135m-gguf") -> the model folder."""
+    """A local folder, an alias (qwen3-8b, gemma3-12b, ...), a Hugging Face repo id (downloads only
+    the files above), or an offline model ("gemma3-270m-gguf", "smollm2-135m-gguf") -> the model
+    folder."""
     path = Path(name_or_path).expanduser()
     try:
         if path.is_dir():
@@ -274,19 +290,22 @@ def resolve_model(name_or_path: str | Path) -> Path:
             return path
         if path.exists():
             raise ModelError(f"{path} is a file: pass the model's folder")
-    except OSError as e:  # pathlib raises PermissionError for a path inside a folder this user may not read
+    # pathlib raises PermissionError for a path inside a folder this user may not read
+    except OSError as e:
         raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
     name = str(name_or_path)
     if name.lower() in OFFLINE_MODELS:
-        from offline import models  # lazy first-use conversion: needs gguf and the PyPI weight packages
+        # lazy first-use conversion: needs gguf and the PyPI weight packages
+        from offline import models
         try:
             return Path(models.ensure_offline_model(name.lower()))
         except models.OfflineModelError as e:
             raise ModelError(str(e)) from None
     repo = ALIASES.get(name.lower(), name)
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or name.startswith((".", "/", "~")):
-        raise ModelError(f"model folder not found: {name} (pass a folder, a repo id like Qwen/Qwen3-8B, "
-                         f"{' or '.join(OFFLINE_MODELS)}, or an alias: {', '.join(ALIASES)})")
+        raise ModelError(f"model folder not found: {name} (pass a folder, a repo id like "
+                         f"Qwen/Qwen3-8B, {' or '.join(OFFLINE_MODELS)}, or an alias: "
+                         f"{', '.join(ALIASES)})")
     return _download(repo)
 
 
@@ -294,17 +313,18 @@ def _download(repo: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
     try:
-        folder = Path(snapshot_download(repo, allow_patterns=_HUB_FILES))  # shows its own progress bars
+        # shows its own progress bars
+        folder = Path(snapshot_download(repo, allow_patterns=_HUB_FILES))
     except GatedRepoError:
         raise ModelError(f"{repo} is gated: accept its license on huggingface.co, set HF_TOKEN, "
                          "or pass a local folder") from None
     except RepositoryNotFoundError:
-        raise ModelError(f"{repo}: no such Hugging Face repo (or private: set HF_TOKEN) and no such "
-                         "local folder") from None
+        raise ModelError(f"{repo}: no such Hugging Face repo (or private: set HF_TOKEN) "
+                         "and no such local folder") from None
     except LocalEntryNotFoundError:
-        raise ModelError(f"{repo}: the Hugging Face Hub is unreachable and the model is not cached; "
-                         f"download it where there is network, pass a local folder, or use {OFFLINE_DEFAULT}"
-                         ) from None
+        raise ModelError(f"{repo}: the Hugging Face Hub is unreachable and the model is "
+                         "not cached; download it where there is network, pass a local folder, or "
+                         f"use {OFFLINE_DEFAULT}") from None
     except (HfHubHTTPError, OSError) as e:
         raise ModelError(f"{repo}: download failed ({' '.join(str(e).split())[:200]}); "
                          "retry or pass a local folder") from None
@@ -318,14 +338,16 @@ def default_device() -> torch.device:
 
 
 def parse_device(spec: str | None) -> torch.device:
-    """A --device flag as typed (cpu, cuda, cuda:N; None = the default) -> torch.device, checked before
-    anything is loaded: ModelError if it is not a device, not supported, or not on this machine."""
+    """A --device flag as typed (cpu, cuda, cuda:N; None = the default) -> torch.device, checked
+    before anything is loaded: ModelError if it is not a device, not supported, or not on this
+    machine."""
     if spec is None:
         return default_device()
     try:
         device = torch.device(spec)
     except (RuntimeError, ValueError):
-        raise ModelError(f"--device {spec!r} is not a device: use cpu or cuda (cuda:N for GPU N)") from None
+        raise ModelError(f"--device {spec!r} is not a device: use cpu or cuda (cuda:N "
+                         "for GPU N)") from None
     if device.type not in ("cpu", "cuda"):
         raise ModelError(f"--device {spec!r}: only cpu and cuda are supported")
     if device.type == "cpu" and device.index not in (None, 0):  # torch takes cpu:1, nothing else
@@ -333,8 +355,10 @@ def parse_device(spec: str | None) -> torch.device:
     if device.type == "cpu":
         return torch.device("cpu")  # cpu:0 is the CPU, but safetensors refuses the name
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelError(f"--device {spec}: CUDA is not available on this machine; use "
+                         "--device cpu")
+    if (device.type == "cuda" and device.index is not None and device.index
+        >= torch.cuda.device_count()):
         raise ModelError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s), "
                          f"numbered from 0")
     return device
@@ -343,14 +367,16 @@ def parse_device(spec: str | None) -> torch.device:
 # ---- what the commands read: a context file, a --batch file ----------------------------------
 
 def read_context(path, what="--context-file"):
-    """The text of --context-file (or of the file `what` names), refusing what cannot be a text context with
-    one line (cli.decode_text)."""
+    """The text of --context-file (or of the file `what` names), refusing what cannot be a text
+    context with one line (cli.decode_text)."""
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode) and not stat.S_ISFIFO(mode):
             raise UsageError(f"{what} {path} is not a regular file")  # a folder, /dev/zero, ...
-        if stat.S_ISFIFO(mode):  # open() waits for a writer, read() for it to close: say why nothing happens
-            print(f"reading {what} {path}: a pipe, until its writer closes it", file=sys.stderr, flush=True)
+        # open() waits for a writer, read() for it to close: say why nothing happens
+        if stat.S_ISFIFO(mode):
+            print(f"reading {what} {path}: a pipe, until its writer closes it", file=sys.stderr,
+                  flush=True)
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
@@ -398,7 +424,8 @@ def read_batch(path, budget, max_new_tokens):
             # they are, which str.splitlines() would also break lines at
             lines = f.read().split("\n")
     except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read --batch {path}: {getattr(e, 'strerror', None) or e}") from None
+        raise UsageError(f"cannot read --batch {path}: "
+                         f"{getattr(e, 'strerror', None) or e}") from None
     folder = os.path.dirname(os.path.abspath(path))
     out = []
     for n, line in enumerate(lines, 1):
@@ -408,7 +435,8 @@ def read_batch(path, budget, max_new_tokens):
         try:
             obj = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON object a line") from None
+            raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON "
+                             "object a line") from None
         except ValueError as e:  # _unique_keys
             raise UsageError(f"{where}: {e}; give each key once") from None
         if not isinstance(obj, dict):
@@ -416,7 +444,8 @@ def read_batch(path, budget, max_new_tokens):
                              '{"context": "...", "questions": ["..."]}')
         unknown = sorted(set(obj) - set(REQUEST_KEYS))
         if unknown:
-            raise UsageError(f"{where}: unknown key {unknown[0]!r} (expected {', '.join(REQUEST_KEYS)})")
+            raise UsageError(f"{where}: unknown key {unknown[0]!r} (expected "
+                             f"{', '.join(REQUEST_KEYS)})")
         if sum(k in obj for k in ("context", "context_file", "cache_file")) != 1:
             raise UsageError(f"{where}: give exactly one of \"context\" (the text), "
                              f"\"context_file\" (a path) or \"cache_file\" (a saved cache)")
@@ -440,12 +469,14 @@ def read_batch(path, budget, max_new_tokens):
             file = os.path.join(folder, os.path.expanduser(obj["context_file"]))  # kept if absolute
             context = read_context(file, what=f"{where}: context_file")
         questions = obj.get("questions", [])
-        if not (isinstance(questions, list) and all(isinstance(q, str) and q.strip() for q in questions)):
+        if not (isinstance(questions, list) and all(isinstance(q, str) and q.strip()
+                                                    for q in questions)):
             raise UsageError(f"{where}: \"questions\" must be a list of non-empty strings")
         for q in questions:
             check_text(q, f"{where}: a question")
         r_budget = obj.get("budget", budget)
-        if isinstance(r_budget, bool) or not isinstance(r_budget, (int, float)) or not 0 < r_budget <= 1:
+        if (isinstance(r_budget, bool) or not isinstance(r_budget, (int, float))
+            or not 0 < r_budget <= 1):
             raise UsageError(f"{where}: \"budget\" must be a number in (0, 1], got {r_budget!r}")
         r_new = obj.get("max_new_tokens", max_new_tokens)
         if isinstance(r_new, bool) or not isinstance(r_new, int) or r_new < 0:
@@ -471,7 +502,8 @@ def layer_list(layers):
 
 def summary_line(s):
     """What a reader needs after a run: the context, what each kind of layer kept of it, the KV held
-    against a full cache (which keeps every token, and the same window in sliding layers), and speed."""
+    against a full cache (which keeps every token, and the same window in sliding layers), and
+    speed."""
     compressed, sliding = s["compressed_layers"], s["sliding_layers"]
     what = "all layers" if len(compressed) == s["n_layers"] else "layers"
     if s["method"] == "full":
@@ -479,14 +511,17 @@ def summary_line(s):
     else:
         per = s["kept_fraction_per_layer"]
         each = f" ({' / '.join(f'{x:.0%}' for x in per)})" if len(per) <= 6 else ""
-        kept = f"compressed {what} {layer_list(compressed)} kept {s['kept_fraction']:.1%} of it{each}"
+        kept = (f"compressed {what} {layer_list(compressed)} kept {s['kept_fraction']:.1%} "
+                f"of it{each}")
         if sliding:
-            kept += f", the {len(sliding)} sliding-window layers their last {s['sliding_window']} tokens"
+            kept += (f", the {len(sliding)} sliding-window layers their last "
+                     f"{s['sliding_window']} tokens")
         others = s["n_layers"] - len(compressed) - len(sliding)
         if others:
             kept += f", {others} other layers everything"
     mib = lambda b: f"{b / 2**20:.1f}"
-    held = (f"KV held {mib(s['kv_bytes'])} MiB" if s["method"] == "full" else  # a full cache: nothing to compare
+    # a full cache: nothing to compare
+    held = (f"KV held {mib(s['kv_bytes'])} MiB" if s["method"] == "full" else
             f"KV held {mib(s['kv_bytes'])} of {mib(s['kv_bytes_full'])} MiB full "
             f"({s['kv_bytes'] / s['kv_bytes_full']:.0%}), peak {mib(s['peak_kv_bytes'])} MiB")
     dec = f", decode {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] else ""
@@ -504,9 +539,11 @@ SHADES = " ░▒▓█"
 
 def retention_map(ret, layers):
     """Layer × head retention in shaded cells (paper Figure 12): blank < 5%, █ ≥ 90%."""
-    lines = ["retention per head (rows: compressed layers; ' ' <5%  ░ <30%  ▒ <60%  ▓ <90%  █ ≥90%)"]
+    lines = ["retention per head (rows: compressed layers; ' ' <5%  ░ <30%  ▒ <60%  ▓ "
+             "<90%  █ ≥90%)"]
     for layer, row in zip(layers, ret.tolist()):
-        cells = "".join(SHADES[0 if r < 0.05 else 1 if r < 0.3 else 2 if r < 0.6 else 3 if r < 0.9 else 4] * 2
+        cells = "".join(SHADES[0 if r < 0.05 else 1 if r < 0.3 else 2 if r < 0.6 else 3
+                               if r < 0.9 else 4] * 2
                         for r in row)
         lines.append(f"layer {layer:3d} |{cells}| {sum(row) / len(row):5.1%}")
     return "\n".join(lines)

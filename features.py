@@ -302,7 +302,8 @@ def write_shard(path, hidden, scores, meta):
     try:
         # one metadata entry: safetensors writes several in no fixed order, and a resumed run must
         # produce byte-identical files
-        safetensors.torch.save_file(tensors, str(tmp), metadata={"document": json.dumps(meta, sort_keys=True)})
+        safetensors.torch.save_file(tensors, str(tmp),
+                                    metadata={"document": json.dumps(meta, sort_keys=True)})
         os.chmod(tmp, 0o644)  # safetensors writes 0600
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk, above all
@@ -483,7 +484,8 @@ class FeatureStore:
         assert not missing, f"missing feature shards: {missing[:3]}"
         self.hidden = [_mmap_tensor(p, "hidden") for p in paths]
         # (L, H, N)
-        self.scores = torch.cat([safetensors.torch.load_file(str(p))["scores"].float() for p in paths], dim=-1)
+        self.scores = torch.cat(
+            [safetensors.torch.load_file(str(p))["scores"].float() for p in paths], dim=-1)
         lens = torch.tensor([h.shape[1] for h in self.hidden])
         self.starts = torch.cumsum(lens, 0) - lens
         # held-out whole documents (none with --val-docs 0)

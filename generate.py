@@ -36,12 +36,21 @@ from safetensors import safe_open
 
 import cli
 import gate
-from cache import (LEVELS, Batch, Budget, CacheFileError, EvictingCache, KVCache, check_cache_file,
-                   full_cache_bytes, load_cache, read_header)
+from cache import (
+    LEVELS,
+    Batch,
+    Budget,
+    CacheFileError,
+    EvictingCache,
+    KVCache,
+    check_cache_file,
+    full_cache_bytes,
+    load_cache,
+    read_header,
+)
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, read_context, resolve_model, retention_map, summary_line
 from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_model, load_tokenizer, model_identity
-from teacher import (KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids,
-                     uses_chat)
+from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 
@@ -668,7 +677,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and the random baseline")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype (default: bfloat16 on GPU, float32 on CPU, where bf16 is ~4x slower without bf16 units)")
+                   help="compute dtype (default: bfloat16 on GPU, float32 on CPU, where bf16 is ~4x slower without "
+                   "bf16 units)")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, answers, stats)")
     p.add_argument("--method", choices=METHODS, default="fastkvzip", help="what scores the KV pairs")
     p.add_argument("--budget", type=float, default=None,

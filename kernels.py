@@ -281,7 +281,8 @@ if triton is not None:
         # -- normalise; rows that saw no key have l_i == 0 and acc == 0 -> zeros, not NaN --
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
-        o_off = split.to(tl.int64) * s_os + (q_start + row).to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+        o_off = (split.to(tl.int64) * s_os + (q_start + row).to(tl.int64)[:, None] * s_ot + head[:, None]
+                 * s_oh + d[None, :])
         if SPLIT:  # partial result + its log2-sum-exp, merged by _merge_splits
             tl.store(O + o_off, out, mask=row_ok[:, None])
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
@@ -391,9 +392,9 @@ class RaggedKV:
 
     Each region has capacity caps[h] >= lens[h]; the rows between are slack, so appending a decode
     token writes H rows and copies nothing. When some head runs out of room, every region is
-    re-laid out with headroom: half the length, at most MAX_SLACK rows per head. select / truncate compact to exactly the kept rows: eviction frees memory, and nbytes reports what is held.
-    Row companions pos (absolute position, int64) and score (importance, float32, +inf = never
-    evict) live in flat tensors aligned with k's rows and move with them.
+    re-laid out with headroom: half the length, at most MAX_SLACK rows per head. select / truncate compact to exactly
+    the kept rows: eviction frees memory, and nbytes reports what is held. Row companions pos (absolute position, int64)
+    and score (importance, float32, +inf = never evict) live in flat tensors aligned with k's rows and move with them.
     """
 
     def __init__(self, n_heads, head_dim, dtype, device):
@@ -676,7 +677,8 @@ def _bench_attend(name, kv, t, G, cuda):
     qd = q.view(t, H * G, d).transpose(0, 1)[None]                 # (1, H*G, t, d)
 
     def sdpa(k_, v_, gqa):
-        return F.scaled_dot_product_attention(qd, k_, v_, attn_mask=mask, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+        return F.scaled_dot_product_attention(qd, k_, v_, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)[0].transpose(0, 1)
     cands = {"ours (" + ("triton" if cuda else "torch") + ")": lambda: kv.attend(q, scale),
              "sdpa dense padded": lambda: sdpa(k_pad, v_pad, True)}
     try:

@@ -43,8 +43,9 @@ import torch
 from cache import KVCache, plan_prefill, select_segment
 from model import ModelConfig, ModelError
 
-REPEAT_FIRST = "\n\nRepeat the previous context exactly."                              # METHOD.md §4.2
-REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "      # trailing space
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."  # METHOD.md §4.2
+# trailing space
+REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "
 PREV_TOKENS = 8         # the next repeat starts from the previous chunk's last 8 tokens
 SCORE_CHUNK = 2000      # context tokens scored per repeat input (METHOD.md §4.2)
 PREFILL_CHUNK = 16000   # prefill chunk of the authors' pipeline (METHOD.md §4.3, §6)
@@ -53,13 +54,15 @@ PREFILL_CHUNK = 16000   # prefill chunk of the authors' pipeline (METHOD.md §4.
 class TeacherCache(KVCache):
     """A full KV cache that, in compressed layers, can also
     - keep the attention-input hidden states of tokens at positions >= capture_from (gate features,
-      METHOD.md §1.7, §3), moved to the CPU as they come: an 8B model's 100K-token document is ~30 GB;
+      METHOD.md §1.7, §3), moved to the CPU as they come: an 8B model's 100K-token document is ~30
+      GB;
     - score a context chunk while a repeat input runs (span = (n_system, chunk start, chunk end)).
     """
 
     def __init__(self, cfg, dtype=torch.float32, device="cpu", softmax_dtype=torch.float32):
         super().__init__(cfg, dtype, device)
-        self.index = {layer: l for l, layer in enumerate(cfg.compressed_layers)}  # model layer -> row of the output
+        # model layer -> row of the output
+        self.index = {layer: l for l, layer in enumerate(cfg.compressed_layers)}
         self.softmax_dtype = softmax_dtype  # None = the cache (model) dtype, as the authors
         self.capture_from = None
         self.captured = [[] for _ in self.index]
@@ -67,7 +70,8 @@ class TeacherCache(KVCache):
         self.scores = [[] for _ in self.index]
 
     def attend(self, layer, q, k, v, hidden, scale, window=None):
-        out = super().attend(layer, q, k, v, hidden, scale, window)  # the model's own attention, unchanged
+        # the model's own attention, unchanged
+        out = super().attend(layer, q, k, v, hidden, scale, window)
         l = self.index.get(layer)
         if l is None:
             return out
@@ -80,8 +84,8 @@ class TeacherCache(KVCache):
         return out
 
     def kvzip_scores(self, layer, q):
-        """Scores (H, chunk) of the context chunk self.span for the repeat queries q (T, Hq, d) that were
-        just appended (METHOD.md §4.3,
+        """Scores (H, chunk) of the context chunk self.span for the repeat queries q (T, Hq, d) that
+        were just appended (METHOD.md §4.3,
         Janghyun1230/FastKVzip:prefill/attention/score.py:KVScore._get_score)."""
         n_sys, start, end = self.span
         kv = self.layers[layer]
@@ -90,25 +94,29 @@ class TeacherCache(KVCache):
         G = n_q_heads // H
         n_rows = self.n_seen + T  # a full cache: every head holds positions 0 .. n_rows-1, in order
         assert bool((kv.lens == n_rows).all()), "KVzip scoring needs the full, unevicted cache"
-        pos = torch.cat([torch.arange(n_sys), torch.arange(start, end), torch.arange(n_rows - T, n_rows)])
+        pos = torch.cat([torch.arange(n_sys), torch.arange(start, end),
+                         torch.arange(n_rows - T, n_rows)])
         rows = (kv.starts[:, None] + pos[None, :]).to(kv.k.device)                # (H, K)
         dtype = self.softmax_dtype or kv.k.dtype
         keys = kv.k[rows].to(dtype)                                              # (H, K, d)
         qh = q.to(dtype).view(T, H, G, d).permute(1, 2, 0, 3)                    # (H, G, T, d)
         logits = qh @ keys[:, None].transpose(-1, -2) / math.sqrt(d)             # (H, G, T, K)
         # 1/sqrt(d_h) even for Gemma3 (whose attention uses query_pre_attn_scalar): METHOD.md §4.3
-        causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()  # repeat query i sees repeat key j <= i
+        # repeat query i sees repeat key j <= i
+        causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
         logits[..., -T:].masked_fill_(~causal, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)                                    # in `dtype` (not forced to fp32)
+        probs = torch.softmax(logits, dim=-1)  # in `dtype` (not forced to fp32)
         c = end - start
-        return probs[..., n_sys:n_sys + c].amax(dim=(1, 2)).float()             # (H, c): max over group and queries
+        # (H, c): max over group and queries
+        return probs[..., n_sys:n_sys + c].amax(dim=(1, 2)).float()
 
 
 class KVzipTeacher:
     """KVzip scores (and optionally gate features) for one context.
 
-    model: model.Transformer; tokenizer: tokenizers.Tokenizer; fmt: model.PromptFormat (system, postfix).
-    softmax_dtype: "float32" or "model" (the authors compute logits and softmax in bf16)."""
+    model: model.Transformer; tokenizer: tokenizers.Tokenizer; fmt: model.PromptFormat (system,
+    postfix). softmax_dtype: "float32" or "model" (the authors compute logits and softmax in
+    bf16)."""
 
     def __init__(self, model, tokenizer, fmt, chunk_size=SCORE_CHUNK, prefill_chunk=PREFILL_CHUNK,
                  softmax_dtype="float32"):
@@ -147,9 +155,11 @@ class KVzipTeacher:
                 on_chunk(len(piece))
 
     def score(self, cache, n_system, ctx, on_chunk=None):
-        """Scores (L_g, H, len(ctx)) float32 of a context already prefilled after n_system system-prompt
-        tokens in `cache` (a TeacherCache holding exactly system ⊕ context). The cache is unchanged."""
-        assert cache.n_seen == n_system + len(ctx), "the cache must hold exactly system prompt + context"
+        """Scores (L_g, H, len(ctx)) float32 of a context already prefilled after n_system
+        system-prompt tokens in `cache` (a TeacherCache holding exactly system ⊕ context). The cache
+        is unchanged."""
+        assert cache.n_seen == n_system + len(ctx), ("the cache must hold exactly system "
+                                                     "prompt + context")
         cache.scores = [[] for _ in cache.index]
         for start, end, ids in self.repeat_inputs(ctx):
             state = cache.checkpoint()
@@ -164,8 +174,8 @@ class KVzipTeacher:
         return scores
 
     def __call__(self, ctx, capture_hidden=False, on_chunk=None):
-        """-> scores (L_g, H, n) float32 in [0, 1], and hidden (L_g, n, D) in the model dtype on the CPU
-        (the attention inputs of the context tokens) when capture_hidden, else None.
+        """-> scores (L_g, H, n) float32 in [0, 1], and hidden (L_g, n, D) in the model dtype on the
+        CPU (the attention inputs of the context tokens) when capture_hidden, else None.
         on_chunk(n) is called after each scored chunk of n context tokens (progress bars)."""
         cache = self.new_cache()
         if capture_hidden:
@@ -183,15 +193,17 @@ AGREEMENT_BUDGETS = (0.5, 0.3)
 
 
 def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
-    """(L, H, n) context scores -> (keep mask (L, H, n), window length): what EvictingCache keeps of a
-    context prefilled in one chunk (METHOD.md §6): the last `window` tokens (2% of n for a context
-    shorter than a chunk) in every head, and of the rest exactly ⌊r'·L·H·s⌋ pairs, r' chosen so that a
-    fraction `ratio` of the context is kept in all."""
+    """(L, H, n) context scores -> (keep mask (L, H, n), window length): what EvictingCache keeps of
+    a context prefilled in one chunk (METHOD.md §6): the last `window` tokens (2% of n for a context
+    shorter than a chunk) in every head, and of the rest exactly ⌊r'·L·H·s⌋ pairs, r' chosen so that
+    a fraction `ratio` of the context is kept in all."""
     L, H, n = scores.shape
     plan = plan_prefill(n, ratio, chunk_size, window)
     keep = torch.ones(L, H, n, dtype=torch.bool, device=scores.device)
-    others = torch.full((L,), plan.window * H, device=scores.device)  # the window: no layer goes empty
-    keep[..., :n - plan.window] = select_segment(scores[..., :n - plan.window], plan.segment_ratio, level, others)
+    # the window: no layer goes empty
+    others = torch.full((L,), plan.window * H, device=scores.device)
+    keep[..., :n - plan.window] = select_segment(scores[..., :n - plan.window], plan.segment_ratio,
+                                                 level, others)
     return keep, plan.window
 
 
@@ -207,15 +219,17 @@ def spearman(a, b):
 
 
 def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096):
-    """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,) bool
-    (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that callers can pool
-    contexts (`pool_agreement`), keyed by the budget written as f"{r:g}" (JSON-ready):
+    """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,)
+    bool (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that
+    callers can pool contexts (`pool_agreement`), keyed by the budget written as f"{r:g}"
+    (JSON-ready):
       spearman   rank correlation over the layer's H·n pairs;
       at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local window
       that both keep: teacher = pairs the teacher keeps, both = of those, the ones the student keeps too,
       student = pairs the student keeps, segment = pairs in the evicted segment; digits = digit-token pairs
       there, digits_teacher / digits_student = of those, the ones each side keeps."""
-    out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double()) for s, t in zip(student, teacher)])
+    out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double())
+                         for s, t in zip(student, teacher)])
     for r in budgets:
         ks, w = kept_by_rule(student, r, chunk_size, window)
         kt, _ = kept_by_rule(teacher, r, chunk_size, window)
@@ -223,34 +237,40 @@ def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=
         seg[:student.shape[-1] - w] = True
         digit = seg & is_digit.to(student.device)
         count = lambda m, where: m[..., where].flatten(1).sum(1).tolist()
-        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg), student=count(ks, seg),
-                      segment=[int(seg.sum()) * student.shape[1]] * student.shape[0],
-                      digits=[int(digit.sum()) * student.shape[1]] * student.shape[0],
-                      digits_teacher=count(kt, digit), digits_student=count(ks, digit))
+        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg),
+                             student=count(ks, seg), segment=[int(seg.sum()) * student.shape[1]]
+                             * student.shape[0], digits=[int(digit.sum()) * student.shape[1]]
+                             * student.shape[0], digits_teacher=count(kt, digit),
+                             digits_student=count(ks, digit))
     return out
 
 
 def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
-    """Pool agreement() over contexts, per layer: mean Spearman; at each budget, overlap = the share of
-    the teacher's kept pairs the student keeps too (chance level: the student's kept share), the share of
-    the layer's segment each side keeps, and the share of digit-token pairs each side keeps. None where a
-    denominator is zero."""
+    """Pool agreement() over contexts, per layer: mean Spearman; at each budget, overlap = the share
+    of the teacher's kept pairs the student keeps too (chance level: the student's kept share), the
+    share of the layer's segment each side keeps, and the share of digit-token pairs each side
+    keeps. None where a denominator is zero."""
     ratio = lambda a, b: a / b if b else None
     L = len(per_context[0]["spearman"])
-    out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context) for l in range(L)])
+    out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context)
+                         for l in range(L)])
     for r in budgets:
-        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)] for k in per_context[0][f"{r:g}"]}
+        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)]
+               for k in per_context[0][f"{r:g}"]}
         out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
         out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
         out[f"kept_teacher@{r}"] = [ratio(tot["teacher"][l], tot["segment"][l]) for l in range(L)]
-        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l]) for l in range(L)]
-        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][l], tot["digits"][l]) for l in range(L)]
+        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l])
+                                      for l in range(L)]
+        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][l], tot["digits"][l])
+                                      for l in range(L)]
     return out
 
 
 def digit_tokens(tokenizer, ids):
     """(n,) bool: which tokens' text holds a digit."""
-    return torch.tensor([any(c.isdigit() for c in tokenizer.id_to_token(i) or "") for i in ids], dtype=torch.bool)
+    return torch.tensor([any(c.isdigit() for c in tokenizer.id_to_token(i) or "") for i in ids],
+                        dtype=torch.bool)
 
 
 # ---- Prompts: the authors' templates, and user text kept as data (METHOD.md §4.1) ----------------
@@ -303,7 +323,8 @@ def encode_prompt(tok, template: str, **texts: str) -> list[int]:
 
 @dataclass
 class PromptFormat:
-    system: str   # template prefix + task sentence: prepended to the context, never evicted (METHOD.md §4.4)
+    # template prefix + task sentence: prepended to the context, never evicted (METHOD.md §4.4)
+    system: str
     postfix: str  # end of the user turn + start of the model's turn
 
 
@@ -315,10 +336,11 @@ _QWEN_POSTFIX = "<|im_end|>\n<|im_start|>assistant\n"
 _QWEN_NO_THINK = "<think>\n\n</think>\n\n"  # an empty thought: hybrid Qwen3 answers directly
 _GEMMA_PREFIX = "<bos><start_of_turn>user\nYou are a helpful assistant.\n\n"
 _GEMMA_POSTFIX = "<end_of_turn>\n<start_of_turn>model\n"
-_LLAMA3_PREFIX = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant"
-                  "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n")
+_LLAMA3_PREFIX = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a "
+                  "helpful assistant<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n")
 _LLAMA3_POSTFIX = "\n\n<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-_BOS_TEXT = {"gemma": "<bos>", "llama3": "<|begin_of_text|>"}  # written by the template, not the tokenizer
+# written by the template, not the tokenizer
+_BOS_TEXT = {"gemma": "<bos>", "llama3": "<|begin_of_text|>"}
 # a control token as the templates write it (the group keeps it in re.split's output)
 _CONTROL = re.compile(r"(<[^<>\s{}]+>)")
 _TEMPLATE_CONTROLS = frozenset(_CONTROL.findall(
@@ -335,11 +357,11 @@ def uses_chat(cfg: ModelConfig, chat: bool | None = None) -> bool:
 
 def prompt_format(cfg: ModelConfig, name: str, chat: bool | None = None, thinking: bool = False,
                   task: str = "") -> PromptFormat:
-    """The official prompt layout for the model's chat format (cfg.chat_format: the layout its tokenizer's
-    template writes, e.g. ChatML for SmolLM2, a Llama). The authors' ChatML prompt is their Qwen one;
-    `name` (alias, repo id or folder) tells hybrid Qwen3 ("instruct" not in it) from Qwen3 Instruct.
-    Without the chat template (chat False, or None for a base model, see uses_chat): just the BOS text.
-    task starting "gsm": the reasoning sentence."""
+    """The official prompt layout for the model's chat format (cfg.chat_format: the layout its
+    tokenizer's template writes, e.g. ChatML for SmolLM2, a Llama). The authors' ChatML prompt is
+    their Qwen one; `name` (alias, repo id or folder) tells hybrid Qwen3 ("instruct" not in it) from
+    Qwen3 Instruct. Without the chat template (chat False, or None for a base model, see uses_chat):
+    just the BOS text. task starting "gsm": the reasoning sentence."""
     if not uses_chat(cfg, chat):
         return PromptFormat(_BOS_TEXT.get(cfg.chat_format, ""), "")
     sentence = _TASK_GSM if task.startswith("gsm") else _TASK
@@ -347,8 +369,10 @@ def prompt_format(cfg: ModelConfig, name: str, chat: bool | None = None, thinkin
         return PromptFormat(_GEMMA_PREFIX + sentence, _GEMMA_POSTFIX)
     if cfg.chat_format == "llama3":
         return PromptFormat(_LLAMA3_PREFIX + sentence, _LLAMA3_POSTFIX)
-    hybrid = cfg.arch == "qwen3" and "instruct" not in str(name).lower()  # Qwen3-*-Instruct-2507: no switch
-    return PromptFormat(_QWEN_PREFIX + sentence, _QWEN_POSTFIX + ("" if thinking or not hybrid else _QWEN_NO_THINK))
+    # Qwen3-*-Instruct-2507: no switch
+    hybrid = cfg.arch == "qwen3" and "instruct" not in str(name).lower()
+    return PromptFormat(_QWEN_PREFIX + sentence,
+                        _QWEN_POSTFIX + ("" if thinking or not hybrid else _QWEN_NO_THINK))
 
 
 def question_ids(tok, fmt: PromptFormat, question: str, cue: str = "") -> list[int]:

@@ -49,8 +49,9 @@ import torch
 import torch.nn.functional as F
 
 import cli
+import features
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, pyplot, resolve_model, save_figure, write_json
-from features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents, make_manifest, note_bundled_corpus
+from features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents
 from gate import Gates, authors_file_name, save_gate
 from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_tokenizer
 from teacher import agreement, digit_tokens, encode_prompt, pool_agreement, prompt_format, spearman, uses_chat
@@ -570,9 +571,9 @@ def run(args):
                           args.long_doc_tokens, args.val_docs, tokenizer, max_context)
     data_hash = data_sha256(args.data)
     if rank == 0:
-        note_bundled_corpus(model_name, data_hash)
-    manifest = make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk, args.teacher_softmax,
-                             chat, stored_dtype)
+        features.note_bundled_corpus(model_name, data_hash)
+    manifest = features.make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk,
+                                      args.teacher_softmax, chat, stored_dtype)
     check_manifest(out, manifest)
     make_out(out)  # only now that the input is accepted: a refused run leaves no empty folder
     if rank == 0:

@@ -306,6 +306,7 @@ def attend_case(kv, t, G, dev):
     keys -> a row. GB/s and TFLOP/s count the work needed (kept K/V read, visible query-key
     pairs), the same for every column; max_diff: each output against ours."""
     import torch.nn.functional as F
+
     import kernels
     H, d, dtype = kv.n_heads, kv.head_dim, kv.dtype
     lens, scale = kv.lens.tolist(), d ** -0.5
@@ -420,7 +421,8 @@ def part_decode(S, run, res):
     n = S["decode_context"]
     step(run, "decode", res, dict(case="prefill", context=n))
     cache = generate.make_cache("fastkvzip", model, "random", 0, gates=gates)
-    generate.prefill(model, cache, context(model, n, 1), 0, Budget(BUDGET, S["chunk_size"], S["window"]))
+    generate.prefill(model, cache, context(model, n, 1), 0,
+                     Budget(BUDGET, S["chunk_size"], S["window"]))
     cache.start_decoding()
     res.update(context=n, budget=BUDGET, member_kv_bytes=cache.nbytes, steps=S["steps"])
     for B in S["batch"]:
@@ -508,8 +510,7 @@ def part_prefill(S, run, res):
     """Full, Fast KVzip and KVzip at 0.3 on 32K then 128K tokens, chunks of 16,000 and a window of
     4,096 (the authors' settings, METHOD.md §6); gpu_peak_bytes: the prefill's peak above the
     weights."""
-    from teacher import prompt_format
-    from teacher import KVzipTeacher
+    from teacher import KVzipTeacher, prompt_format
     model, gates = random_model(S)
     dev, _ = device_and_dtype(S)
     fmt = prompt_format(model.config, "qwen3-8b")

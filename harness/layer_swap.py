@@ -2,15 +2,15 @@
 The layer swap: in which compressed layer the gate's kept set costs it its KVzip teacher's quality.
 
 For each of the benchmark's Austen contexts (quality.make_samples: the contexts, pass keys and JSON
-key-value questions of `bench.py --lengths N --contexts K --seed S`) and each budget, the teacher (T)
-and the gate (G) score the context once and each picks its kept set with the cache's own rule: one
-global threshold over every compressed layer and head (teacher.kept_by_rule, what EvictingCache.evict
-keeps). Then every combination of per-layer kept sets, T or G in each compressed layer (2^L caches,
-named in the order of the compressed layers: "TGT" = teacher in the first and last), answers the
-benchmark's questions (quality.evaluate). All-T is the kvzip method's cache and all-G fastkvzip's, the
-same kept tokens (tests/test_layer_swap.py). A mixed cache holds what each layer's source keeps, so
-its KV held differs from the budget when T and G split the budget differently among the layers: it is
-printed beside the scores.
+key-value questions of `bench.py --lengths N --contexts K --seed S`) and each budget, the teacher
+(T) and the gate (G) score the context once and each picks its kept set with the cache's own rule:
+one global threshold over every compressed layer and head (teacher.kept_by_rule, what
+EvictingCache.evict keeps). Then every combination of per-layer kept sets, T or G in each compressed
+layer (2^L caches, named in the order of the compressed layers: "TGT" = teacher in the first and
+last), answers the benchmark's questions (quality.evaluate). All-T is the kvzip method's cache and
+all-G fastkvzip's, the same kept tokens (tests/test_layer_swap.py). A mixed cache holds what each
+layer's source keeps, so its KV held differs from the budget when T and G split the budget
+differently among the layers: it is printed beside the scores.
 
     python -m harness.layer_swap --out ~/.cache/fastkvzip/runs/layer-swap       # 3 x 4096 tokens at 0.5
     python -m harness.layer_swap --budgets 0.5,0.4 --gate other.safetensors --out ...
@@ -33,21 +33,21 @@ import bench
 import cli
 import gate
 from cache import EvictingCache
-from cli import UsageError, file_sha256
+from cli import OFFLINE_DEFAULT, UsageError, file_sha256, resolve_model
 from gate import GateScorer
 from harness import quality
-from cli import OFFLINE_DEFAULT, resolve_model
-from model import load_model, load_tokenizer, ModelConfig, ModelError
-from teacher import prompt_format
-from teacher import KVzipTeacher, agreement, digit_tokens, kept_by_rule, pool_agreement
+from model import ModelConfig, ModelError, load_model, load_tokenizer
+from teacher import KVzipTeacher, agreement, digit_tokens, kept_by_rule, pool_agreement, prompt_format
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
 
 
 def capture(model, sample, teacher, scorer, chunk_size):
     """One full prefill of the context -> (full cache, {"T": teacher's, "G": gate's scores}), each
-    (L, H, n_context): the gate scores the prefill's attention inputs, as the benchmark's replay does."""
-    full, _, tscores = quality.capture_prefill(model, sample.ids, chunk_size, teacher, sample.n_protected)
+    (L, H, n_context): the gate scores the prefill's attention inputs, as the benchmark's replay
+    does."""
+    full, _, tscores = quality.capture_prefill(model, sample.ids, chunk_size, teacher,
+                                               sample.n_protected)
     gscores = quality.captured_scores(model, scorer, full).float().cpu()
     p = sample.n_protected
     return full, dict(T=tscores[..., p:].float(), G=gscores[..., p:])
@@ -55,10 +55,11 @@ def capture(model, sample, teacher, scorer, chunk_size):
 
 def swap_cache(full, n_protected, scores, keep, combo):
     """An evicting cache holding full's KV, in compressed layer l only the context pairs that scorer
-    combo[l] ("T" or "G") keeps: keep[s] (L, H, n_context) from teacher.kept_by_rule. The system prompt and
-    the layers that are not compressed stay whole, as in every evicting cache."""
+    combo[l] ("T" or "G") keeps: keep[s] (L, H, n_context) from teacher.kept_by_rule. The system
+    prompt and the layers that are not compressed stay whole, as in every evicting cache."""
     cache = EvictingCache(full.cfg, None, full.dtype, full.device, n_protected=n_protected)
-    cache.adopt(full, scores=torch.stack([scores[s][l] for l, s in enumerate(combo)]), keep_full=True)
+    cache.adopt(full, scores=torch.stack([scores[s][l] for l, s in enumerate(combo)]),
+                keep_full=True)
     system = torch.ones(n_protected, dtype=torch.bool)
     for l, s in enumerate(combo):
         cache.keep_rows(l, [torch.cat([system, k]) for k in keep[s][l]])  # rows = system ⊕ context
@@ -73,21 +74,25 @@ def swap_context(model, tok, sample, full, scores, budgets, chunk_size, window, 
     out = {"full@1": quality.entry(sample, ref, ref, [1.0] * len(scores["T"]), full.nbytes)}
     for r in budgets:
         keep = {s: kept_by_rule(x, r, chunk_size, window)[0] for s, x in scores.items()}
-        for combo in combos or ["".join(c) for c in itertools.product("TG", repeat=len(scores["T"]))]:
+        for combo in combos or ["".join(c)
+                                for c in itertools.product("TG", repeat=len(scores["T"]))]:
             cache = swap_cache(full, p, scores, keep, combo)
             res = quality.evaluate(model, tok, cache, sample, stops)
-            out[f"{combo}@{r:g}"] = quality.entry(sample, res, ref, cache.kept_fraction_per_layer(p, n), cache.nbytes)
+            out[f"{combo}@{r:g}"] = quality.entry(sample, res, ref,
+                                                  cache.kept_fraction_per_layer(p, n), cache.nbytes)
     return out
 
 
 def pool(records):
-    """Per-context entries -> rows pooled over contexts: task sums, mean kept fractions and KV bytes."""
+    """Per-context entries -> rows pooled over contexts: task sums, mean kept fractions and KV
+    bytes."""
     rows = {}
     for key in records[0]["entries"]:
         es = [rec["entries"][key] for rec in records]
         tally = {t: [sum(e["tally"][t][i] for e in es) for i in (0, 1)] for t in TASKS}
         kept = [sum(e["kept"][l] for e in es) / len(es) for l in range(len(es[0]["kept"]))]
-        held = sum(e["nbytes"] / rec["entries"]["full@1"]["nbytes"] for e, rec in zip(es, records)) / len(es)
+        held = sum(e["nbytes"] / rec["entries"]["full@1"]["nbytes"]
+                   for e, rec in zip(es, records)) / len(es)
         rows[key] = dict(tally=tally, kept=kept, kv_fraction=held)
     return rows
 
@@ -96,14 +101,16 @@ def table(rows, layers):
     """Markdown: counts correct for the accuracies, ppl_full / ppl for the NLLs (1 = lossless)."""
     full = rows["full@1"]["tally"]
     nll = lambda t, x: math.exp(full[t][0] / full[t][1] - x[t][0] / x[t][1])
-    lines = [f"| layers {'/'.join(map(str, layers))} | budget | pass keys | JSON KV | answers as full | nll_next rel | "
-             f"nll_repeat rel | kept per layer | compressed pairs kept | KV bytes |", "|---" * 10 + "|"]
+    lines = [f"| layers {'/'.join(map(str, layers))} | budget | pass keys | JSON KV | answers as "
+             f"full | nll_next rel | nll_repeat rel | kept per layer | compressed pairs kept | "
+             f"KV bytes |", "|---" * 10 + "|"]
     for key, row in rows.items():
         combo, budget = key.rsplit("@", 1)
         t = row["tally"]
-        lines.append(f"| {combo} | {budget} | {t['passkey'][0]:g}/{t['passkey'][1]:g} | {t['kv'][0]:g}/{t['kv'][1]:g} | "
-                     f"{t['agreement'][0]:g}/{t['agreement'][1]:g} | {nll('nll_next', t):.3f} | "
-                     f"{nll('nll_repeat', t):.3f} | {'/'.join(f'{x:.2f}' for x in row['kept'])} | "
+        lines.append(f"| {combo} | {budget} | {t['passkey'][0]:g}/{t['passkey'][1]:g} | "
+                     f"{t['kv'][0]:g}/{t['kv'][1]:g} | {t['agreement'][0]:g}/{t['agreement'][1]:g} "
+                     f"| {nll('nll_next', t):.3f} | {nll('nll_repeat', t):.3f} | "
+                     f"{'/'.join(f'{x:.2f}' for x in row['kept'])} | "
                      f"{sum(row['kept']) / len(row['kept']):.1%} | {row['kv_fraction']:.1%} |")
     return "\n".join(lines)
 
@@ -111,8 +118,10 @@ def table(rows, layers):
 def run(args):
     torch.set_num_threads(args.threads)
     flags = ["--model", args.model, "--lengths", str(args.length), "--contexts", str(args.contexts),
-             "--seed", str(args.seed), "--chunk-size", str(args.chunk_size), "--window", str(args.window)]
-    bargs = bench.parse_args(flags + (["--gate", args.gate] if args.gate else []))  # the benchmark's defaults
+             "--seed", str(args.seed), "--chunk-size", str(args.chunk_size), "--window",
+             str(args.window)]
+    # the benchmark's defaults
+    bargs = bench.parse_args(flags + (["--gate", args.gate] if args.gate else []))
     folder = resolve_model(args.model)
     cfg = ModelConfig.from_json(folder)
     tok = load_tokenizer(folder, cfg)
@@ -121,15 +130,17 @@ def run(args):
     _, samples = quality.make_samples(tok, fmt, bench.experiment(bargs))
     L = len(cfg.compressed_layers)
     if args.combos and any(len(c) != L or set(c) - set("TG") for c in args.combos):
-        raise UsageError(f"--combos: each is {L} letters T (teacher) or G (gate), one per compressed layer "
-                         f"{cfg.compressed_layers}, e.g. {'T' * L},{'G' * L}")
+        raise UsageError(f"--combos: each is {L} letters T (teacher) or G (gate), one per "
+                         f"compressed layer {cfg.compressed_layers}, e.g. {'T' * L},{'G' * L}")
     if max(len(s.ids) for s in samples) > args.chunk_size:
-        raise UsageError(f"--length {args.length} with its system prompt exceeds --chunk-size {args.chunk_size}: the "
-                         "swap needs one-chunk prefills (every scorer then sees the same hidden states)")
+        raise UsageError(f"--length {args.length} with its system prompt exceeds --chunk-size "
+                         f"{args.chunk_size}: the swap needs one-chunk prefills (every scorer then "
+                         "sees the same hidden states)")
     out = Path(args.out)
     (out / "contexts").mkdir(parents=True, exist_ok=True)
     source = gates.meta.get("source")  # what makes two runs' contexts the same experiment
-    key = dict(flags=flags, budgets=args.budgets, gate=file_sha256(source) if source else None, combos=args.combos)
+    key = dict(flags=flags, budgets=args.budgets, gate=file_sha256(source) if source else None,
+               combos=args.combos)
     model = load_model(folder, "cpu", torch.float32)
     teacher, scorer = KVzipTeacher(model, tok, fmt), GateScorer(gates)
     stops = quality.answer_stops(cfg, tok)
@@ -144,43 +155,55 @@ def run(args):
         t0 = time.perf_counter()
         with torch.no_grad():
             full, scores = capture(model, sample, teacher, scorer, args.chunk_size)
-            print(f"context {c + 1}/{len(samples)}: prefilled, scored by teacher and gate in {time.perf_counter() - t0:.0f} s",
-                  file=sys.stderr)
-            entries = swap_context(model, tok, sample, full, scores, args.budgets, args.chunk_size, args.window, stops,
-                                   args.combos)
-        agreement = agreement(scores["G"], scores["T"], digit_tokens(tok, sample.ids[sample.n_protected:]),
-                                chunk_size=args.chunk_size, window=args.window)  # as bench.py
-        rec = dict(key=key, context=c, doc=sample.doc, n_tokens=len(sample.ids), entries=entries, agreement=agreement)
+            print(f"context {c + 1}/{len(samples)}: prefilled, scored by teacher and gate in "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            entries = swap_context(model, tok, sample, full, scores, args.budgets, args.chunk_size,
+                                   args.window, stops, args.combos)
+        agreement = agreement(scores["G"], scores["T"],
+                              digit_tokens(tok, sample.ids[sample.n_protected:]),
+                              chunk_size=args.chunk_size, window=args.window)  # as bench.py
+        rec = dict(key=key, context=c, doc=sample.doc, n_tokens=len(sample.ids), entries=entries,
+                   agreement=agreement)
         cli.write_text(path, json.dumps(rec))
         records.append(rec)
-        print(f"context {c + 1}/{len(samples)} ({sample.doc}): {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        print(f"context {c + 1}/{len(samples)} ({sample.doc}): {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr)
     rows = pool(records)
     md = table(rows, cfg.compressed_layers)
     agreement = pool_agreement([r["agreement"] for r in records])
-    md += ("\n\nGate vs teacher on these contexts, layers " + "/".join(map(str, cfg.compressed_layers)) + ": Spearman "
+    md += ("\n\nGate vs teacher on these contexts, layers "
+           + "/".join(map(str, cfg.compressed_layers)) + ": Spearman "
            + " / ".join(f"{x:.2f}" for x in agreement["spearman"]) + "; overlap@0.5 " + " / ".join(
                "–" if x is None else f"{x:.0%}" for x in agreement["overlap@0.5"]))
-    cli.write_text(out / "layer_swap.json", json.dumps(dict(key=key, command=" ".join(sys.argv), rows=rows,
-                                                            agreement=agreement, contexts=[r["doc"] for r in records]),
+    cli.write_text(out / "layer_swap.json", json.dumps(dict(key=key, command=" ".join(sys.argv),
+                                                            rows=rows, agreement=agreement,
+                                                            contexts=[r["doc"] for r in records]),
                                                        indent=1))
     cli.write_text(out / "layer_swap.md", md + "\n")
     print(md)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=OFFLINE_DEFAULT, help="model folder, repo id or alias")
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--length", type=int, default=4096, help="context length in tokens")
-    p.add_argument("--contexts", type=int, default=3, help="contexts (each from another Austen part)")
-    p.add_argument("--budgets", type=cli.floats, default=[0.5], help="fractions of the context kept, e.g. 0.5,0.4")
-    p.add_argument("--seed", type=int, default=0, help="the benchmark's seed for contexts and needles")
-    p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk: a context must fit in one")
-    p.add_argument("--window", type=int, default=4096, help="recent tokens always kept (contexts shorter than a chunk: 2%%)")
-    p.add_argument("--combos", type=lambda s: s.upper().split(","), help="only these combinations, e.g. TTT,GGG "
-                   "(default: all 2^L)")
+    p.add_argument("--contexts", type=int, default=3,
+                   help="contexts (each from another Austen part)")
+    p.add_argument("--budgets", type=cli.floats, default=[0.5],
+                   help="fractions of the context kept, e.g. 0.5,0.4")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the benchmark's seed for contexts and needles")
+    p.add_argument("--chunk-size", type=int, default=16384,
+                   help="prefill chunk: a context must fit in one")
+    p.add_argument("--window", type=int, default=4096,
+                   help="recent tokens always kept (contexts shorter than a chunk: 2%%)")
+    p.add_argument("--combos", type=lambda s: s.upper().split(","),
+                   help="only these combinations, e.g. TTT,GGG (default: all 2^L)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--out", required=True, help="folder for contexts/, layer_swap.json and layer_swap.md")
+    p.add_argument("--out", required=True,
+                   help="folder for contexts/, layer_swap.json and layer_swap.md")
     return p.parse_args(argv)
 
 

@@ -1,16 +1,18 @@
 """
-Where a CPU prefill spends its time: ours (full cache, and Fast KVzip at a budget) beside transformers on the
-same checkpoint, the same context and the same chunks, timed in turn and then under torch's profiler.
+Where a CPU prefill spends its time: ours (full cache, and Fast KVzip at a budget) beside
+transformers on the same checkpoint, the same context and the same chunks, timed in turn and then
+under torch's profiler.
 
     python -m harness.profile_prefill                                  # Gemma 3 270M, 2K tokens, 3 runs each
     python -m harness.profile_prefill --model smollm2-135m-gguf --lengths 2048,8192 --no-profile
 
 (run from the repository root: `-m` puts it on the import path.)
 
-For each length it prints every run's seconds (ours full, transformers, ours fastkvzip, again and again: load
-on the machine hits them alike), wall-clock and this process's CPU seconds (which other jobs on a shared
-machine disturb less), the medians and ours / transformers as a speed ratio (> 1: ours is faster),
-then, unless --no-profile, the top operators by self time of one more prefill of each.
+For each length it prints every run's seconds (ours full, transformers, ours fastkvzip, again and
+again: load on the machine hits them alike), wall-clock and this process's CPU seconds (which other
+jobs on a shared machine disturb less), the medians and ours / transformers as a speed ratio (> 1:
+ours is faster), then, unless --no-profile, the top operators by self time of one more prefill of
+each.
 """
 import argparse
 import time
@@ -21,28 +23,33 @@ from torch.profiler import ProfilerActivity, profile
 
 import cli
 import generate
-from cache import Budget
 import model as M
+from cache import Budget
+from cli import OFFLINE_DEFAULT, resolve_model
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
-from cli import OFFLINE_DEFAULT, resolve_model
 from teacher import encode_prompt, prompt_format
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=OFFLINE_DEFAULT, help="an offline model or a model folder")
     p.add_argument("--lengths", type=cli.ints, default=[2048], help="context lengths in tokens")
     p.add_argument("--budget", type=float, default=0.3, help="Fast KVzip's budget")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each, taken in turn")
-    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (bench.py's --speed-chunk)")
-    p.add_argument("--window", type=int, default=512, help="local window (bench.py's --speed-window)")
+    p.add_argument("--chunk", type=int, default=2048,
+                   help="prefill chunk (bench.py's --speed-chunk)")
+    p.add_argument("--window", type=int, default=512,
+                   help="local window (bench.py's --speed-window)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--rows", type=int, default=12, help="operators shown per profile")
     p.add_argument("--no-profile", action="store_true", help="timings only")
     args = p.parse_args()
-    if not 0 < args.budget <= 1 or min(min(args.lengths), args.repeats, args.chunk, args.threads) < 1 or args.window < 0:
-        p.error("--budget must be in (0, 1]; --lengths, --repeats, --chunk and --threads >= 1; --window >= 0")
+    if (not 0 < args.budget <= 1 or min(min(args.lengths), args.repeats, args.chunk, args.threads)
+        < 1 or args.window < 0):
+        p.error("--budget must be in (0, 1]; --lengths, --repeats, --chunk and --threads >= 1; "
+                "--window >= 0")
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model)
     tok, model = M.load_tokenizer(folder), M.load_model(folder, "cpu", torch.float32)
@@ -58,8 +65,10 @@ def main():
 
         def runs_for(ids):
             def ours(method, budget):
-                cache = generate.make_cache(method, model, args.model, len(system))  # the gate loads before the clock
-                return lambda: generate.prefill(model, cache, ids, len(system), Budget(budget, args.chunk, args.window))
+                # the gate loads before the clock
+                cache = generate.make_cache(method, model, args.model, len(system))
+                return lambda: generate.prefill(model, cache, ids, len(system),
+                                                Budget(budget, args.chunk, args.window))
             return {"ours, full": lambda: ours("full", 1.0),
                     "transformers": lambda: (lambda: peer_prefill(peer, ids, args.chunk)),
                     f"ours, fastkvzip {args.budget:g}": lambda: ours("fastkvzip", args.budget)}
@@ -67,7 +76,8 @@ def main():
         runs = runs_for(ids)
         secs, cpu = {name: [] for name in runs}, {name: [] for name in runs}
         with torch.no_grad():
-            for make in runs_for(ids[:len(system) + 512]).values():  # warm up (first calls allocate), shortly
+            # warm up (first calls allocate), shortly
+            for make in runs_for(ids[:len(system) + 512]).values():
                 make()()
             for _ in range(args.repeats):
                 for name, make in runs.items():
@@ -76,14 +86,17 @@ def main():
                     fn()
                     secs[name].append(time.perf_counter() - t0)
                     cpu[name].append(time.process_time() - c0)
-        peer_s, peer_cpu = float(np.median(secs["transformers"])), float(np.median(cpu["transformers"]))
-        print(f"\n== {args.model}, {n} context tokens ({len(ids)} with the system prompt), chunks of {args.chunk}, "
-              f"{args.threads} threads")
-        for name, s in secs.items():  # CPU seconds of this process: what other jobs on the machine disturb least
+        peer_s, peer_cpu = (float(np.median(secs["transformers"])),
+                            float(np.median(cpu["transformers"])))
+        print(f"\n== {args.model}, {n} context tokens ({len(ids)} with the system prompt), chunks "
+              f"of {args.chunk}, {args.threads} threads")
+        # CPU seconds of this process: what other jobs on the machine disturb least
+        for name, s in secs.items():
             med, med_cpu = float(np.median(s)), float(np.median(cpu[name]))
-            print(f"  {name:24s} median {med:7.2f} s ({len(ids) / med:6.0f} tok/s), x{peer_s / med:.2f} of "
-                  f"transformers; CPU {med_cpu:7.2f} s, x{peer_cpu / med_cpu:.2f}; runs "
-                  f"{', '.join(f'{x:.2f}' for x in s)}; CPU {', '.join(f'{x:.2f}' for x in cpu[name])}")
+            print(f"  {name:24s} median {med:7.2f} s ({len(ids) / med:6.0f} tok/s), "
+                  f"x{peer_s / med:.2f} of transformers; CPU {med_cpu:7.2f} s, "
+                  f"x{peer_cpu / med_cpu:.2f}; runs {', '.join(f'{x:.2f}' for x in s)}; CPU "
+                  f"{', '.join(f'{x:.2f}' for x in cpu[name])}")
         if args.no_profile:
             continue
         for name, make in runs.items():

@@ -1,11 +1,12 @@
 """
-The quality harness of bench.py: how much each method loses against the full cache, and how closely the
-gate agrees with its teacher (section 5, also train_gate.py's report).
+The quality harness of bench.py: how much each method loses against the full cache, and how closely
+the gate agrees with its teacher (section 5, also train_gate.py's report).
 
-METHOD.md §11's query-agnostic setting, scaled to a CPU. Contexts are cut from text the gates never saw in
-training (--text): Jane Austen's novels, or held-out prose of their training corpus (prose_texts), with
-needles inserted at many depths. The context is compressed before any question is seen; then every question is answered from
-the same compressed cache, rolled back after each answer. Tasks:
+METHOD.md §11's query-agnostic setting, scaled to a CPU. Contexts are cut from text the gates never
+saw in training (--text): Jane Austen's novels, or held-out prose of their training corpus
+(prose_texts), with needles inserted at many depths. The context is compressed before any question
+is seen; then every question is answered from the same compressed cache, rolled back after each
+answer. Tasks:
     passkey     pass keys hidden at many depths; accuracy = the greedy answer contains the key
     kv          a JSON object of random key-value pairs (SCBench.KV style); accuracy as above
     nll_next    teacher-forced NLL of the document's next tokens (context fidelity)
@@ -14,16 +15,18 @@ the same compressed cache, rolled back after each answer. Tasks:
 relative = score / full-cache score; for NLL, exp(NLL_full - NLL) = ppl_full / ppl, so 1.0 means
 lossless and higher is better everywhere. Task "average" = the mean relative over passkey, kv,
 nll_next and nll_repeat (those the full cache scores above 0), as the paper's Figure 10 averages
-datasets. Intervals (95%): `ci` of relative scores is a percentile bootstrap over contexts (questions of
-one context are not independent); `score_ci` is Wilson's for accuracies, the bootstrap for NLLs.
+datasets. Intervals (95%): `ci` of relative scores is a percentile bootstrap over contexts
+(questions of one context are not independent); `score_ci` is Wilson's for accuracies, the bootstrap
+for NLLs.
 
 Why it fits a CPU: a context shorter than one prefill chunk is prefilled in one forward and evicted
-once (generate.prefill). So each context is prefilled ONCE into a full cache that also captures every
-compressed layer's attention input, q and k; each method scores those (KVzip from one teacher pass on
-the same cache), and each (method, level, budget) cache is made by `Replay`ing that forward through
-generate.prefill: the same plan, the same evict call, a bit-identical cache (tests/test_bench.py; for
-KVzip the same kept positions as generate.prefill_kvzip, whose separate last-token forward changes
-keys and values by rounding only). Speed and memory go through the real path instead (bench.py).
+once (generate.prefill). So each context is prefilled ONCE into a full cache that also captures
+every compressed layer's attention input, q and k; each method scores those (KVzip from one teacher
+pass on the same cache), and each (method, level, budget) cache is made by `Replay`ing that forward
+through generate.prefill: the same plan, the same evict call, a bit-identical cache
+(tests/test_bench.py; for KVzip the same kept positions as generate.prefill_kvzip, whose separate
+last-token forward changes keys and values by rounding only). Speed and memory go through the real
+path instead (bench.py).
 """
 import json
 import math
@@ -40,30 +43,40 @@ import generate
 from cache import Budget, EvictingCache
 from cli import UsageError, pyplot, save_figure
 from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
-from teacher import encode_prompt, encode_text, question_ids
-from teacher import KVzipTeacher, TeacherCache
-from teacher import agreement, digit_tokens, pool_agreement
+from teacher import (
+    KVzipTeacher,
+    TeacherCache,
+    agreement,
+    digit_tokens,
+    encode_prompt,
+    encode_text,
+    pool_agreement,
+    question_ids,
+)
 
 AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
 TASKS = AVERAGED + ("agreement",)
-# owners of the pass keys: names that occur in no Austen novel. A name right before "'s pass key is" lets even
-# the 270M base model tell needles apart (with "the pass key of the red/blue room" it repeats the last one)
-CUE_TOKENS = 16  # the repeat probe's first tokens, given as its cue (the rest of --probe-tokens is scored)
-OWNERS = ("Colonel Brandt", "Mrs. Hollis", "Doctor Fenwick", "Lady Marsh", "Captain Orme", "Miss Quarles",
-          "Mr. Tresham", "Professor Lindqvist", "Madame Roux", "Father Keane", "Judge Albery", "Nurse Pryce")
+# owners of the pass keys: names that occur in no Austen novel. A name right before "'s pass key is"
+# lets even the 270M base model tell needles apart (with "the pass key of the red/blue room" it
+# repeats the last one)
+# the repeat probe's first tokens, given as its cue (the rest of --probe-tokens is scored)
+CUE_TOKENS = 16
+OWNERS = ("Colonel Brandt", "Mrs. Hollis", "Doctor Fenwick", "Lady Marsh", "Captain Orme",
+          "Miss Quarles", "Mr. Tresham", "Professor Lindqvist", "Madame Roux", "Father Keane",
+          "Judge Albery", "Nurse Pryce")
 
 
 def log(msg):
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-# ---- 1. Samples: a context with needles, its questions, and its fidelity probes ---------------------
+# ---- 1. Samples: a context with needles, its questions, and its fidelity probes ------------------
 
 @dataclass
 class Question:
     task: str          # "passkey" | "kv" | "continue" (the last only counts for agreement)
     prompt: list       # ids appended after the compressed context
-    answer: str        # the string a correct greedy answer contains ("" = no correctness, agreement only)
+    answer: str  # the string a correct greedy answer contains ("" = no correctness, agreement only)
     max_new: int
     depth: float = -1  # where the needle sits in the context, 0 = start, 1 = end
 
@@ -78,10 +91,11 @@ class Sample:
 
 
 class SampleMaker:
-    """Builds contexts of n tokens from held-out documents (token ids), with needles at chosen depths.
+    """Builds contexts of n tokens from held-out documents (token ids), with needles at chosen
+    depths.
 
-    Needles are inserted at sentence ends, so the text around them stays natural. The context ends where
-    the document goes on: the document's next tokens are the nll_next target."""
+    Needles are inserted at sentence ends, so the text around them stays natural. The context ends
+    where the document goes on: the document's next tokens are the nll_next target."""
 
     def __init__(self, tok, fmt, docs, seed, n_passkeys=3, n_pairs=8, n_kv_questions=3, n_probe=64,
                  n_continue=12, n_cue=CUE_TOKENS):
@@ -96,8 +110,8 @@ class SampleMaker:
         return encode_text(self.tok, text)  # every piece alone (METHOD.md §4.1)
 
     def question(self, text, cue):
-        """The question turn (METHOD.md §11's "\\n\\nQ: ..." + postfix), then the start of the answer,
-        so that even a base model answers in a checkable form."""
+        """The question turn (METHOD.md §11's "\\n\\nQ: ..." + postfix), then the start of the
+        answer, so that even a base model answers in a checkable form."""
         return question_ids(self.tok, self.fmt, text, cue)
 
     def sentence_end(self, hay, i):
@@ -113,28 +127,35 @@ class SampleMaker:
         for i, who in enumerate(rng.sample(OWNERS, self.n_passkeys)):
             depth = (i + rng.random()) / self.n_passkeys  # stratified over depth
             key = "".join(rng.choice("0123456789") for _ in range(5))
-            needles.append([depth, enc(f" {who}'s pass key is {key}. Remember it: {who}'s pass key is {key}.")])
+            needles.append([depth, enc(f" {who}'s pass key is {key}. Remember it: {who}'s pass "
+                                       f"key is {key}.")])
             q = self.question(f"What is {who}'s pass key?", f"{who}'s pass key is")
             questions.append(Question("passkey", q, key, 6, depth))  # "▁" and 5 digits
         pairs = [("".join(rng.choice("0123456789abcdef") for _ in range(8)),
-                  "".join(rng.choice("0123456789abcdef") for _ in range(8))) for _ in range(self.n_pairs)]
+                  "".join(rng.choice("0123456789abcdef") for _ in range(8)))
+                 for _ in range(self.n_pairs)]
         block = "\n\nJSON data:\n{" + ", ".join(f'"{k}": "{v}"' for k, v in pairs) + "}\n\n"
         depth = rng.random()
         needles.append([depth, enc(block)])
         for k, v in rng.sample(pairs, self.n_kv_questions):
-            # the answer starts as the JSON does, so the model can copy (an English cue: 0 of 9 right at full cache)
-            q = self.question(f'In the JSON data above, what is the value of the key "{k}"?', f'"{k}": "')
+            # the answer starts as the JSON does, so the model can copy (an English cue: 0 of 9
+            # right at full cache)
+            q = self.question(f'In the JSON data above, what is the value of the key "{k}"?',
+                              f'"{k}": "')
             questions.append(Question("kv", q, v, 9, depth))  # up to 8 hex tokens and '"'
-        # -- the hay: a window of the next document that leaves room for needles and the continuation --
+        # -- the hay: a window of the next document that leaves room for needles and the
+        # continuation --
         n_hay = n - sum(len(x[1]) for x in needles)
-        if n_hay < 1 or int(0.9 * n) - self.n_probe <= int(0.05 * n):  # the repeat probe's passage (below)
+        # the repeat probe's passage (below)
+        if n_hay < 1 or int(0.9 * n) - self.n_probe <= int(0.05 * n):
             least = max(n - n_hay + 1, int((self.n_probe + 2) / 0.85) + 1)
-            raise UsageError(f"--lengths {n} is too short for its needles ({n - n_hay} tokens) and a "
-                             f"{self.n_probe}-token probe; use at least {least}")
+            raise UsageError(f"--lengths {n} is too short for its needles ({n - n_hay} "
+                             f"tokens) and a {self.n_probe}-token probe; use at least {least}")
         long_enough = [d for d in self.docs if len(d[1]) >= n_hay + self.n_probe]
         if not long_enough:
-            raise UsageError(f"--lengths {n}: no document has the {n_hay + self.n_probe} tokens it needs (the "
-                             f"longest has {max(len(d[1]) for d in self.docs)}); use shorter --lengths")
+            raise UsageError(f"--lengths {n}: no document has the {n_hay + self.n_probe} tokens it "
+                             f"needs (the longest has {max(len(d[1]) for d in self.docs)}); use "
+                             "shorter --lengths")
         name, doc = long_enough[self.next_doc % len(long_enough)]  # a different document each time
         self.next_doc += 1
         off = rng.randrange(0, len(doc) - n_hay - self.n_probe + 1)
@@ -148,7 +169,8 @@ class SampleMaker:
         # -- probes: the document's continuation; a passage of the context repeated back --
         start = rng.randrange(int(0.05 * len(ctx)), int(0.9 * len(ctx)) - self.n_probe)
         passage = ctx[start:start + self.n_probe]
-        cue = enc("\n\nHere is a passage copied word for word from the text above:\n") + passage[:self.n_cue]
+        cue = (enc("\n\nHere is a passage copied word for word from the text above:\n")
+               + passage[:self.n_cue])
         probes = {"nll_next": (after[:1], after[1:]), "nll_repeat": (cue, passage[self.n_cue:])}
         if self.n_continue:  # agreement on free continuation of the document
             questions.append(Question("continue", after[:8], "", self.n_continue))
@@ -156,16 +178,17 @@ class SampleMaker:
 
 
 TEXTS = ("austen", "prose")  # bench.py --text: the haystack the needles are hidden in
-PROSE_PER_SOURCE, PROSE_JOIN = 45, 3  # held-out prose: the last 45 corpus documents of each source, 3 to a text
+# held-out prose: the last 45 corpus documents of each source, 3 to a text
+PROSE_PER_SOURCE, PROSE_JOIN = 45, 3
 
 
 def prose_texts():
-    """Held-out prose, not Austen: the last PROSE_PER_SOURCE documents of each source of the gates' training
-    corpus (Wikipedia leads, State of the Union addresses, the Python library reference; offline/fetch_assets.py),
-    consecutive ones of a source joined PROSE_JOIN at a time into texts of ~6K-21K tokens, as (name, text).
-    train_gate.py takes documents in file order, and the first of these is document 672 of 1,272 (the sources
-    are interleaved there), so a gate trained on fewer documents never saw them (the bundled gates'
-    selections end before document 100)."""
+    """Held-out prose, not Austen: the last PROSE_PER_SOURCE documents of each source of the gates'
+    training corpus (Wikipedia leads, State of the Union addresses, the Python library reference;
+    offline/fetch_assets.py), consecutive ones of a source joined PROSE_JOIN at a time into texts of
+    ~6K-21K tokens, as (name, text). train_gate.py takes documents in file order, and the first of
+    these is document 672 of 1,272 (the sources are interleaved there), so a gate trained on fewer
+    documents never saw them (the bundled gates' selections end before document 100)."""
     from offline import fetch_assets
     by_source = {}
     for path in fetch_assets.text_docs("corpus"):  # NNNNN-<source>.txt, in file order
@@ -181,17 +204,18 @@ def prose_texts():
 
 
 def load_docs(tok, text="austen", _memo={}):
-    """Held-out documents as (name, token ids): "austen", the novels cut at chapters (5K-20K tokens each),
-    or "prose" (prose_texts)."""
+    """Held-out documents as (name, token ids): "austen", the novels cut at chapters (5K-20K tokens
+    each), or "prose" (prose_texts)."""
     from offline import fetch_assets
     if (id(tok), text) not in _memo:
-        named = ([(p.stem, p.read_text(encoding="utf-8")) for p in fetch_assets.text_docs("austen_parts")]
+        named = ([(p.stem, p.read_text(encoding="utf-8"))
+                  for p in fetch_assets.text_docs("austen_parts")]
                  if text == "austen" else prose_texts())
         _memo[id(tok), text] = [(name, encode_text(tok, t)) for name, t in named]
     return list(_memo[id(tok), text])
 
 
-# ---- 2. The fast path: one captured full prefill, replayed into every method's evicting cache -------
+# ---- 2. The fast path: one captured full prefill, replayed into every method's evicting cache ----
 
 class CaptureCache(TeacherCache):
     """A full cache (it can also run the KVzip teacher) that keeps, for each compressed layer, the
@@ -205,15 +229,16 @@ class CaptureCache(TeacherCache):
         if self.capturing and layer in self.index:
             new = (hidden, q, k, self.positions(q.shape[0]))
             old = self.captured.get(layer)  # a context of several prefill chunks: join them
-            self.captured[layer] = new if old is None else tuple(torch.cat(x) for x in zip(old, new))
+            self.captured[layer] = (new if old is None
+                                    else tuple(torch.cat(x) for x in zip(old, new)))
         return super().attend(layer, q, k, v, hidden, scale, window)
 
 
 class Replay:
-    """Stands in for the model inside generate.prefill. Its one forward installs a copy of the captured
-    full prefill into the evicting cache (EvictingCache.adopt: every layer's KV, scored by the cache's own
-    scorer from the captured inputs, exactly as attend would have) and returns the last logits;
-    generate.prefill then evicts as usual."""
+    """Stands in for the model inside generate.prefill. Its one forward installs a copy of the
+    captured full prefill into the evicting cache (EvictingCache.adopt: every layer's KV, scored by
+    the cache's own scorer from the captured inputs, exactly as attend would have) and returns the
+    last logits; generate.prefill then evicts as usual."""
 
     def __init__(self, full, logits):
         self.full, self.logits = full, logits
@@ -226,7 +251,8 @@ class Replay:
 
 
 class Precomputed(Scorer):
-    """Scores computed beforehand for the whole prompt (KVzip's teacher): (L_g, H, n) indexed by position."""
+    """Scores computed beforehand for the whole prompt (KVzip's teacher): (L_g, H, n) indexed by
+    position."""
     level = "global"
 
     def __init__(self, scores):
@@ -237,41 +263,47 @@ class Precomputed(Scorer):
         return self.scores[l][:, pos.cpu()].to(pos.device)
 
 
-# each method's eviction structure when none is asked for: its scorer's (the authors' choices, METHOD.md §6, §10)
+# each method's eviction structure when none is asked for: its scorer's (the authors' choices,
+# METHOD.md §6, §10)
 DEFAULT_LEVEL = dict(fastkvzip=GateScorer.level, kvzip=Precomputed.level, snapkv=SnapKVScorer.level,
                      streaming=StreamingScorer.level, random=RandomScorer.level)
 
 
-def method_cache(model, method, level, n_protected, model_name, gate_file, seed, teacher_scores=None):
+def method_cache(model, method, level, n_protected, model_name, gate_file, seed,
+                 teacher_scores=None):
     """An empty evicting cache for one method, made by generate.make_cache as `generate.py --method`
-    makes it (gate_file None: the bundled or released gate of model_name). KVzip's scores arrive after
-    prefill; for the replay they come precomputed."""
-    cache = generate.make_cache(method, model, model_name, n_protected, gate_file=gate_file, level=level, seed=seed)
-    if method == "kvzip" and teacher_scores is not None:  # only KVzip: every other method keeps its own scorer
+    makes it (gate_file None: the bundled or released gate of model_name). KVzip's scores arrive
+    after prefill; for the replay they come precomputed."""
+    cache = generate.make_cache(method, model, model_name, n_protected, gate_file=gate_file,
+                                level=level, seed=seed)
+    # only KVzip: every other method keeps its own scorer
+    if method == "kvzip" and teacher_scores is not None:
         cache.scorer = Precomputed(teacher_scores)
     return cache
 
 
 def capture_prefill(model, ids, chunk_size, teacher=None, n_protected=0):
-    """Prefill ids once into a full CaptureCache -> (cache, last logits, teacher scores (L_g, H, n) with
-    +inf on the system prompt, or None). The cache then serves as the full-cache reference."""
+    """Prefill ids once into a full CaptureCache -> (cache, last logits, teacher scores (L_g, H, n)
+    with +inf on the system prompt, or None). The cache then serves as the full-cache reference."""
     cfg, dtype, device = model_info(model)
     full = CaptureCache(cfg, dtype, device)
     logits = generate.prefill(model, full, ids, n_protected, Budget(1.0, chunk_size))
     full.capturing = False
     scores = None
     if teacher is not None:
-        s = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context); cache unchanged
+        # (L_g, H, n_context); cache unchanged
+        s = teacher.score(full, n_protected, ids[n_protected:])
         scores = torch.cat([torch.full(s.shape[:2] + (n_protected,), math.inf), s.cpu()], dim=-1)
     return full, logits, scores
 
 
 def prefill_from_capture(model, full, logits, cache, method, sample, budget, chunk_size, window):
-    """Fill one method's evicting cache with the context, as `generate.py --method` would. A context of
-    one prefill chunk replays the captured full prefill (every method's scores are computed from the same
-    inputs, then the usual eviction); a longer one runs the real chunked prefill (generate.prefill), so
-    the gate scores hidden states computed against an already compressed cache. KVzip is not chunked
-    (generate.prefill_kvzip): its teacher scores the full prefill, then one eviction, either way."""
+    """Fill one method's evicting cache with the context, as `generate.py --method` would. A context
+    of one prefill chunk replays the captured full prefill (every method's scores are computed from
+    the same inputs, then the usual eviction); a longer one runs the real chunked prefill
+    (generate.prefill), so the gate scores hidden states computed against an already compressed
+    cache. KVzip is not chunked (generate.prefill_kvzip): its teacher scores the full prefill, then
+    one eviction, either way."""
     ids, p = sample.ids, sample.n_protected
     if method == "kvzip":  # cache.scorer holds the teacher's precomputed scores (Precomputed)
         cache.adopt(full, inputs=full.captured, keep_full=True)
@@ -284,14 +316,18 @@ def prefill_from_capture(model, full, logits, cache, method, sample, budget, chu
 
 
 def captured_scores(model, scorer, full):
-    """A scorer's scores of every compressed layer, (L_c, H, T), from a CaptureCache's prefill inputs."""
-    return torch.stack([scorer.score(l, *full.captured[layer]) for l, layer in enumerate(model.config.compressed_layers)])
+    """A scorer's scores of every compressed layer, (L_c, H, T), from a CaptureCache's prefill
+    inputs."""
+    return torch.stack([scorer.score(l, *full.captured[layer])
+                        for l, layer in enumerate(model.config.compressed_layers)])
 
 
 def gate_agreement(model, tok, full, tscores, sample, model_name, gate_file, chunk_size, window):
-    """The gate's (gate_file, or model_name's bundled gate) agreement with its teacher on this context
-    (agreement), from the captured full prefill; counts, pooled over contexts in the report."""
-    scorer = method_cache(model, "fastkvzip", "global", sample.n_protected, model_name, gate_file, 0).scorer
+    """The gate's (gate_file, or model_name's bundled gate) agreement with its teacher on this
+    context (agreement), from the captured full prefill; counts, pooled over contexts in the
+    report."""
+    scorer = method_cache(model, "fastkvzip", "global", sample.n_protected, model_name, gate_file,
+                          0).scorer
     p = sample.n_protected
     student = captured_scores(model, scorer, full)
     return agreement(student[..., p:].float().cpu(), tscores[..., p:].float(),
@@ -303,7 +339,7 @@ def model_info(model):
     return model.config, p.dtype, p.device
 
 
-# ---- 3. Answering from one cache: greedy answers and teacher-forced NLL, each rolled back -----------
+# ---- 3. Answering from one cache: greedy answers and teacher-forced NLL, each rolled back --------
 
 @torch.no_grad()
 def evaluate(model, tok, cache, sample, stop_ids):
@@ -322,16 +358,19 @@ def evaluate(model, tok, cache, sample, stop_ids):
     for task, (prompt, target) in sample.probes.items():
         state = cache.checkpoint()
         if isinstance(cache, EvictingCache):
-            cache.start_decoding()  # appended tokens are the query side: never scored, never evicted
-        logits = model(torch.tensor(prompt + target[:-1], device=cache.device), cache, num_logits=len(target))
+            # appended tokens are the query side: never scored, never evicted
+            cache.start_decoding()
+        logits = model(torch.tensor(prompt + target[:-1], device=cache.device), cache,
+                       num_logits=len(target))
         cache.rollback(state)
-        nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(target, device=logits.device),
+        nll = torch.nn.functional.cross_entropy(logits.float(),
+                                                torch.tensor(target, device=logits.device),
                                                 reduction="sum")
         res["nll"][task] = (float(nll), len(target))
     return res
 
 
-# ---- 4. Scores, relative performance, bootstrap intervals -------------------------------------------
+# ---- 4. Scores, relative performance, bootstrap intervals ----------------------------------------
 
 def wilson(k, n, z=1.96):
     """Binomial 95% interval (Wilson): sound even at 0 or n successes."""
@@ -343,8 +382,9 @@ def wilson(k, n, z=1.96):
 
 
 class Tally:
-    """Per-context sums for one (config, task): num/den arrays over contexts, so that the bootstrap can
-    resample contexts. accuracy/agreement: num = correct, den = questions; nll: num = NLL sum, den = tokens."""
+    """Per-context sums for one (config, task): num/den arrays over contexts, so that the bootstrap
+    can resample contexts. accuracy/agreement: num = correct, den = questions; nll: num = NLL sum,
+    den = tokens."""
 
     def __init__(self):
         self.num, self.den = [], []
@@ -362,7 +402,8 @@ class Tally:
 
 def relative(task, score, full):
     """Relative performance (higher is better, 1 = lossless): score / full for accuracies,
-    exp(full - score) = ppl_full / ppl for NLLs, the agreement itself (the full cache agrees with itself)."""
+    exp(full - score) = ppl_full / ppl for NLLs, the agreement itself (the full cache agrees with
+    itself)."""
     with np.errstate(invalid="ignore", divide="ignore"):
         if task.startswith("nll"):
             return np.exp(full - score)
@@ -383,8 +424,9 @@ def finite_or_none(x):
 
 
 def summarize(tallies, extras, n_boot, seed, averaged=AVERAGED):
-    """tallies[(config, budget)][task] -> Tally; extras[(config, budget)] -> kept fractions, bytes, speed.
-    Returns the result rows (one per task, config, budget, plus the "average" task over `averaged`)."""
+    """tallies[(config, budget)][task] -> Tally; extras[(config, budget)] -> kept fractions, bytes,
+    speed. Returns the result rows (one per task, config, budget, plus the "average" task over
+    `averaged`)."""
     full, idx = tallies[("full", 1.0)], resamples(tallies, n_boot, seed)
     n_ctx = idx.shape[1]
     rows = []
@@ -394,19 +436,21 @@ def summarize(tallies, extras, n_boot, seed, averaged=AVERAGED):
         for task in TASKS:
             t = tasks[task]
             score, boot = t.value(), t.value(idx)
-            f, f_boot = (1.0, 1.0) if task == "agreement" else (full[task].value(), full[task].value(idx))
+            f, f_boot = ((1.0, 1.0) if task == "agreement"
+                         else (full[task].value(), full[task].value(idx)))
             rel, rb = relative(task, score, f), relative(task, boot, f_boot)
-            row = dict(task=task, method=method, level=level, budget=budget, score=finite_or_none(score),
-                       relative=finite_or_none(rel), n=int(sum(t.den)), n_contexts=n_ctx,
-                       score_ci=ci(boot) if task.startswith("nll") else list(wilson(sum(t.num), sum(t.den))),
-                       ci=ci(rb))
+            row = dict(task=task, method=method, level=level, budget=budget,
+                       score=finite_or_none(score), relative=finite_or_none(rel), n=int(sum(t.den)),
+                       n_contexts=n_ctx, score_ci=ci(boot) if task.startswith("nll")
+                       else list(wilson(sum(t.num), sum(t.den))), ci=ci(rb))
             if task.startswith("nll"):
                 row["increase"] = finite_or_none(score - f)
             rows.append({**row, **extras[(config, budget)]})
         avg, avg_boot = average_relative(tasks, full, idx, averaged)
-        rows.append(dict(task="average", method=method, level=level, budget=budget, score=finite_or_none(avg),
-                         relative=finite_or_none(avg), n=n_ctx, n_contexts=n_ctx, score_ci=ci(avg_boot),
-                         ci=ci(avg_boot), **extras[(config, budget)]))
+        rows.append(dict(task="average", method=method, level=level, budget=budget,
+                         score=finite_or_none(avg), relative=finite_or_none(avg), n=n_ctx,
+                         n_contexts=n_ctx, score_ci=ci(avg_boot), ci=ci(avg_boot),
+                         **extras[(config, budget)]))
     return rows
 
 
@@ -423,7 +467,8 @@ def average_relative(tasks, full, idx, averaged=AVERAGED):
     for task in averaged:
         rel = relative(task, tasks[task].value(), full[task].value())
         if np.isfinite(rel):
-            point.append(rel), boot.append(relative(task, tasks[task].value(idx), full[task].value(idx)))
+            point.append(rel), boot.append(relative(task, tasks[task].value(idx),
+                                                    full[task].value(idx)))
     if not point:
         return float("nan"), np.full(len(idx), np.nan)
     return float(np.mean(point)), np.mean(boot, axis=0)
@@ -431,25 +476,29 @@ def average_relative(tasks, full, idx, averaged=AVERAGED):
 
 # (a, b, what a - b asks): the paper's claim, and the calibrated level against the paper's own
 CONTRASTS = (("fastkvzip", "kvzip", "the gate minus its teacher"),
-             ("fastkvzip/calibrated", "fastkvzip", "calibrated minus the paper's global level (gate)"),
+             ("fastkvzip/calibrated", "fastkvzip",
+              "calibrated minus the paper's global level (gate)"),
              ("kvzip/calibrated", "kvzip", "calibrated minus the paper's global level (teacher)"))
 
 
 def contrasts(tallies, n_boot, seed, averaged=AVERAGED):
-    """Paired differences of the average relative performance, a - b, per budget, with a 95% bootstrap
-    interval over the same resampled contexts: a difference whose interval excludes 0 is beyond the noise."""
+    """Paired differences of the average relative performance, a - b, per budget, with a 95%
+    bootstrap interval over the same resampled contexts: a difference whose interval excludes 0 is
+    beyond the noise."""
     full, idx = tallies[("full", 1.0)], resamples(tallies, n_boot, seed)
     out = []
     for a, b, question in CONTRASTS:
         for (config, budget) in tallies:
             if config != a or (b, budget) not in tallies:
                 continue
-            (pa, ba), (pb, bb) = (average_relative(tallies[(c, budget)], full, idx, averaged) for c in (a, b))
-            out.append(dict(a=a, b=b, question=question, budget=budget, diff=finite_or_none(pa - pb), ci=ci(ba - bb)))
+            (pa, ba), (pb, bb) = (average_relative(tallies[(c, budget)], full, idx, averaged)
+                                  for c in (a, b))
+            out.append(dict(a=a, b=b, question=question, budget=budget,
+                            diff=finite_or_none(pa - pb), ci=ci(ba - bb)))
     return out
 
 
-# ---- 6. The quality run -----------------------------------------------------------------------------
+# ---- 6. The quality run --------------------------------------------------------------------------
 
 def answer_stops(cfg, tok):
     """Token ids that end a greedy answer: end of sequence, or a line break."""
@@ -458,8 +507,8 @@ def answer_stops(cfg, tok):
 
 @dataclass
 class Experiment:
-    """What makes two runs' contexts the same experiment (bench.py's flags of the same names): runs are
-    resumed or merged only if these, the model and the gate are equal."""
+    """What makes two runs' contexts the same experiment (bench.py's flags of the same names): runs
+    are resumed or merged only if these, the model and the gate are equal."""
     methods: list           # "full" first: every relative score needs it
     budgets: list
     extra_levels: list      # levels run beside each method's own, for fastkvzip and kvzip
@@ -484,8 +533,8 @@ class Experiment:
 
 def make_samples(tok, fmt, exp):
     """-> (lengths, samples): exp.contexts contexts of each of exp.lengths, with their needles,
-    questions and probes. Every sample is made up front, also those a shard skips (each depends on the
-    ones before: one RNG), so a length that cannot be made fails now, not hours into the run."""
+    questions and probes. Every sample is made up front, also those a shard skips (each depends on
+    the ones before: one RNG), so a length that cannot be made fails now, not hours into the run."""
     docs = load_docs(tok, exp.text)
     random.Random(exp.seed).shuffle(docs)
     maker = SampleMaker(tok, fmt, docs, exp.seed, exp.passkeys, exp.kv_pairs, exp.kv_questions,
@@ -495,9 +544,10 @@ def make_samples(tok, fmt, exp):
 
 
 def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None):
-    """Every configuration of `exp` on every context of this shard (k, n): contexts c with c % n == k,
-    but those in `done` (finished by an earlier run: resume). on_context(record) after each context, with
-    one dict holding everything the summary needs of that context (its entries: see `entry`)."""
+    """Every configuration of `exp` on every context of this shard (k, n): contexts c with c % n ==
+    k, but those in `done` (finished by an earlier run: resume). on_context(record) after each
+    context, with one dict holding everything the summary needs of that context (its entries: see
+    `entry`)."""
     cfg, _, _ = model_info(model)
     methods = [m for m in exp.methods if m != "full"]
     configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
@@ -515,20 +565,22 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
         t0 = time.perf_counter()
         entries = {}
         with torch.no_grad():
-            full, logits, tscores = capture_prefill(model, sample.ids, exp.chunk_size, teacher, sample.n_protected)
+            full, logits, tscores = capture_prefill(model, sample.ids, exp.chunk_size, teacher,
+                                                    sample.n_protected)
             t_prefill = time.perf_counter() - t0
             log(f"quality context {c + 1}/{len(lengths)}: {n} tokens prefilled"
                 f"{' and scored by the teacher' if teacher else ''} in {t_prefill:.0f} s; "
                 f"answering from {1 + len(configs) * len(exp.budgets)} caches")
             ref = evaluate(model, tok, full, sample, stop_ids)
-            entries[entry_key("full", 1.0)] = entry(sample, ref, ref, [1.0] * len(cfg.compressed_layers), full.nbytes)
+            entries[entry_key("full", 1.0)] = entry(sample, ref, ref,
+                                                    [1.0] * len(cfg.compressed_layers), full.nbytes)
             for method, level in configs:
                 config = method if level == DEFAULT_LEVEL[method] else f"{method}/{level}"
                 for budget in exp.budgets:
-                    cache = method_cache(model, method, level, sample.n_protected, model_name, gate_file,
-                                         exp.seed + c, tscores)
-                    prefill_from_capture(model, full, logits, cache, method, sample, budget, exp.chunk_size,
-                                         exp.window)
+                    cache = method_cache(model, method, level, sample.n_protected, model_name,
+                                         gate_file, exp.seed + c, tscores)
+                    prefill_from_capture(model, full, logits, cache, method, sample, budget,
+                                         exp.chunk_size, exp.window)
                     kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
                     # nothing evicted -> the cache is the full cache, row for row: reuse its answers
                     res = ref if min(kept) == 1.0 else evaluate(model, tok, cache, sample, stop_ids)
@@ -537,14 +589,16 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
             agreement = (gate_agreement(model, tok, full, tscores, sample, model_name, gate_file,
                                         exp.chunk_size, exp.window)
                          if {"fastkvzip", "kvzip"} <= set(methods) else None)
-        record = dict(context=c, n_tokens=len(sample.ids), doc=sample.doc, seconds=time.perf_counter() - t0,
-                      entries=entries, agreement=agreement, answers=[dict(task=q.task, depth=round(q.depth, 3), expected=q.answer,
+        record = dict(context=c, n_tokens=len(sample.ids), doc=sample.doc,
+                      seconds=time.perf_counter() - t0, entries=entries, agreement=agreement,
+                      answers=[dict(task=q.task, depth=round(q.depth, 3), expected=q.answer,
                                                      full=tok.decode(o))
                                                 for q, o in zip(sample.questions, ref["outputs"])])
         n_done += 1
         left = len(todo) - n_done
-        log(f"quality context {c + 1}/{len(lengths)}: done ({sample.doc}) in {record['seconds'] / 60:.1f} min; "
-            f"{left} left in this run, eta {(time.perf_counter() - t_start) / n_done * left / 60:.0f} min")
+        log(f"quality context {c + 1}/{len(lengths)}: done ({sample.doc}) in "
+            f"{record['seconds'] / 60:.1f} min; {left} left in this run, eta "
+            f"{(time.perf_counter() - t_start) / n_done * left / 60:.0f} min")
         if on_context:
             on_context(record)
 
@@ -554,8 +608,9 @@ def entry_key(config, budget):
 
 
 def entry(sample, res, ref, kept, nbytes):
-    """One (config, budget) on one context: per task (numerator, denominator) — correct/questions for the
-    accuracies and agreement, NLL sum/tokens for the NLLs — plus kept fractions, KV bytes, decode time."""
+    """One (config, budget) on one context: per task (numerator, denominator) — correct/questions
+    for the accuracies and agreement, NLL sum/tokens for the NLLs — plus kept fractions, KV bytes,
+    decode time."""
     tally = {}
     for task in ("passkey", "kv"):
         marks = [c for q, c in zip(sample.questions, res["correct"]) if q.task == task]
@@ -568,8 +623,8 @@ def entry(sample, res, ref, kept, nbytes):
 
 
 def accumulate(records):
-    """Records (one per context, any order) -> tallies[(config, budget)][task], extras[(config, budget)]
-    with contexts in one fixed order for every configuration (the bootstrap pairs them)."""
+    """Records (one per context, any order) -> tallies[(config, budget)][task], extras[(config,
+    budget)] with contexts in one fixed order for every configuration (the bootstrap pairs them)."""
     tallies, raw = {}, {}
     for rec in sorted(records, key=lambda r: r["context"]):
         for key, e in rec["entries"].items():
@@ -591,34 +646,39 @@ def finish_extras(raw):
     for key, r in raw.items():
         per_layer = [float(x) for x in np.mean(r["kept"], axis=0)]
         out[key] = dict(kept_fraction=float(np.mean(per_layer)), kept_fraction_per_layer=per_layer,
-                        kv_bytes=float(np.mean(r["nbytes"])), kv_fraction=float(np.mean(r["nbytes"]) / full_bytes),
-                        decode_tok_s=r["decode"][0] / r["decode"][1] if r["decode"][1] > 0 else None)
+                        kv_bytes=float(np.mean(r["nbytes"])),
+                        kv_fraction=float(np.mean(r["nbytes"]) / full_bytes),
+                        decode_tok_s=r["decode"][0] / r["decode"][1]
+                        if r["decode"][1] > 0 else None)
     return out
 
 
 def quality_key(exp, config):
-    """What makes two runs' contexts the same experiment: they may be resumed or merged only if equal."""
+    """What makes two runs' contexts the same experiment: they may be resumed or merged only if
+    equal."""
     return dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])
 
 
 def load_records(folder, key):
-    """The finished contexts in folder/contexts/ (each written atomically when its context ended)."""
+    """The finished contexts in folder/contexts/ (each written atomically when its context
+    ended)."""
     records = {}
     for path in sorted((Path(folder) / "contexts").glob("context-*.json")):
         try:
             rec = json.loads(path.read_text(encoding="utf-8"))
         except ValueError:  # written atomically by us: damaged by something else
-            raise UsageError(f"{path} is unreadable; delete it (its context is then run again)") from None
+            raise UsageError(f"{path} is unreadable; delete it (its context is then "
+                             "run again)") from None
         if not isinstance(rec, dict) or rec.get("key") != key:
-            raise UsageError(f"{path} comes from another configuration (flags, model or gate differ); "
-                             "use a new --out, or the flags of the run that wrote it")
+            raise UsageError(f"{path} comes from another configuration (flags, model or "
+                             "gate differ); use a new --out, or the flags of the run that wrote it")
         records[rec["context"]] = rec
     return records
 
 
 def quality_results(records, n_boot, seed, averaged=AVERAGED):
-    """The quality part of results.json, from the finished contexts' records (any order); intervals from
-    n_boot bootstrap resamples, the relative average over the tasks in `averaged`."""
+    """The quality part of results.json, from the finished contexts' records (any order); intervals
+    from n_boot bootstrap resamples, the relative average over the tasks in `averaged`."""
     tallies, extras = accumulate(records)
     # the tasks the average is over, as its title names them: those asked (--passkeys 0 asks none)
     # and scored above 0 by the full cache (average_relative leaves the others out)
@@ -644,7 +704,8 @@ def fmt_ci(x, c, signed=False):
 
 
 def label(r):
-    return r["method"] if r["level"] in ("full", DEFAULT_LEVEL.get(r["method"])) else f"{r['method']} ({r['level']})"
+    return (r["method"] if r["level"] in ("full", DEFAULT_LEVEL.get(r["method"]))
+            else f"{r['method']} ({r['level']})")
 
 
 def markdown(results):
@@ -654,64 +715,74 @@ def markdown(results):
         return []
     budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, reverse=True)
     configs = list(dict.fromkeys(label(r) for r in rows if r["method"] != "full"))
-    get = lambda task, c, b: next((r for r in rows if r["task"] == task and label(r) == c and r["budget"] == b), None)
+    get = lambda task, c, b: next((r for r in rows if r["task"] == task and label(r) == c
+                                   and r["budget"] == b), None)
     grid = lambda task, cell: ["| method | " + " | ".join(f"{b:g}" for b in budgets) + " |",
                                "|---|" + "---|" * len(budgets)] + [
-        f"| {c} | " + " | ".join(cell(get(task, c, b)) if get(task, c, b) else "" for b in budgets) + " |"
-        for c in configs]
+        f"| {c} | " + " | ".join(cell(get(task, c, b)) if get(task, c, b) else "" for b in budgets)
+        + " |" for c in configs]
     averaged = (", ".join(results.get("averaged", AVERAGED))
                 or "no task: none was asked or scored by the full cache")
     out = [f"## Relative performance (mean of {averaged}; 1 = full cache)", "",
-            "Cells: relative [95% bootstrap interval over contexts]. Budget = fraction of the context's KV "
-            "pairs kept in the compressed layers. At budget 1.0 nothing is evicted (checked per context: every "
-            "layer keeps everything), the cache is the full cache and its answers are reused.", ""]
+            "Cells: relative [95% bootstrap interval over contexts]. Budget = fraction of the "
+           "context's KV pairs kept in the compressed layers. At budget 1.0 nothing is evicted "
+           "(checked per context: every layer keeps everything), the cache is the full cache and "
+           "its answers are reused.", ""]
     out += grid("average", lambda r: fmt_ci(r["relative"], r["ci"]))
     out += ["", "## Kept fraction per compressed layer", "",
             "Layers " + ", ".join(str(x) for x in results.get("compressed_layers", [])) +
-            ", mean over contexts (the trailing window included: 2% of a context shorter than one chunk).", ""]
+            ", mean over contexts (the trailing window included: 2% of a context shorter than "
+            "one chunk).", ""]
     out += grid("average", lambda r: "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"]))
     if results.get("contrasts"):
         out += ["", "## Paired differences of the average relative performance", "",
-                "Cells: a − b [95% paired bootstrap interval over contexts]; an interval that excludes 0 is a "
-                "difference beyond the noise.", "",
-                "| a − b | " + " | ".join(f"{b:g}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+                "Cells: a − b [95% paired bootstrap interval over contexts]; an interval that "
+                "excludes 0 is a difference beyond the noise.", "",
+                "| a − b | " + " | ".join(f"{b:g}" for b in budgets) + " |",
+                "|---|" + "---|" * len(budgets)]
         for a, b, question in CONTRASTS:
-            cells = {c["budget"]: fmt_ci(c["diff"], c["ci"], signed=True) for c in results["contrasts"]
-                     if c["a"] == a and c["b"] == b}
+            cells = {c["budget"]: fmt_ci(c["diff"], c["ci"], signed=True)
+                     for c in results["contrasts"] if c["a"] == a and c["b"] == b}
             if cells:
-                out.append(f"| {question} | " + " | ".join(cells.get(x, "") for x in budgets) + " |")
+                out.append(f"| {question} | " + " | ".join(cells.get(x, "")
+                                                           for x in budgets) + " |")
     titles = dict(passkey="Pass-key accuracy", kv="Key-value retrieval accuracy (SCBench.KV style)",
-                  nll_next="NLL of the document's next tokens (nats/token; relative = ppl_full/ppl)",
+                  nll_next="NLL of the document's next tokens (nats/token; relative = "
+                  "ppl_full/ppl)",
                   nll_repeat="NLL of a repeated passage (nats/token; relative = ppl_full/ppl)",
                   agreement="Agreement of greedy answers with the full cache's")
     for task in TASKS:
         full = next(r for r in rows if r["task"] == task and r["method"] == "full")
-        out += ["", f"## {titles[task]}", "", f"Full cache: {fmt_ci(full['score'], full['score_ci'])} "
-                f"(n = {full['n']}). Cells: score (relative [95% interval]); kept per layer beside it.", "",
-                "| method | budget | score [95% CI] | relative [95% CI] | kept per layer | KV held |",
-                "|---|---|---|---|---|---|"]
+        out += ["", f"## {titles[task]}", "",
+                f"Full cache: {fmt_ci(full['score'], full['score_ci'])} (n = {full['n']}). Cells: "
+                "score (relative [95% interval]); kept per layer beside it.", "",
+                "| method | budget | score [95% CI] | relative [95% CI] | kept per layer "
+                "| KV held |", "|---|---|---|---|---|---|"]
         for c in configs:
             for b in budgets:
                 r = get(task, c, b)
                 if r:
                     kept = "/".join(f"{x:.2f}" for x in r["kept_fraction_per_layer"])
                     out.append(f"| {c} | {b:g} | {fmt_ci(r['score'], r['score_ci'])} | "
-                               f"{fmt_ci(r['relative'], r['ci'])} | {kept} | {r['kv_fraction']:.0%} |")
+                               f"{fmt_ci(r['relative'], r['ci'])} | {kept} | "
+                               f"{r['kv_fraction']:.0%} |")
     a = results.get("agreement")
     if a:
         pct = lambda x: "–" if x is None else f"{100 * x:.0f}%"
         out += ["", "## Gate vs teacher, per compressed layer (agreement on these contexts)", "",
-                "Spearman rank correlation of the gate's scores with the teacher's over every (head, token) pair; "
-                "overlap = share of the pairs the teacher keeps that the gate keeps too, both selected by the "
-                "cache's rule at that budget, outside the window both keep (chance = the gate's kept share); "
-                "digits = share of digit-token pairs (names, numbers, pass keys) each keeps.", "",
-                "| layer | Spearman | overlap@0.5 (chance) | overlap@0.3 (chance) | digits@0.5 gate / teacher | "
-                "digits@0.3 gate / teacher |", "|---|---|---|---|---|---|"]
+                "Spearman rank correlation of the gate's scores with the teacher's over every "
+                "(head, token) pair; overlap = share of the pairs the teacher keeps that the gate "
+                "keeps too, both selected by the cache's rule at that budget, outside the window "
+                "both keep (chance = the gate's kept share); digits = share of digit-token pairs "
+                "(names, numbers, pass keys) each keeps.", "", "| layer | Spearman | overlap@0.5 "
+                "(chance) | overlap@0.3 (chance) | digits@0.5 gate / teacher | digits@0.3 gate "
+                "/ teacher |", "|---|---|---|---|---|---|"]
         for j, layer in enumerate(results.get("compressed_layers", range(len(a["spearman"])))):
-            out.append(f"| {layer} | {a['spearman'][j]:.2f} | {pct(a['overlap@0.5'][j])} ({pct(a['chance@0.5'][j])}) | "
-                       f"{pct(a['overlap@0.3'][j])} ({pct(a['chance@0.3'][j])}) | "
-                       f"{pct(a['digits_student@0.5'][j])} / {pct(a['digits_teacher@0.5'][j])} | "
-                       f"{pct(a['digits_student@0.3'][j])} / {pct(a['digits_teacher@0.3'][j])} |")
+            out.append(f"| {layer} | {a['spearman'][j]:.2f} | {pct(a['overlap@0.5'][j])} "
+                       f"({pct(a['chance@0.5'][j])}) | {pct(a['overlap@0.3'][j])} "
+                       f"({pct(a['chance@0.3'][j])}) | {pct(a['digits_student@0.5'][j])} / "
+                       f"{pct(a['digits_teacher@0.5'][j])} | {pct(a['digits_student@0.3'][j])} / "
+                       f"{pct(a['digits_teacher@0.3'][j])} |")
     out += ["", "## Decode speed per budget (greedy answers of the quality run, tokens/s)", ""]
     out += grid("average", lambda r: f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "")
     return out
@@ -728,7 +799,8 @@ def plot(results, path):
         y = [r["relative"] if r["relative"] is not None else float("nan") for r in rs]
         err = [[abs(v - r["ci"][i]) if r["ci"] else 0 for v, r in zip(y, rs)] for i in (0, 1)]
         ax.errorbar([r["budget"] for r in rs], y, yerr=err, marker="o", capsize=2, label=c)
-    ax.set(xlabel="KV budget (fraction of context kept)", ylabel="relative performance (1 = full cache)")
+    ax.set(xlabel="KV budget (fraction of context kept)",
+           ylabel="relative performance (1 = full cache)")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.legend(fontsize=7)
     fig.tight_layout()

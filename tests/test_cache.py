@@ -7,9 +7,8 @@ import torch
 
 import model as M
 from cache import Budget, EvictingCache, KVCache, plan_prefill
-from gate import Gates
+from gate import Gates, GateScorer
 from generate import answer, prefill
-from gate import GateScorer
 from tests.helpers import assert_close, tiny_checkpoint
 
 
@@ -32,7 +31,8 @@ class DenseMaskedCache:
         H = k.shape[1]
         self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k])
         self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v])
-        self.dropped[layer] = torch.cat([self.dropped[layer], torch.zeros(H, T, dtype=torch.bool)], 1)
+        self.dropped[layer] = torch.cat([self.dropped[layer], torch.zeros(H, T, dtype=torch.bool)],
+                                        1)
         n = self.k[layer].shape[0]
         qpos = torch.arange(n - T, n)[:, None]
         kpos = torch.arange(n)[None, :]
@@ -63,7 +63,8 @@ class DenseMaskedCache:
 
 def random_gate_scorer(cfg, seed=0):
     torch.manual_seed(seed)
-    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size)
+    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                  cfg.group_size)
     with torch.no_grad():  # move away from the all-zero init so scores are spread out
         gates.b.normal_()
         gates.k_base.normal_()
@@ -83,8 +84,8 @@ def test_eviction_equals_masked_dense_attention(tiny):
     torch.manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (90,))
     n_protected, chunk, window, budget = 5, 32, 8, 0.4
-    ev = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected, decode_tokens_per_head=24,
-                       decode_buffer=8, decode_window=6)
+    ev = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected,
+                       decode_tokens_per_head=24, decode_buffer=8, decode_window=6)
     dense = DenseMaskedCache(cfg)
     plan = plan_prefill(len(ids) - n_protected, budget, chunk_size=chunk, window=window)
     start = n_protected
@@ -125,8 +126,9 @@ def test_budget_rule_counts_and_invariants(tiny, level):
         end = min(seen, len(ids)) - plan.window
         if end > start:
             s = end - start
-            expected += (int(plan.segment_ratio * L * H * s) if level in ("global", "calibrated") else
-                         L * int(plan.segment_ratio * H * s) if level == "layer" else L * H * int(plan.segment_ratio * s))
+            expected += ((int(plan.segment_ratio * L * H * s) if level in ("global", "calibrated")
+                          else L * int(plan.segment_ratio * H * s) if level == "layer"
+                          else L * H * int(plan.segment_ratio * s)))
             start = end
     held = 0
     for layer in cache.compressed:
@@ -135,7 +137,8 @@ def test_budget_rule_counts_and_invariants(tiny, level):
             p = kv.head_pos(h)
             assert torch.equal(p, torch.sort(p).values), "rows stay in position order"
             assert set(range(n_protected)) <= set(p.tolist()), "the system prompt is never evicted"
-            assert set(range(len(ids) - plan.window, len(ids))) <= set(p.tolist()), "the window is kept"
+            assert set(range(len(ids) - plan.window,
+                             len(ids))) <= set(p.tolist()), "the window is kept"
             held += int(((p >= n_protected) & (p < len(ids) - plan.window)).sum())
         assert int(kv.lens.sum()) == kv.n_rows
         # no hidden full copy: the bytes held are exactly the kept rows
@@ -166,8 +169,8 @@ def test_decode_tokens_per_head_and_sliding_window_bounds(tiny):
     torch.manual_seed(4)
     ids = torch.randint(0, cfg.vocab_size, (80,)).tolist()
     B, buf = 20, 8
-    cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=2, decode_tokens_per_head=B, decode_buffer=buf,
-                          decode_window=6)
+    cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=2, decode_tokens_per_head=B,
+                          decode_buffer=buf, decode_window=6)
     L, H = len(cache.compressed), cfg.num_key_value_heads
     with torch.no_grad():
         prefill(tiny, cache, ids, 2, Budget(0.5, chunk_size=32, window=8))
@@ -180,7 +183,8 @@ def test_decode_tokens_per_head_and_sliding_window_bounds(tiny):
             cache.after_step()
             token = int(logits[-1].argmax())
             held = sum(cache.layers[i].n_rows for i in cache.compressed)
-            if step >= buf - 1:  # from the first full buffer on (prefill may leave more than the budget)
+            # from the first full buffer on (prefill may leave more than the budget)
+            if step >= buf - 1:
                 assert held <= (B + buf) * L * H
             evicted |= held <= B * L * H < cache.n_seen * L * H
             for i, kv in enumerate(cache.layers):
@@ -190,13 +194,15 @@ def test_decode_tokens_per_head_and_sliding_window_bounds(tiny):
                     assert int(kv.head_pos(0).min()) == cache.n_seen - cfg.sliding_window
         assert evicted, "the decode budget was never enforced"
         heads = [(layer, h) for layer in cache.compressed for h in range(H)]
-        for (layer, h), sink in zip(heads, sinks):  # what the first 4 positions kept, and the decode window, survive
+        # what the first 4 positions kept, and the decode window, survive
+        for (layer, h), sink in zip(heads, sinks):
             held = set(cache.layers[layer].head_pos(h).tolist())
             assert sink <= held and set(range(cache.n_seen - 6, cache.n_seen)) <= held
 
 
 class LayerBiasedScorer:
-    """Layer 0 scores everything higher than any later layer: a global threshold would starve them."""
+    """Layer 0 scores everything higher than any later layer: a global threshold would starve
+    them."""
     level = "global"
 
     def score(self, l, hidden, q, k, pos):
@@ -220,14 +226,17 @@ def test_no_layer_loses_every_context_token(tiny):
 
 
 def test_peak_counts_old_buffers_while_a_layer_is_relaid_out():
-    """A second prefill chunk re-lays a layer out: old and new buffers are both alive during the copy, and the
-    peak says so (the last layer copied: every layer at 200 rows, plus its old 100)."""
+    """A second prefill chunk re-lays a layer out: old and new buffers are both alive during the
+    copy, and the peak says so (the last layer copied: every layer at 200 rows, plus its old
+    100)."""
     from types import SimpleNamespace
     H, d, L = 2, 8, 3
-    cfg = SimpleNamespace(num_key_value_heads=H, head_dim=d, num_hidden_layers=L, layer_types=["full_attention"] * L,
-                          compressed_layers=list(range(L)), window=lambda layer: None)
+    cfg = SimpleNamespace(num_key_value_heads=H, head_dim=d, num_hidden_layers=L,
+                          layer_types=["full_attention"] * L, compressed_layers=list(range(L)),
+                          window=lambda layer: None)
     cache = KVCache(cfg)
-    for T in (100, 100):  # prefill-sized appends are allocated exactly, so the second one copies the first
+    # prefill-sized appends are allocated exactly, so the second one copies the first
+    for T in (100, 100):
         for layer in range(L):
             k = torch.randn(T, H, d)
             cache.attend(layer, torch.randn(T, H, d), k, k, None, 1.0)
@@ -250,8 +259,8 @@ class FixedScorer:
 
 @pytest.mark.parametrize("budget", [0.5, 0.3, 0.01])
 def test_kept_by_rule_is_what_the_cache_keeps(tiny, budget):
-    """teacher.kept_by_rule (the agreement metrics' kept sets) against the cache itself: one prefill chunk
-    of the same scores keeps exactly the same pairs, window and empty-layer floor included."""
+    """teacher.kept_by_rule (the agreement metrics' kept sets) against the cache itself: one prefill
+    chunk of the same scores keeps exactly the same pairs, window and empty-layer floor included."""
     from teacher import kept_by_rule
     cfg = tiny.config
     torch.manual_seed(6)
@@ -262,10 +271,12 @@ def test_kept_by_rule_is_what_the_cache_keeps(tiny, budget):
         ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
         prefill(tiny, cache, ids, 0, Budget(budget, chunk_size=128, window=16))
     keep, window = kept_by_rule(scores, budget, chunk_size=128, window=16)
-    assert window == min(2, int(budget * n))  # shorter than one chunk: the last 2% (less if the budget is)
+    # shorter than one chunk: the last 2% (less if the budget is)
+    assert window == min(2, int(budget * n))
     for li, layer in enumerate(cache.compressed):
         for h in range(H):
-            assert cache.layers[layer].head_pos(h).tolist() == keep[li, h].nonzero().squeeze(1).tolist()
+            assert (cache.layers[layer].head_pos(h).tolist()
+                    == keep[li, h].nonzero().squeeze(1).tolist())
 
 
 class InputsCache(KVCache):
@@ -283,9 +294,10 @@ class InputsCache(KVCache):
 
 @pytest.mark.parametrize("given", [False, True])
 def test_adopting_a_full_prefill_equals_prefilling_the_evicting_cache(tiny, given):
-    """Oracle: the evicting cache that prefilled itself. Adopting a full cache of the same prompt, scored by
-    the cache's scorer from the prefill's inputs or with the scores given for the context, then evicting,
-    keeps the same positions, keys and values; with keep_full the full cache stays as it was."""
+    """Oracle: the evicting cache that prefilled itself. Adopting a full cache of the same prompt,
+    scored by the cache's scorer from the prefill's inputs or with the scores given for the context,
+    then evicting, keeps the same positions, keys and values; with keep_full the full cache stays as
+    it was."""
     cfg = tiny.config
     torch.manual_seed(6)
     ids = torch.randint(0, cfg.vocab_size, (60,))
@@ -297,7 +309,8 @@ def test_adopting_a_full_prefill_equals_prefilling_the_evicting_cache(tiny, give
     cache = EvictingCache(cfg, random_gate_scorer(cfg), n_protected=n_protected)
     before = [kv.n_rows for kv in full.layers]
     if given:
-        scores = torch.stack([torch.stack([oracle.layers[i].head_score(h)[n_protected:] for h in range(kv.n_heads)])
+        scores = torch.stack([torch.stack([oracle.layers[i].head_score(h)[n_protected:]
+                                           for h in range(kv.n_heads)])
                               for i, kv in ((i, oracle.layers[i]) for i in oracle.compressed)])
         cache.adopt(full, scores=scores, keep_full=True)
     else:
@@ -308,6 +321,8 @@ def test_adopting_a_full_prefill_equals_prefilling_the_evicting_cache(tiny, give
     assert [kv.n_rows for kv in full.layers] == before
     for a, b in zip(cache.layers, oracle.layers):
         for h in range(a.n_heads):
-            assert torch.equal(a.head_pos(h), b.head_pos(h)) and torch.equal(a.head_score(h), b.head_score(h))
-        rows = lambda kv: torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(kv.starts, kv.lens)])
+            assert (torch.equal(a.head_pos(h), b.head_pos(h))
+                    and torch.equal(a.head_score(h), b.head_score(h)))
+        rows = lambda kv: torch.cat([torch.arange(int(s), int(s) + int(n))
+                                     for s, n in zip(kv.starts, kv.lens)])
         assert torch.equal(a.k[rows(a)], b.k[rows(b)]) and torch.equal(a.v[rows(a)], b.v[rows(b)])

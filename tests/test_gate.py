@@ -1,6 +1,6 @@
-"""gate.py (the gate and the scorers) and the agreement metrics against oracles: the literal formula of METHOD.md
-§1.4, the authors' file layout (§1.2, §2), a naive SnapKV (§10), set arithmetic on the kept positions. Tiny
-random configs, CPU fp32 (bf16 where the authors' files use it)."""
+"""gate.py (the gate and the scorers) and the agreement metrics against oracles: the literal formula
+of METHOD.md §1.4, the authors' file layout (§1.2, §2), a naive SnapKV (§10), set arithmetic on the
+kept positions. Tiny random configs, CPU fp32 (bf16 where the authors' files use it)."""
 import math
 import os
 from collections import OrderedDict
@@ -12,8 +12,17 @@ import torch
 import torch.nn as nn
 
 import gate
-from gate import GateError, Gates, load_gate, resolve_gate, save_gate
-from gate import GateScorer, RandomScorer, SnapKVScorer, StreamingScorer
+from gate import (
+    GateError,
+    Gates,
+    GateScorer,
+    RandomScorer,
+    SnapKVScorer,
+    StreamingScorer,
+    load_gate,
+    resolve_gate,
+    save_gate,
+)
 from teacher import agreement, kept_by_rule, pool_agreement
 from tests.helpers import assert_close
 
@@ -21,12 +30,14 @@ from tests.helpers import assert_close
 def make_cfg(n_layers=3, hidden=32, H=2, G=3, layers=None, n_hidden_layers=None):
     """The fields of model.ModelConfig that gate.py reads."""
     layers = list(range(n_layers)) if layers is None else layers
-    return SimpleNamespace(hidden_size=hidden, num_key_value_heads=H, num_attention_heads=H * G, group_size=G,
-                           compressed_layers=layers, num_hidden_layers=n_hidden_layers or len(layers))
+    return SimpleNamespace(hidden_size=hidden, num_key_value_heads=H, num_attention_heads=H * G,
+                           group_size=G, compressed_layers=layers,
+                           num_hidden_layers=n_hidden_layers or len(layers))
 
 
 def random_gates(L=3, D=32, H=2, G=3, dim=8, sinks=5, dtype=torch.float32, seed=0, **kw):
-    """Gates with every parameter random, including the ones that start at zero/one (k_base, b, norms)."""
+    """Gates with every parameter random, including the ones that start at zero/one (k_base, b,
+    norms)."""
     torch.manual_seed(seed)
     g = Gates(L, D, H, G, dim=dim, sinks=sinks, dtype=dtype, **kw)
     with torch.no_grad():
@@ -83,11 +94,13 @@ def test_gates_equal_literal_formula(dtype):
         want = literal_gate(g.layer_state_dict(l), hidden[l])
         assert_close(g.score_layer(l, hidden[l]), want, atol=1e-6, name=f"score_layer({l}) {dtype}")
         assert_close(batched[l], want, atol=1e-6, name=f"forward[{l}] {dtype}")
-        assert_close(batched[l], g.score_layer(l, hidden[l]), atol=1e-6, name=f"batched vs per-layer {l}")
+        assert_close(batched[l], g.score_layer(l, hidden[l]), atol=1e-6,
+                     name=f"batched vs per-layer {l}")
 
 
 def test_init_matches_nn_linear_default():
-    """Per-layer nn.Linear default init in the authors' module order; k_base, b zeros; norms ones."""
+    """Per-layer nn.Linear default init in the authors' module order; k_base, b zeros; norms
+    ones."""
     L, D, H, G, Dp = 2, 20, 2, 3, 4
     torch.manual_seed(0)
     g = Gates(L, D, H, G, dim=Dp, sinks=5)
@@ -108,8 +121,8 @@ def test_init_matches_nn_linear_default():
 # -------------------------------------------------------------------------------------------------
 
 def authors_state_dict(D, H, G, Dp=16, S=16, seed=0):
-    """One layer exactly as the authors' `Weight.state_dict()` (METHOD.md §1.2): bf16 projections and b,
-    fp32 norms and k_base, in their registration order."""
+    """One layer exactly as the authors' `Weight.state_dict()` (METHOD.md §1.2): bf16 projections
+    and b, fp32 norms and k_base, in their registration order."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=gen)
     return OrderedDict([
@@ -125,17 +138,19 @@ def authors_state_dict(D, H, G, Dp=16, S=16, seed=0):
 
 def save_authors_file(path, module, legacy=False):
     L = len(module)
-    torch.save({"module": module, "loss": np.random.rand(4, L), "acc": np.random.rand(4, L).astype(np.float32),
-                "loss_train": np.random.rand(4, L), "acc_train": np.random.rand(4, L)},
+    torch.save({"module": module, "loss": np.random.rand(4, L),
+                "acc": np.random.rand(4, L).astype(np.float32), "loss_train": np.random.rand(4, L),
+                "acc_train": np.random.rand(4, L)},
                path, _use_new_zipfile_serialization=not legacy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_our_gate_travels_in_the_authors_layout(tmp_path, dtype):
-    """Our file -> the authors' layout (save_gate to a .pt path) -> load_gate: the same tensors, dtypes and
-    scores. The file is what the authors' loaders read (METHOD.md §2): torch.load(weights_only=True) with no
-    allowed globals gives {"module": [state dicts in their key order], "loss", "acc"}, each layer loads into
-    their Weight module's names and shapes (literal_gate), and the name carries G, D' and S."""
+    """Our file -> the authors' layout (save_gate to a .pt path) -> load_gate: the same tensors,
+    dtypes and scores. The file is what the authors' loaders read (METHOD.md §2):
+    torch.load(weights_only=True) with no allowed globals gives {"module": [state dicts in their key
+    order], "loss", "acc"}, each layer loads into their Weight module's names and shapes
+    (literal_gate), and the name carries G, D' and S."""
     cfg = make_cfg(3, 32, 2, 3)
     ours = random_gates(3, dtype=dtype, dim=16, sinks=16)
     save_gate(tmp_path / "mine.safetensors", ours, {"model": "m"})
@@ -147,24 +162,28 @@ def test_our_gate_travels_in_the_authors_layout(tmp_path, dtype):
     assert sorted(raw) == ["acc", "loss", "module"] and raw["loss"].shape == (2, 3)
     released = authors_state_dict(32, 2, 3)
     for l, sd in enumerate(raw["module"]):
-        assert list(sd) == list(released)  # the authors' key order, shapes and the fp32 norms / sinks
+        # the authors' key order, shapes and the fp32 norms / sinks
+        assert list(sd) == list(released)
         assert all(sd[k].shape == released[k].shape for k in sd)
-        assert sd["k_base"].dtype == sd["q_norm.weight"].dtype == torch.float32 and sd["q_proj.weight"].dtype == dtype
+        assert (sd["k_base"].dtype == sd["q_norm.weight"].dtype == torch.float32
+                and sd["q_proj.weight"].dtype == dtype)
     back = load_gate(tmp_path / name, cfg)
-    assert back.meta["format"] == "authors-pt" and back.meta["val_acc_final"] == pytest.approx([0.9, 0.8, 0.7])
+    assert (back.meta["format"] == "authors-pt" and back.meta["val_acc_final"]
+            == pytest.approx([0.9, 0.8, 0.7]))
     hidden = torch.randn(7, 32)
     for l in range(3):
         assert torch.equal(back.score_layer(l, hidden), mine.score_layer(l, hidden))
         assert_close(back.score_layer(l, hidden), literal_gate(raw["module"][l], hidden),
                      atol=1e-2 if dtype == torch.bfloat16 else 1e-5, name=f"layer {l}")
         for key, t in back.layer_state_dict(l).items():
-            assert torch.equal(t, mine.layer_state_dict(l)[key]) and t.dtype == mine.layer_state_dict(l)[key].dtype
+            assert (torch.equal(t, mine.layer_state_dict(l)[key])
+                    and t.dtype == mine.layer_state_dict(l)[key].dtype)
 
 
 def test_kvpress_scores_our_exported_gate_as_we_do(tmp_path):
-    """NVIDIA/kvpress's FastKVzipPress gate module (`FastKVzipGate` in kvpress 0.5, built and loaded as its
-    load_fastkvzip does) on our exported file. kvpress 0.5.5 requires transformers < 5.3, so beside this
-    project's pinned transformers it does not install: skipped then."""
+    """NVIDIA/kvpress's FastKVzipPress gate module (`FastKVzipGate` in kvpress 0.5, built and loaded
+    as its load_fastkvzip does) on our exported file. kvpress 0.5.5 requires transformers < 5.3, so
+    beside this project's pinned transformers it does not install: skipped then."""
     press = pytest.importorskip("kvpress.presses.fastkvzip_press")
     cfg = make_cfg(2, 32, 2, 3)
     ours = random_gates(2, dim=16, sinks=16)
@@ -176,7 +195,8 @@ def test_kvpress_scores_our_exported_gate_as_we_do(tmp_path):
         w = press.FastKVzipGate(l, 32, 2, 3, torch.float32, output_dim=16, sink=16)
         w.load_state_dict(sd)
         with torch.no_grad():
-            assert_close(w(hidden[None])[0], ours.score_layer(l, hidden), atol=1e-5, name=f"layer {l}")
+            assert_close(w(hidden[None])[0], ours.score_layer(l, hidden), atol=1e-5,
+                         name=f"layer {l}")
     assert load_gate(path, cfg).n_layers == 2
 
 
@@ -192,13 +212,16 @@ def test_authors_file_loads_and_scores_like_the_state_dict(tmp_path, legacy):
     assert g.meta["format"] == "authors-pt" and len(g.meta["val_acc_final"]) == 3
     hidden = torch.randn(9, D)
     for l in range(3):
-        assert_close(g.score_layer(l, hidden), literal_gate(module[l], hidden), atol=1e-6, name=f"layer {l}")
-        for key, t in g.layer_state_dict(l).items():  # the file round-trips exactly, dtypes included
+        assert_close(g.score_layer(l, hidden), literal_gate(module[l], hidden), atol=1e-6,
+                     name=f"layer {l}")
+        # the file round-trips exactly, dtypes included
+        for key, t in g.layer_state_dict(l).items():
             assert torch.equal(t, module[l][key]) and t.dtype == module[l][key].dtype, key
 
 
 def test_gemma3_file_maps_to_global_layers(tmp_path):
-    """Gemma3 gates exist for the global layers only, indexed by global-layer order (METHOD.md §2, §9)."""
+    """Gemma3 gates exist for the global layers only, indexed by global-layer order (METHOD.md §2,
+    §9)."""
     D, H, G = 64, 1, 4
     cfg = make_cfg(hidden=D, H=H, G=G, layers=[5, 11, 17], n_hidden_layers=18)
     module = [authors_state_dict(D, H, G, seed=i) for i in range(3)]
@@ -206,7 +229,8 @@ def test_gemma3_file_maps_to_global_layers(tmp_path):
     g = load_gate(tmp_path / "q4_dim16_sink16.pt", cfg)
     hidden = torch.randn(5, D)
     for i in range(3):  # gate i belongs to model layer cfg.compressed_layers[i]
-        assert_close(g.score_layer(i, hidden), literal_gate(module[i], hidden), atol=1e-6, name=f"global layer {i}")
+        assert_close(g.score_layer(i, hidden), literal_gate(module[i], hidden), atol=1e-6,
+                     name=f"global layer {i}")
     # one gate per model layer (18) does not fit a model with 3 compressed layers
     save_authors_file(tmp_path / "all.pt", [authors_state_dict(D, H, G, seed=i) for i in range(18)])
     with pytest.raises(GateError, match="18 layers.*3 layers"):
@@ -238,7 +262,8 @@ def test_pickle_that_runs_code_is_refused(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_safetensors_round_trip(tmp_path, dtype):
     g = random_gates(dtype=dtype)
-    meta = {"model": "gemma3-270m-gguf", "layers": [0, 1, 2], "training": {"steps": 10, "val_acc": [0.9, 0.8, 0.7]}}
+    meta = {"model": "gemma3-270m-gguf", "layers": [0, 1, 2],
+            "training": {"steps": 10, "val_acc": [0.9, 0.8, 0.7]}}
     path = tmp_path / "sub" / "gate.safetensors"
     save_gate(path, g, meta)
     assert os.listdir(path.parent) == ["gate.safetensors"]  # atomic: no temporary left behind
@@ -247,7 +272,8 @@ def test_safetensors_round_trip(tmp_path, dtype):
         q = getattr(h, name)
         assert q.dtype == p.dtype and torch.equal(q, p), name
     assert h.meta["training"] == meta["training"] and h.meta["model"] == "gemma3-270m-gguf"
-    assert (h.meta["dim"], h.meta["sinks"], h.meta["group"], h.meta["n_kv_heads"], h.meta["hidden_size"]) == (8, 5, 3, 2, 32)
+    assert (h.meta["dim"], h.meta["sinks"], h.meta["group"], h.meta["n_kv_heads"],
+            h.meta["hidden_size"]) == (8, 5, 3, 2, 32)
     x = torch.randn(3, 4, 32)
     assert torch.equal(g(x), h(x))
     assert load_gate(path, make_cfg(), dtype=torch.float32).dtype == torch.float32
@@ -282,12 +308,14 @@ def test_gate_that_does_not_fit_is_refused(tmp_path):
 
 @pytest.mark.parametrize("first_bytes", [b"\x80", b"PK"])
 def test_safetensors_gate_whose_header_length_looks_like_torch_save_loads(tmp_path, first_bytes):
-    """The header length is the file's first 8 bytes (little-endian): with some metadata lengths it starts
-    with pickle's protocol byte 0x80 or zip's "PK", which a first-bytes sniffer takes for torch.save output."""
+    """The header length is the file's first 8 bytes (little-endian): with some metadata lengths it
+    starts with pickle's protocol byte 0x80 or zip's "PK", which a first-bytes sniffer takes for
+    torch.save output."""
     g, path = random_gates(), tmp_path / "gate.safetensors"
     target, modulus = int.from_bytes(first_bytes, "little"), 256 ** len(first_bytes)
     pad = 0
-    for _ in range(3):  # the header grows with the metadata, padded to a multiple of 8 (as target is)
+    # the header grows with the metadata, padded to a multiple of 8 (as target is)
+    for _ in range(3):
         save_gate(path, g, {"command": "x" * pad})
         n = int.from_bytes(path.read_bytes()[:8], "little")
         if n % modulus == target:
@@ -322,7 +350,9 @@ def test_resolve_gate(tmp_path, monkeypatch):
     assert resolve_gate(tmp_path / "mine.safetensors", cfg, "whatever").n_layers == 1
     # bundled gate for the default model, found from its folder name
     save_gate(tmp_path / "gates" / "gemma3-270m-gguf.safetensors", random_gates(1, G=4), {})
-    assert resolve_gate(None, cfg, "/root/.cache/fastkvzip/gemma3-270m-gguf").meta["source"].endswith("gemma3-270m-gguf.safetensors")
+    assert resolve_gate(
+        None, cfg, "/root/.cache/fastkvzip/gemma3-270m-gguf").meta["source"].endswith(
+            "gemma3-270m-gguf.safetensors")
     # a released model: downloaded from the authors' repo under their file name
     asked = []
 
@@ -352,10 +382,12 @@ def test_resolve_gate(tmp_path, monkeypatch):
     ("qwen2.5-7b-1m", "qwen2.5-7b-instruct-1m/q7_dim16_sink16.pt", (28, 3584, 28, 4)),
     ("qwen2.5-14b-1m", "qwen2.5-14b-instruct-1m/q5_dim16_sink16.pt", (48, 5120, 40, 8))])
 def test_released_qwen25_gates_load(tmp_path, monkeypatch, alias, file, dims):
-    """The authors' Qwen2.5-*-Instruct-1M gates (METHOD.md §2): the file name their loader asks for, and a
-    file in their exact layout at the real sizes (one gate per layer, 28 or 48; every layer holds the
-    same tensors, which torch.save stores once) loads and scores as the literal formula."""
+    """The authors' Qwen2.5-*-Instruct-1M gates (METHOD.md §2): the file name their loader asks for,
+    and a file in their exact layout at the real sizes (one gate per layer, 28 or 48; every layer
+    holds the same tensors, which torch.save stores once) loads and scores as the literal
+    formula."""
     import huggingface_hub
+
     import model as M
     L, D, Hq, H = dims
     cfg = M.ModelConfig.from_dict({"model_type": "qwen2", "num_hidden_layers": L, "hidden_size": D,
@@ -371,9 +403,11 @@ def test_released_qwen25_gates_load(tmp_path, monkeypatch, alias, file, dims):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     g = resolve_gate(None, cfg, alias)
     assert asked == [("Jang-Hyun/Fast-KVzip", file)]
-    assert (g.n_layers, g.hidden, g.n_kv_heads, g.group, g.dim, g.sinks) == (L, D, H, Hq // H, 16, 16)
+    assert ((g.n_layers, g.hidden, g.n_kv_heads, g.group, g.dim, g.sinks)
+            == (L, D, H, Hq // H, 16, 16))
     hidden = torch.randn(5, D)
-    assert_close(g.score_layer(L - 1, hidden), literal_gate(sd, hidden), atol=1e-6, name=f"{alias} layer {L - 1}")
+    assert_close(g.score_layer(L - 1, hidden), literal_gate(sd, hidden), atol=1e-6,
+                 name=f"{alias} layer {L - 1}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -382,12 +416,14 @@ def test_released_qwen25_gates_load(tmp_path, monkeypatch, alias, file, dims):
 
 def chunk(T=40, H=2, G=3, d=8, D=32, start=0, seed=0):
     torch.manual_seed(seed)
-    return (torch.randn(T, D), torch.randn(T, H * G, d), torch.randn(T, H, d), torch.arange(start, start + T))
+    return (torch.randn(T, D), torch.randn(T, H * G, d), torch.randn(T, H, d),
+            torch.arange(start, start + T))
 
 
 def naive_snapkv(q, k, sinks, w, scale):
-    """METHOD.md §10 one number at a time: group-max logits, softmax over [sinks ⊕ chunk keys], mean over
-    the last w queries, drop sinks, max over a ±3 neighbourhood; the window gets the head's max + 1."""
+    """METHOD.md §10 one number at a time: group-max logits, softmax over [sinks ⊕ chunk keys], mean
+    over the last w queries, drop sinks, max over a ±3 neighbourhood; the window gets the head's max
+    + 1."""
     T, Hq, _ = q.shape
     H = k.shape[1]
     G = Hq // H
@@ -397,7 +433,8 @@ def naive_snapkv(q, k, sinks, w, scale):
     for h in range(H):
         acc = [0.0] * K
         for i in range(T - w, T):
-            logits = [max(float(q[i, h * G + g] @ keys[j, h]) * scale for g in range(G)) for j in range(K)]
+            logits = [max(float(q[i, h * G + g] @ keys[j, h]) * scale for g in range(G))
+                      for j in range(K)]
             z = sum(math.exp(x - max(logits)) for x in logits)
             for j in range(K):
                 acc[j] += math.exp(logits[j] - max(logits)) / z / w
@@ -413,12 +450,15 @@ def test_snapkv_matches_naive():
     hidden, q, k, pos = chunk(T=40)  # first chunk, sequence < 1000 tokens: window 16, no sinks
     got = s.score(0, hidden, q, k, pos)
     assert got.shape == (2, 40) and got.dtype == torch.float32
-    assert_close(got, naive_snapkv(q, k, k[:0], 16, 1 / math.sqrt(8)), atol=1e-5, name="first chunk")
+    assert_close(got, naive_snapkv(q, k, k[:0], 16, 1 / math.sqrt(8)), atol=1e-5,
+                 name="first chunk")
     first_keys = k[:4].clone()
     hidden, q, k, pos = chunk(T=40, start=1200, seed=1)  # later chunk: sink keys, window 32
     got = s.score(0, hidden, q, k, pos)
-    assert_close(got, naive_snapkv(q, k, first_keys, 32, 1 / math.sqrt(8)), atol=1e-5, name="later chunk")
-    got = SnapKVScorer(scale=0.1).score(3, hidden, q, k, pos)  # no first chunk seen for layer 3: no sinks
+    assert_close(got, naive_snapkv(q, k, first_keys, 32, 1 / math.sqrt(8)), atol=1e-5,
+                 name="later chunk")
+    # no first chunk seen for layer 3: no sinks
+    got = SnapKVScorer(scale=0.1).score(3, hidden, q, k, pos)
     assert_close(got, naive_snapkv(q, k, k[:0], 32, 0.1), atol=1e-5, name="custom scale")
     with pytest.raises(GateError):
         s.score(0, hidden, None, None, pos)
@@ -428,7 +468,8 @@ def test_scorer_shapes_and_orders():
     hidden, q, k, pos = chunk(T=12, start=100)
     g = random_gates(L=2, D=32, H=2, G=3)
     gs = GateScorer(g).score(1, hidden, q, k, pos)
-    assert gs.shape == (2, 12) and gs.dtype == torch.float32 and torch.equal(gs, g.score_layer(1, hidden).detach())
+    assert (gs.shape == (2, 12) and gs.dtype == torch.float32
+            and torch.equal(gs, g.score_layer(1, hidden).detach()))
     assert torch.equal(GateScorer(g).score(1, hidden, None, None, pos), gs)  # decoding: no q/k
     st = StreamingScorer().score(0, hidden, q, k, pos)
     assert st.shape == (2, 12) and st.dtype == torch.float32
@@ -441,8 +482,8 @@ def test_scorer_shapes_and_orders():
 
 
 def test_agreement_counts_equal_a_naive_count():
-    """teacher.agreement against literal set arithmetic on the kept positions, and Spearman against ranks
-    computed by sorting Python lists."""
+    """teacher.agreement against literal set arithmetic on the kept positions, and Spearman against
+    ranks computed by sorting Python lists."""
     torch.manual_seed(7)
     L, H, n = 3, 2, 60
     student, teacher = torch.rand(L, H, n), torch.rand(L, H, n)
@@ -484,10 +525,13 @@ def test_agreement_counts_equal_a_naive_count():
 # -------------------------------------------------------------------------------------------------
 
 def write_raw_gate(path, layers, meta):
-    """A safetensors gate written by hand: tensors layers.<i>.<key>, `meta` (any JSON) as its metadata."""
+    """A safetensors gate written by hand: tensors layers.<i>.<key>, `meta` (any JSON) as its
+    metadata."""
     import json
+
     from safetensors.torch import save_file
-    save_file({f"layers.{i}.{k}": t.contiguous() for i, sd in enumerate(layers) for k, t in sd.items()}, str(path),
+    save_file({f"layers.{i}.{k}": t.contiguous() for i, sd in enumerate(layers)
+               for k, t in sd.items()}, str(path),
               metadata={"format": "pt", "fastkvzip": json.dumps(meta)})
 
 
@@ -521,8 +565,8 @@ def test_odd_gate_files_are_one_line_errors(tmp_path, case, words):
 
 
 def test_empty_and_unreadable_gates_say_so(tmp_path):
-    """/dev/null exists and is empty (not "not found"); a gate inside a folder that cannot be read is a
-    GateError, not pathlib's PermissionError."""
+    """/dev/null exists and is empty (not "not found"); a gate inside a folder that cannot be read
+    is a GateError, not pathlib's PermissionError."""
     from tests.helpers import no_access
     with pytest.raises(GateError, match=r"gate /dev/null is empty"):
         load_gate("/dev/null", make_cfg())
@@ -531,5 +575,6 @@ def test_empty_and_unreadable_gates_say_so(tmp_path):
         load_gate(tmp_path / "empty.safetensors", make_cfg())
     (tmp_path / "locked").mkdir()
     save_gate(tmp_path / "locked" / "g.safetensors", random_gates())
-    with no_access(tmp_path / "locked", 0o000), pytest.raises(GateError, match=r"cannot read gate .*Permission denied"):
+    with no_access(tmp_path / "locked", 0o000), pytest.raises(
+        GateError, match=r"cannot read gate .*Permission denied"):
         load_gate(tmp_path / "locked" / "g.safetensors", make_cfg())

@@ -1,4 +1,5 @@
-"""generate.py end to end: the command line, its JSON, its errors, and budget 1.0 on the real model."""
+"""generate.py end to end: the command line, its JSON, its errors, and budget 1.0 on the real
+model."""
 import json
 import os
 import shutil
@@ -9,23 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 
+import cli
 import model as M
 from cache import Budget, EvictingCache, KVCache
-from gate import Gates, save_gate
-from generate import answer, prefill
-from gate import GateScorer, RandomScorer
-from tests.helpers import tiny_checkpoint, tiny_tokenizer
-import cli
 from cli import OFFLINE_DEFAULT, OFFLINE_MODELS, resolve_model
-from teacher import encode_text, prompt_format, PromptFormat, uses_chat
+from gate import Gates, GateScorer, RandomScorer, save_gate
+from generate import answer, prefill
+from teacher import PromptFormat, encode_text, prompt_format, uses_chat
+from tests.helpers import tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args, timeout=300):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
 def assert_usage_error(res, *words):
@@ -53,8 +53,8 @@ def test_budget_outside_unit_interval(budget):
 def test_context_longer_than_model(tiny_folder, tmp_path):
     ctx = tmp_path / "ctx.txt"
     ctx.write_text("word " * 200)
-    assert_usage_error(run_cli("--model", str(tiny_folder), "--context-file", str(ctx), "--question", "q",
-                               "--method", "full"), "maximum")
+    assert_usage_error(run_cli("--model", str(tiny_folder), "--context-file", str(ctx),
+                               "--question", "q", "--method", "full"), "maximum")
 
 
 def test_gate_for_another_model(tiny_folder, tmp_path):
@@ -66,11 +66,13 @@ def test_gate_for_another_model(tiny_folder, tmp_path):
 
 def test_missing_model_and_missing_context_file(tmp_path):
     assert_usage_error(run_cli("--model", str(tmp_path / "nope"), "--prompt", "hi"), "not found")
-    assert_usage_error(run_cli("--context-file", str(tmp_path / "nope.txt"), "--question", "q"), "nope.txt")
+    assert_usage_error(run_cli("--context-file", str(tmp_path / "nope.txt"), "--question", "q"),
+                       "nope.txt")
 
 
 def main_error(capsys, *argv):
-    """generate.main in this process (no interpreter start per case): exit 2 and one line, no traceback."""
+    """generate.main in this process (no interpreter start per case): exit 2 and one line, no
+    traceback."""
     import generate
     with pytest.raises(SystemExit) as e:
         generate.main(list(argv))
@@ -83,8 +85,8 @@ def main_error(capsys, *argv):
 
 @pytest.fixture(scope="module")
 def no_weights(tiny_folder, tmp_path_factory):
-    """The tiny model without its weights: any check that runs before the weights load reports its own
-    error; one that runs after would report the missing weights instead."""
+    """The tiny model without its weights: any check that runs before the weights load reports its
+    own error; one that runs after would report the missing weights instead."""
     folder = tmp_path_factory.mktemp("noweights")
     for f in tiny_folder.iterdir():
         if f.suffix != ".safetensors":
@@ -104,7 +106,8 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--top-p", "2"], ["--top-p", "2"]),
     (["--budget", "nan"], ["--budget"]),
     (["--seed", str(2**70)], ["--seed", "64 bits"]),
-    (["--method", "kvzip", "--decode-tokens-per-head", "100"], ["kvzip", "--decode-tokens-per-head"]),
+    (["--method", "kvzip", "--decode-tokens-per-head", "100"],
+     ["kvzip", "--decode-tokens-per-head"]),
     (["--method", "full", "--decode-tokens-per-head", "100"], ["full", "--decode-tokens-per-head"]),
     (["--method", "snapkv", "--gate", "g.safetensors"], ["--gate", "snapkv"]),
     (["--device", "foo"], ["--device 'foo'"]),
@@ -126,35 +129,43 @@ def test_bad_flags_fail_before_the_weights_load(capsys, no_weights, flags, words
 def test_device_without_cuda(capsys, no_weights):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    assert "CUDA is not available" in main_error(capsys, "--model", str(no_weights), "--prompt", "hi", "--device", "cuda")
+    assert "CUDA is not available" in main_error(capsys, "--model", str(no_weights), "--prompt",
+                                                 "hi", "--device", "cuda")
 
 
 def test_bad_context_files_and_gates_fail_before_the_weights_load(capsys, no_weights, tmp_path):
-    files = {"binary.txt": b"\x7fELF\x02\x01\x01\x00\x00\x00", "latin1.txt": "Émile à Paris".encode("latin-1"),
-             "empty.txt": b"", "blank.txt": b" \n\n\t", "missing.txt": None}
+    files = {"binary.txt": b"\x7fELF\x02\x01\x01\x00\x00\x00",
+             "latin1.txt": "Émile à Paris".encode("latin-1"), "empty.txt": b"",
+             "blank.txt": b" \n\n\t", "missing.txt": None}
     expect = {"binary.txt": "NUL bytes", "latin1.txt": "not UTF-8 text (byte 0xc9 at offset 0)",
               "empty.txt": "is empty", "blank.txt": "is empty", "missing.txt": "No such file"}
     for name, data in files.items():
         if data is not None:
             (tmp_path / name).write_bytes(data)
-        line = main_error(capsys, "--model", str(no_weights), "--context-file", str(tmp_path / name), "--question", "q")
+        line = main_error(capsys, "--model", str(no_weights), "--context-file",
+                          str(tmp_path / name), "--question", "q")
         assert expect[name] in line and name in line, line
-    line = main_error(capsys, "--model", str(no_weights), "--context-file", str(tmp_path), "--question", "q")
+    line = main_error(capsys, "--model", str(no_weights), "--context-file", str(tmp_path),
+                      "--question", "q")
     assert "not a regular file" in line, line
-    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + b"word " * 400)  # valid UTF-8 with a BOM: read, then too long
-    assert "exceeds the model's maximum" in main_error(capsys, "--model", str(no_weights), "--context-file",
-                                                       str(tmp_path / "bom.txt"), "--method", "full")
+    # valid UTF-8 with a BOM: read, then too long
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + b"word " * 400)
+    assert "exceeds the model's maximum" in main_error(capsys, "--model", str(no_weights),
+                                                       "--context-file", str(tmp_path / "bom.txt"),
+                                                       "--method", "full")
     (tmp_path / "junk.safetensors").write_bytes(b"not a gate")
-    for gate_file, words in ((tmp_path / "junk.safetensors", "neither"), (tmp_path / "nope.safetensors", "not found")):
-        line = main_error(capsys, "--model", str(no_weights), "--prompt", "hi", "--gate", str(gate_file),
-                          "--max-new-tokens", "4")
+    for gate_file, words in ((tmp_path / "junk.safetensors", "neither"),
+                             (tmp_path / "nope.safetensors", "not found")):
+        line = main_error(capsys, "--model", str(no_weights), "--prompt", "hi", "--gate",
+                          str(gate_file), "--max-new-tokens", "4")
         assert words in line, line
     # with a valid gate, the next error is indeed the missing weights: the checks above ran first
     cfg = M.ModelConfig.from_json(no_weights)
-    save_gate(tmp_path / "g.safetensors", Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
-                                              cfg.group_size))
-    assert "no *.safetensors" in main_error(capsys, "--model", str(no_weights), "--prompt", "hi", "--gate",
-                                            str(tmp_path / "g.safetensors"), "--max-new-tokens", "4")
+    save_gate(tmp_path / "g.safetensors", Gates(len(cfg.compressed_layers), cfg.hidden_size,
+                                                cfg.num_key_value_heads, cfg.group_size))
+    assert "no *.safetensors" in main_error(capsys, "--model", str(no_weights), "--prompt", "hi",
+                                            "--gate", str(tmp_path / "g.safetensors"),
+                                            "--max-new-tokens", "4")
 
 
 @pytest.fixture(scope="module", params=OFFLINE_MODELS)
@@ -175,11 +186,12 @@ def test_budget_one_equals_full_cache_on_real_model(real):
     outs = []
     with torch.no_grad():
         torch.manual_seed(0)
-        gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size)
+        gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                      cfg.group_size)
         for cache, chunk in [(KVCache(cfg), 4096),
                              (EvictingCache(cfg, GateScorer(gates), n_protected=1), 128),
-                             (EvictingCache(cfg, RandomScorer(0, cfg.num_key_value_heads), n_protected=1,
-                                            level="head"), 100)]:
+                             (EvictingCache(cfg, RandomScorer(0, cfg.num_key_value_heads),
+                                            n_protected=1, level="head"), 100)]:
             last = prefill(model, cache, ids, 1, Budget(1.0, chunk_size=chunk, window=32))
             outs.append(answer(model, cache, [], 12, stop, last_logits=last)[0])
     assert outs[0] == outs[1] == outs[2]
@@ -188,15 +200,16 @@ def test_budget_one_equals_full_cache_on_real_model(real):
 def test_json_output_and_questions_share_the_context(tmp_path):
     ctx = tmp_path / "ctx.txt"
     ctx.write_text("Emma lives in Highbury with her father. The secret code is 4721. " * 30)
-    res = run_cli("--context-file", str(ctx), "--question", "What is the secret code?", "--question",
-                  "Where does Emma live?", "--method", "streaming", "--budget", "0.5", "--max-new-tokens", "4",
-                  "--json")
+    res = run_cli("--context-file", str(ctx), "--question", "What is the secret code?",
+                  "--question", "Where does Emma live?", "--method", "streaming", "--budget", "0.5",
+                  "--max-new-tokens", "4", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert len(out["answers"]) == 2 and all(len(a["output_ids"]) <= 4 for a in out["answers"])
     s = out["stats"]
-    for key in ("kept_fraction", "kept_fraction_per_layer", "kv_bytes", "kv_bytes_full", "peak_kv_bytes",
-                "prefill_seconds", "gate_seconds", "decode_tokens_per_s", "method", "budget"):
+    for key in ("kept_fraction", "kept_fraction_per_layer", "kv_bytes", "kv_bytes_full",
+                "peak_kv_bytes", "prefill_seconds", "gate_seconds", "decode_tokens_per_s", "method",
+                "budget"):
         assert key in s, key
     assert abs(s["kept_fraction"] - 0.5) < 0.02 and len(s["kept_fraction_per_layer"]) == 3
     assert s["kv_bytes"] < s["kv_bytes_full"] and s["prompt_tokens"] == len(out["prompt_ids"])
@@ -206,23 +219,27 @@ def test_json_output_and_questions_share_the_context(tmp_path):
 # bad input, second round
 
 def test_float16_gemma3_is_refused_and_nan_logits_never_answer(capsys, no_weights, tmp_path):
-    """--dtype float16 on a Gemma 3 stops before the weights load (its activations overflow float16: see
-    tests/test_model.py); and should any model's logits turn non-finite, answer() raises instead of
-    returning argmax(NaN) = token 0 over and over."""
-    line = main_error(capsys, "--model", str(no_weights), "--prompt", "Water boils at", "--dtype", "float16")
+    """--dtype float16 on a Gemma 3 stops before the weights load (its activations overflow float16:
+    see tests/test_model.py); and should any model's logits turn non-finite, answer() raises instead
+    of returning argmax(NaN) = token 0 over and over."""
+    line = main_error(capsys, "--model", str(no_weights), "--prompt", "Water boils at", "--dtype",
+                      "float16")
     assert "float16" in line and "bfloat16 or float32" in line, line
     from tests.test_model import overflowing_gemma3
     half = overflowing_gemma3(tmp_path / "g").half()
     cache = KVCache(half.config, torch.float16)
-    with torch.no_grad(), pytest.raises(M.ModelError, match=r"inf/NaN .*overflowed torch.float16.*--dtype float32"):
+    with torch.no_grad(), pytest.raises(M.ModelError,
+                                        match=r"inf/NaN .*overflowed "
+                                        r"torch.float16.*--dtype float32"):
         last = prefill(half, cache, [2, 10, 11, 12], 1)
         answer(half, cache, [], 3, set(), last_logits=last)
 
 
 def test_foreign_tokenizer_and_invalid_utf8_prompt_are_one_line(capsys, no_weights, tmp_path):
-    """A tokenizer larger than the model's vocabulary (Gemma's in a 384-token model): refused at load, not an
-    IndexError in the embedding. Bytes that are not UTF-8 in --prompt / --question (the shell passes them,
-    Python keeps them as lone surrogates): the same rule as --context-file, not a TypeError from tokenizers."""
+    """A tokenizer larger than the model's vocabulary (Gemma's in a 384-token model): refused at
+    load, not an IndexError in the embedding. Bytes that are not UTF-8 in --prompt / --question (the
+    shell passes them, Python keeps them as lone surrogates): the same rule as --context-file, not a
+    TypeError from tokenizers."""
     foreign = tmp_path / "foreign"
     shutil.copytree(no_weights, foreign)
     shutil.copy(resolve_model(OFFLINE_DEFAULT) / "tokenizer.json", foreign / "tokenizer.json")
@@ -230,10 +247,11 @@ def test_foreign_tokenizer_and_invalid_utf8_prompt_are_one_line(capsys, no_weigh
     assert "262144 token ids, more than the model's vocab_size 384" in line, line
     bad = os.fsdecode(b"a \xff b")  # what argv holds for $'a \xff b'
     line = main_error(capsys, "--model", str(no_weights), "--prompt", bad)
-    assert line == "error: --prompt is not UTF-8 text (byte 0xff at offset 2); convert it, e.g. iconv -f latin1 -t utf-8"
+    assert (line == "error: --prompt is not UTF-8 text (byte 0xff at offset 2); convert it, e.g. "
+            "iconv -f latin1 -t utf-8")
     (tmp_path / "ctx.txt").write_text("some context")
-    line = main_error(capsys, "--model", str(no_weights), "--context-file", str(tmp_path / "ctx.txt"),
-                      "--question", "fine?", "--question", bad)
+    line = main_error(capsys, "--model", str(no_weights), "--context-file",
+                      str(tmp_path / "ctx.txt"), "--question", "fine?", "--question", bad)
     assert "--question is not UTF-8 text (byte 0xff" in line, line
 
 
@@ -314,6 +332,7 @@ def test_streamed_answer_prints_characters_whole(capsys, tiny_folder, monkeypatc
     emoji is four byte tokens here, as in SmolLM2's byte-level BPE) came out as replacement
     characters. It prints what decodes whole, and the whole answer in the end."""
     import types
+
     import generate
     tok = M.load_tokenizer(tiny_folder)
     text = "caf\u00e9 \U0001F600 ok \u2014 done"
@@ -374,22 +393,27 @@ def test_gate_dev_null_is_empty_not_missing(capsys, no_weights):
 
 
 def test_fifo_context_file_says_it_waits(no_weights, tmp_path):
-    """A --context-file that is a pipe blocks until its writer closes it: one line on stderr says so first."""
+    """A --context-file that is a pipe blocks until its writer closes it: one line on stderr says so
+    first."""
     fifo = tmp_path / "ctx.fifo"
     os.mkfifo(fifo)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--model", str(no_weights), "--context-file",
-                          str(fifo), "--question", "q", "--method", "full", "--max-new-tokens", "4"],
+    p = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--model", str(no_weights),
+                          "--context-file", str(fifo), "--question", "q", "--method", "full",
+                          "--max-new-tokens", "4"],
                          stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         import select
-        assert select.select([p.stderr], [], [], 120)[0], "nothing on stderr while it waits for the pipe"
+        assert select.select([p.stderr], [], [],
+                             120)[0], "nothing on stderr while it waits for the pipe"
         first = p.stderr.readline()  # written before the pipe is opened, while it still waits
-        assert first == f"reading --context-file {fifo}: a pipe, until its writer closes it\n", first
+        assert (first
+                == f"reading --context-file {fifo}: a pipe, until its writer closes it\n"), first
         with open(fifo, "w") as w:
             w.write("Emma lives in Highbury.")
         rest = p.stderr.read()
-        assert p.wait(timeout=120) == 2 and "no *.safetensors" in rest, rest  # read, then the missing weights
+        # read, then the missing weights
+        assert p.wait(timeout=120) == 2 and "no *.safetensors" in rest, rest
     finally:
         p.kill()
 
@@ -398,7 +422,8 @@ def test_no_context_runs_the_shipped_example(capsys, tmp_path_factory):
     """`python generate.py --budget 0.3` (no --prompt, no --context-file) answers the README's first
     question about the shipped chapter at that budget, and says so in one line first."""
     import generate
-    folder = tiny_checkpoint("gemma3", tmp_path_factory.mktemp("long"), max_position_embeddings=32768)
+    folder = tiny_checkpoint("gemma3", tmp_path_factory.mktemp("long"),
+                             max_position_embeddings=32768)
     tiny_tokenizer(folder)
     capsys.readouterr()  # the checkpoint's own progress bars
     generate.main(["--model", str(folder), "--method", "streaming", "--budget", "0.3",
@@ -409,12 +434,14 @@ def test_no_context_runs_the_shipped_example(capsys, tmp_path_factory):
     res = json.loads(out.out)
     text = (ROOT / "examples" / "persuasion-chapter-1.txt").read_text()
     assert [a["question"] for a in res["answers"]] == ["How old is Elizabeth?"]
-    assert res["stats"]["budget"] == 0.3 and res["stats"]["context_tokens"] >= len(text.encode()) - 2
+    assert (res["stats"]["budget"] == 0.3 and res["stats"]["context_tokens"]
+            >= len(text.encode()) - 2)
 
 
 def test_build_inputs_takes_plain_values(tmp_path):
-    """The prefill ids, the protected system prompt and one question turn per question string; a base
-    model's turn (no chat postfix) ends with the start of its answer, a chat model's with its postfix."""
+    """The prefill ids, the protected system prompt and one question turn per question string; a
+    base model's turn (no chat postfix) ends with the start of its answer, a chat model's with its
+    postfix."""
     from generate import build_inputs
     from tests.helpers import tiny_tokenizer
     tiny_tokenizer(tmp_path)  # one id per byte, one per template token
@@ -432,16 +459,19 @@ def test_build_inputs_takes_plain_values(tmp_path):
 
 
 def test_summary_line_says_what_was_kept_where():
-    """Context tokens, the compressed layers' kept share (per layer when there are few), what the other
-    layers keep, and the KV held against a full cache."""
+    """Context tokens, the compressed layers' kept share (per layer when there are few), what the
+    other layers keep, and the KV held against a full cache."""
     from cli import summary_line
     s = dict(method="fastkvzip", context_tokens=3296, compressed_layers=[5, 11, 17], n_layers=18,
-             sliding_layers=[i for i in range(18) if i not in (5, 11, 17)], sliding_window=512, kept_fraction=0.3,
-             kept_fraction_per_layer=[0.6, 0.28, 0.02], kv_bytes=20.8 * 2**20, kv_bytes_full=34.3 * 2**20,
-             peak_kv_bytes=38.2 * 2**20, prefill_seconds=30.0, prefill_tokens_per_s=110.0, decode_tokens_per_s=1.1)
+             sliding_layers=[i for i in range(18) if i not in (5, 11, 17)], sliding_window=512,
+             kept_fraction=0.3, kept_fraction_per_layer=[0.6, 0.28, 0.02], kv_bytes=20.8 * 2**20,
+             kv_bytes_full=34.3 * 2**20, peak_kv_bytes=38.2 * 2**20, prefill_seconds=30.0,
+             prefill_tokens_per_s=110.0, decode_tokens_per_s=1.1)
     line = summary_line(s)
-    for words in ("3296 context tokens", "compressed layers 5, 11, 17 kept 30.0% of it (60% / 28% / 2%)",
-                  "the 15 sliding-window layers their last 512 tokens", "KV held 20.8 of 34.3 MiB full (61%)"):
+    for words in ("3296 context tokens",
+                  "compressed layers 5, 11, 17 kept 30.0% of it (60% / 28% / 2%)",
+                  "the 15 sliding-window layers their last 512 tokens",
+                  "KV held 20.8 of 34.3 MiB full (61%)"):
         assert words in line, (words, line)
     every = dict(s, compressed_layers=list(range(30)), n_layers=30, sliding_layers=[],
                  kept_fraction_per_layer=[0.3] * 30)

@@ -17,7 +17,8 @@ torch.set_num_threads(1)
 
 
 def sdpa_dense(q, k, v, scale, causal, window):
-    """Dense oracle for one sequence: q (M, Hq, d), k/v (N, Hk, d), bottom-right mask built by hand."""
+    """Dense oracle for one sequence: q (M, Hq, d), k/v (N, Hk, d), bottom-right mask built by
+    hand."""
     M, Hq, d = q.shape
     N, Hk, _ = k.shape
     G = Hq // Hk
@@ -35,7 +36,8 @@ def sdpa_dense(q, k, v, scale, causal, window):
 
 
 def varlen_case(q_lens, k_lens, Hq, Hk, d, dtype=torch.float32, slack=0, seed=0):
-    """Random packed inputs; with slack > 0 every key region gets `slack` junk rows after its keys."""
+    """Random packed inputs; with slack > 0 every key region gets `slack` junk rows after its
+    keys."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(q_lens), Hq, d, generator=g).to(dtype)
     regions = [n + slack for n in k_lens]
@@ -64,10 +66,12 @@ def test_reference_matches_sdpa_dense(M, N, G, causal, window):
 def test_reference_query_blocks(monkeypatch, causal, window):
     """The reference walks long query runs in blocks; block edges must not change the result."""
     monkeypatch.setattr(kernels, "QUERY_BLOCK", 16)
-    for M, N in [(50, 70), (50, 20)]:  # (50, 20): the first blocks see no key under causal alignment
+    # (50, 20): the first blocks see no key under causal alignment
+    for M, N in [(50, 70), (50, 20)]:
         q, k, v, cu_q, cu_k, _ = varlen_case([M], [N], 4, 2, 64, seed=3)
         out = attention_reference(q, k, v, cu_q, cu_k, M, N, 0.1, causal, window)
-        expected = sdpa_dense(q, k, v, 0.1, causal, window).nan_to_num()  # SDPA: NaN rows where we give 0
+        # SDPA: NaN rows where we give 0
+        expected = sdpa_dense(q, k, v, 0.1, causal, window).nan_to_num()
         assert_close(out, expected, 1e-5, name="blocked reference vs sdpa")
 
 
@@ -93,29 +97,33 @@ def test_reference_varlen_is_per_sequence_and_ignores_slack():
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 300)])
 @pytest.mark.parametrize("G", [1, 4])
 def test_torch_path_matches_reference(monkeypatch, G, causal, window):
-    """sdpa_attention (the CPU path: PyTorch's fused attention on the reference's blocks) against the
-    reference: ragged sequences with slack, an empty one, one row, N < M, several blocks per sequence."""
+    """sdpa_attention (the CPU path: PyTorch's fused attention on the reference's blocks) against
+    the reference: ragged sequences with slack, an empty one, one row, N < M, several blocks per
+    sequence."""
     monkeypatch.setattr(kernels, "SDPA_BLOCK", 16)
     monkeypatch.setattr(kernels, "MASK_ELEMENTS", 64)  # several blocks without a window too
     q_lens, k_lens = [3, 1, 5, 40, 30, 1], [10, 0, 20, 70, 12, 300]
     q, k, v, cu_q, cu_k, used = varlen_case(q_lens, k_lens, 2 * G, 2, 32, slack=3, seed=G)
     args = (q, k, v, cu_q, cu_k, 40, 300, 0.2, causal, window, used)
     out = kernels.sdpa_attention(*args)
-    assert_close(out, attention_reference(*args), 1e-5, name=f"torch path causal={causal} window={window}")
+    assert_close(out, attention_reference(*args), 1e-5,
+                 name=f"torch path causal={causal} window={window}")
 
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 30)])
 @pytest.mark.parametrize("M,N", [(40, 40), (40, 70), (1, 70), (30, 12)])
 def test_torch_path_one_shape_batched(monkeypatch, M, N, causal, window):
-    """Sequences of one shape (a layer's heads before eviction, with slack) go through SDPA together, as the
-    batch dimension: the same result as the reference, sequence by sequence; block shapes repeat (mask cache)."""
+    """Sequences of one shape (a layer's heads before eviction, with slack) go through SDPA
+    together, as the batch dimension: the same result as the reference, sequence by sequence; block
+    shapes repeat (mask cache)."""
     monkeypatch.setattr(kernels, "SDPA_BLOCK", 16)
     monkeypatch.setattr(kernels, "MASK_ELEMENTS", 64)  # several blocks without a window too
     q, k, v, cu_q, cu_k, used = varlen_case([M] * 3, [N] * 3, 8, 2, 32, slack=3, seed=M + N)
     for b in range(3):  # junk in the slack rows: they must never be read
         k[int(cu_k[b]) + N:int(cu_k[b + 1])] = 1e4
     args = (q, k, v, cu_q, cu_k, M, N, 0.2, causal, window, used)
-    assert_close(kernels.sdpa_attention(*args), attention_reference(*args), 1e-5, name="one-shape batch")
+    assert_close(kernels.sdpa_attention(*args), attention_reference(*args), 1e-5,
+                 name="one-shape batch")
 
 
 def test_backend_selection(monkeypatch):
@@ -136,7 +144,8 @@ def test_backend_selection(monkeypatch):
 def test_ragged_append_attend_matches_dense_causal():
     H, G, d, T = 2, 3, 16, 11
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g), torch.randn(T, H, d, generator=g)
+    q, k, v = (torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g),
+               torch.randn(T, H, d, generator=g))
     kv = RaggedKV(H, d, torch.float32, "cpu")
     kv.append(k[:7], v[:7], torch.arange(7))              # a 7-token prefill ...
     out_prefill = kv.attend(q[:7], 0.25)
@@ -176,37 +185,46 @@ def test_ragged_select_window_and_companions():
     lens = kv.lens.clone()
     kv.truncate(1)
     assert torch.equal(kv.lens, lens - 1) and kv.nbytes == kv.n_rows * 2 * d * 4
-    kv.select([torch.arange(int(n)) >= int(n) - 3 for n in kv.lens])  # the last 3 rows of every head
+    # the last 3 rows of every head
+    kv.select([torch.arange(int(n)) >= int(n) - 3 for n in kv.lens])
     assert kv.lens.tolist() == [3] * H and kv.nbytes == kv.n_rows * 2 * d * 4
     assert torch.equal(kv.head_pos(0), torch.arange(100, 100 + T)[keep[0]][-4:-1])
 
 
 @pytest.mark.parametrize("G", [1, 4])
 def test_one_token_path_matches_reference(G):
-    """RaggedKV.attend of one token on the torch path (per head softmax(q k^T) v, no masks) against the
-    reference on the same rows: ragged heads after eviction, an empty head, slack, windows < and > n."""
+    """RaggedKV.attend of one token on the torch path (per head softmax(q k^T) v, no masks) against
+    the reference on the same rows: ragged heads after eviction, an empty head, slack, windows < and
+    > n."""
     H, d = 3, 32
     g = torch.Generator().manual_seed(G)
     kv = RaggedKV(H, d, torch.float32, "cpu")
-    kv.append(torch.randn(60, H, d, generator=g), torch.randn(60, H, d, generator=g), torch.arange(60))
-    kv.select([torch.rand(60, generator=g) > 0.3, torch.zeros(60, dtype=torch.bool), torch.rand(60, generator=g) > 0.8])
-    kv.append(torch.randn(1, H, d, generator=g), torch.randn(1, H, d, generator=g), torch.tensor([60]))  # slack now
+    kv.append(torch.randn(60, H, d, generator=g), torch.randn(60, H, d, generator=g),
+              torch.arange(60))
+    kv.select([torch.rand(60, generator=g) > 0.3, torch.zeros(60, dtype=torch.bool),
+               torch.rand(60, generator=g) > 0.8])
+    kv.append(torch.randn(1, H, d, generator=g), torch.randn(1, H, d, generator=g),
+              torch.tensor([60]))  # slack now
     kv.lens[1] = 0  # head 1 keeps nothing at all
     q = torch.randn(1, H * G, d, generator=g)
     k, v, cu_k, used, max_len = kv.keys_values()
     cu_q = torch.arange(H + 1, dtype=torch.int32)
     for window in (None, 5, 1000):
-        ref = attention_reference(q.view(H, G, d), k, v, cu_q, cu_k, 1, max_len, 0.2, True, window, used)
-        assert_close(kv.attend(q, 0.2, window, backend="torch"), ref.view(1, H * G, d), 1e-5, name=f"window={window}")
+        ref = attention_reference(q.view(H, G, d), k, v, cu_q, cu_k, 1, max_len, 0.2, True, window,
+                                  used)
+        assert_close(kv.attend(q, 0.2, window, backend="torch"), ref.view(1, H * G, d), 1e-5,
+                     name=f"window={window}")
 
 
 def test_ragged_window_attend():
     H, G, d, T, W = 2, 2, 16, 12, 4
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g), torch.randn(T, H, d, generator=g)
+    q, k, v = (torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g),
+               torch.randn(T, H, d, generator=g))
     kv = RaggedKV(H, d, torch.float32, "cpu")
     kv.append(k, v, torch.arange(T))
-    assert_close(kv.attend(q, 0.25, window=W), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, name="window")
+    assert_close(kv.attend(q, 0.25, window=W), sdpa_dense(q, k, v, 0.25, True, W), 1e-5,
+                 name="window")
 
 
 def test_ragged_append_into_slack_does_not_reallocate():
@@ -221,7 +239,8 @@ def test_ragged_append_into_slack_does_not_reallocate():
     while H * (100 + n + 1) <= cap and (kv.caps - kv.lens).min() > 0:  # every head still has room
         kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([100 + n]))
         n += 1
-    assert n > 10 and kv.k.data_ptr() == ptr and kv.v.shape[0] == cap, "append into slack reallocated"
+    assert n > 10 and kv.k.data_ptr() == ptr and kv.v.shape[0] == cap, (
+        "append into slack reallocated")
     # growth is geometric: appending 10x more tokens reallocates only a handful of times
     reallocs, last = 0, kv.k.data_ptr()
     for i in range(1000):
@@ -242,24 +261,25 @@ def test_slack_is_bounded_after_a_long_prefill():
     assert kv.caps.tolist() == [6001 + MAX_SLACK] * H and kv.k.shape[0] == H * (6001 + MAX_SLACK)
 
 
-# The Triton kernel on CPU tensors runs only under the interpreter (conftest.py sets it without CUDA);
-# with CUDA the kernel is compiled, and the `gpu` tests below run it on CUDA tensors instead.
+# The Triton kernel on CPU tensors runs only under the interpreter (conftest.py sets it without
+# CUDA); with CUDA the kernel is compiled, and the `gpu` tests below run it on CUDA tensors instead.
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the Triton kernel on CPU tensors needs the interpreter")
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
 def test_window_ring_matches_dense_window(backend):
-    """WindowKV, fed prefill chunks and single tokens in any mix, gives what dense attention with the
-    window mask over every token gives, holds exactly the last min(n, W) tokens in at most W rows, and
-    writes a decode token into a full ring in place (no re-layout)."""
+    """WindowKV, fed prefill chunks and single tokens in any mix, gives what dense attention with
+    the window mask over every token gives, holds exactly the last min(n, W) tokens in at most W
+    rows, and writes a decode token into a full ring in place (no re-layout)."""
     if backend == "triton":
         pytest.importorskip("triton")
     H, G, d, W = 2, 2, 16, 6
     steps = [4, 1, 1, 3, 1, 1, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 2, 1]  # tokens per forward
     T = sum(steps)
     g = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g), torch.randn(T, H, d, generator=g)
+    q, k, v = (torch.randn(T, H * G, d, generator=g), torch.randn(T, H, d, generator=g),
+               torch.randn(T, H, d, generator=g))
     kv, outs, n = WindowKV(H, d, W, torch.float32, "cpu"), [], 0
     for t in steps:
         ptr = kv.k.data_ptr()
@@ -273,10 +293,12 @@ def test_window_ring_matches_dense_window(backend):
         assert n < W or kv.k.shape[0] == H * W
         for h in range(H):
             assert sorted(kv.head_pos(h).tolist()) == list(range(max(0, n - W), n))
-    assert_close(torch.cat(outs), sdpa_dense(q, k, v, 0.25, True, W), 1e-5, name=f"window ring ({backend})")
+    assert_close(torch.cat(outs), sdpa_dense(q, k, v, 0.25, True, W), 1e-5,
+                 name=f"window ring ({backend})")
     with pytest.raises(NotImplementedError):
         kv.select([torch.ones(int(n), dtype=torch.bool) for n in kv.lens])
-    short = WindowKV(H, d, 512, torch.float32, "cpu")  # a context shorter than the window holds only itself
+    # a context shorter than the window holds only itself
+    short = WindowKV(H, d, 512, torch.float32, "cpu")
     short.append(torch.randn(100, H, d), torch.randn(100, H, d), torch.arange(100))
     short.wrap()
     assert short.k.shape[0] == H * 100
@@ -289,7 +311,8 @@ def test_imports_and_runs_without_triton():
             "kv.append(torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.arange(3)); "
             "assert kv.attend(torch.randn(3, 4, 16), 0.25).shape == (3, 4, 16); print('ok')")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
 
 
@@ -312,13 +335,15 @@ MODES = [(True, None), (False, None), (True, 37)]  # causal, window
 ])
 def test_triton_matches_reference_ragged(q_len, G, d, dtype, k_lens):
     # Hk = 2 KV heads per sequence (GQA through the head axis), slack rows after every key region
-    q, k, v, cu_q, cu_k, used = varlen_case([q_len] * len(k_lens), k_lens, 2 * G, 2, d, dtype, slack=5)
+    q, k, v, cu_q, cu_k, used = varlen_case([q_len] * len(k_lens), k_lens, 2 * G, 2, d, dtype,
+                                            slack=5)
     atol, rtol = TOL[dtype]
     for causal, window in MODES:
         args = (q, k, v, cu_q, cu_k, q_len, max(k_lens), 0.1, causal, window, used)
         out = varlen_attention(*args, backend="triton")
         assert out.dtype == dtype
-        assert_close(out, attention_reference(*args), atol=atol, rtol=rtol, name=f"causal={causal} window={window}")
+        assert_close(out, attention_reference(*args), atol=atol, rtol=rtol,
+                     name=f"causal={causal} window={window}")
 
 
 @interpreted
@@ -330,7 +355,8 @@ def test_triton_split_keys_matches_reference(q_len, num_splits):
     for causal, window in MODES:
         args = (q, k, v, cu_q, cu_k, q_len, 1500, None, causal, window, used)
         out = kernels.triton_varlen_attention(*args, num_splits=num_splits)
-        assert_close(out, attention_reference(*args), 1e-5, name=f"splits causal={causal} window={window}")
+        assert_close(out, attention_reference(*args), 1e-5,
+                     name=f"splits causal={causal} window={window}")
 
 
 @interpreted
@@ -339,7 +365,8 @@ def test_triton_dense_matches_sdpa(G, d):
     q, k, v, cu_q, cu_k, _ = varlen_case([33], [90], 2 * G, 2, d)
     for causal, window in [(True, None), (False, None), (True, 16)]:
         out = varlen_attention(q, k, v, cu_q, cu_k, 33, 90, None, causal, window, backend="triton")
-        assert_close(out, sdpa_dense(q, k, v, d ** -0.5, causal, window), 1e-5, name=f"causal={causal}")
+        assert_close(out, sdpa_dense(q, k, v, d ** -0.5, causal, window), 1e-5,
+                     name=f"causal={causal}")
 
 
 @interpreted
@@ -367,12 +394,14 @@ gpu = pytest.mark.gpu  # skipped without CUDA (conftest.py)
 def test_triton_gpu_matches_reference(q_len, d, dtype):
     k_lens = [0, 1, 20000, q_len, 4097, 333, 70000, 5]
     q, k, v, cu_q, cu_k, used = (x.cuda() if x is not None else None for x in
-                                 varlen_case([q_len] * 8, k_lens, 8, 2, d, dtype, slack=7, seed=q_len))
+                                 varlen_case([q_len] * 8, k_lens, 8, 2, d, dtype, slack=7,
+                                             seed=q_len))
     # fp32 runs as 3xTF32 on tensor cores (kernels.py): close to, not exactly, IEEE fp32
     atol, rtol = (5e-5, 5e-5) if dtype == torch.float32 else TOL[dtype]
     for causal, window in MODES + [(True, 1024)]:
         args = (q, k, v, cu_q, cu_k, q_len, max(k_lens), None, causal, window, used)
-        assert_close(varlen_attention(*args), attention_reference(*args), atol=atol, rtol=rtol, name=f"{causal} {window}")
+        assert_close(varlen_attention(*args), attention_reference(*args), atol=atol, rtol=rtol,
+                     name=f"{causal} {window}")
 
 
 GPU_TOL = {torch.bfloat16: TOL[torch.bfloat16], torch.float32: (5e-5, 5e-5)}  # fp32: 3xTF32
@@ -390,11 +419,11 @@ def test_triton_gpu_batched_layout(dtype):
     seqs = []
     for n in (3000, 17, 40000, 1, 9000):
         kv = RaggedKV(H, d, dtype, dev)
-        kv.append(torch.randn(n, H, d, device=dev).to(dtype), torch.randn(n, H, d, device=dev).to(dtype),
-                  torch.arange(n))
+        kv.append(torch.randn(n, H, d, device=dev).to(dtype),
+                  torch.randn(n, H, d, device=dev).to(dtype), torch.arange(n))
         kv.select([torch.rand(n) < share for share in torch.rand(H)])  # every head its own length
-        kv.append(torch.randn(1, H, d, device=dev).to(dtype), torch.randn(1, H, d, device=dev).to(dtype),
-                  torch.tensor([n]))
+        kv.append(torch.randn(1, H, d, device=dev).to(dtype),
+                  torch.randn(1, H, d, device=dev).to(dtype), torch.tensor([n]))
         seqs.append(kv)
     batch = RaggedKV(0, d, dtype, dev)
     for kv in seqs:
@@ -404,12 +433,14 @@ def test_triton_gpu_batched_layout(dtype):
     out = batch.attend(q, d ** -0.5)  # CUDA tensors: the compiled Triton kernel
     k, v, cu_k, used, max_len = batch.keys_values()
     cu_q = torch.arange(B * H + 1, dtype=torch.int32, device=dev)
-    ref = attention_reference(q.view(B * H, G, d), k, v, cu_q, cu_k, 1, max_len, d ** -0.5, True, None, used)
+    ref = attention_reference(q.view(B * H, G, d), k, v, cu_q, cu_k, 1, max_len, d ** -0.5, True,
+                              None, used)
     atol, rtol = GPU_TOL[dtype]
     assert_close(out, ref.view(1, B * H * G, d), atol=atol, rtol=rtol, name="batched layout")
     for b, kv in enumerate(seqs):
         heads = slice(b * H * G, (b + 1) * H * G)
-        assert_close(out[:, heads], kv.attend(q[:, heads], d ** -0.5), atol=atol, rtol=rtol, name=f"seq {b}")
+        assert_close(out[:, heads], kv.attend(q[:, heads], d ** -0.5), atol=atol, rtol=rtol,
+                     name=f"seq {b}")
 
 
 @gpu
@@ -440,8 +471,10 @@ def test_triton_gpu_window_ring(dtype):
 # configs triton_varlen_attention uses, and check that it fits: shared memory <= 227 KB, and no
 # register spills for the 16-bit inputs that matter (read from ptxas -v).
 
-SM90_CASES = [(dtype, d, rows) for dtype, d in [("bfloat16", 128), ("bfloat16", 256), ("float32", 256)]
-              for rows in (4, 1024)]  # rows = packed query rows: 4 is decode (split path), 1024 prefill
+# rows = packed query rows: 4 is decode (split path), 1024 prefill
+SM90_CASES = [(dtype, d, rows) for dtype, d in [("bfloat16", 128), ("bfloat16", 256),
+                                                ("float32", 256)]
+              for rows in (4, 1024)]
 
 
 def compile_for_sm90(dtype, d, rows):
@@ -450,6 +483,7 @@ def compile_for_sm90(dtype, d, rows):
     import os
     import re
     import subprocess
+
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     dtype = getattr(torch, dtype)
@@ -463,7 +497,8 @@ def compile_for_sm90(dtype, d, rows):
                cu_q="*i32", cu_k="*i32", used_k="*i32", qk_scale="fp32", window="i32", group="i32",
                n_splits="i32", **{n: "i32" for n in names if n.startswith("s_")})
     consts = dict(BOUNDED=True, WINDOWED=not split, HAS_USED=True, SPLIT=split, UPCAST=False,
-                  PRECISION="tf32x3" if dtype == torch.float32 else "tf32", D=d, BLOCK_M=bm, BLOCK_N=bn)
+                  PRECISION="tf32x3" if dtype == torch.float32 else "tf32", D=d, BLOCK_M=bm,
+                  BLOCK_N=bn)
     # what the JIT infers at launch: 16-byte aligned tensors, row/head strides multiple of 16
     aligned = [n for n in names if sig[n].startswith("*") or n in
                ("s_qt", "s_qh", "s_kt", "s_kh", "s_vt", "s_vh", "s_os", "s_ot", "s_oh")]
@@ -487,12 +522,13 @@ def compile_for_sm90(dtype, d, rows):
 @functools.lru_cache(maxsize=None)
 def sm90_report():
     """Compile every SM90_CASES config in one child process (TRITON_INTERPRET unset)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # python -c imports from its cwd
+    # python -c imports from its cwd
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import json; import tests.test_kernels as t; "
             "print(json.dumps([t.compile_for_sm90(*c) for c in t.SM90_CASES]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=900)
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     return dict(zip(SM90_CASES, json.loads(res.stdout.splitlines()[-1])))
 
@@ -500,6 +536,7 @@ def sm90_report():
 @pytest.mark.parametrize("case", SM90_CASES, ids=[f"{t}-d{d}-rows{r}" for t, d, r in SM90_CASES])
 def test_kernel_compiles_for_sm90(case):
     shared, spills = sm90_report()[case]
-    assert shared <= 227 * 1024, f"{case}: {shared} bytes of shared memory, the launch would fail on sm_90"
+    assert shared <= 227 * 1024, (f"{case}: {shared} bytes of shared memory, the launch would "
+                                  "fail on sm_90")
     if case[0] != "float32" and spills is not None:  # fp32 is the slow correctness path
         assert spills == 0, f"{case}: {spills} bytes of register spills"

@@ -1,5 +1,6 @@
-"""model.py against transformers 5.24 (the test-only oracle) on tiny random checkpoints it wrote itself,
-plus hand-built folders in the formats of released checkpoints (legacy config keys, multimodal Gemma3)."""
+"""model.py against transformers 5.24 (the test-only oracle) on tiny random checkpoints it wrote
+itself, plus hand-built folders in the formats of released checkpoints (legacy config keys,
+multimodal Gemma3)."""
 import json
 import shutil
 from pathlib import Path
@@ -10,68 +11,86 @@ from safetensors.torch import load_file, save_file
 
 import model as M
 from cache import KVCache
-from tests.helpers import assert_close, edit_config, hf_model, tiny_checkpoint
 from cli import _HUB_FILES, ALIASES, OFFLINE_DEFAULT, parse_device, resolve_model
-from teacher import encode_prompt, prompt_format, PromptFormat, question_ids, uses_chat
+from teacher import PromptFormat, encode_prompt, prompt_format, question_ids, uses_chat
+from tests.helpers import assert_close, edit_config, hf_model, tiny_checkpoint
 
 VOCAB = 384  # helpers.QWEN3_TINY / GEMMA3_TINY
 GEMMA_RoPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 200_000.0},
               "sliding_attention": {"rope_type": "default", "rope_theta": 5_000.0}}
-QWEN_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10_000.0}
+QWEN_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+             "rope_theta": 10_000.0}
 # Llama 3.1's scaling with its factors, over an original length short enough for 40-token prompts to
-# reach every band (head_dim 16, base 1e4: wavelengths 6 to 2.4e4; kept < 4, blended 4..16, divided > 16)
-LLAMA3_RoPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16, "rope_theta": 10_000.0}
+# reach every band (head_dim 16, base 1e4: wavelengths 6 to 2.4e4; kept < 4, blended 4..16, divided
+# > 16)
+LLAMA3_RoPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+               "rope_theta": 10_000.0}
 
 # checkpoints transformers writes: name -> (arch, config overrides, save_pretrained kwargs)
 SAVED = {
     "qwen3-gqa2-tied": ("qwen3", {}, {}),
     "qwen3-gqa4-untied-sharded": ("qwen3", dict(num_attention_heads=8, tie_word_embeddings=False),
                                   dict(max_shard_size="100KB")),
-    "qwen3-mqa-yarn": ("qwen3", dict(num_key_value_heads=1, rope_parameters=QWEN_YARN, max_position_embeddings=64),
+    "qwen3-mqa-yarn": ("qwen3", dict(num_key_value_heads=1, rope_parameters=QWEN_YARN,
+                                     max_position_embeddings=64),
                        {}),
-    "gemma3-mixed-softcap": ("gemma3", dict(final_logit_softcapping=5.0, rope_parameters=GEMMA_RoPE), {}),
-    "gemma3-mqa-untied": ("gemma3", dict(num_key_value_heads=1, tie_word_embeddings=False, num_hidden_layers=3,
-                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gemma3-mixed-softcap": ("gemma3", dict(final_logit_softcapping=5.0,
+                                            rope_parameters=GEMMA_RoPE), {}),
+    "gemma3-mqa-untied": ("gemma3", dict(num_key_value_heads=1, tie_word_embeddings=False,
+                                         num_hidden_layers=3,
+                                         layer_types=["sliding_attention", "full_attention",
+                                                      "sliding_attention"]),
                           {}),
     "llama-gqa2-tied": ("llama", {}, {}),
-    "llama-untied-sharded-llama3": ("llama", dict(tie_word_embeddings=False, rope_parameters=LLAMA3_RoPE,
-                                                  max_position_embeddings=64), dict(max_shard_size="100KB")),
-    "llama-mqa-biases-head32": ("llama", dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True,
-                                              head_dim=32), {}),  # q_proj 128 x 64: heads*head_dim != hidden
+    "llama-untied-sharded-llama3": ("llama", dict(tie_word_embeddings=False,
+                                                  rope_parameters=LLAMA3_RoPE,
+                                                  max_position_embeddings=64),
+                                    dict(max_shard_size="100KB")),
+    "llama-mqa-biases-head32": ("llama", dict(num_key_value_heads=1, attention_bias=True,
+                                              # q_proj 128 x 64: heads*head_dim != hidden
+                                              mlp_bias=True, head_dim=32), {}),
     "qwen2-mqa-untied-sharded": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=False),
                                   dict(max_shard_size="100KB")),
     "qwen2-gqa2-tied": ("qwen2", {}, {}),  # q/k/v biases
 }
 # folders built by hand from a saved one: name -> (source, builder); the oracle is noted per builder
-BUILT = ["qwen3-legacy-yarn", "llama-legacy-llama3", "gemma3-legacy", "gemma3-multimodal-old", "gemma3-multimodal-new"]
+BUILT = ["qwen3-legacy-yarn", "llama-legacy-llama3", "gemma3-legacy", "gemma3-multimodal-old",
+         "gemma3-multimodal-new"]
 ALL = list(SAVED) + BUILT
 
 
-def _legacy_qwen(d):  # the key layout of released Qwen3 configs (transformers 4.51), YaRN as the authors run it
+# the key layout of released Qwen3 configs (transformers 4.51), YaRN as the authors run it
+def _legacy_qwen(d):
     for k in ("rope_parameters", "layer_types"):
         d.pop(k)
-    return {**d, "rope_theta": 10_000.0, "rope_scaling": {k: v for k, v in QWEN_YARN.items() if k != "rope_theta"}}
+    return {**d, "rope_theta": 10_000.0, "rope_scaling": {k: v for k, v in QWEN_YARN.items()
+                                                          if k != "rope_theta"}}
 
 
-def _legacy_llama(d):  # the key layout of released Llama 3.1 configs (transformers 4.43): rope_scaling
+# the key layout of released Llama 3.1 configs (transformers 4.43): rope_scaling
+def _legacy_llama(d):
     d.pop("rope_parameters")
-    return {**d, "rope_theta": 10_000.0, "rope_scaling": {k: v for k, v in LLAMA3_RoPE.items() if k != "rope_theta"}}
+    return {**d, "rope_theta": 10_000.0, "rope_scaling": {k: v for k, v in LLAMA3_RoPE.items()
+                                                          if k != "rope_theta"}}
 
 
-def _legacy_gemma(d):  # released Gemma3 configs: no layer_types, a pattern, two RoPE keys, rope_scaling
+# released Gemma3 configs: no layer_types, a pattern, two RoPE keys, rope_scaling
+def _legacy_gemma(d):
     for k in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
         d.pop(k)
-    return {**d, "sliding_window_pattern": 3, "rope_theta": 200_000.0, "rope_local_base_freq": 5_000.0,
-            "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    return {**d, "sliding_window_pattern": 3, "rope_theta": 200_000.0,
+            "rope_local_base_freq": 5_000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
 
 
 def _multimodal(src: Path, dst: Path, new_names: bool) -> None:
-    """A Gemma3ForConditionalGeneration-style folder holding src's text decoder and a fake vision tower."""
+    """A Gemma3ForConditionalGeneration-style folder holding src's text decoder and a fake vision
+    tower."""
     dst.mkdir()
     text = json.loads((src / "config.json").read_text())
-    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
-           "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": [1, 106]}
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": text, "vision_config": {"model_type": "siglip_vision_model"},
+           "eos_token_id": [1, 106]}
     (dst / "config.json").write_text(json.dumps(cfg))
     prefix = "model.language_model." if new_names else "language_model.model."
     tensors = {prefix + k[len("model."):] if k.startswith("model.") else "language_model." + k: v
@@ -83,7 +102,8 @@ def _multimodal(src: Path, dst: Path, new_names: bool) -> None:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """name -> (folder our model loads, folder the transformers oracle loads). Built on first use."""
+    """name -> (folder our model loads, folder the transformers oracle loads). Built on first
+    use."""
     root, made = tmp_path_factory.mktemp("ckpt"), {}
 
     def get(name):
@@ -91,14 +111,16 @@ def checkpoints(tmp_path_factory):
             return made[name]
         if name in SAVED:
             arch, overrides, save = SAVED[name]
-            folder = tiny_checkpoint(arch, root / name, seed=list(SAVED).index(name), **save, **overrides)
+            folder = tiny_checkpoint(arch, root / name, seed=list(SAVED).index(name), **save,
+                                     **overrides)
             made[name] = (folder, folder)
         elif "legacy" in name:  # oracle: transformers on the same folder
             family = name.split("-")[0]
             src = get({"qwen3": "qwen3-mqa-yarn", "llama": "llama-untied-sharded-llama3",
                        "gemma3": "gemma3-mixed-softcap"}[family])[0]
             shutil.copytree(src, root / name)
-            edit_config(root / name, {"qwen3": _legacy_qwen, "llama": _legacy_llama, "gemma3": _legacy_gemma}[family])
+            edit_config(root / name, {"qwen3": _legacy_qwen, "llama": _legacy_llama,
+                                      "gemma3": _legacy_gemma}[family])
             made[name] = (root / name, root / name)
         else:  # multimodal: oracle = transformers' text model on the source checkpoint
             src = get("gemma3-mixed-softcap")[0]
@@ -125,7 +147,7 @@ def prompt(n, seed=0):
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-# -- 1. logits parity ---------------------------------------------------------------------------------
+# -- 1. logits parity ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ALL)
 def test_logits_match_transformers(name, checkpoints, oracle):
@@ -135,7 +157,8 @@ def test_logits_match_transformers(name, checkpoints, oracle):
     with torch.no_grad():
         expected = oracle(ref_dir)(ids[None]).logits[0]
         assert_close(model(ids), expected, atol=1e-4, name=f"{name} logits")
-        # chunked prefill through one cache (positions from n_seen) = one pass; num_logits keeps the tail
+        # chunked prefill through one cache (positions from n_seen) = one pass; num_logits keeps the
+        # tail
         cache = KVCache(model.config, torch.float32, "cpu")
         first = model(ids[:13], cache)
         tail = model(ids[13:], cache, num_logits=5)
@@ -153,10 +176,13 @@ def test_sharded_checkpoint_really_is_sharded(checkpoints, name):
 
 
 def test_configs_parsed_as_intended(checkpoints):
-    """The legacy mappings are checked against transformers above; here, against the intent itself."""
+    """The legacy mappings are checked against transformers above; here, against the intent
+    itself."""
     legacy = M.ModelConfig.from_json(checkpoints("gemma3-legacy")[0])
-    assert legacy.layer_types == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-    assert legacy.rope["full_attention"] == {"rope_type": "linear", "factor": 4.0, "rope_theta": 200_000.0}
+    assert legacy.layer_types == ["sliding_attention", "sliding_attention", "full_attention",
+                                  "sliding_attention"]
+    assert legacy.rope["full_attention"] == {"rope_type": "linear", "factor": 4.0,
+                                             "rope_theta": 200_000.0}
     assert legacy.rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 5_000.0}
     assert legacy.compressed_layers == [2] and legacy.window(0) == 8 and legacy.window(2) is None
     assert legacy.attn_scale == 24 ** -0.5 and legacy.final_logit_softcapping == 5.0
@@ -167,14 +193,18 @@ def test_configs_parsed_as_intended(checkpoints):
     assert yarn.group_size == 4 and yarn.attn_scale == 16 ** -0.5
     llama = M.ModelConfig.from_json(checkpoints("llama-legacy-llama3")[0])
     assert llama.rope["full_attention"] == LLAMA3_RoPE and not llama.qk_norm and not llama.qkv_bias
-    assert llama.compressed_layers == [0, 1] and llama.chat_format == "llama3"  # no template: the family's
+    # no template: the family's
+    assert llama.compressed_layers == [0, 1] and llama.chat_format == "llama3"
     wide = M.ModelConfig.from_json(checkpoints("llama-mqa-biases-head32")[0])
     assert wide.qkv_bias and wide.attention_bias and wide.mlp_bias and wide.head_dim == 32
     qwen2 = M.ModelConfig.from_json(checkpoints("qwen2-gqa2-tied")[0])
-    assert qwen2.qkv_bias and not qwen2.attention_bias and not qwen2.qk_norm and qwen2.chat_format == "chatml"
-    model = M.load_model(checkpoints("qwen2-gqa2-tied")[0], "cpu")  # q/k/v carry a bias, o_proj none
+    assert (qwen2.qkv_bias and not qwen2.attention_bias and not qwen2.qk_norm
+            and qwen2.chat_format == "chatml")
+    # q/k/v carry a bias, o_proj none
+    model = M.load_model(checkpoints("qwen2-gqa2-tied")[0], "cpu")
     attn = model.model.layers[0].self_attn
-    assert attn.q_proj.bias is not None and attn.v_proj.bias is not None and attn.o_proj.bias is None
+    assert (attn.q_proj.bias is not None and attn.v_proj.bias is not None
+            and attn.o_proj.bias is None)
     assert not hasattr(attn, "q_norm")
 
 
@@ -186,50 +216,63 @@ def test_released_config_layouts():
                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                    "sliding_window": 1024}}
     cfg = M.ModelConfig.from_dict(gemma4b)
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 256, 262208)
-    assert cfg.compressed_layers == list(range(5, 34, 6))  # METHOD.md §9: range(pattern-1, L, pattern)
+    assert ((cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
+            == (8, 4, 256, 262208))
+    # METHOD.md §9: range(pattern-1, L, pattern)
+    assert cfg.compressed_layers == list(range(5, 34, 6))
     assert cfg.rope["full_attention"] == {"factor": 8.0, "rope_type": "linear", "rope_theta": 1e6}
     assert cfg.rope["sliding_attention"]["rope_theta"] == 1e4 and cfg.eos_token_ids == [1, 106]
     qwen8b = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "bos_token_id": 151643,
-              "eos_token_id": 151645, "head_dim": 128, "hidden_size": 4096, "intermediate_size": 12288,
-              "max_position_embeddings": 40960, "num_attention_heads": 32, "num_hidden_layers": 36,
-              "num_key_value_heads": 8, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+              "eos_token_id": 151645, "head_dim": 128, "hidden_size": 4096,
+              "intermediate_size": 12288, "max_position_embeddings": 40960,
+              "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+              "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
               "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936}
     cfg = M.ModelConfig.from_dict(qwen8b, {"eos_token_id": [151645, 151643]})
-    assert cfg.layer_types == ["full_attention"] * 36 and cfg.window(0) is None and cfg.group_size == 4
+    assert (cfg.layer_types == ["full_attention"] * 36 and cfg.window(0) is None
+            and cfg.group_size == 4)
     assert cfg.rope["full_attention"] == {"rope_type": "default", "rope_theta": 1000000}
     assert cfg.eos_token_ids == [151643, 151645] and len(cfg.compressed_layers) == 36
     # the models of the authors' released Qwen2.5 gates: G = 7 and 5, every layer compressed
-    for size, (L, D, I, Hq, H) in {"7B": (28, 3584, 18944, 28, 4), "14B": (48, 5120, 13824, 40, 8)}.items():
-        qwen25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "bos_token_id": 151643,
-                  "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": D, "intermediate_size": I,
-                  "max_position_embeddings": 1010000, "max_window_layers": L, "num_attention_heads": Hq,
-                  "num_hidden_layers": L, "num_key_value_heads": H, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    for size, (L, D, I, Hq, H) in {"7B": (28, 3584, 18944, 28, 4),
+                                   "14B": (48, 5120, 13824, 40, 8)}.items():
+        qwen25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                  "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+                  "hidden_size": D, "intermediate_size": I, "max_position_embeddings": 1010000,
+                  "max_window_layers": L, "num_attention_heads": Hq, "num_hidden_layers": L,
+                  "num_key_value_heads": H, "rms_norm_eps": 1e-05, "rope_scaling": None,
                   "rope_theta": 10000000.0, "sliding_window": 32768, "tie_word_embeddings": False,
-                  "use_sliding_window": False, "vocab_size": 152064,  # ignored, as transformers does:
+                  # ignored, as transformers does:
+                  "use_sliding_window": False, "vocab_size": 152064,
                   "dual_chunk_attention_config": {"chunk_size": 262144, "local_size": 8192,
                                                   "original_max_position_embeddings": 262144}}
         cfg = M.ModelConfig.from_dict(qwen25, {"eos_token_id": [151645, 151643]})
-        assert cfg.compressed_layers == list(range(L)) and cfg.window(L - 1) is None and cfg.head_dim == 128
+        assert (cfg.compressed_layers == list(range(L)) and cfg.window(L - 1) is None
+                and cfg.head_dim == 128)
         assert cfg.qkv_bias and not cfg.qk_norm and cfg.eos_token_ids == [151643, 151645], size
-        assert cfg.group_size == {"7B": 7, "14B": 5}[size] and cfg.rope["full_attention"]["rope_theta"] == 1e7
-    llama8b = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-               "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "head_dim": 128,
-               "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
-               "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
-               "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        assert (cfg.group_size == {"7B": 7, "14B": 5}[size]
+                and cfg.rope["full_attention"]["rope_theta"] == 1e7)
+    llama8b = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "attention_bias": False, "bos_token_id": 128000,
+               "eos_token_id": [128001, 128008, 128009], "head_dim": 128, "hidden_act": "silu",
+               "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072,
+               "mlp_bias": False, "num_attention_heads": 32, "num_hidden_layers": 32,
+               "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
                "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"},
                "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256}
     cfg = M.ModelConfig.from_dict(llama8b)
-    assert cfg.rope["full_attention"]["rope_type"] == "llama3" and cfg.eos_token_ids == [128001, 128008, 128009]
-    assert len(cfg.compressed_layers) == 32 and cfg.group_size == 4 and not cfg.qkv_bias and cfg.chat_format == "llama3"
+    assert (cfg.rope["full_attention"]["rope_type"] == "llama3" and cfg.eos_token_ids
+            == [128001, 128008, 128009])
+    assert (len(cfg.compressed_layers) == 32 and cfg.group_size == 4 and not cfg.qkv_bias
+            and cfg.chat_format == "llama3")
     with pytest.raises(M.ModelError, match="llama3.*without low_freq_factor"):
         M.ModelConfig.from_dict({**llama8b, "rope_scaling": {"factor": 8.0, "rope_type": "llama3"}})
 
 
 def test_llama3_frequencies_match_transformers_at_llama31_8b_size():
-    """Llama 3.1's scaling (factor 8, low 1, high 4, original 8192, base 5e5) at its real head_dim."""
+    """Llama 3.1's scaling (factor 8, low 1, high 4, original 8192, base 5e5) at its real
+    head_dim."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -243,7 +286,8 @@ def test_llama3_frequencies_match_transformers_at_llama31_8b_size():
     assert factor == expected_factor == 1.0
     base = M.rope_inv_freq({"rope_type": "default", "rope_theta": 500000.0}, 128)[0]
     kept, divided = inv_freq == base, inv_freq == base / 8
-    assert kept.sum() > 10 and divided.sum() > 10 and (~kept & ~divided).sum() > 2  # all three bands occur
+    # all three bands occur
+    assert kept.sum() > 10 and divided.sum() > 10 and (~kept & ~divided).sum() > 2
 
 
 def test_yarn_frequencies_match_transformers_at_qwen3_8b_size():
@@ -251,18 +295,20 @@ def test_yarn_frequencies_match_transformers_at_qwen3_8b_size():
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+            "rope_theta": 1e6}
     hf = Qwen3Config(head_dim=128, max_position_embeddings=131072, rope_parameters=dict(yarn))
     expected, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
-    cfg = M.ModelConfig.from_dict({"model_type": "qwen3", "head_dim": 128, "max_position_embeddings": 131072,
-                                   "rope_theta": 1e6, "rope_scaling": {k: v for k, v in yarn.items()
-                                                                       if k != "rope_theta"}})
+    cfg = M.ModelConfig.from_dict({"model_type": "qwen3", "head_dim": 128,
+                                   "max_position_embeddings": 131072, "rope_theta": 1e6,
+                                   "rope_scaling": {k: v for k, v in yarn.items()
+                                                    if k != "rope_theta"}})
     inv_freq, factor = M.rope_inv_freq(cfg.rope["full_attention"], 128)
     assert_close(inv_freq, expected, atol=0, name="yarn inv_freq")
     assert factor == pytest.approx(expected_factor, abs=1e-12) and factor > 1.13  # 0.1 ln 4 + 1
 
 
-# -- 2. cached decoding -------------------------------------------------------------------------------
+# -- 2. cached decoding ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(SAVED))
 def test_greedy_decoding_matches_generate(name, checkpoints, oracle):
@@ -271,7 +317,8 @@ def test_greedy_decoding_matches_generate(name, checkpoints, oracle):
     ids = prompt(20, seed=1)  # longer than the window: decoding slides from the first step
     hf.generation_config.eos_token_id = None  # 32 tokens, no early stop
     with torch.no_grad():
-        expected = hf.generate(ids[None], max_new_tokens=32, do_sample=False, pad_token_id=0)[0, 20:]
+        expected = hf.generate(ids[None], max_new_tokens=32, do_sample=False,
+                               pad_token_id=0)[0, 20:]
         cache = KVCache(model.config, torch.float32, "cpu")
         token = model(ids, cache, num_logits=1)[-1].argmax()
         out = [int(token)]
@@ -282,7 +329,7 @@ def test_greedy_decoding_matches_generate(name, checkpoints, oracle):
     assert len(set(out)) > 4, "degenerate oracle output: the test would prove little"
 
 
-# -- 5. bad input -------------------------------------------------------------------------------------
+# -- 5. bad input ----------------------------------------------------------------------------------
 
 def _one_line_error(fn, *needles):
     with pytest.raises(M.ModelError) as e:
@@ -308,7 +355,8 @@ def test_bad_weights(checkpoints, tmp_path):
     weights = tmp_path / "m" / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])  # an interrupted download
-    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "model.safetensors", "truncated or corrupt")
+    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "model.safetensors",
+                    "truncated or corrupt")
     weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "truncated or corrupt")
     weights.unlink()
@@ -331,23 +379,28 @@ def test_unreadable_shard_index(checkpoints, tmp_path, text):
 
 
 def test_bad_configs(checkpoints, tmp_path):
-    """config.json that is not an object, holds values of the wrong type or sign, or whose sizes do not
-    match the weights: one line naming the field, never a traceback or a silently different model."""
+    """config.json that is not an object, holds values of the wrong type or sign, or whose sizes do
+    not match the weights: one line naming the field, never a traceback or a silently different
+    model."""
     good = checkpoints("qwen3-gqa2-tied")[0]
     shutil.copytree(good, tmp_path / "m")
     config = tmp_path / "m" / "config.json"
     original = config.read_text()
     config.write_text("[1, 2, 3]")
-    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "config.json holds a JSON list, not an object")
-    for key, value in (("hidden_size", "64"), ("num_attention_heads", -4), ("num_key_value_heads", 2.5),
-                       ("max_position_embeddings", True), ("rms_norm_eps", "small"), ("rope_theta", 0),
-                       ("eos_token_id", "2"), ("rope_scaling", "yarn"), ("layer_types", "full_attention")):
+    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"),
+                    "config.json holds a JSON list, not an object")
+    for key, value in (("hidden_size", "64"), ("num_attention_heads", -4),
+                       ("num_key_value_heads", 2.5), ("max_position_embeddings", True),
+                       ("rms_norm_eps", "small"), ("rope_theta", 0), ("eos_token_id", "2"),
+                       ("rope_scaling", "yarn"), ("layer_types", "full_attention")):
         config.write_text(json.dumps({**json.loads(original), key: value}))
         _one_line_error(lambda: M.ModelConfig.from_json(tmp_path / "m"), key)
-    # shapes that parse but do not fit the weights: wider MLP, and more KV heads (so no "missing" tensor)
+    # shapes that parse but do not fit the weights: wider MLP, and more KV heads (so no "missing"
+    # tensor)
     for key, value in (("intermediate_size", 96), ("num_key_value_heads", 4)):
         config.write_text(json.dumps({**json.loads(original), key: value}))
-        _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "has shape", "config.json implies")
+        _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "has shape",
+                        "config.json implies")
     config.write_text(original)
     assert M.load_model(tmp_path / "m", "cpu") is not None
     assert M.load_model(tmp_path / "m", "cpu:0") is not None  # the CPU by its index
@@ -368,8 +421,10 @@ def test_parse_device():
 def test_unreachable_hub_is_a_one_line_error(monkeypatch):
     import huggingface_hub.constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never touch the network
-    _one_line_error(lambda: resolve_model("nobody-here/no-such-model-xyz"), "nobody-here/no-such-model-xyz")
+    # never touch the network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    _one_line_error(lambda: resolve_model("nobody-here/no-such-model-xyz"),
+                    "nobody-here/no-such-model-xyz")
     _one_line_error(lambda: resolve_model("not a repo id"), "not found")
 
 
@@ -379,7 +434,8 @@ def test_resolve_model_routes(checkpoints, monkeypatch, tmp_path):
 
     folder = checkpoints("qwen3-gqa2-tied")[0]
     assert resolve_model(str(folder)) == folder
-    fake = types.SimpleNamespace(ensure_offline_model=lambda name: tmp_path / name)  # offline/models.py converts
+    # offline/models.py converts
+    fake = types.SimpleNamespace(ensure_offline_model=lambda name: tmp_path / name)
     import offline
     monkeypatch.setitem(sys.modules, "offline.models", fake)
     monkeypatch.setattr(offline, "models", fake, raising=False)
@@ -389,32 +445,40 @@ def test_resolve_model_routes(checkpoints, monkeypatch, tmp_path):
     _one_line_error(lambda: resolve_model(tmp_path / "weights.bin"), "is a file")
 
 
-# -- tokenizer / prompt helpers -----------------------------------------------------------------------
+# -- tokenizer / prompt helpers --------------------------------------------------------------------
 
 def test_prompt_formats_are_method_4_1():
     qwen = M.ModelConfig.from_dict({"model_type": "qwen3"})
     gemma = M.ModelConfig.from_dict({"model_type": "gemma3_text"})
     task = "Given the context, answer to the following question or request without explanation.\n\n"
     f = prompt_format(qwen, "qwen3-8b")
-    assert f.system == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" + task
+    assert (
+        f.system
+        == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" + task)
     assert f.postfix == "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    assert prompt_format(qwen, "Qwen/Qwen3-8B", thinking=True).postfix == "<|im_end|>\n<|im_start|>assistant\n"
-    assert prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507").postfix == "<|im_end|>\n<|im_start|>assistant\n"
+    assert (prompt_format(qwen, "Qwen/Qwen3-8B", thinking=True).postfix
+            == "<|im_end|>\n<|im_start|>assistant\n")
+    assert (prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507").postfix
+            == "<|im_end|>\n<|im_start|>assistant\n")
     g = prompt_format(gemma, "gemma3-12b", task="gsm8k")
     assert g.system == ("<bos><start_of_turn>user\nYou are a helpful assistant.\n\n"
                         "Given the context, answer to the following reasoning question.\n\n")
     assert g.postfix == "<end_of_turn>\n<start_of_turn>model\n"
     assert prompt_format(gemma, "x", chat=False) == PromptFormat("<bos>", "")
     assert prompt_format(qwen, "x", chat=False) == PromptFormat("", "")
-    assert 106 in gemma.eos_token_ids and 151645 in qwen.eos_token_ids  # end-of-turn stops chat models
-    assert ALIASES["qwen3-0.6b"] == "Qwen/Qwen3-0.6B" and ALIASES["gemma3-270m"] == "google/gemma-3-270m-it"
+    # end-of-turn stops chat models
+    assert 106 in gemma.eos_token_ids and 151645 in qwen.eos_token_ids
+    assert (ALIASES["qwen3-0.6b"] == "Qwen/Qwen3-0.6B" and ALIASES["gemma3-270m"]
+            == "google/gemma-3-270m-it")
     # Qwen2.5 (no thinking switch, even without "instruct" in the name) and LLaMA-3 (METHOD.md §4.1)
     qwen25 = M.ModelConfig.from_dict({"model_type": "qwen2"})
-    assert prompt_format(qwen25, "qwen2.5-7b-1m") == prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507")
+    assert (prompt_format(qwen25, "qwen2.5-7b-1m")
+            == prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507"))
     llama = M.ModelConfig.from_dict({"model_type": "llama"})
     f = prompt_format(llama, "llama3.1-8b")
-    assert f.system == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful "
-                        "assistant<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n" + task)
+    assert (f.system == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are "
+                         "a helpful "
+                         "assistant<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n" + task))
     assert f.postfix == "\n\n<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     assert prompt_format(llama, "x", chat=False) == PromptFormat("<|begin_of_text|>", "")
     assert ALIASES["qwen2.5-14b-1m"] == "Qwen/Qwen2.5-14B-Instruct-1M"
@@ -422,15 +486,18 @@ def test_prompt_formats_are_method_4_1():
 
 
 def test_the_tokenizer_template_decides_the_prompt(checkpoints, tmp_path):
-    """A Llama whose tokenizer writes ChatML (SmolLM2) gets the authors' ChatML (Qwen) prompt, without
-    the Qwen3 thinking switch; its family's LLaMA-3 layout only when the folder has no template."""
+    """A Llama whose tokenizer writes ChatML (SmolLM2) gets the authors' ChatML (Qwen) prompt,
+    without the Qwen3 thinking switch; its family's LLaMA-3 layout only when the folder has no
+    template."""
     shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "m")
-    chatml = "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+    chatml = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + "
+              "'<|im_end|>\n'}}{% endfor %}")
     (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"chat_template": chatml}))
     cfg = M.ModelConfig.from_json(tmp_path / "m")
     assert cfg.arch == "llama" and cfg.chat_format == "chatml"
     qwen = M.ModelConfig.from_dict({"model_type": "qwen3"})
-    assert prompt_format(cfg, "smollm2-135m-gguf") == prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507")
+    assert (prompt_format(cfg, "smollm2-135m-gguf")
+            == prompt_format(qwen, "Qwen/Qwen3-4B-Instruct-2507"))
     assert prompt_format(cfg, "smollm2-135m-gguf", chat=False) == PromptFormat("", "")
     (tmp_path / "m" / "tokenizer_config.json").unlink()  # newer repos: chat_template.jinja
     (tmp_path / "m" / "chat_template.jinja").write_text("{{ '<|start_header_id|>' + m['role'] }}")
@@ -460,8 +527,10 @@ def test_prompt_pieces_tokenize_to_the_special_tokens():
     """With the published tokenizers, the written-out templates hit the real special-token ids."""
     from offline.fetch_assets import require_for_test
 
-    pieces = {"gemma3": ("gemma3_text", "gemma3-1b", [2, 105], [106, 107, 105, 4368, 107]),  # <bos><start_of_turn>
-              "qwen3": ("qwen3", "qwen3-8b", [151644], [151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271])}
+    # <bos><start_of_turn>
+    pieces = {"gemma3": ("gemma3_text", "gemma3-1b", [2, 105], [106, 107, 105, 4368, 107]),
+              "qwen3": ("qwen3", "qwen3-8b", [151644], [151645, 198, 151644, 77091, 198, 151667,
+                                                        271, 151668, 271])}
     for name, (model_type, alias, head, postfix) in pieces.items():
         tok = M.load_tokenizer(require_for_test("tokenizers", name))
         fmt = prompt_format(M.ModelConfig.from_dict({"model_type": model_type}), alias)
@@ -471,14 +540,15 @@ def test_prompt_pieces_tokenize_to_the_special_tokens():
 
 
 @pytest.mark.parametrize("text,words", [
-    ('{"chat_template": 5', "is not valid JSON"),  # cut short: read as "no template", it gave the LLaMA-3 layout
+    # cut short: read as "no template", it gave the LLaMA-3 layout
+    ('{"chat_template": 5', "is not valid JSON"),
     ('{"chat_template": 5}', "chat_template is a string"),
     ('["chat_template"]', "expected an object"),
     (b'{"chat_template": "\xff"}', "is not valid JSON"),
 ])
 def test_unreadable_tokenizer_config_is_refused(checkpoints, tmp_path, text, words):
-    """The tokenizer's template decides the prompt layout: a tokenizer_config.json that cannot be read is
-    refused, not taken for a folder without a template."""
+    """The tokenizer's template decides the prompt layout: a tokenizer_config.json that cannot be
+    read is refused, not taken for a folder without a template."""
     shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "m")
     path = tmp_path / "m" / "tokenizer_config.json"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -486,13 +556,14 @@ def test_unreadable_tokenizer_config_is_refused(checkpoints, tmp_path, text, wor
 
 
 def test_unreadable_model_folder_and_foreign_tokenizer(checkpoints, tmp_path):
-    """A model inside a folder this user may not read: one ModelError line (pathlib raises PermissionError).
-    A tokenizer with more ids than the model's vocab_size (Gemma's beside a 384-token model) is refused
-    when loaded, instead of an IndexError in the embedding."""
+    """A model inside a folder this user may not read: one ModelError line (pathlib raises
+    PermissionError). A tokenizer with more ids than the model's vocab_size (Gemma's beside a
+    384-token model) is refused when loaded, instead of an IndexError in the embedding."""
     from tests.helpers import no_access
     shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "locked" / "m")
     with no_access(tmp_path / "locked", 0o000):
-        _one_line_error(lambda: resolve_model(tmp_path / "locked" / "m"), "cannot read", "Permission denied")
+        _one_line_error(lambda: resolve_model(tmp_path / "locked" / "m"), "cannot read",
+                        "Permission denied")
         _one_line_error(lambda: M.ModelConfig.from_json(tmp_path / "locked" / "m"), "cannot read")
         _one_line_error(lambda: M.load_tokenizer(tmp_path / "locked" / "m"), "cannot read")
     shutil.copy(resolve_model(OFFLINE_DEFAULT) / "tokenizer.json", tmp_path / "locked" / "m")
@@ -504,8 +575,9 @@ def test_unreadable_model_folder_and_foreign_tokenizer(checkpoints, tmp_path):
 
 
 def overflowing_gemma3(folder):
-    """A tiny Gemma3 whose residual stream grows layer by layer as the real one's does, past float16's 65504
-    (post-feedforward norms of weight 1 + 3e4: each block adds ~3e4 to the stream)."""
+    """A tiny Gemma3 whose residual stream grows layer by layer as the real one's does, past
+    float16's 65504 (post-feedforward norms of weight 1 + 3e4: each block adds ~3e4 to the
+    stream)."""
     tiny_checkpoint("gemma3", folder)
     model = M.load_model(folder, "cpu", torch.float32)
     with torch.no_grad():
@@ -515,13 +587,16 @@ def overflowing_gemma3(folder):
 
 
 def test_gemma3_in_float16_overflows_and_is_refused(tmp_path):
-    """Gemma 3's activations outgrow float16 (the real 270M passes 65504 at layer 7 of 18): the output turns
-    to NaN, whose argmax is token 0. load_model refuses float16 for Gemma 3, naming the dtypes that work."""
+    """Gemma 3's activations outgrow float16 (the real 270M passes 65504 at layer 7 of 18): the
+    output turns to NaN, whose argmax is token 0. load_model refuses float16 for Gemma 3, naming the
+    dtypes that work."""
     model = overflowing_gemma3(tmp_path / "g")
     ids = torch.tensor([2, 10, 11, 12])
     assert torch.isfinite(model(ids)).all()  # fp32: fine
     half = model.half()
     logits = half(ids, KVCache(half.config, torch.float16))
-    assert not torch.isfinite(logits).any() and int(logits[-1].argmax()) == 0  # what --dtype float16 answered
-    _one_line_error(lambda: M.load_model(tmp_path / "g", "cpu", torch.float16), "float16", "bfloat16 or float32")
+    # what --dtype float16 answered
+    assert not torch.isfinite(logits).any() and int(logits[-1].argmax()) == 0
+    _one_line_error(lambda: M.load_model(tmp_path / "g", "cpu", torch.float16), "float16",
+                    "bfloat16 or float32")
     M.load_model(tmp_path / "g", "cpu", torch.bfloat16)  # bfloat16 has float32's range

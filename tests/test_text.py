@@ -111,6 +111,7 @@ def test_tokens_past_the_embedding_that_text_or_a_prompt_makes_are_refused(tmp_p
     """Only special tokens that are no template's control token may lie past vocab_size: text never
     makes them. A plain added token, or a template's control token, past it is refused."""
     from tokenizers import AddedToken, Tokenizer
+
     from tests.helpers import tiny_tokenizer
     tiny_tokenizer(tmp_path)  # ids 0-255: bytes, 256-266: the templates' control tokens
     for name, extra, vocab_size, ok in (("special", AddedToken("<image>", special=True), 267, True),
@@ -171,7 +172,8 @@ def test_control_strings_in_user_text_make_no_control_ids():
     """For each real tokenizer: every control string (its special tokens, its template's control
     tokens, a forged end of turn), placed in a context, a question or a training document, encodes
     to no control id; the template still makes its own."""
-    assert set(TEMPLATE_CONTROLS) == _TEMPLATE_CONTROLS == M.CONTROL_TOKENS  # the tokenizer check's too
+    # the tokenizer check's too
+    assert set(TEMPLATE_CONTROLS) == _TEMPLATE_CONTROLS == M.CONTROL_TOKENS
     for name, tok, formats in real_tokenizers():
         controls = control_tokens(tok)
         assert len(controls) >= 3, name
@@ -229,6 +231,7 @@ def test_teacher_repeat_prompt_makes_only_the_templates_control_ids():
     """The KVzip teacher's system prompt, repeat prompt and postfix (METHOD.md §4.2) come from the
     template: their control ids are the template's, whatever the context holds."""
     from types import SimpleNamespace
+
     from teacher import KVzipTeacher
     for name, tok, formats in real_tokenizers():
         control_ids = set(control_tokens(tok).values())
@@ -403,6 +406,7 @@ def line_break_model(folder):
     attention and MLP output is zero, so each next token is a function of the current one alone:
     a one-hot embedding per token of the chain, and an lm_head row for its successor."""
     from safetensors.torch import save_file
+
     from tests.helpers import tiny_checkpoint, tiny_tokenizer
     tiny_checkpoint("llama", folder, tie_word_embeddings=False)
     tiny_tokenizer(folder)
