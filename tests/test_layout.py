@@ -8,12 +8,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WINGS = ("harness", "offline")
 METHOD = ("model", "kernels", "cache", "gate", "teacher", "generate", "features", "cli")
-# the one import from the method into a wing: cli.resolve_model converts an offline model on first use
+# the one import from the method into a wing: cli.resolve_model converts an offline model on first
+# use
 ALLOWED_UP = {("cli", "offline.models")}
 
 
 def modules():
-    """{'gate': path, 'harness.quality': path, ...}: the project's Python modules, tests excluded."""
+    """{'gate': path, 'harness.quality': path, ...}: the project's Python modules, tests
+    excluded."""
     out = {}
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT)
@@ -31,7 +33,8 @@ def imports(path, known):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+            subs = [f"{node.module}.{a.name}" for a in node.names
+                    if f"{node.module}.{a.name}" in known]
             names = subs or [node.module]  # `from pkg import module` imports the module
         else:
             continue
@@ -70,14 +73,26 @@ def test_imports_run_downhill():
         assert up <= {x for a, x in ALLOWED_UP if a == m}, (m, up)
     trainer = closure(g, "train_gate")
     assert not {m for m in trainer if m.split(".")[0] == "harness" or m == "bench"}, trainer
-    assert not any(m.startswith("tools") for m in g), "no tools/ scripts: the wings are harness/ and offline/"
+    assert not any(m.startswith("tools") for m in g), ("no tools/ scripts: the wings are harness/ "
+                                                       "and offline/")
 
 
 def test_no_import_cycle():
-    """No cycle but through the one lazy first-use import (ALLOWED_UP), which runs after both modules
-    have loaded."""
+    """No cycle but through the one lazy first-use import (ALLOWED_UP), which runs after both
+    modules have loaded."""
     g = graph()
     for a, b in ALLOWED_UP:
         g[a].discard(b)
     for m in g:
-        assert m not in closure(g, m), f"{m} imports itself through {sorted(closure(g, m) & set(g))}"
+        assert m not in closure(g,
+                                m), f"{m} imports itself through {sorted(closure(g, m) & set(g))}"
+
+
+def test_lines_read_side_by_side():
+    """At most 5% of the Python lines over 100 characters (nanoGPT, nano-vllm, gpt-fast: about 3%);
+    none over 120 (ruff checks that too, in .ci/run)."""
+    paths = [p for p in ROOT.rglob("*.py") if not p.relative_to(ROOT).parts[0].startswith(".")]
+    lines = [x for p in paths for x in p.read_text(encoding="utf-8").splitlines()]
+    long = [x for x in lines if len(x) > 100]
+    assert len(long) <= 0.05 * len(lines), f"{len(long)} of {len(lines)} lines over 100 characters"
+    assert not [x for x in long if len(x) > 120]
