@@ -155,3 +155,15 @@ def no_access(folder, mode):
     finally:
         setattr(os, denied, real[denied])
         folder.chmod(old)
+
+
+def run_main(capsys, *argv):
+    """generate.py's main with argv -> (exit code, stdout, stderr)."""
+    import generate
+    code = 0
+    try:
+        generate.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

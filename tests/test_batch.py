@@ -14,7 +14,7 @@ from gate import Gates
 from generate import METHODS, Method, answer, generate_batch, make_cache, prefill, prefill_kvzip
 from kernels import RaggedKV, WindowKV
 from teacher import KVzipTeacher, PromptFormat, prompt_format
-from tests.helpers import assert_close, tiny_checkpoint, tiny_tokenizer
+from tests.helpers import assert_close, run_main, tiny_checkpoint, tiny_tokenizer
 
 CHUNK, WINDOW = 64, 16
 
@@ -241,17 +241,6 @@ def tiny_cli(tmp_path_factory):
         if f.suffix != ".safetensors":
             shutil.copy(f, bare / f.name)
     return folder, bare
-
-
-def run_main(capsys, *argv):
-    import generate
-    code = 0
-    try:
-        generate.main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_batch_cli_prints_what_each_request_gets_alone(capsys, tiny_cli, tmp_path):

@@ -23,7 +23,7 @@ from cache import Batch, Budget, CacheFileError, load_cache
 from gate import Gates, save_gate
 from generate import METHODS, begin_answer, build_inputs, decode_one, make_cache, prefill, prefill_kvzip, sample
 from teacher import KVzipTeacher, prompt_format
-from tests.helpers import edit_config, tiny_checkpoint, tiny_tokenizer
+from tests.helpers import edit_config, run_main, tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK, WINDOW, DECODE = 32, 8, 48  # two chunks of context; decode-time eviction back to 48 per head
@@ -412,17 +412,6 @@ def cli_model(tmp_path_factory):
     t = tiny_setup("gemma3", folder / "model")
     (folder / "doc.txt").write_text("Emma lives in Highbury. The code is 4721. " * 8)
     return t, folder
-
-
-def run_main(capsys, *argv):
-    import generate
-    code = 0
-    try:
-        generate.main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def one_line_error(code, err, *words):
