@@ -64,20 +64,25 @@ def prompt(t):
     return system + torch.randint(40, 200, (N_CONTEXT,), generator=g).tolist(), len(system)
 
 
-def compressed(t, method, budget, decode):
-    """A prefilled cache as generate.run makes it -> (cache, prompt ids, the last logits)."""
-    model = t["model"]
-    ids, n_protected = prompt(t)
-    m = "full" if budget == 1.0 and decode is None else method
-    plan = Budget(budget, CHUNK, WINDOW)
-    cache = make_cache(m, model, "tiny", n_protected, decode_tokens_per_head=decode,
+def prefilled(t, method, name, ids, n_protected, budget, decode):
+    """make_cache, then the method's prefill (KVzip's with its teacher) -> (cache, the last logits)."""
+    model, plan = t["model"], Budget(budget, CHUNK, WINDOW)
+    cache = make_cache(method, model, name, n_protected, decode_tokens_per_head=decode,
                        gates=t["gates"])
     with torch.no_grad():
-        if m == "kvzip":
+        if method == "kvzip":
             teacher = KVzipTeacher(model, t["tok"], t["fmt"])
             last = prefill_kvzip(model, teacher, cache, ids, n_protected, plan)
         else:
             last = prefill(model, cache, ids, n_protected, plan)
+    return cache, last
+
+
+def compressed(t, method, budget, decode):
+    """A prefilled cache as generate.run makes it -> (cache, prompt ids, the last logits)."""
+    ids, n_protected = prompt(t)
+    m = "full" if budget == 1.0 and decode is None else method
+    cache, last = prefilled(t, m, "tiny", ids, n_protected, budget, decode)
     return cache, ids, last
 
 
@@ -238,15 +243,8 @@ def test_offline_models_answer_the_same_from_a_file(offline, tmp_path, method, d
     text = "Emma Woodhouse lives at Hartfield with her father. " * 12
     ids, n_protected, [(_, q)] = build_inputs(t["tok"], t["fmt"], text, ["Where?"])
     budget = 1.0 if method == "full" else 0.3
-    cache = make_cache(method, t["model"], t["name"], n_protected, decode_tokens_per_head=decode)
-    model, plan = t["model"], Budget(budget, CHUNK, WINDOW)
-    with torch.no_grad():
-        if method == "kvzip":
-            teacher = KVzipTeacher(model, t["tok"], t["fmt"])
-            last = prefill_kvzip(model, teacher, cache, ids, n_protected, plan)
-        else:
-            last = prefill(model, cache, ids, n_protected, plan)
-    cache.save(tmp_path / "doc.kv", model, ids, last, n_protected=n_protected)
+    cache, last = prefilled(t, method, t["name"], ids, n_protected, budget, decode)
+    cache.save(tmp_path / "doc.kv", t["model"], ids, last, n_protected=n_protected)
     scorer = getattr(cache, "scorer", None) if decode else None
     loaded, info = load_cache(tmp_path / "doc.kv", t["model"], scorer)
     n = 132 if decode else 8
