@@ -107,13 +107,15 @@ def parse_args(argv=None):
                    help="contexts and questions in the model's chat template, as generate.py "
                    "--chat (default: on, except for a base model, whose tokenizer has no "
                    "template); --no-chat: plain text, as a base model reads it")
-    p.add_argument("--passkeys", type=int, default=3,
+    p.add_argument("--passkeys", type=int, default=quality.NEEDLES["passkeys"],
                    help="pass keys hidden per context, at stratified depths")
-    p.add_argument("--kv-pairs", type=int, default=8,
+    p.add_argument("--kv-pairs", type=int, default=quality.NEEDLES["kv_pairs"],
                    help="key-value pairs in each context's JSON block")
-    p.add_argument("--kv-questions", type=int, default=3, help="of those, how many are asked")
-    p.add_argument("--probe-tokens", type=int, default=64, help="tokens scored by each NLL probe")
-    p.add_argument("--continue-tokens", type=int, default=12,
+    p.add_argument("--kv-questions", type=int, default=quality.NEEDLES["kv_questions"],
+                   help="of those, how many are asked")
+    p.add_argument("--probe-tokens", type=int, default=quality.NEEDLES["probe_tokens"],
+                   help="tokens scored by each NLL probe")
+    p.add_argument("--continue-tokens", type=int, default=quality.NEEDLES["continue_tokens"],
                    help="greedy tokens of free continuation (agreement only)")
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk; a longer quality "
                    "context runs the real chunked prefill (KVzip: not chunked)")

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-import bench
 import cli
 import gate
 from cache import EvictingCache
@@ -120,14 +119,16 @@ def run(args):
     flags = ["--model", args.model, "--lengths", str(args.length), "--contexts", str(args.contexts),
              "--seed", str(args.seed), "--chunk-size", str(args.chunk_size), "--window",
              str(args.window)]
-    # the benchmark's defaults
-    bargs = bench.parse_args(flags + (["--gate", args.gate] if args.gate else []))
     folder = resolve_model(args.model)
     cfg = ModelConfig.from_json(folder)
     tok = load_tokenizer(folder, cfg)
     fmt = prompt_format(cfg, args.model)
     gates = gate.resolve_gate(args.gate, cfg, args.model)
-    _, samples = quality.make_samples(tok, fmt, bench.experiment(bargs))
+    # the benchmark's contexts and questions (its default needles) for these flags
+    exp = quality.Experiment(methods=["full"], budgets=args.budgets, extra_levels=[],
+                             lengths=[args.length], contexts=args.contexts, **quality.NEEDLES,
+                             chunk_size=args.chunk_size, window=args.window, seed=args.seed)
+    _, samples = quality.make_samples(tok, fmt, exp)
     L = len(cfg.compressed_layers)
     if args.combos and any(len(c) != L or set(c) - set("TG") for c in args.combos):
         raise UsageError(f"--combos: each is {L} letters T (teacher) or G (gate), one per "

@@ -104,18 +104,6 @@ def text_docs(corpus: str) -> list[Path]:
     return docs
 
 
-def require_for_test(*parts: str) -> Path:
-    """asset_path() for tests: skip when missing, but fail under CI=true (CI must have the
-    assets)."""
-    import pytest
-    try:
-        return asset_path(*parts)
-    except AssetsMissing as e:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(str(e), pytrace=False)
-        pytest.skip(str(e))
-
-
 # ----------------------------------------------------------------------------- helpers
 
 def log(msg: str) -> None:

@@ -39,6 +39,7 @@ references must come from transformers running this same folder, never from publ
     python -m offline.models [NAME]   # convert now (or print the folder if it is ready)
                                # NAME: gemma3-270m-gguf (the default) or smollm2-135m-gguf
 """
+import hashlib
 import json
 import math
 import os
@@ -48,7 +49,6 @@ import sys
 import time
 from pathlib import Path
 
-from cli import file_sha256, write_json
 
 NAME = "gemma3-270m-gguf"  # the default
 SMOLLM2 = "smollm2-135m-gguf"
@@ -90,6 +90,16 @@ GEMMA3_DEFAULTS = ({"sliding_window_pattern": 6,      # 5 sliding-window layers,
 # gives those four by id): decode(skip_special_tokens=True) drops them.
 GEMMA3_SPECIAL = ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>")
 END_OF_TURN = "<end_of_turn>"  # second stop token of the chat format
+
+
+def write_json(path: Path, obj, indent=2) -> None:
+    """Plain writes: every file goes into a staging folder, moved into place whole when done."""
+    path.write_text(json.dumps(obj, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class OfflineModelError(RuntimeError):

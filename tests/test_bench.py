@@ -20,6 +20,7 @@ from cli import OFFLINE_DEFAULT, UsageError, resolve_model
 from harness import quality, report, speed
 from offline import fetch_assets
 from teacher import KVzipTeacher, prompt_format
+from tests.assets import require_asset
 from tests.helpers import QWEN3_TINY, assert_close
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -171,7 +172,7 @@ def test_plot_writes_a_png(tmp_path):
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
     import model as M
-    fetch_assets.require_for_test("austen_parts")
+    require_asset("austen_parts")
     folder = resolve_model(OFFLINE_DEFAULT)
     model = M.load_model(folder, "cpu", torch.float32)
     tok = M.load_tokenizer(folder)
@@ -413,7 +414,7 @@ def test_shards_resume_and_merge_equal_one_run(real, quick, tmp_path):
 def test_gpu_section_code_path_on_cpu(tmp_path):
     """The GPU section (random weights in Qwen3-8B's shape) on a tiny Qwen3 shape, on the CPU: it
     runs, and memory is accounted as on the real model (evicting keeps less than full)."""
-    fetch_assets.require_for_test("tokenizers", "qwen3")
+    require_asset("tokenizers", "qwen3")
     args = bench.parse_args(["--gpu-lengths", "96", "--speed-decode", "3"])
     shape = dict(QWEN3_TINY, model_type="qwen3", vocab_size=151936, max_position_embeddings=4096)
     rows = speed.gpu_section(bench.speed_settings(args), args.gpu_lengths, tmp_path, shape=shape,

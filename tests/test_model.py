@@ -525,14 +525,14 @@ def test_a_tokenizer_without_a_chat_template_is_a_base_model(checkpoints, tmp_pa
 
 def test_prompt_pieces_tokenize_to_the_special_tokens():
     """With the published tokenizers, the written-out templates hit the real special-token ids."""
-    from offline.fetch_assets import require_for_test
+    from tests.assets import require_asset
 
     # <bos><start_of_turn>
     pieces = {"gemma3": ("gemma3_text", "gemma3-1b", [2, 105], [106, 107, 105, 4368, 107]),
               "qwen3": ("qwen3", "qwen3-8b", [151644], [151645, 198, 151644, 77091, 198, 151667,
                                                         271, 151668, 271])}
     for name, (model_type, alias, head, postfix) in pieces.items():
-        tok = M.load_tokenizer(require_for_test("tokenizers", name))
+        tok = M.load_tokenizer(require_asset("tokenizers", name))
         fmt = prompt_format(M.ModelConfig.from_dict({"model_type": model_type}), alias)
         assert encode_prompt(tok, fmt.system)[:len(head)] == head
         assert encode_prompt(tok, fmt.postfix) == postfix

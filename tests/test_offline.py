@@ -19,8 +19,9 @@ import torch
 from safetensors import safe_open
 
 from offline import models
-from offline.fetch_assets import require_for_test, text_docs
+from offline.fetch_assets import text_docs
 from teacher import prompt_format
+from tests.assets import require_asset
 from tests.helpers import assert_close, hf_model
 
 # in the published file (id 262144) but not in the GGUF: see offline/models.py
@@ -39,7 +40,7 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="module")
 def published() -> Path:
-    return require_for_test("tokenizers", "gemma3", "tokenizer.json")
+    return require_asset("tokenizers", "gemma3", "tokenizer.json")
 
 
 # --------------------------------------------------------------------------------------- tokenizer
@@ -259,7 +260,7 @@ def austen_prompt(folder) -> torch.Tensor:
     window of 512 so both sliding and global layers see every token)."""
     from tokenizers import Tokenizer
 
-    text = require_for_test("austen", "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    text = require_asset("austen", "pride_and_prejudice.txt").read_text(encoding="utf-8")
     ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text[:4000]).ids[:321]
     return torch.tensor(ids)
 
@@ -424,7 +425,7 @@ def test_smollm2_logits_match_transformers_and_perplexity(smollm2, smollm2_model
     llama.cpp's order give 152 instead of 16.8)."""
     import model as M
 
-    text = require_for_test("austen", "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    text = require_asset("austen", "pride_and_prejudice.txt").read_text(encoding="utf-8")
     ids = torch.tensor(M.load_tokenizer(smollm2).encode(text[:4000]).ids[:320])
     with torch.no_grad():
         ours = smollm2_model(ids)
@@ -467,7 +468,7 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     tok = M.load_tokenizer(smollm2)
     fmt = prompt_format(cfg, "smollm2-135m-gguf")
     system = tok.encode(fmt.system, add_special_tokens=False).ids
-    text = require_for_test("austen", "emma.txt").read_text(encoding="utf-8")
+    text = require_asset("austen", "emma.txt").read_text(encoding="utf-8")
     ids = system + tok.encode(text[20000:30000], add_special_tokens=False).ids[:1000]
     p = len(system)
     full, _, teacher = quality.capture_prefill(smollm2_model, ids, 16384,
@@ -498,7 +499,7 @@ def test_text_assets():
     412 pages >= 2 KB without includes/ or distutils/; MANIFEST lists every file with its size."""
     import offline.fetch_assets as A
 
-    root = require_for_test("MANIFEST.txt").parent
+    root = require_asset("MANIFEST.txt").parent
     novels = {p.stem: p.read_text(encoding="utf-8") for p in text_docs("austen")}
     assert sorted(novels) == ["emma", "mansfield_park", "northanger_abbey", "persuasion",
                               "pride_and_prejudice", "sense_and_sensibility"]
@@ -541,7 +542,7 @@ def test_bundled_gates_were_trained_on_the_built_corpus():
     --data: so the gate's recorded command reproduces it on a fresh machine."""
     import features
     import gate
-    corpus = require_for_test("corpus")
+    corpus = require_asset("corpus")
     manifest = (corpus.parent / "MANIFEST.txt").read_text().splitlines()
     built = {line.split("\t")[2] for line in manifest if line.startswith("part\tcorpus\t")}
     assert built == {features.data_sha256(str(corpus))}

