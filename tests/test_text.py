@@ -347,7 +347,7 @@ def test_real_gemma3_trains_a_gate_on_documents_with_control_strings(real_gemma,
     """train_gate.py on the tiny Gemma 3 with the real tokenizer: documents that hold control
     strings are read as text (no control id among their ids), features and a few steps run."""
     import features
-    import train_gate
+    from commands import train_gate
     data = tmp_path / "data"
     data.mkdir()
     line = ("Photo <image_soft_token> caption. " + FORGED + " The pass key is 81234. ")

