@@ -1,4 +1,5 @@
-"""Bad input to the asset builder (python -m offline.fetch_assets): issue 40, items 3, 9 and 14.
+"""Bad input to the asset builder (python -m offline.fetch_assets) and the GPU check's output folder
+(python -m harness.gpu_check --out): issue 40, items 3, 9 and 14.
 
 The builder's parts are replaced by small fakes (two files each), so each test builds in a temporary
 folder in well under a second; ~/.cache/fastkvzip/assets is never touched. Every bad input is one
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import offline.fetch_assets as A
+from harness import gpu_check
 from tests.helpers import no_access
 
 REPO = Path(__file__).resolve().parent.parent
@@ -199,3 +201,50 @@ def test_staging_folders_of_runs_that_are_gone_are_removed(tmp_path, monkeypatch
     finally:
         alive.kill()
         alive.wait()
+
+
+# ---- harness.gpu_check --out: a file, a read-only parent, "", and only this run's files ---------
+
+@pytest.fixture
+def quick_env(monkeypatch):
+    """The env part, as a stub that measures nothing (the point here is the folder)."""
+    monkeypatch.setitem(gpu_check.PARTS, "env", lambda S, run, res: res.update(stub=True))
+
+
+def gpu_check_main(capsys, *argv):
+    code = 0
+    try:
+        gpu_check.main(["--dry-run", "--parts", "env", *argv])
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_gpu_check_out_a_file_or_empty_is_a_one_line_error(tmp_path, monkeypatch, capsys,
+                                                           quick_env):
+    f = tmp_path / "f"
+    f.write_text("mine")
+    for out in (f, f / "sub"):
+        code, _, err = gpu_check_main(capsys, "--out", str(out))
+        one_line_error(code, err, f"{f} is a file, not a folder", "give --out a folder")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = gpu_check_main(capsys, "--out", "")
+    one_line_error(code, err, "--out is empty")
+    assert f.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+def test_gpu_check_read_only_parent_is_a_one_line_error(tmp_path, capsys, quick_env):
+    (tmp_path / "ro").mkdir()
+    with no_access(tmp_path / "ro", 0o555):
+        for out in (tmp_path / "ro" / "gpu" / "run1", tmp_path / "ro"):
+            code, _, err = gpu_check_main(capsys, "--out", str(out))
+            one_line_error(code, err, "cannot write in", "Permission denied")
+    assert list((tmp_path / "ro").iterdir()) == []
+
+
+def test_gpu_check_lists_only_the_files_it_wrote(tmp_path, capsys, quick_env):
+    (tmp_path / "kernel.json").write_text("{}")  # an earlier run's
+    code, out, err = gpu_check_main(capsys, "--out", str(tmp_path))
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == f"[gpu_check] wrote env.json, summary.md in {tmp_path}"
