@@ -42,14 +42,18 @@ import math
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch  # kernels, and all that imports it, only after --dry-run set TRITON_INTERPRET
+
+import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BW = 4.8e12      # bytes/s: the H200's HBM3e, by the vendor's datasheet
@@ -92,21 +96,24 @@ def _alarm(signum, frame):
 # ---- running parts: each under a budget, recorded whatever happens -----------------------------
 
 class Run:
-    """The output folder: one JSON per part, rewritten as it grows, and summary.md."""
+    """The output folder (made by output_folder): one JSON per part, rewritten as it grows, and
+    summary.md. `wrote`: the files this run wrote (the folder may hold others, from earlier
+    runs)."""
 
     def __init__(self, out, dry):
         self.out, self.dry, self.t0 = Path(out), dry, time.monotonic()
-        self.out.mkdir(parents=True, exist_ok=True)
         self.results = {}  # part -> its result dict, in run order
+        self.wrote = set()
 
     def save(self, part):
-        import cli
         cli.write_json(self.out / f"{part}.json", self.results[part])
+        self.wrote.add(f"{part}.json")
         try:  # the JSON files are the record: a bug in the summary must not stop the run
             text = summary(self.results, self.dry)
         except Exception as e:
             text = f"# GPU check\n\nno summary: {type(e).__name__}: {e}; read the JSON files\n"
         cli.write_text(self.out / "summary.md", text)
+        self.wrote.add("summary.md")
 
     def left(self):
         return DEADLINE_S - (time.monotonic() - self.t0)
@@ -269,6 +276,7 @@ def part_tests(S, run, res):
     run.save("tests")
     log = run.out / "pytest.txt"  # written as pytest prints: a run cut short keeps its output
     with open(log, "w") as f:
+        run.wrote.add(log.name)
         try:
             p = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                timeout=max(1.0, run.part_deadline - time.monotonic() - 3))
@@ -631,6 +639,38 @@ def summary(results, dry):
 
 # ---- the command ---------------------------------------------------------------------------------
 
+def output_folder(out):
+    """--out as an absolute path, created, or a cli.UsageError (one line) before anything is
+    written: an empty --out (it would be the current folder), a file where a folder must be, a
+    folder that cannot be written (the folders this made are removed again)."""
+    if not out.strip():
+        raise cli.UsageError("--out is empty: give a folder for the results (it is created)")
+    root = Path(os.path.abspath(Path(out).expanduser()))
+    created = None  # the topmost folder this makes
+    for p in (root, *root.parents):
+        try:
+            if p.is_dir():
+                break
+            if p.exists() or p.is_symlink():
+                kind = ("a file" if p.is_file() else "a special file" if p.exists()
+                        else "a link to nothing")
+                raise cli.UsageError(f"--out {out}{'' if p == root else f': {p}'} is {kind}, not "
+                                     "a folder; give --out a folder for the results (it is "
+                                     "created)")
+        except OSError:  # not to be looked at: the mkdir below says so
+            break
+        created = p
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".gpu_check-", dir=root))  # can files be made in it?
+    except OSError as e:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise cli.UsageError(f"cannot write in {root} ({e.strerror or e}): give --out a folder "
+                             "you can write to") from None
+    return root
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -648,15 +688,19 @@ def main(argv=None):
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device: use --dry-run on a CPU")
     S = DRY if args.dry_run else GPU
-    run = Run(args.out, args.dry_run)
-    for name in parts:
-        budget = min(S["budgets"][name], run.left())
-        if budget < 3:
-            run.results[name] = dict(part=name, ok=False, error="skipped: the run's time is spent")
-            run.save(name)
-            continue
-        run_part(run, name, PARTS[name], S, budget)
-    print(f"[gpu_check] wrote {', '.join(sorted(x.name for x in run.out.iterdir()))} in {run.out}")
+
+    def check(args):
+        run = Run(output_folder(args.out), args.dry_run)
+        for name in parts:
+            budget = min(S["budgets"][name], run.left())
+            if budget < 3:
+                run.results[name] = dict(part=name, ok=False,
+                                         error="skipped: the run's time is spent")
+                run.save(name)
+                continue
+            run_part(run, name, PARTS[name], S, budget)
+        print(f"[gpu_check] wrote {', '.join(sorted(run.wrote))} in {run.out}")
+    cli.main(check, args, kept=lambda args: f"the parts measured so far are in {args.out}")
 
 
 if __name__ == "__main__":

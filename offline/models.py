@@ -49,7 +49,6 @@ import sys
 import time
 from pathlib import Path
 
-
 NAME = "gemma3-270m-gguf"  # the default
 SMOLLM2 = "smollm2-135m-gguf"
 # bump a model's version when its output changes: folders written by older versions are rebuilt
