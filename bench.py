@@ -242,8 +242,12 @@ def check_args(p, args):
         p.error(f"--ruler-samples must be >= 1, got {args.ruler_samples}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         p.error(f"--device {args.device}: cpu, cuda or cuda:N")
-    if args.dataset and not Path(args.dataset).is_file():
+    if args.dataset and Path(args.dataset).is_dir():
+        p.error(f"--dataset {args.dataset} is a folder; give a JSONL or parquet file")
+    if args.dataset and not Path(args.dataset).exists():
         p.error(f"--dataset {args.dataset}: no such file")
+    if args.dataset and not Path(args.dataset).is_file():  # a FIFO would block, a device be endless
+        p.error(f"--dataset {args.dataset} is not a regular file; give a JSONL or parquet file")
     if not args.no_quality and not args.merge and not args.lengths:
         p.error("--lengths is empty: give context lengths, or --no-quality")
     n_contexts, made = len(args.lengths) * args.contexts, "--lengths x --contexts"
@@ -282,6 +286,8 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
+    # a --dataset's every row is checked before anything loads (its lengths once the tokenizer is)
+    rows = ruler.read_rows(args.dataset) if args.dataset else None
     folder = resolve_model(args.model)
     # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
     cfg = ModelConfig.from_json(folder)
@@ -289,6 +295,10 @@ def run(args):
     fmt = prompt_format(cfg, args.model, chat=args.chat)
     gates = gate.resolve_gate(args.gate, cfg, args.model)
     check_lengths(args, cfg, tok, len(encode_prompt(tok, fmt.system)))
+    if rows:
+        check_dataset(args, cfg, tok, fmt, rows)
+    elif args.suite == "ruler" and not args.no_quality:  # a length too short for a task
+        ruler.check_generated(tok, args.lengths, args.ruler_tasks, args.seed)
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -382,7 +392,8 @@ def run(args):
 
 def check_lengths(args, cfg, tok, n_system):
     """Context lengths against the model, the prefill chunk and the corpus, before anything runs."""
-    quality_n = 0 if args.no_quality else max(args.lengths)
+    # a --dataset's contexts are its own (check_dataset): --lengths is not used
+    quality_n = 0 if args.no_quality or args.dataset else max(args.lengths)
     # after the context: a question turn and its answer, or a probe with its ~20-token cue text; 4 +
     # decoded tokens after a speed context (generate.answer's prompt)
     for flag, n, after in (("--lengths", quality_n, args.probe_tokens + 64),
@@ -402,6 +413,16 @@ def check_lengths(args, cfg, tok, n_system):
     if args.speed_lengths and max(args.speed_lengths) > corpus:
         raise UsageError(f"--speed-lengths {max(args.speed_lengths)}: longer than the whole Austen "
                          f"corpus ({corpus} tokens)")
+
+
+def check_dataset(args, cfg, tok, fmt, rows):
+    """A --dataset's rows (ruler.read_rows) against the model's positions, and --shard against its
+    contexts, before --out is written."""
+    ruler.check_fit(tok, fmt, rows, cfg.max_position_embeddings)
+    n = len({r["context"] for _, r in rows})
+    if not args.no_quality and args.shard[0] >= n:
+        raise UsageError(f"--shard {args.shard[0]}/{args.shard[1]}: --dataset {args.dataset} has "
+                         f"{n} contexts, shard {args.shard[0]} holds none; use at most {n} shards")
 
 
 def read_json(path, fix):

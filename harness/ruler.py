@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 import generate
-from cli import UsageError, file_sha256, pyplot, save_figure
+from cli import UsageError, _unique_keys, check_text, file_sha256, pyplot, save_figure
 from harness import quality as Q
 from teacher import KVzipTeacher, encode_prompt, encode_text
 
@@ -323,31 +323,124 @@ def make_samples(tok, target, n_per_task, seed=42, tasks=TASKS):
 
 # ---- 4. kvpress's dataset layout: JSONL or parquet, read as it is --------------------------------
 
-def read_dataset(path):
-    """Rows of a JSONL or parquet file in kvpress's layout -> dicts with COLUMNS (answer as a list
-    of strings; `answers`, as in kvpress's other data sets, is read as answer; other columns are
-    left). Raises ValueError naming what is missing."""
+class DatasetError(UsageError, ValueError):
+    """A dataset file that cannot be run, in one line naming its file and line (JSONL) or row
+    (parquet): a UsageError for bench.py (exit 2), a ValueError for a library caller."""
+
+
+def read_rows(path, flag="--dataset"):
+    """Rows of a JSONL or parquet file in kvpress's layout -> [(where, row)]: `where` names the
+    file's line (JSONL, counted from 1 as an editor does) or row (parquet, from 1), `row` a dict
+    with COLUMNS (answer a list of strings; `answers`, as in kvpress's other data sets, is read as
+    answer; other columns are left). Every row is checked here, before any model work, as
+    generate.py --batch checks its lines: a bad one is a DatasetError naming it and the column,
+    never quoting the file's text."""
     path = Path(path)
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-        rows = pq.read_table(path).to_pylist()
-    else:
-        lines = path.read_text(encoding="utf-8").splitlines()
-        rows = [json.loads(line) for line in lines if line.strip()]
-    out = []
-    for i, r in enumerate(rows):
-        if "answer" not in r and "answers" in r:
-            r = dict(r, answer=r["answers"])
-        missing = [c for c in COLUMNS if c not in r and c != "answer_prefix"]
-        if missing:
-            raise ValueError(f"{path}: row {i} lacks {', '.join(missing)} (kvpress's layout: "
-                             f"{', '.join(COLUMNS)})")
-        answer = r["answer"]
-        answer = [answer] if isinstance(answer, str) else [str(a) for a in answer]
-        out.append(dict(context=r["context"], question=r["question"],
-                        answer_prefix=r.get("answer_prefix") or "", answer=answer,
-                        max_new_tokens=int(r["max_new_tokens"]), task=str(r["task"])))
-    return out
+    if path.is_dir():
+        raise DatasetError(f"{flag} {path} is a folder; give a JSONL or parquet file")
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+            items = [(f"row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist(), 1)]
+        else:
+            with open(path, encoding="utf-8-sig", newline="") as f:
+                # lines end at "\n" (and "\r\n") only: JSON strings may hold U+2028 or U+0085 as
+                # they are, which str.splitlines() would also break lines at
+                lines = f.read().split("\n")
+            items = [(f"line {n}", line) for n, line in enumerate(lines, 1) if line.strip()]
+    except OSError as e:
+        raise DatasetError(f"cannot read {flag} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{flag} {path} is not UTF-8 text (byte {e.start}); JSONL files are "
+                           "UTF-8") from None
+    except Exception as e:  # pyarrow's errors (ArrowInvalid: not a parquet file)
+        raise DatasetError(f"cannot read {flag} {path} as parquet ({type(e).__name__}); give a "
+                           "parquet file, or JSONL with another suffix") from None
+    if not items:
+        raise DatasetError(f"{flag} {path} holds no rows: one JSON object a line (JSONL) or a "
+                           f"parquet table, with columns {', '.join(COLUMNS)}")
+    return [(f"{flag} {path} {where}", check_row(r, f"{flag} {path} {where}"))
+            for where, r in items]
+
+
+def _json_row(line, where):
+    try:
+        return json.loads(line, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON object a "
+                           "line") from None
+    except ValueError as e:  # a key given twice; an integer of more than 4300 digits
+        raise DatasetError(f"{where}: {e}") from None
+
+
+def _kind(x):
+    name = type(x).__name__
+    return "null" if x is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def check_row(r, where):
+    """One row (a JSON line's text, or a parquet row's dict) -> the row in kvpress's layout, or a
+    DatasetError naming `where` and the column at fault (its type, never its text)."""
+    if isinstance(r, str):
+        r = _json_row(r, where)
+    if not isinstance(r, dict):
+        raise DatasetError(f"{where}: a JSON {type(r).__name__}, not an object with the columns "
+                           f"{', '.join(COLUMNS)}")
+    if "answer" not in r and "answers" in r:
+        r = dict(r, answer=r["answers"])
+    missing = [c for c in COLUMNS if c not in r and c != "answer_prefix"]
+    if missing:
+        raise DatasetError(f"{where} lacks {', '.join(missing)} (kvpress's layout: "
+                           f"{', '.join(COLUMNS)})")
+    for col in ("context", "question", "task", "answer_prefix"):
+        x = r.get(col)
+        if col == "answer_prefix" and x is None:
+            continue  # none: the answer starts right after the turn
+        if not isinstance(x, str) or (col != "answer_prefix" and not x.strip()):
+            want = "a string or null" if col == "answer_prefix" else "a non-empty string"
+            raise DatasetError(f"{where}: {col!r} must be {want}, got "
+                               + ("a blank one" if isinstance(x, str) else _kind(x)))
+        check_text(x, f"{where}: {col!r}")
+    answer = r["answer"]
+    answer = [answer] if isinstance(answer, str) else answer
+    if not (isinstance(answer, list) and answer and all(isinstance(a, str) and a.strip()
+                                                         for a in answer)):
+        got = (_kind(answer) if not isinstance(answer, list) else "an empty list" if not answer
+               else "a list holding " + next(_kind(a) if not isinstance(a, str) else "an empty string"
+                                             for a in answer if not isinstance(a, str) or not a.strip()))
+        raise DatasetError(f"{where}: 'answer' must be a non-empty string or a non-empty list of "
+                           f"them, got {got} (the strings a prediction must contain)")
+    for a in answer:
+        check_text(a, f"{where}: 'answer'")
+    n = r["max_new_tokens"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        got = "an integer below 1" if isinstance(n, int) and not isinstance(n, bool) else _kind(n)
+        raise DatasetError(f"{where}: 'max_new_tokens' must be an integer >= 1 (the tokens the "
+                           f"answer may take), got {got}")
+    return dict(context=r["context"], question=r["question"],
+                answer_prefix=r.get("answer_prefix") or "", answer=list(answer),
+                max_new_tokens=n, task=r["task"])
+
+
+def read_dataset(path):
+    """Rows of a JSONL or parquet file in kvpress's layout -> dicts with COLUMNS (read_rows, without
+    where each came from). Raises DatasetError (a ValueError) naming the line at fault."""
+    return [r for _, r in read_rows(path)]
+
+
+def check_fit(tok, fmt, located, max_positions):
+    """Every row of read_rows against the model's positions, as generate.py checks a request: the
+    system prompt, the context, the question's turn with the answer prefix, and max_new_tokens must
+    fit; else a DatasetError naming the row."""
+    system, lengths = len(encode_prompt(tok, fmt.system)), {}
+    for where, r in located:
+        if r["context"] not in lengths:
+            lengths[r["context"]] = len(encode_text(tok, r["context"]))
+        n = system + lengths[r["context"]] + len(turn_ids(tok, fmt, r)) + r["max_new_tokens"]
+        if n > max_positions:
+            raise DatasetError(f"{where}: system prompt + context + question + max_new_tokens = {n} "
+                               f"tokens exceeds the model's maximum of {max_positions}; shorten the "
+                               "context or lower max_new_tokens (or use a model with more positions)")
 
 
 def write_dataset(rows, path):
@@ -400,14 +493,53 @@ def string_match(task, predictions, answers):
 
 def load_rows(tok, dataset, lengths, n_per_task, seed, tasks=TASKS):
     """The rows a run asks, in kvpress's layout: a file's (dataset), else RULER's generated here,
-    n_per_task samples of every task at each length. A file that cannot be read, a length too short
-    for a task: UsageError."""
+    n_per_task samples of every task at each length (all of them: a run makes each when it comes
+    to it, sample_at). A file that cannot be read, a length too short for a task: UsageError."""
+    if dataset:
+        return read_dataset(dataset)
     try:
-        if dataset:
-            return read_dataset(dataset)
         return [r for n in lengths for r in make_samples(tok, n, n_per_task, seed, tasks)]
-    except (OSError, ValueError) as e:  # ValueError: JSON's and pyarrow's errors too
-        raise UsageError(f"--dataset {dataset}: {e}" if dataset else f"--lengths: {e}") from None
+    except ValueError as e:
+        raise UsageError(f"--lengths: {e}") from None
+
+
+def sample_at(tok, lengths, n_per_task, seed, tasks, c):
+    """Context c of a generated run, made alone when the run comes to it: the c-th row of
+    load_rows (lengths, then sample index, then task), so a run of any --ruler-samples starts at
+    once (making every sample first took ~1.3 s per 11 samples at 4K tokens, ~11 minutes at
+    kvpress's 500 per task, forever at 10**20)."""
+    per_length = n_per_task * len(tasks)
+    i, t = divmod(c % per_length, len(tasks))
+    try:
+        return make_sample(tok, tasks[t], lengths[c // per_length], seed, i)
+    except ValueError as e:
+        raise UsageError(f"--lengths: {e}") from None
+
+
+def check_generated(tok, lengths, tasks, seed):
+    """Sample 0 of every task at every length, before any model work: a length too short for a task
+    is refused in one line (UsageError) before --out is written; ~1.3 s per 4K length."""
+    for n in lengths:
+        for task in tasks:
+            sample_at(tok, [n], 1, seed, [task], 0)
+
+
+def contexts(tok, fmt, exp):
+    """(how many contexts, context c -> its quality.Sample) of a run: a file's read whole, a
+    generated suite's made one at a time (sample_at)."""
+    if exp.dataset:
+        samples = to_samples(tok, fmt, read_dataset(exp.dataset))
+        return len(samples), samples.__getitem__
+    tasks = list(exp.ruler_tasks)
+    at = lambda c: to_samples(tok, fmt, [sample_at(tok, exp.lengths, exp.ruler_samples, exp.seed,
+                                                   tasks, c)])[0]
+    return len(exp.lengths) * exp.ruler_samples * len(tasks), at
+
+
+def turn_ids(tok, fmt, r):
+    """A row's question turn: the question, the model's turn, the answer prefix."""
+    return encode_prompt(tok, "{question}" + fmt.postfix + "{prefix}", question=r["question"],
+                         prefix=r["answer_prefix"])
 
 
 def to_samples(tok, fmt, rows):
@@ -421,9 +553,8 @@ def to_samples(tok, fmt, rows):
         by_context.setdefault(r["context"], []).append(r)
     samples = []
     for context, asked in by_context.items():
-        turn = lambda r: encode_prompt(tok, "{question}" + fmt.postfix + "{prefix}",
-                                       question=r["question"], prefix=r["answer_prefix"])
-        questions = [Q.Question(r["task"], turn(r), "", r["max_new_tokens"]) for r in asked]
+        questions = [Q.Question(r["task"], turn_ids(tok, fmt, r), "", r["max_new_tokens"])
+                     for r in asked]
         sample = Q.Sample(system + encode_text(tok, context), len(system), questions, {},
                           asked[0]["task"])
         sample.answers = [r["answer"] for r in asked]
@@ -473,13 +604,15 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
                 if lv != Q.DEFAULT_LEVEL[m]]
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
     stop_ids = set(cfg.eos_token_ids)
-    rows = load_rows(tok, exp.dataset, exp.lengths, exp.ruler_samples, exp.seed, exp.ruler_tasks)
-    samples = to_samples(tok, fmt, rows)
+    total, sample_of = contexts(tok, fmt, exp)
     k_shard, n_shard = shard
-    todo = [c for c in range(len(samples)) if c % n_shard == k_shard and c not in done]
+    # this shard's contexts, counted and walked without a list: a generated run may be of any size
+    n_todo = max(0, (total - k_shard + n_shard - 1) // n_shard) - \
+        sum(1 for c in done if c % n_shard == k_shard and c < total)
+    todo = (c for c in range(k_shard, total, n_shard) if c not in done)
     n_done, t_start = 0, time.perf_counter()
     for c in todo:
-        sample, t0, entries = samples[c], time.perf_counter(), {}
+        sample, t0, entries = sample_of(c), time.perf_counter(), {}
         n_layers = len(cfg.compressed_layers)
         with torch.no_grad():
             full, logits, tscores = Q.capture_prefill(model, sample.ids, exp.chunk_size, teacher,
@@ -503,8 +636,8 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
                       answers=[dict(task=q.task, expected=a, full=tok.decode(o)) for q, a, o in
                                zip(sample.questions, sample.answers, ref["outputs"])])
         n_done += 1
-        left = len(todo) - n_done
-        Q.log(f"ruler context {c + 1}/{len(samples)} ({sample.doc}, {len(sample.ids)} tokens) done "
+        left = n_todo - n_done
+        Q.log(f"ruler context {c + 1}/{total} ({sample.doc}, {len(sample.ids)} tokens) done "
               f"in {record['seconds'] / 60:.1f} min; full cache {sum(ref['scores']):.2f} of "
               f"{len(sample.questions)}; {left} left in this run, eta "
               f"{(time.perf_counter() - t_start) / n_done * left / 60:.0f} min")
@@ -525,7 +658,7 @@ def run_key(exp, config):
     key = dict({k: getattr(exp, k) for k in names}, suite="ruler", model=config["model"]["sha256"],
                gate=config["gate"]["sha256"], chat=exp.chat, device=exp.device)
     if exp.dataset:
-        rows = load_rows(None, exp.dataset, [], 0, 0)
+        rows = read_dataset(exp.dataset)
         key.update(dataset=file_sha256(exp.dataset), dataset_name=Path(exp.dataset).name,
                    dataset_contexts=len({r["context"] for r in rows}))
     else:

@@ -134,7 +134,7 @@ def test_kvpress_layout_variants_and_errors(tmp_path):
     assert [g["answer"] for g in got] == [["x", "y"], ["z"]]
     assert [g["answer_prefix"] for g in got] == ["", ""]
     path.write_text(json.dumps(dict(context="c", answer=["x"], task="t")) + "\n")
-    with pytest.raises(ValueError, match="row 0 lacks question, max_new_tokens"):
+    with pytest.raises(ValueError, match="line 1 lacks question, max_new_tokens"):
         ruler.read_dataset(path)
 
 
@@ -234,7 +234,7 @@ def test_ruler_defaults():
 def test_unreadable_dataset_is_one_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"context": "c", "question": "q"}\n')
-    with pytest.raises(UsageError, match="row 0 lacks answer, max_new_tokens, task"):
+    with pytest.raises(UsageError, match="line 1 lacks answer, max_new_tokens, task"):
         ruler.load_rows(None, path, [], 0, 0)
     path.write_text("not json\n")
     with pytest.raises(UsageError, match="--dataset"):

@@ -1,0 +1,203 @@
+"""bench.py --dataset / --suite ruler on bad input (issue 40, items 2, 8, 11, 14): every row of a
+kvpress-layout file is checked before the model loads and before --out is created; a bad one is one
+line naming the file's line (or parquet row), exit 2, nothing left behind; a generated suite of any
+--ruler-samples reaches its first context at once."""
+import json
+import signal
+
+import pytest
+import torch
+
+import bench
+import cli
+import gate
+from harness import ruler
+from model import ModelConfig, load_tokenizer
+from tests.helpers import tiny_checkpoint, tiny_tokenizer
+
+GOOD = dict(context="The door code is 4711.\n", question="What is the door code?",
+            answer_prefix=" The door code is", answer=["4711"], max_new_tokens=4, task="code")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Gemma3 of 2,048 positions with a byte tokenizer (one token a byte) and a random
+    gate."""
+    folder = tiny_checkpoint("gemma3", tmp_path_factory.mktemp("tiny"),
+                             max_position_embeddings=2048)
+    tiny_tokenizer(folder)
+    cfg = ModelConfig.from_json(folder)
+    torch.manual_seed(0)
+    gates = gate.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                       cfg.group_size)
+    path = folder.parent / "gate.safetensors"
+    gate.save_gate(path, gates, {"note": "random, tests only"})
+    return folder, path
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """bench.run must stop before the weights load."""
+    def refuse(*a, **kw):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(bench, "load_model", refuse)
+
+
+def run_cli(capsys, *argv):
+    """bench.py's command line (cli.main, as __main__ runs it) -> (exit code, stderr)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(bench.run, bench.parse_args(["--no-gpu", *argv]))
+    return e.value.code, capsys.readouterr().err
+
+
+def jsonl(path, *lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def with_(**kw):
+    return json.dumps(dict(GOOD, **kw))
+
+
+@pytest.mark.parametrize("lines,words", [
+    # item 8: each was a traceback (or litter: config.json, results.json) after the model ran
+    ([], "holds no rows"),
+    (["", "   ", "\t"], "holds no rows"),
+    ([json.dumps(GOOD), with_(answer=[])], "line 2: 'answer' must be a non-empty string or a "
+     "non-empty list of them"),
+    ([with_(answer=4711)], "line 1: 'answer' must be"),
+    ([with_(answer=None)], "got null"),
+    ([with_(answer=[4711])], "got a list holding an int"),
+    ([with_(max_new_tokens=None)], "line 1: 'max_new_tokens' must be an integer >= 1"),
+    ([with_(context=5)], "line 1: 'context' must be a non-empty string, got an int"),
+    ([json.dumps(GOOD), "5"], "line 2: a JSON int, not an object"),
+    ([with_(question="What is \ud800?")], "line 1: 'question' holds a lone surrogate"),
+    (["{not json"], "line 1: not JSON"),
+    (['{"context": "a", "context": "b"}'], "key 'context' given twice"),
+    # item 2: accepted and scored wrong
+    ([with_(max_new_tokens=-5)], "'max_new_tokens' must be an integer >= 1"),
+    ([with_(max_new_tokens=2.9)], "'max_new_tokens' must be an integer >= 1"),
+    ([with_(question=None)], "line 1: 'question' must be a non-empty string, got null"),
+    ([with_(max_new_tokens=True)], "got a bool"),
+    ([with_(max_new_tokens=-5)], "got an integer below 1"),
+    ([with_(max_new_tokens=2.9)], "got a float"),
+    ([with_(answer=[""])], "a list holding an empty string"),
+])
+def test_bad_rows_are_one_line_before_anything(tmp_path, capsys, no_model, lines, words):
+    path = jsonl(tmp_path / "d.jsonl", *lines)
+    code, err = run_cli(capsys, "--dataset", str(path), "--out", str(tmp_path / "out"))
+    assert code == 2 and words in err, err
+    assert err.count("\n") == 1 and err.startswith("error: --dataset") and "Traceback" not in err
+    assert "4711" not in err  # never the file's text
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("answers,words", [
+    ([[1, 2]], "row 1: 'answer' must be a non-empty string or a non-empty list of them, got a list "
+     "holding an int"),
+    ([4711], "row 1: 'answer' must be"),  # a column of integers
+    ([["4711"], None], "row 2: 'answer' must be a non-empty string or a non-empty list of them, got "
+     "null"),
+])
+def test_bad_parquet_rows(tmp_path, capsys, no_model, answers, words):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([dict(GOOD, answer=a) for a in answers]), path)
+    code, err = run_cli(capsys, "--dataset", str(path), "--out", str(tmp_path / "out"))
+    assert code == 2 and f"{path} {words}" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+    pq.write_table(pa.Table.from_pylist([GOOD])[:0], path)  # no rows
+    code, err = run_cli(capsys, "--dataset", str(path), "--out", str(tmp_path / "out"))
+    assert code == 2 and "holds no rows" in err and not (tmp_path / "out").exists()
+
+
+def test_context_longer_than_the_model_is_refused_naming_the_line(tiny, tmp_path, capsys,
+                                                                  no_model):
+    """Item 2: a context past the model's positions was scored; generate.py refuses it."""
+    folder, gate_file = tiny
+    path = jsonl(tmp_path / "d.jsonl", json.dumps(GOOD), "",
+                 with_(context="x" * 2100 + "\n"))
+    code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--dataset",
+                        str(path), "--out", str(tmp_path / "out"))
+    assert code == 2 and f"{path} line 3: system prompt + context + question + max_new_tokens" \
+        in err and "exceeds the model's maximum of 2048" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+    # max_new_tokens alone can push a short context past the end
+    jsonl(path, with_(max_new_tokens=2000))
+    code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--dataset",
+                        str(path), "--out", str(tmp_path / "out"))
+    assert code == 2 and "line 1: system prompt" in err and not (tmp_path / "out").exists()
+
+
+def test_shard_past_the_datasets_contexts(tiny, tmp_path, capsys, no_model):
+    folder, gate_file = tiny
+    path = jsonl(tmp_path / "d.jsonl", json.dumps(GOOD), with_(question="Again?"))
+    code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--dataset",
+                        str(path), "--shard", "1/2", "--out", str(tmp_path / "out"))
+    assert code == 2 and "has 1 contexts, shard 1 holds none" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_dataset_folder_and_non_files(tmp_path, capsys):
+    """Item 14: a folder said "no such file"."""
+    for path, words in ((tmp_path, "is a folder; give a JSONL or parquet file"),
+                        (tmp_path / "none.jsonl", "no such file"),
+                        ("/dev/null", "is not a regular file")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--dataset", str(path)])
+        assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_library_reader_raises_value_error_naming_the_line(tmp_path):
+    path = jsonl(tmp_path / "d.jsonl", json.dumps(GOOD), with_(answer=[]))
+    with pytest.raises(ValueError, match="line 2: 'answer'"):
+        ruler.read_dataset(path)
+    assert ruler.read_dataset(jsonl(path, json.dumps(GOOD))) == [GOOD]
+
+
+class Reached(Exception):
+    pass
+
+
+def test_huge_ruler_samples_reach_the_first_context_at_once(tiny, tmp_path, monkeypatch):
+    """Item 11: --ruler-samples 10**20 made every sample before the first context ran (forever).
+    Samples are made one at a time as the run reaches them: the first context's prefill starts
+    within seconds."""
+    from harness import quality
+    folder, gate_file = tiny
+
+    def first_prefill(model, ids, *a, **kw):
+        raise Reached(len(ids))
+    monkeypatch.setattr(quality, "capture_prefill", first_prefill)
+
+    def too_late(*_):
+        raise TimeoutError("no context reached in 60 s")
+    old = signal.signal(signal.SIGALRM, too_late)
+    signal.alarm(60)
+    try:
+        with pytest.raises(Reached):
+            bench.main(["--no-gpu", "--model", str(folder), "--gate", str(gate_file), "--suite",
+                        "ruler", "--ruler-samples", str(10**20), "--ruler-tasks", "niah_single_1,fwe",
+                        "--lengths", "1500", "--methods", "streaming", "--budgets", "0.5",
+                        "--out", str(tmp_path / "out")])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_generated_contexts_are_the_eager_rows(tiny):
+    """The c-th context made alone (sample_at) is the c-th row of the whole list, any length,
+    sample and task."""
+    tok = load_tokenizer(tiny[0])
+    rows = ruler.load_rows(tok, None, [1500, 1600], 2, 3, ["niah_single_1", "fwe"])
+    assert [ruler.sample_at(tok, [1500, 1600], 2, 3, ["niah_single_1", "fwe"], c) for c in range(8)] == rows
+
+
+def test_length_too_short_for_a_task_before_out(tiny, tmp_path, capsys, no_model):
+    folder, gate_file = tiny
+    code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--suite",
+                        "ruler", "--ruler-tasks", "vt", "--lengths", "200",
+                        "--out", str(tmp_path / "out"))
+    assert code == 2 and "too few for its smallest sample" in err and \
+        not (tmp_path / "out").exists()
