@@ -20,7 +20,7 @@ Three steps, each visible in run() in the order they run:
                and selections (Recipe, METHOD.md §13.14).
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors
-(gate.save_gate, with a training summary in its metadata), metrics.json (per-layer train/validation
+(formats.gate_file.save_gate, with a training summary in its metadata), metrics.json (per-layer train/validation
 loss and accuracy over steps, and the agreement), curves.png with --plot, and per-layer tables on
 stdout.
 
@@ -52,7 +52,8 @@ import cli
 import features
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, pyplot, resolve_model, save_figure, write_json
 from features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents
-from gate import Gates, authors_file_name, save_gate
+from formats.gate_file import authors_file_name, save_gate
+from gate import Gates
 from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_tokenizer
 from teacher import agreement, digit_tokens, encode_prompt, pool_agreement, prompt_format, spearman, uses_chat
 

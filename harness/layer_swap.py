@@ -31,9 +31,9 @@ import torch
 
 import bench
 import cli
-import gate
 from cache import EvictingCache
 from cli import OFFLINE_DEFAULT, UsageError, file_sha256, resolve_model
+from formats.gate_file import GateError, resolve_gate
 from gate import GateScorer
 from harness import quality
 from model import ModelConfig, ModelError, load_model, load_tokenizer
@@ -126,7 +126,7 @@ def run(args):
     cfg = ModelConfig.from_json(folder)
     tok = load_tokenizer(folder, cfg)
     fmt = prompt_format(cfg, args.model)
-    gates = gate.resolve_gate(args.gate, cfg, args.model)
+    gates = resolve_gate(args.gate, cfg, args.model)
     _, samples = quality.make_samples(tok, fmt, bench.experiment(bargs))
     L = len(cfg.compressed_layers)
     if args.combos and any(len(c) != L or set(c) - set("TG") for c in args.combos):
@@ -208,4 +208,4 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    cli.main(run, parse_args(), ModelError, gate.GateError)
+    cli.main(run, parse_args(), ModelError, GateError)
