@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 
 import cli
-import gate
 from cache import LEVELS
 from cli import OFFLINE_DEFAULT, UsageError, resolve_model, write_text
+from formats.gate_file import GateError, resolve_gate
 from harness import quality, ruler
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
@@ -293,7 +293,7 @@ def run(args):
     cfg = ModelConfig.from_json(folder)
     tok = load_tokenizer(folder, cfg)
     fmt = prompt_format(cfg, args.model, chat=args.chat)
-    gates = gate.resolve_gate(args.gate, cfg, args.model)
+    gates = resolve_gate(args.gate, cfg, args.model)
     check_lengths(args, cfg, tok, len(encode_prompt(tok, fmt.system)))
     if rows:
         check_dataset(args, cfg, tok, fmt, rows)
@@ -563,4 +563,4 @@ def merge_rows(rows, new, folder, kind):
 
 if __name__ == "__main__":
     # bad --model / --gate / folders: one line
-    cli.main(run, parse_args(), ModelError, gate.GateError, kept=kept)
+    cli.main(run, parse_args(), ModelError, GateError, kept=kept)

@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 
 import cli
 from cli import UsageError, tree_sha256
-from gate import bundled_gate_path, gate_metadata
+from formats.gate_file import bundled_gate_path, gate_metadata
 from model import DTYPES, load_model
 from teacher import KVzipTeacher, encode_text
 

@@ -49,6 +49,7 @@ from cache import (
     read_header,
 )
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, read_context, resolve_model, retention_map, summary_line
+from formats.gate_file import GateError, resolve_gate
 from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_model, load_tokenizer, model_identity
 from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
 
@@ -382,7 +383,7 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
     H = cfg.num_key_value_heads
     if method == "fastkvzip":
         if gates is None:
-            gates = gate.resolve_gate(gate_file, cfg, model_name, device=device)
+            gates = resolve_gate(gate_file, cfg, model_name, device=device)
         scorer = gate.GateScorer(gates)
     elif method == "streaming":
         scorer = gate.StreamingScorer(n_kv_heads=H)
@@ -601,7 +602,7 @@ def run(args):
     gated_files = any(r["cache_state"]["method"] == "fastkvzip" and r["cache_state"].get(
         "decode_tokens_per_head") is not None for r in reqs if "cache_file" in r)
     if (args.method == "fastkvzip" and evicting) or gated_files or args.gate:  # --gate is checked
-        method.gates = gate.resolve_gate(args.gate, cfg, args.model, device=device)
+        method.gates = resolve_gate(args.gate, cfg, args.model, device=device)
     model = load_model(folder, device, dtype)
     if args.method == "kvzip" and evicting:
         method.teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
@@ -713,7 +714,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    cli.main(run, parse_args(argv), ModelError, gate.GateError, CacheFileError)
+    cli.main(run, parse_args(argv), ModelError, GateError, CacheFileError)
 
 
 if __name__ == "__main__":

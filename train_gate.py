@@ -20,7 +20,7 @@ Three steps, in the order commands/train_gate.py's run() calls them:
                and selections (Recipe, METHOD.md §13.14).
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors
-(gate.save_gate, with a training summary in its metadata), metrics.json (per-layer train/validation
+(formats.gate_file.save_gate, with a training summary in its metadata), metrics.json (per-layer train/validation
 loss and accuracy over steps, and the agreement), curves.png with --plot, and per-layer tables on
 stdout.
 

@@ -23,7 +23,7 @@ import features
 import train_gate
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, pyplot, resolve_model, save_figure, write_json
 from features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents
-from gate import authors_file_name, save_gate
+from formats.gate_file import authors_file_name, save_gate
 from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_tokenizer
 from teacher import encode_prompt, prompt_format, uses_chat
 from train_gate import RECIPES, Recipe, agreement_with_teacher, auto_layer_groups, init_distributed, train

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 import cli
-import gate
 from cache import EvictingCache
 from cli import OFFLINE_DEFAULT, UsageError, file_sha256, resolve_model
+from formats.gate_file import GateError, resolve_gate
 from gate import GateScorer
 from harness import quality
 from model import ModelConfig, ModelError, load_model, load_tokenizer
@@ -123,7 +123,7 @@ def run(args):
     cfg = ModelConfig.from_json(folder)
     tok = load_tokenizer(folder, cfg)
     fmt = prompt_format(cfg, args.model)
-    gates = gate.resolve_gate(args.gate, cfg, args.model)
+    gates = resolve_gate(args.gate, cfg, args.model)
     # the benchmark's contexts and questions (its default needles) for these flags
     exp = quality.Experiment(methods=["full"], budgets=args.budgets, extra_levels=[],
                              lengths=[args.length], contexts=args.contexts, **quality.NEEDLES,
@@ -209,4 +209,4 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    cli.main(run, parse_args(), ModelError, gate.GateError)
+    cli.main(run, parse_args(), ModelError, GateError)

@@ -15,6 +15,7 @@ import torch
 import gate
 import generate
 from cache import Batch, Budget, KVCache, full_cache_bytes
+from formats.gate_file import save_gate
 from harness.quality import DEFAULT_LEVEL, log, method_cache, model_info
 from model import ModelConfig, Transformer, load_tokenizer
 from teacher import KVzipTeacher, prompt_format
@@ -340,7 +341,7 @@ def gpu_section(s, lengths, out_dir, shape=QWEN3_8B, device="cuda", chunk=16000,
     gates = gate.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
                        cfg.group_size, dtype=dtype, device=device)
     gate_file = str(Path(out_dir) / "random-gate.safetensors")  # a random gate: timing only
-    gate.save_gate(gate_file, gates, {"note": "random weights, for timing only"})
+    save_gate(gate_file, gates, {"note": "random weights, for timing only"})
     teacher = None
     try:
         from offline import fetch_assets

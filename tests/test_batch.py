@@ -361,7 +361,7 @@ def test_bench_batch_speed_section(tiny_cli, tmp_path):
     every B runs, tokens/s are counted over the batch, eviction holds less KV than the full cache at
     the same B."""
     import bench
-    from gate import save_gate
+    from formats.gate_file import save_gate
     from harness import speed
     folder, _ = tiny_cli
     model = M.load_model(folder, "cpu", torch.float32)

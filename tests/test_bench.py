@@ -17,6 +17,7 @@ import gate
 import generate
 from cache import Budget
 from cli import OFFLINE_DEFAULT, UsageError, resolve_model
+from formats import gate_file
 from harness import quality, report, speed
 from offline import fetch_assets
 from teacher import KVzipTeacher, prompt_format
@@ -177,7 +178,7 @@ def real(tmp_path_factory):
     model = M.load_model(folder, "cpu", torch.float32)
     tok = M.load_tokenizer(folder)
     fmt = prompt_format(model.config, OFFLINE_DEFAULT, chat=False)
-    gate_path = gate.GATES_DIR / f"{OFFLINE_DEFAULT}.safetensors"
+    gate_path = gate_file.GATES_DIR / f"{OFFLINE_DEFAULT}.safetensors"
     # before train_gate.py has bundled one: a random gate exercises the same code
     if not gate_path.is_file():
         cfg = model.config
@@ -185,7 +186,7 @@ def real(tmp_path_factory):
         gates = gate.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
                            cfg.group_size)
         gate_path = tmp_path_factory.mktemp("gate") / "random.safetensors"
-        gate.save_gate(gate_path, gates, {"note": "random, tests only"})
+        gate_file.save_gate(gate_path, gates, {"note": "random, tests only"})
     return dict(model=model, tok=tok, fmt=fmt, gate=str(gate_path), docs=quality.load_docs(tok)[:4])
 
 
@@ -443,8 +444,8 @@ def test_speed_rows_of_another_configuration_are_refused(real, quick, tmp_path):
     cfg = real["model"].config
     torch.manual_seed(1)
     other = tmp_path / "other.safetensors"
-    gate.save_gate(other, gate.Gates(len(cfg.compressed_layers), cfg.hidden_size,
-                                     cfg.num_key_value_heads, cfg.group_size))
+    gate_file.save_gate(other, gate.Gates(len(cfg.compressed_layers), cfg.hidden_size,
+                                          cfg.num_key_value_heads, cfg.group_size))
     out = tmp_path / "out"
     shutil.copytree(quick, out)
     shutil.rmtree(out / "contexts")  # speed rows alone, as a --no-quality run leaves them
@@ -614,9 +615,9 @@ def test_peer_column_on_a_tiny_gemma3(tmp_path):
     args = bench.parse_args(["--speed-decode", "3", "--speed-chunk", "32", "--speed-window", "16",
                              "--budgets", "0.3"])
     args.gate = str(tmp_path / "random-gate.safetensors")
-    gate.save_gate(args.gate, gate.Gates(len(cfg.compressed_layers), cfg.hidden_size,
-                                         cfg.num_key_value_heads, cfg.group_size),
-                   {"note": "random, tests only"})
+    gate_file.save_gate(args.gate, gate.Gates(len(cfg.compressed_layers), cfg.hidden_size,
+                                              cfg.num_key_value_heads, cfg.group_size),
+                        {"note": "random, tests only"})
     g = torch.Generator().manual_seed(0)
     ids_for = lambda n: ([cfg.bos_token_id] + torch.randint(3, cfg.vocab_size, (n,),
                                                             generator=g).tolist(), 1)

@@ -1,6 +1,7 @@
-"""gate.py (the gate and the scorers) and the agreement metrics against oracles: the literal formula
-of METHOD.md §1.4, the authors' file layout (§1.2, §2), a naive SnapKV (§10), set arithmetic on the
-kept positions. Tiny random configs, CPU fp32 (bf16 where the authors' files use it)."""
+"""gate.py (the gate and the scorers), its files (formats/gate_file.py) and the agreement metrics
+against oracles: the literal formula of METHOD.md §1.4, the authors' file layout (§1.2, §2), a naive
+SnapKV (§10), set arithmetic on the kept positions. Tiny random configs, CPU fp32 (bf16 where the
+authors' files use it)."""
 import math
 import os
 from collections import OrderedDict
@@ -11,24 +12,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-import gate
-from gate import (
-    GateError,
-    Gates,
-    GateScorer,
-    RandomScorer,
-    SnapKVScorer,
-    StreamingScorer,
-    load_gate,
-    resolve_gate,
-    save_gate,
-)
+from formats import gate_file
+from formats.gate_file import GateError, load_gate, resolve_gate, save_gate
+from gate import Gates, GateScorer, RandomScorer, SnapKVScorer, StreamingScorer
 from teacher import agreement, kept_by_rule, pool_agreement
 from tests.helpers import assert_close
 
 
 def make_cfg(n_layers=3, hidden=32, H=2, G=3, layers=None, n_hidden_layers=None):
-    """The fields of model.ModelConfig that gate.py reads."""
+    """The fields of model.ModelConfig that formats/gate_file.py reads."""
     layers = list(range(n_layers)) if layers is None else layers
     return SimpleNamespace(hidden_size=hidden, num_key_value_heads=H, num_attention_heads=H * G,
                            group_size=G, compressed_layers=layers,
@@ -155,7 +147,7 @@ def test_our_gate_travels_in_the_authors_layout(tmp_path, dtype):
     ours = random_gates(3, dtype=dtype, dim=16, sinks=16)
     save_gate(tmp_path / "mine.safetensors", ours, {"model": "m"})
     mine = load_gate(tmp_path / "mine.safetensors", cfg)
-    name = gate.authors_file_name(mine)
+    name = gate_file.authors_file_name(mine)
     assert name == "q3_dim16_sink16.pt"
     save_gate(tmp_path / name, mine, curves=([[0.5, 0.4, 0.3]] * 2, [[0.9, 0.8, 0.7]] * 2))
     raw = torch.load(tmp_path / name, weights_only=True)  # no safe_globals: tensors only
@@ -187,7 +179,7 @@ def test_kvpress_scores_our_exported_gate_as_we_do(tmp_path):
     press = pytest.importorskip("kvpress.presses.fastkvzip_press")
     cfg = make_cfg(2, 32, 2, 3)
     ours = random_gates(2, dim=16, sinks=16)
-    path = tmp_path / gate.authors_file_name(ours)
+    path = tmp_path / gate_file.authors_file_name(ours)
     save_gate(path, ours)
     module = torch.load(path, weights_only=True)["module"]
     hidden = torch.randn(11, 32)
@@ -344,7 +336,7 @@ def test_gate_with_non_finite_weights_is_refused(tmp_path, bad):
 
 def test_resolve_gate(tmp_path, monkeypatch):
     cfg = make_cfg(1, 32, 2, 4)
-    monkeypatch.setattr(gate, "GATES_DIR", tmp_path / "gates")
+    monkeypatch.setattr(gate_file, "GATES_DIR", tmp_path / "gates")
     # explicit path
     save_gate(tmp_path / "mine.safetensors", random_gates(1, G=4), {})
     assert resolve_gate(tmp_path / "mine.safetensors", cfg, "whatever").n_layers == 1
@@ -399,7 +391,7 @@ def test_released_qwen25_gates_load(tmp_path, monkeypatch, alias, file, dims):
         save_authors_file(tmp_path / "gate.pt", [sd] * L)
         return str(tmp_path / "gate.pt")
 
-    monkeypatch.setattr(gate, "GATES_DIR", tmp_path / "no-bundled-gates")
+    monkeypatch.setattr(gate_file, "GATES_DIR", tmp_path / "no-bundled-gates")
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     g = resolve_gate(None, cfg, alias)
     assert asked == [("Jang-Hyun/Fast-KVzip", file)]
@@ -460,7 +452,7 @@ def test_snapkv_matches_naive():
     # no first chunk seen for layer 3: no sinks
     got = SnapKVScorer(scale=0.1).score(3, hidden, q, k, pos)
     assert_close(got, naive_snapkv(q, k, k[:0], 32, 0.1), atol=1e-5, name="custom scale")
-    with pytest.raises(GateError):
+    with pytest.raises(AssertionError, match="no decoding form"):
         s.score(0, hidden, None, None, pos)
 
 

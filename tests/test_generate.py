@@ -14,7 +14,8 @@ import cli
 import model as M
 from cache import Budget, EvictingCache, KVCache
 from cli import OFFLINE_DEFAULT, OFFLINE_MODELS, resolve_model
-from gate import Gates, GateScorer, RandomScorer, save_gate
+from formats.gate_file import save_gate
+from gate import Gates, GateScorer, RandomScorer
 from generate import answer, prefill
 from teacher import PromptFormat, encode_text, prompt_format, uses_chat
 from tests.helpers import tiny_checkpoint, tiny_tokenizer

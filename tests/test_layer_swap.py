@@ -7,6 +7,7 @@ import torch
 import bench
 import gate
 import model as M
+from formats.gate_file import load_gate, save_gate
 from gate import GateScorer
 from harness import layer_swap, quality
 from teacher import KVzipTeacher, kept_by_rule, prompt_format
@@ -25,8 +26,8 @@ def test_swap_caches_are_the_methods_own_caches(tmp_path):
     fmt = prompt_format(cfg, "gemma3")
     torch.manual_seed(0)
     gate_file = str(tmp_path / "gate.safetensors")
-    gate.save_gate(gate_file, gate.Gates(2, cfg.hidden_size, cfg.num_key_value_heads,
-                                         cfg.group_size), {"note": "random"})
+    save_gate(gate_file, gate.Gates(2, cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size),
+              {"note": "random"})
     args = bench.parse_args(["--gate", gate_file])
     # a sample in the benchmark's shape (Austen needs a real tokenizer, which a tiny vocabulary
     # cannot hold)
@@ -41,7 +42,7 @@ def test_swap_caches_are_the_methods_own_caches(tmp_path):
     budget, p = 0.4, sample.n_protected
     with torch.no_grad():
         full, scores = layer_swap.capture(model, sample, teacher,
-                                          GateScorer(gate.load_gate(gate_file, cfg)),
+                                          GateScorer(load_gate(gate_file, cfg)),
                                           args.chunk_size)
         keep = {s: kept_by_rule(x, budget, args.chunk_size, args.window)[0]
                 for s, x in scores.items()}

@@ -458,12 +458,13 @@ def test_bundled_smollm2_gate_tracks_its_teacher(smollm2, smollm2_model):
     1,000 tokens, against a random gate of the same shape beside it."""
     import gate
     import model as M
+    from formats.gate_file import resolve_gate
     from gate import GateScorer
     from harness import quality
     from teacher import KVzipTeacher, spearman
 
     cfg = smollm2_model.config
-    gates = gate.resolve_gate(None, cfg, "smollm2-135m-gguf")
+    gates = resolve_gate(None, cfg, "smollm2-135m-gguf")
     assert gates.meta["model"] == "smollm2-135m-gguf" and len(cfg.compressed_layers) == 30
     tok = M.load_tokenizer(smollm2)
     fmt = prompt_format(cfg, "smollm2-135m-gguf")
@@ -541,13 +542,13 @@ def test_bundled_gates_were_trained_on_the_built_corpus():
     as offline/fetch_assets.py builds it (MANIFEST.txt's tree_sha256) and as train_gate.py hashes
     --data: so the gate's recorded command reproduces it on a fresh machine."""
     import features
-    import gate
+    from formats import gate_file
     corpus = require_asset("corpus")
     manifest = (corpus.parent / "MANIFEST.txt").read_text().splitlines()
     built = {line.split("\t")[2] for line in manifest if line.startswith("part\tcorpus\t")}
     assert built == {features.data_sha256(str(corpus))}
-    for path in sorted(gate.GATES_DIR.glob("*.safetensors")):
-        training = gate.gate_metadata(path)["training"]
+    for path in sorted(gate_file.GATES_DIR.glob("*.safetensors")):
+        training = gate_file.gate_metadata(path)["training"]
         assert (Path(training["data"]).name == "corpus"
                 and {training["data_sha256"]} == built), path.name
 

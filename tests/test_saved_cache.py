@@ -20,7 +20,8 @@ import cache as C
 import cli
 import model as M
 from cache import Batch, Budget, CacheFileError, load_cache
-from gate import Gates, save_gate
+from formats.gate_file import save_gate
+from gate import Gates
 from generate import METHODS, begin_answer, build_inputs, decode_one, make_cache, prefill, prefill_kvzip, sample
 from teacher import KVzipTeacher, prompt_format
 from tests.helpers import edit_config, run_main, tiny_checkpoint, tiny_tokenizer
@@ -175,7 +176,7 @@ SUBPROCESS = """
 import json, sys, torch
 import model as M
 from cache import load_cache
-from gate import load_gate
+from formats.gate_file import load_gate
 from generate import make_cache
 from tests.test_saved_cache import greedy
 spec = json.load(open(sys.argv[1]))

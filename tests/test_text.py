@@ -10,6 +10,7 @@ import functools
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 import gate
 import model as M
 from cli import resolve_model
+from formats.gate_file import gate_sha256, load_gate, save_gate
 from teacher import _TEMPLATE_CONTROLS, encode_prompt, encode_text, prompt_format, question_ids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -249,24 +251,29 @@ def test_teacher_repeat_prompt_makes_only_the_templates_control_ids():
 # -------------------------------------------------------- 4. benchmarks name their gate's tensors
 
 def test_gate_tensors_hash_ignores_metadata_and_layout(tmp_path):
-    """tensors_sha256 names what decides every score: the same tensors under other metadata, or
-    saved in the authors' .pt layout, hash the same; one changed value does not."""
+    """gate_sha256 names what decides every score: the same tensors under other metadata, saved in
+    the authors' .pt layout, or held by a loaded Gates, hash the same; one changed value does
+    not."""
     import hashlib
     g = gate.Gates(2, 32, 2, 4, dim=8, sinks=4)
     torch.manual_seed(0)
     g.reset_parameters()
-    gate.save_gate(tmp_path / "a.safetensors", g, meta={"model": "x"})
-    gate.save_gate(tmp_path / "b.safetensors", g, meta={"model": "x", "corpus_sha256": "0" * 64})
-    gate.save_gate(tmp_path / "q4_dim8_sink4.pt", g)
+    save_gate(tmp_path / "a.safetensors", g, meta={"model": "x"})
+    save_gate(tmp_path / "b.safetensors", g, meta={"model": "x", "corpus_sha256": "0" * 64})
+    save_gate(tmp_path / "q4_dim8_sink4.pt", g)
     file_hash = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
     assert file_hash(tmp_path / "a.safetensors") != file_hash(tmp_path / "b.safetensors")
     names = ("a.safetensors", "b.safetensors", "q4_dim8_sink4.pt")
-    hashes = {gate.tensors_sha256(tmp_path / n) for n in names}
+    hashes = {gate_sha256(tmp_path / n) for n in names}
     assert len(hashes) == 1
+    cfg = SimpleNamespace(hidden_size=32, num_key_value_heads=2, num_attention_heads=8,
+                          group_size=4, compressed_layers=[0, 1])
+    assert hashes == {gate_sha256(g), gate_sha256(load_gate(tmp_path / "q4_dim8_sink4.pt", cfg))}
+    assert hashes == {load_gate(tmp_path / "a.safetensors", cfg).meta["tensors_sha256"]}
     with torch.no_grad():
         g.q_bias[0, 0] += 1e-3
-    gate.save_gate(tmp_path / "c.safetensors", g, meta={"model": "x"})
-    assert gate.tensors_sha256(tmp_path / "c.safetensors") not in hashes
+    save_gate(tmp_path / "c.safetensors", g, meta={"model": "x"})
+    assert gate_sha256(tmp_path / "c.safetensors") not in hashes
 
 
 def test_every_committed_benchmark_names_a_shipped_gate():
@@ -274,7 +281,7 @@ def test_every_committed_benchmark_names_a_shipped_gate():
     the file's sha256, and that gate is a file in gates/, one kept beside the benchmark
     (gate.safetensors), or declared in its README (or its parent folder's) as a gate kept
     elsewhere, by that hash."""
-    shipped = {gate.tensors_sha256(p): p for p in sorted((ROOT / "gates").glob("*.safetensors"))}
+    shipped = {gate_sha256(p): p for p in sorted((ROOT / "gates").glob("*.safetensors"))}
     configs = sorted((ROOT / "benchmarks").rglob("config.json"))
     assert len(configs) >= 8
     for path in configs:
@@ -284,7 +291,7 @@ def test_every_committed_benchmark_names_a_shipped_gate():
         results = path.parent / "results.json"
         if results.is_file():
             assert json.loads(results.read_text())["config"]["gate"]["tensors_sha256"] == recorded
-        beside = {gate.tensors_sha256(p) for p in path.parent.glob("*.safetensors")}
+        beside = {gate_sha256(p) for p in path.parent.glob("*.safetensors")}
         readmes = [path.parent / "README.md", path.parent.parent / "README.md"]
         readmes = " ".join(r.read_text() for r in readmes if r.is_file())
         declared = recorded in readmes and "kept elsewhere" in readmes
@@ -366,7 +373,7 @@ def test_real_gemma3_trains_a_gate_on_documents_with_control_strings(real_gemma,
     train_gate.main([str(a) for a in argv])
     assert (out / "gate.safetensors").is_file()
     cfg = M.ModelConfig.from_json(real_gemma)
-    assert gate.load_gate(out / "gate.safetensors", cfg).n_layers == len(cfg.compressed_layers)
+    assert load_gate(out / "gate.safetensors", cfg).n_layers == len(cfg.compressed_layers)
 
 
 def test_another_families_tokenizer_is_one_line_in_generate(capsys, real_gemma, tmp_path):

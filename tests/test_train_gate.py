@@ -18,7 +18,7 @@ import features
 import model as M
 import train_gate as TG
 from commands import train_gate as cmd
-from gate import load_gate
+from formats.gate_file import load_gate
 from teacher import KVzipTeacher
 from tests.assets import require_asset
 
@@ -413,21 +413,21 @@ def test_data_hash_and_the_bundled_gates_corpus_note(tmp_path, monkeypatch, caps
     """data_sha256 is cli.tree_sha256 over the files read (for a folder, a file and a glob);
     note_bundled_corpus says in one line whether --data is the text the model's bundled gate was
     trained on."""
-    import gate
     from cli import tree_sha256
+    from formats import gate_file
     data = write_docs(tmp_path / "data", 3)
     files = sorted(data.glob("*.txt"))
     assert (features.data_sha256(str(data)) == features.data_sha256(str(data / "*.txt"))
             == tree_sha256(files, data))
     assert (features.data_sha256(str(files[0])) == tree_sha256(files[:1], data)
             != features.data_sha256(str(data)))
-    monkeypatch.setattr(gate, "GATES_DIR", tmp_path / "gates")
+    monkeypatch.setattr(gate_file, "GATES_DIR", tmp_path / "gates")
     features.note_bundled_corpus("m", "abc")
     assert capsys.readouterr().err == ""  # no bundled gate for the model: nothing to say
     from test_gate import random_gates
     for recorded, says in ((None, "records no hash"), ("abc", "its recorded command reproduces it"),
                            ("def", "will not reproduce that gate exactly")):
-        gate.save_gate(tmp_path / "gates" / "m.safetensors", random_gates(1),
+        gate_file.save_gate(tmp_path / "gates" / "m.safetensors", random_gates(1),
                        {"training": {"data_sha256": recorded}})
         features.note_bundled_corpus("m", "abc")
         err = capsys.readouterr().err

@@ -1,0 +1,2 @@
+"""What lies on disk beside the method: gate files, saved caches, checkpoints' checks, safetensors
+writing and hashes."""
