@@ -36,19 +36,9 @@ from safetensors import safe_open
 
 import cli
 import gate
-from cache import (
-    LEVELS,
-    Batch,
-    Budget,
-    CacheFileError,
-    EvictingCache,
-    KVCache,
-    check_cache_file,
-    full_cache_bytes,
-    load_cache,
-    read_header,
-)
+from cache import LEVELS, Batch, Budget, EvictingCache, KVCache, full_cache_bytes
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, read_context, resolve_model, retention_map, summary_line
+from formats.cache_file import CacheFileError, check_cache_file, load_cache, read_header, save_cache
 from formats.gate_file import GateError, resolve_gate
 from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_model, load_tokenizer, model_identity
 from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
@@ -612,8 +602,8 @@ def run(args):
         with torch.no_grad():
             r = setup(model, reqs[0], method, args.seed)
         t0 = time.perf_counter()
-        r.cache.save(args.save_cache, model, r.ids, r.logits, r.n_protected, r.method, r.budget,
-                     budget.chunk_size, budget.window, prefill_seconds=r.prefill_s)
+        save_cache(args.save_cache, r.cache, model, r.ids, r.logits, r.n_protected, r.method,
+                   r.budget, budget.chunk_size, budget.window, prefill_seconds=r.prefill_s)
         r.cache_file, r.file_s = args.save_cache, time.perf_counter() - t0
         events = decode(model, [r], 1, cfg.eos_token_ids, cfg.eos_token_ids, args.temperature,
                         args.top_p, ends_line)

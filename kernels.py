@@ -1,33 +1,36 @@
 """Attention over a ragged, per-KV-head key/value cache (METHOD.md §8).
 
-After gated eviction every KV head of a layer keeps a different number of rows, so a layer's cache is
-not a (H, T, d) tensor any more. We store it the way FastKVzip does: each KV head is its own varlen
-"sequence" in one flat (rows, d) key tensor and one value tensor, and attention is one
+After gated eviction every KV head of a layer keeps a different number of rows, so a layer's cache
+is not a (H, T, d) tensor any more. We store it the way FastKVzip does: each KV head is its own
+varlen "sequence" in one flat (rows, d) key tensor and one value tensor, and attention is one
 FlashAttention-varlen call in which the G query heads of a KV head are the heads of an MQA call.
 
 This file holds, top to bottom:
-  attention_reference  the plain-PyTorch spec: a loop over sequences and query blocks with explicit
-                       masks, fp32 softmax.
+  attention_reference  the plain-PyTorch spec: a loop over sequences and query blocks with
+                       explicit masks, fp32 softmax.
   sdpa_attention       the CPU path: the same blocks and masks through PyTorch's fused attention.
   varlen_attention     the single entry point; backend= "torch" | "reference" | "triton", or the
                        environment variable FASTKVZIP_ATTN_BACKEND, else Triton on CUDA tensors,
                        torch otherwise.
-  the Triton kernel    FlashAttention-style forward: online softmax in fp32, the G query heads of a
-                       KV head packed into the rows of one tile (each key block is read once for
+  the Triton kernel    FlashAttention-style forward: online softmax in fp32, the G query heads of
+                       a KV head packed into the rows of one tile (each key block is read once for
                        all of them), keys split across programs for decode (flash-decoding).
-                       Triton is optional: without it this module imports and the torch path works.
+                       Triton is optional: without it this module imports and the torch path
+                       works.
   RaggedKV             one layer's storage: per-head regions with slack, append / select / attend
                        (one new token on the torch path: per head softmax(q k^T) v, no masks).
-  WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1) per token).
-  a benchmark          python kernels.py (full sizes on CUDA; the torch path on small shapes on CPU).
+  WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1) per
+                       token).
+The micro-benchmarks are harness/kernel_bench.py (python -m harness.kernel_bench).
 
 The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's seqused_k):
   q (total_q, Hq, d), k and v (total_k, Hk, d), Hq % Hk == 0; query head j reads KV head
-  j // (Hq // Hk) (GQA). cu_seqlens_q / cu_seqlens_k are int32 (B+1,) prefix offsets: sequence b owns
-  query rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] and the key region cu_seqlens_k[b] .. cu_seqlens_k[b+1].
-  seqused_k (int32 (B,), optional): only the first seqused_k[b] rows of that region are keys; the rest
-  is slack and never read. With M query rows and N used keys, query row i ends at the "diagonal"
-  key i + N - M (bottom-right alignment: the queries are the newest M tokens of the sequence).
+  j // (Hq // Hk) (GQA). cu_seqlens_q / cu_seqlens_k are int32 (B+1,) prefix offsets: sequence b
+  owns query rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] and the key region cu_seqlens_k[b] ..
+  cu_seqlens_k[b+1]. seqused_k (int32 (B,), optional): only the first seqused_k[b] rows of that
+  region are keys; the rest is slack and never read. With M query rows and N used keys, query
+  row i ends at the "diagonal" key i + N - M (bottom-right alignment: the queries are the newest
+  M tokens of the sequence).
   causal=True: row i sees keys j <= i + N - M.
   window=W: row i sees only keys i + N - M - W < j <= i + N - M, the last W keys up to and
   including its diagonal (Gemma3 sliding layers). A window always implies the diagonal bound.
@@ -37,12 +40,12 @@ The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's 
 Swapping in for flash-attn: varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True,
 window=W) equals flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
 causal=True, window_size=(W - 1, 0)); window=None is window_size=(-1, -1). seqused_k exists only in
-FlashAttention-3; with flash-attn 2 pass a RaggedKV right after select() (no slack: cu_seqlens_k exact).
+FlashAttention-3; with flash-attn 2 pass a RaggedKV right after select() (no slack: cu_seqlens_k
+exact).
 """
 import copy
 import functools
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -53,15 +56,19 @@ import torch.nn.functional as F
 
 APPEND_EXACT = 64   # appends of at least this many tokens per head (prefill chunks) get no slack
 MAX_SLACK = 1024    # at most this many spare rows per head after a token-by-token append
-QUERY_BLOCK = 1024  # query rows per step of the reference: memory (Hq, 1024, N) instead of (Hq, M, N)
-SDPA_BLOCK = 256    # query rows per SDPA call: a window layer's block reads W + 255 keys, not W + 1023
-MASK_ELEMENTS = 1 << 22  # without a window, rows per SDPA call up to a 16 MB fp32 mask (a 2K chunk: one call)
+# query rows per step of the reference: memory (Hq, 1024, N) instead of (Hq, M, N)
+QUERY_BLOCK = 1024
+# query rows per SDPA call: a window layer's block reads W + 255 keys, not W + 1023
+SDPA_BLOCK = 256
+# without a window, rows per SDPA call up to a 16 MB fp32 mask (a 2K chunk: one call)
+MASK_ELEMENTS = 1 << 22
 
 
 def _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block):
-    """Yield (q0, r0, r1, k0, j0, j1, M, N) for each block of at most `block` query rows of each sequence:
-    its rows q0+r0 .. q0+r1, and the keys k0+j0 .. k0+j1 that its rows can see at all. Rows that see no key
-    (an empty sequence; rows before the first diagonal when N < M) are never yielded: they stay zero."""
+    """Yield (q0, r0, r1, k0, j0, j1, M, N) for each block of at most `block` query rows of each
+    sequence: its rows q0+r0 .. q0+r1, and the keys k0+j0 .. k0+j1 that its rows can see at all.
+    Rows that see no key (an empty sequence; rows before the first diagonal when N < M) are never
+    yielded: they stay zero."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     used = None if seqused_k is None else seqused_k.tolist()
     bounded = causal or window is not None
@@ -71,15 +78,18 @@ def _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block):
         N = cu_k[b + 1] - k0 if used is None else used[b]  # rows past seqused_k are slack
         if N == 0:
             continue
-        for r0 in range(max(0, M - N) if bounded else 0, M, block):  # row i's diagonal key is i + N - M >= 0
+        # row i's diagonal key is i + N - M >= 0
+        for r0 in range(max(0, M - N) if bounded else 0, M, block):
             r1 = min(M, r0 + block)
-            j0 = max(0, r0 + N - M - window + 1) if window is not None else 0  # its first row's window start
-            j1 = min(N, r1 + N - M) if bounded else N                          # its last row's diagonal
+            # its first row's window start, its last row's diagonal
+            j0 = max(0, r0 + N - M - window + 1) if window is not None else 0
+            j1 = min(N, r1 + N - M) if bounded else N
             yield q0, r0, r1, k0, j0, j1, M, N
 
 
 def _visible(r0, r1, j0, j1, M, N, causal, window, device):
-    """(r1 - r0, j1 - j0) bool: query row i may see key j, by the contract (bottom-right alignment)."""
+    """(r1 - r0, j1 - j0) bool: query row i may see key j, by the contract (bottom-right
+    alignment)."""
     i = torch.arange(r0, r1, device=device)[:, None]
     j = torch.arange(j0, j1, device=device)[None, :]
     diag = i + (N - M)  # the last query row sees the last key
@@ -102,54 +112,65 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     out = torch.zeros(total_q, n_q_heads, d, dtype=torch.float32, device=q.device)
     # query blocks bound memory: a 16K prefill is not (Hq, 16K, 16K)
-    for q0, r0, r1, k0, j0, j1, M, N in _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, QUERY_BLOCK):
+    blocks = _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, QUERY_BLOCK)
+    for q0, r0, r1, k0, j0, j1, M, N in blocks:
         m = r1 - r0
-        kb = k[k0 + j0:k0 + j1].float().transpose(0, 1)                       # (Hk, n, d), a view in fp32
-        vb = v[k0 + j0:k0 + j1].float().transpose(0, 1)                       # (Hk, n, d)
+        kb = k[k0 + j0:k0 + j1].float().transpose(0, 1)                 # (Hk, n, d), a view in fp32
+        vb = v[k0 + j0:k0 + j1].float().transpose(0, 1)                 # (Hk, n, d)
         # GQA: the G query heads of a KV head are G*m rows of ONE matmul with that head's keys,
         # so K and V are read once per KV head and never repeated G times
         qb = q[q0 + r0:q0 + r1].float().view(m, n_kv_heads, group, d)
-        qb = qb.permute(1, 2, 0, 3).reshape(n_kv_heads, group * m, d)        # (Hk, G*m, d), row g*m + i
-        s = (qb @ kb.transpose(1, 2)) * scale                                 # (Hk, G*m, n)
-        allowed = _visible(r0, r1, j0, j1, M, N, causal, window, q.device)    # (m, n), the same for every head
+        qb = qb.permute(1, 2, 0, 3).reshape(n_kv_heads, group * m, d)  # (Hk, G*m, d), row g*m + i
+        s = (qb @ kb.transpose(1, 2)) * scale                           # (Hk, G*m, n)
+        # (m, n), the same for every head
+        allowed = _visible(r0, r1, j0, j1, M, N, causal, window, q.device)
         s = s.view(n_kv_heads, group, m, -1).masked_fill(~allowed, float("-inf")).view_as(s)
-        ob = torch.softmax(s, dim=-1) @ vb                                    # (Hk, G*m, d); each row sees a key
-        out[q0 + r0:q0 + r1] = ob.view(n_kv_heads, group, m, d).permute(2, 0, 1, 3).reshape(m, n_q_heads, d)
+        ob = torch.softmax(s, dim=-1) @ vb  # (Hk, G*m, d); each row sees a key
+        ob = ob.view(n_kv_heads, group, m, d).permute(2, 0, 1, 3)       # (m, Hk, G, d)
+        out[q0 + r0:q0 + r1] = ob.reshape(m, n_q_heads, d)
     return out.to(q.dtype)
 
 
 def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale=None, causal=True, window=None, seqused_k=None):
-    """The "torch" backend (the CPU path): the reference's blocks and masks, each block one call of
-    PyTorch's fused scaled_dot_product_attention (flash attention on CPUs: no (n_heads, m, n) score
-    tensor written and re-read four times), with smaller blocks so that a window layer reads fewer keys.
-    Sequences of one shape (same query rows, used keys and region size: a layer's KV heads before any
-    eviction) share each call as its batch dimension, strided views of the flat storage, nothing copied;
-    masks are built once per block shape (_block_mask), none where the block is plainly causal.
-    In fp32, as the reference; tests/test_kernels.py holds the two equal."""
+    """The "torch" backend (the CPU path): the reference's blocks and masks, each block one call
+    of PyTorch's fused scaled_dot_product_attention (flash attention on CPUs: no (n_heads, m, n)
+    score tensor written and re-read four times), with smaller blocks so that a window layer reads
+    fewer keys. Sequences of one shape (same query rows, used keys and region size: a layer's KV
+    heads before any eviction) share each call as its batch dimension, strided views of the flat
+    storage, nothing copied; masks are built once per block shape (_block_mask), none where the
+    block is plainly causal. In fp32, as the reference; tests/test_kernels.py holds the two
+    equal."""
     total_q, n_q_heads, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     out = torch.zeros(total_q, n_q_heads, d, dtype=q.dtype, device=q.device)
-    # a window layer's block reads only its own keys; otherwise fewer, larger calls (each has a fixed cost)
-    block = SDPA_BLOCK if window is not None else max(SDPA_BLOCK, MASK_ELEMENTS // max(1, max_seqlen_k))
+    # a window layer's block reads only its own keys; otherwise fewer, larger calls (each has a
+    # fixed cost)
+    block = (SDPA_BLOCK if window is not None
+             else max(SDPA_BLOCK, MASK_ELEMENTS // max(1, max_seqlen_k)))
     S = cu_seqlens_q.numel() - 1
     rows_q, regions = torch.diff(cu_seqlens_q.cpu()), torch.diff(cu_seqlens_k.cpu())
     used = regions if seqused_k is None else seqused_k.cpu()
     if S > 1 and int(cu_seqlens_q[0]) == 0 == int(cu_seqlens_k[0]) and all(
             bool((x == x[0]).all()) for x in (rows_q, regions, used)):
-        M, R = int(rows_q[0]), int(regions[0])  # one shape: (S, M) queries against (S, R) rows of keys
+        # one shape: (S, M) queries against (S, R) rows of keys
+        M, R = int(rows_q[0]), int(regions[0])
         views = [x[:S * n].view(S, n, x.shape[1], d) for x, n in ((q, M), (k, R), (v, R))]
         one = lambda n: torch.tensor([0, n], dtype=torch.int32)
-        blocks, layout = _blocks(one(M), one(R), used[:1], causal, window, block), out.view(S, M, n_q_heads, d)
+        blocks = _blocks(one(M), one(R), used[:1], causal, window, block)
+        layout = out.view(S, M, n_q_heads, d)
     else:
-        views, blocks, layout = [x[None] for x in (q, k, v)], _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal,
-                                                                     window, block), out[None]
+        views = [x[None] for x in (q, k, v)]
+        blocks = _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block)
+        layout = out[None]
     for q0, r0, r1, k0, j0, j1, M, N in blocks:
+        # (S or 1, heads, rows, d)
         qb, kb, vb = (x[:, a:b].float().transpose(1, 2) for x, a, b in zip(
-            views, (q0 + r0, k0 + j0, k0 + j0), (q0 + r1, k0 + j1, k0 + j1)))   # (S or 1, heads, rows, d)
-        mask, is_causal = _block_mask(r1 - r0, j1 - j0, r0 + N - M - j0, causal, window, str(q.device))
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                            enable_gqa=True)
+            views, (q0 + r0, k0 + j0, k0 + j0), (q0 + r1, k0 + j1, k0 + j1)))
+        mask, is_causal = _block_mask(r1 - r0, j1 - j0, r0 + N - M - j0, causal, window,
+                                      str(q.device))
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal,
+                                            scale=scale, enable_gqa=True)
         layout[:, q0 + r0:q0 + r1] = ob.transpose(1, 2)
     return out
 
@@ -157,14 +178,16 @@ def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 @functools.lru_cache(maxsize=8)  # <= 8 masks of <= 16 MB
 def _block_mask(m, n, offset, causal, window, device):
     """-> (additive fp32 mask (m, n) or None, is_causal) for a block whose row i may see key j iff
-    j <= i + offset (causal) and j > i + offset - window: _visible's rule in block coordinates. Cached:
-    every layer and head of a chunk repeats the same few block shapes. A plainly causal square block
-    (offset 0, no window) needs no mask at all: SDPA's own causal flag, which also skips the masked tiles."""
+    j <= i + offset (causal) and j > i + offset - window: _visible's rule in block coordinates.
+    Cached: every layer and head of a chunk repeats the same few block shapes. A plainly causal
+    square block (offset 0, no window) needs no mask at all: SDPA's own causal flag, which also
+    skips the masked tiles."""
     if not (causal or window is not None):
         return None, False
     if offset == 0 and window is None:
         return None, True
-    allowed = _visible(0, m, 0, n, m, m + offset, True, window, device)  # diagonal of row i at i + offset
+    # diagonal of row i at i + offset
+    allowed = _visible(0, m, 0, n, m, m + offset, True, window, device)
     return torch.zeros(m, n, device=device).masked_fill_(~allowed, float("-inf")), False
 
 
@@ -175,10 +198,13 @@ BACKENDS = ("torch", "reference", "triton")
 
 
 def resolve_backend(q, backend=None):
-    """backend, else env FASTKVZIP_ATTN_BACKEND, else "triton" for CUDA tensors and "torch" otherwise."""
-    backend = backend or os.environ.get("FASTKVZIP_ATTN_BACKEND") or ("triton" if q.is_cuda else "torch")
+    """backend, else env FASTKVZIP_ATTN_BACKEND, else "triton" for CUDA tensors and "torch"
+    otherwise."""
+    backend = (backend or os.environ.get("FASTKVZIP_ATTN_BACKEND")
+               or ("triton" if q.is_cuda else "torch"))
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r} (expected one of {', '.join(BACKENDS)})")
+        raise ValueError(f"unknown attention backend {backend!r} (expected one of "
+                         f"{', '.join(BACKENDS)})")
     return backend
 
 
@@ -189,7 +215,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     backend = resolve_backend(q, backend)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
             window, seqused_k)
-    fn = {"torch": sdpa_attention, "reference": attention_reference, "triton": triton_varlen_attention}[backend]
+    fn = {"torch": sdpa_attention, "reference": attention_reference,
+          "triton": triton_varlen_attention}[backend]
     return fn(*args)
 
 
@@ -210,9 +237,9 @@ if triton is not None:
             BOUNDED: tl.constexpr, WINDOWED: tl.constexpr, HAS_USED: tl.constexpr,
             SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One program = BLOCK_M packed (query row, query head) pairs of one KV head of one sequence,
-        over one split of the keys. Packing the G query heads of a KV head into the rows ("pack
-        GQA") makes decode (1 query row) read each key block once for all G heads."""
+        """One program = BLOCK_M packed (query row, query head) pairs of one KV head of one
+        sequence, over one split of the keys. Packing the G query heads of a KV head into the rows
+        ("pack GQA") makes decode (1 query row) read each key block once for all G heads."""
         pid_m, kv_head, pid_bs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq, split = pid_bs // n_splits, pid_bs % n_splits
         q_start = tl.load(cu_q + seq)
@@ -243,18 +270,21 @@ if triton is not None:
             lo = tl.maximum((pid_m * BLOCK_M) // group + (N - M) - window + 1, 0)
             lo = (lo // BLOCK_N) * BLOCK_N
         # this split's share, whole blocks (flash-decoding: more programs when there are few rows)
-        per_split = ((tl.maximum(hi - lo, 0) + n_splits - 1) // n_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        per_split = (tl.maximum(hi - lo, 0) + n_splits - 1) // n_splits
+        per_split = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         lo = lo + split * per_split
         hi = tl.minimum(hi, lo + per_split)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2)
         l_i = tl.zeros([BLOCK_M], tl.float32)                # running softmax denominator
         acc = tl.zeros([BLOCK_M, D], tl.float32)             # running unnormalised output
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             key_row = (k_start + n).to(tl.int64)[:, None]
-            k = tl.load(K + key_row * s_kt + kv_head * s_kh + d[None, :], mask=(n < hi)[:, None], other=0.0)
-            v = tl.load(V + key_row * s_vt + kv_head * s_vh + d[None, :], mask=(n < hi)[:, None], other=0.0)
+            k = tl.load(K + key_row * s_kt + kv_head * s_kh + d[None, :],
+                        mask=(n < hi)[:, None], other=0.0)
+            v = tl.load(V + key_row * s_vt + kv_head * s_vh + d[None, :],
+                        mask=(n < hi)[:, None], other=0.0)
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
             # -- scores, in log2 units so that exp2 can be used --
@@ -281,8 +311,8 @@ if triton is not None:
         # -- normalise; rows that saw no key have l_i == 0 and acc == 0 -> zeros, not NaN --
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
-        o_off = (split.to(tl.int64) * s_os + (q_start + row).to(tl.int64)[:, None] * s_ot + head[:, None]
-                 * s_oh + d[None, :])
+        o_off = (split.to(tl.int64) * s_os + (q_start + row).to(tl.int64)[:, None] * s_ot
+                 + head[:, None] * s_oh + d[None, :])
         if SPLIT:  # partial result + its log2-sum-exp, merged by _merge_splits
             tl.store(O + o_off, out, mask=row_ok[:, None])
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
@@ -295,8 +325,9 @@ if triton is not None:
 def _merge_splits(o, lse):
     """o (S, T, H, d) fp32 partial outputs, lse (S, T, H) log2-sum-exp of each -> (T, H, d)."""
     top = lse.amax(0)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # all splits empty -> weights 0
-    w = torch.exp2(lse - top)                                        # (S, T, H)
+    # all splits empty -> weights 0
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp2(lse - top)  # (S, T, H)
     return (w[..., None] * o).sum(0) / w.sum(0).clamp_min(1e-30)[..., None]
 
 
@@ -309,9 +340,9 @@ def _block_config(rows, d, itemsize, interpret=False):
     """-> BLOCK_M, BLOCK_N, num_warps, num_stages. Fixed configs, no autotuning:
     decode (<= 16 packed query rows): BLOCK_M = 16, the smallest tl.dot tile, and long key blocks
     to stream the cache; prefill: 128 x 64 with 8 warps, the Triton tutorial's choice for d <= 128;
-    d = 256 halves the key block so the pipelined K/V tiles fit shared memory. Compiled for sm_90
-    (tests/test_kernels.py): fp16/bf16 use <= 160 KB of the 227 KB of shared memory, no spills.
-    fp32 inputs (a correctness path, not a fast one) get small tiles, else they do not fit."""
+    d = 256 halves the key block so the pipelined K/V tiles fit shared memory (METHOD.md §8;
+    tests/test_kernels.py compiles every config for sm_90 and checks that it fits). fp32 inputs (a
+    correctness path, not a fast one) get small tiles, else they do not fit."""
     if interpret:  # the interpreter's cost is per program step, not per FLOP: use big blocks
         return (16 if rows <= 16 else 128), 256, 4, 1
     if itemsize == 4:
@@ -343,7 +374,8 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         if q.is_cuda and not interpret:
             programs, sms = grid_m * Hk * n_seqs, _n_sms(q.device.index or 0)
             if programs < sms:  # >= 512 keys per split keeps the merge cheap
-                num_splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_seqlen_k, 512), 64))
+                num_splits = max(1, min(triton.cdiv(2 * sms, programs),
+                                        triton.cdiv(max_seqlen_k, 512), 64))
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     if num_splits > 1:
         o = torch.zeros(num_splits, total_q, Hq, d, dtype=torch.float32, device=q.device)
@@ -353,12 +385,14 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     used = seqused_k if seqused_k is not None else cu_seqlens_k  # dummy pointer when unused
     _varlen_attn_kernel[(grid_m, Hk, n_seqs * num_splits)](
         q, k, v, o, lse if lse is not None else o, cu_seqlens_q, cu_seqlens_k, used,
-        scale * 1.4426950408889634, window or 0, group, num_splits,  # 1.44.. = log2(e): exp -> exp2
+        # 1.44.. = log2(e): exp -> exp2
+        scale * 1.4426950408889634, window or 0, group, num_splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0) if lse is not None else 0,
         lse.stride(1) if lse is not None else 0,
         BOUNDED=causal or window is not None, WINDOWED=window is not None,
-        HAS_USED=seqused_k is not None, SPLIT=num_splits > 1, UPCAST=interpret and q.dtype == torch.bfloat16,
+        HAS_USED=seqused_k is not None, SPLIT=num_splits > 1,
+        UPCAST=interpret and q.dtype == torch.bfloat16,
         # fp32 inputs: 3xTF32 keeps ~fp32 accuracy on tensor cores (plain TF32 errs ~1e-3; "ieee"
         # lowers to FMAs that spill registers); the default for 16-bit inputs
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
@@ -372,19 +406,21 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 # RaggedKV: one layer's kept keys/values, one region per KV head (METHOD.md §8).
 
 def _head_pos(pos, H):
-    """Positions (t,) shared by H heads, or (H, t) per head -> the (H*t,) row order of an append."""
+    """Positions (t,) shared by H heads, or (H, t) per head -> the (H*t,) row order of an
+    append."""
     pos = pos.to(torch.long)
     return pos.repeat(H) if pos.dim() == 1 else pos.reshape(-1)
 
 
 def _ranges(starts, lens):
-    """Concatenation of arange(s, s + l) for each (s, l): the flat row indices of every head's rows."""
+    """Concatenation of arange(s, s + l) for each (s, l): the flat row indices of every head's
+    rows."""
     total = int(lens.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=starts.device)
     offsets = torch.cumsum(lens, 0) - lens  # where each head's run begins in the output
-    return torch.repeat_interleave(starts - offsets, lens, output_size=total) + torch.arange(
-        total, device=starts.device)
+    return (torch.repeat_interleave(starts - offsets, lens, output_size=total)
+            + torch.arange(total, device=starts.device))
 
 
 class RaggedKV:
@@ -392,9 +428,10 @@ class RaggedKV:
 
     Each region has capacity caps[h] >= lens[h]; the rows between are slack, so appending a decode
     token writes H rows and copies nothing. When some head runs out of room, every region is
-    re-laid out with headroom: half the length, at most MAX_SLACK rows per head. select / truncate compact to exactly
-    the kept rows: eviction frees memory, and nbytes reports what is held. Row companions pos (absolute position, int64)
-    and score (importance, float32, +inf = never evict) live in flat tensors aligned with k's rows and move with them.
+    re-laid out with headroom: half the length, at most MAX_SLACK rows per head. select / truncate
+    compact to exactly the kept rows: eviction frees memory, and nbytes reports what is held. Row
+    companions pos (absolute position, int64) and score (importance, float32, +inf = never evict)
+    live in flat tensors aligned with k's rows and move with them.
     """
 
     def __init__(self, n_heads, head_dim, dtype, device):
@@ -402,7 +439,8 @@ class RaggedKV:
         self.lens = torch.zeros(n_heads, dtype=torch.long)    # rows used per head (CPU)
         self.caps = torch.zeros(n_heads, dtype=torch.long)    # rows allocated per head (CPU)
         self.starts = torch.zeros(n_heads, dtype=torch.long)  # first row of each region (CPU)
-        self.transient = 0  # K/V bytes of the old layout alive beside the new one during the last re-layout
+        # K/V bytes of the old layout alive beside the new one during the last re-layout
+        self.transient = 0
         self._alloc(0)
 
     def _alloc(self, rows):
@@ -428,7 +466,8 @@ class RaggedKV:
         return self.score[s:s + int(self.lens[h])]
 
     def _relayout(self, src_rows, new_lens, new_caps):
-        """Move the rows src_rows (flat indices, head-major) into fresh regions of sizes new_caps."""
+        """Move the rows src_rows (flat indices, head-major) into fresh regions of sizes
+        new_caps."""
         new_starts = torch.cumsum(new_caps, 0) - new_caps
         dst_rows = _ranges(new_starts, new_lens).to(self.device)
         src_rows = src_rows.to(self.device)
@@ -440,17 +479,22 @@ class RaggedKV:
         self.lens, self.caps, self.starts = new_lens.clone(), new_caps.clone(), new_starts
 
     def append(self, k, v, pos, score=None):
-        """k, v (t, H, d); pos (t,) absolute positions, the same for every head, or (H, t) per head (a batch's
-        sequences are at different positions); score (H, t) float32 or None (+inf)."""
+        """k, v (t, H, d); pos (t,) absolute positions, the same for every head, or (H, t) per head
+        (a batch's sequences are at different positions); score (H, t) float32 or None (+inf)."""
         t, H, d = k.shape
-        assert H == self.n_heads and d == self.head_dim, f"expected (t, {self.n_heads}, {self.head_dim})"
+        assert H == self.n_heads and d == self.head_dim, \
+            f"expected (t, {self.n_heads}, {self.head_dim})"
         need = self.lens + t
         if bool((need > self.caps).any()):
-            # token-by-token appends (decoding) grow by 1.5x, between 16 and MAX_SLACK rows: a long cache
-            # is copied once every 1,024 tokens (a few ms even at 128K), not left holding 50% unused rows
-            # (a prefill whose last chunk is one token would otherwise end 1.5x its size). A prefill
-            # chunk is allocated exactly: slack there would be counted as KV held after prefill.
-            slack = torch.clamp(need // 2, min=16, max=MAX_SLACK) if t < APPEND_EXACT else torch.zeros_like(need)
+            # token-by-token appends (decoding) grow by 1.5x, between 16 and MAX_SLACK rows: a long
+            # cache is copied once every 1,024 tokens (a few ms even at 128K), not left holding 50%
+            # unused rows (a prefill whose last chunk is one token would otherwise end 1.5x its
+            # size). A prefill chunk is allocated exactly: slack there would be counted as KV held
+            # after prefill.
+            if t < APPEND_EXACT:
+                slack = torch.clamp(need // 2, min=16, max=MAX_SLACK)
+            else:
+                slack = torch.zeros_like(need)
             caps = torch.maximum(self.caps, need + slack)
             self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
         # write only the t new rows of each head, into its slack
@@ -458,16 +502,21 @@ class RaggedKV:
         self.k[rows] = k.transpose(0, 1).reshape(H * t, d).to(self.dtype)
         self.v[rows] = v.transpose(0, 1).reshape(H * t, d).to(self.dtype)
         self.pos[rows] = _head_pos(pos, H).to(self.device)
-        self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H * t)
+        self.score[rows] = (float("inf") if score is None
+                            else score.to(self.device, torch.float32).reshape(H * t))
         self.lens = need
 
     # -- a batch of sequences is more heads: sequence b of a batch owns heads b*H .. b*H + H-1 --
-    # The regions lie packed in head order (starts = cumsum(caps) - caps), so a run of heads is a run of
-    # rows: joining is a concatenation, leaving a cut, and every region keeps its rows and slack.
+    # The regions lie packed in head order (starts = cumsum(caps) - caps), so a run of heads is a
+    # run of rows: joining is a concatenation, leaving a cut, and every region keeps its rows and
+    # slack.
     def extend(self, other):
-        """Append other's heads after this layer's own (a sequence joins a batch): one copy of the rows."""
-        assert (other.head_dim, other.dtype, type(other)) == (self.head_dim, self.dtype, type(self)), "unlike layers"
-        self.transient = max(self.transient, self.nbytes)  # the old storage is alive until the copy ends
+        """Append other's heads after this layer's own (a sequence joins a batch): one copy of the
+        rows."""
+        assert (other.head_dim, other.dtype, type(other)) == (self.head_dim, self.dtype,
+                                                              type(self)), "unlike layers"
+        # the old storage is alive until the copy ends
+        self.transient = max(self.transient, self.nbytes)
         self.k, self.v, self.pos, self.score = (torch.cat([a, b]) for a, b in zip(
             (self.k, self.v, self.pos, self.score), (other.k, other.v, other.pos, other.score)))
         self.starts = torch.cat([self.starts, other.starts + int(self.caps.sum())])
@@ -475,17 +524,17 @@ class RaggedKV:
         self.n_heads += other.n_heads
 
     def pop_heads(self, h0, n):
-        """Remove heads h0 .. h0+n-1 (a sequence leaves a batch) and return them as a layer of their own;
-        the shared storage shrinks to what the others hold."""
+        """Remove heads h0 .. h0+n-1 (a sequence leaves a batch) and return them as a layer of
+        their own; the shared storage shrinks to what the others hold."""
         r0, r1 = int(self.caps[:h0].sum()), int(self.caps[:h0 + n].sum())  # their rows
         out = copy.copy(self)  # same class and settings (a WindowKV's window and ring state)
-        out.k, out.v, out.pos, out.score = (x[r0:r1].clone() for x in (self.k, self.v, self.pos, self.score))
-        out.lens, out.caps, out.starts = self.lens[h0:h0 + n].clone(), self.caps[h0:h0 + n].clone(), \
-            self.starts[h0:h0 + n] - r0
+        tensors = (self.k, self.v, self.pos, self.score)
+        out.k, out.v, out.pos, out.score = (x[r0:r1].clone() for x in tensors)
+        out.lens, out.caps = self.lens[h0:h0 + n].clone(), self.caps[h0:h0 + n].clone()
+        out.starts = self.starts[h0:h0 + n] - r0
         out.n_heads, out.transient = n, 0
         self.transient = max(self.transient, self.nbytes)
-        self.k, self.v, self.pos, self.score = (torch.cat([x[:r0], x[r1:]]) for x in (self.k, self.v, self.pos,
-                                                                                     self.score))
+        self.k, self.v, self.pos, self.score = (torch.cat([x[:r0], x[r1:]]) for x in tensors)
         keep = torch.cat([torch.arange(h0), torch.arange(h0 + n, self.n_heads)])
         self.lens, self.caps = self.lens[keep], self.caps[keep]
         self.starts = torch.cumsum(self.caps, 0) - self.caps
@@ -500,36 +549,41 @@ class RaggedKV:
         return self.k.unsqueeze(1), self.v.unsqueeze(1), cu, used, max_len
 
     def attend(self, q, scale, window=None, backend=None):
-        """q (t, H*G, d): the newest t tokens' queries (their keys already appended) -> (t, H*G, d)."""
+        """q (t, H*G, d): the newest t tokens' queries (their keys already appended) ->
+        (t, H*G, d)."""
         t, n_q_heads, d = q.shape
         H = self.n_heads
         G = n_q_heads // H
         if t == 1 and resolve_backend(q, backend) == "torch":
             return self._attend_one(q, scale, window)
-        # METHOD.md §8: each KV head is one sequence of t query rows whose G query heads are MQA heads
-        qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)          # (H*t, G, d)
+        # METHOD.md §8: each KV head is one sequence of t query rows whose G query heads are MQA
+        # heads
+        qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)      # (H*t, G, d)
         k, v, cu_k, used, max_len = self.keys_values()
         cu_q = torch.arange(H + 1, dtype=torch.int32, device=q.device) * t
-        out = varlen_attention(qv, k, v, cu_q, cu_k, t, max_len, scale, causal=True, window=window,
-                               seqused_k=used, backend=backend)                 # (H*t, G, d)
-        return out.view(H, t, G, d).transpose(0, 1).reshape(t, H * G, d)      # head index h*G + g
+        out = varlen_attention(qv, k, v, cu_q, cu_k, t, max_len, scale, causal=True,
+                               window=window, seqused_k=used, backend=backend)  # (H*t, G, d)
+        return out.view(H, t, G, d).transpose(0, 1).reshape(t, H * G, d)  # head index h*G + g
 
     def _attend_one(self, q, scale, window):
-        """One new token on the torch path (decoding on a CPU). A single query row sees all of its head's
-        rows, or the last W with a window, so each KV head is softmax(q k^T) v over a slice of its rows:
-        the reference's result for one row (tests/test_kernels.py holds them equal) without building
-        varlen offsets and masks. The regions lie in head order, each followed by its slack, so one split
-        gives every head's rows as views: three ops per head in all (a batch's B x H heads included)."""
+        """One new token on the torch path (decoding on a CPU). A single query row sees all of its
+        head's rows, or the last W with a window, so each KV head is softmax(q k^T) v over a slice
+        of its rows: the reference's result for one row (tests/test_kernels.py holds them equal)
+        without building varlen offsets and masks. The regions lie in head order, each followed by
+        its slack, so one split gives every head's rows as views: three ops per head in all (a
+        batch's B x H heads included)."""
         H, d = self.n_heads, self.head_dim
-        qh = q.view(H, -1, d).float() * scale                                 # (H, G, d): query head h*G + g
+        qh = q.view(H, -1, d).float() * scale                      # (H, G, d): query head h*G + g
         sizes = torch.stack([self.lens, self.caps - self.lens], 1).reshape(-1).tolist()
-        ks, vs = self.k.split(sizes)[::2], self.v.split(sizes)[::2]            # head h's used rows
+        ks, vs = self.k.split(sizes)[::2], self.v.split(sizes)[::2]  # head h's used rows
         if window is not None:
             ks, vs = [x[-window:] for x in ks], [x[-window:] for x in vs]
         if self.dtype != torch.float32:
             ks, vs = [x.float() for x in ks], [x.float() for x in vs]
-        # a head with no rows: softmax of (G, 0) scores @ (0, d) values = zeros, as the contract says
-        out = torch.stack([torch.softmax(qh[h] @ ks[h].T, dim=-1) @ vs[h] for h in range(H)])  # (H, G, d)
+        # a head with no rows: softmax of (G, 0) scores @ (0, d) values = zeros, as the contract
+        # says
+        out = torch.stack([torch.softmax(qh[h] @ ks[h].T, dim=-1) @ vs[h]
+                           for h in range(H)])                      # (H, G, d)
         return out.view(1, H * qh.shape[1], d).to(q.dtype)
 
     def select(self, keep):
@@ -546,53 +600,63 @@ class RaggedKV:
     def set_tail_scores(self, score):
         """score (H, t): overwrite the scores of the last t rows of each head."""
         H, t = score.shape
-        rows = ((self.starts + self.lens - t)[:, None] + torch.arange(t)).reshape(-1).to(self.device)
+        rows = (self.starts + self.lens - t)[:, None] + torch.arange(t)  # (H, t)
+        rows = rows.reshape(-1).to(self.device)
         self.score[rows] = score.to(self.device, torch.float32).reshape(-1)
 
 
 class WindowKV(RaggedKV):
-    """A sliding-window layer's keys and values: per head a ring of at most W rows, so that a decode token
-    costs one row write, not a re-layout of the whole window.
+    """A sliding-window layer's keys and values: per head a ring of at most W rows, so that a
+    decode token costs one row write, not a re-layout of the whole window.
 
-    Between forwards each head holds its last min(n, W) tokens: the W-1 the next token attends to and
-    the oldest, whose row that token overwrites. A decode query attends over the ring as it lies:
-    attention over a set of keys does not depend on their order, and every key in the ring is inside
-    the query's window. A prefill chunk (queries that need the causal order) gets a plain RaggedKV
-    layout instead, the window's rows in position order followed by the chunk's, and `wrap()` turns it
-    back into a ring of the last W rows (one copy of W rows per chunk). Until the ring is full it grows
-    like a RaggedKV (slack), so a short context holds only its own tokens. Nothing is evicted from a
-    window layer: select (and truncate) raise. pos / score rows are in ring order.
+    Between forwards each head holds its last min(n, W) tokens: the W-1 the next token attends to
+    and the oldest, whose row that token overwrites. A decode query attends over the ring as it
+    lies: attention over a set of keys does not depend on their order, and every key in the ring is
+    inside the query's window. A prefill chunk (queries that need the causal order) gets a plain
+    RaggedKV layout instead, the window's rows in position order followed by the chunk's, and
+    `wrap()` turns it back into a ring of the last W rows (one copy of W rows per chunk). Until the
+    ring is full it grows like a RaggedKV (slack), so a short context holds only its own tokens.
+    Nothing is evicted from a window layer: select (and truncate) raise. pos / score rows are in
+    ring order.
     """
 
     def __init__(self, n_heads, head_dim, window, dtype, device):
         super().__init__(n_heads, head_dim, dtype, device)
         self.window = window
-        self.ring = False  # True between forwards: rows from 0, the oldest token of head h at row first[h]
-        self.first = torch.zeros(n_heads, dtype=torch.long)  # per head: a batch's sequences wrap at different steps
+        # True between forwards: rows from 0, the oldest token of head h at row first[h]
+        self.ring = False
+        # per head: a batch's sequences wrap at different steps
+        self.first = torch.zeros(n_heads, dtype=torch.long)
 
     def append(self, k, v, pos, score=None):
-        """k, v (t, H, d); pos (t,) or (H, t). One token into a ring: a row write per head (a ring still
-        filling and out of room first regrows, its order kept); a chunk: RaggedKV.append, then wrap()."""
+        """k, v (t, H, d); pos (t,) or (H, t). One token into a ring: a row write per head (a ring
+        still filling and out of room first regrows, its order kept); a chunk: RaggedKV.append,
+        then wrap()."""
         t, H, d = k.shape
         W = self.window
         if self.ring and t == 1:
             full = self.lens == W
-            if not bool((full | (self.lens < self.caps)).all()):  # slack as RaggedKV's, never past W rows
+            room = full | (self.lens < self.caps)
+            if not bool(room.all()):  # slack as RaggedKV's, never past W rows
                 need = self.lens + 1
                 grown = torch.clamp(need + torch.clamp(need // 2, min=16, max=MAX_SLACK), max=W)
-                caps = torch.where(full | (self.lens < self.caps), self.caps, grown)
+                caps = torch.where(room, self.caps, grown)
                 self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
-            rows = (self.starts + (self.first + self.lens) % W).to(self.device)  # (H,) after each newest
+            # (H,) the row after each head's newest
+            rows = (self.starts + (self.first + self.lens) % W).to(self.device)
             self.k[rows] = k[0].to(self.dtype)
             self.v[rows] = v[0].to(self.dtype)
             self.pos[rows] = _head_pos(pos, H).to(self.device)
-            self.score[rows] = float("inf") if score is None else score.to(self.device, torch.float32).reshape(H)
-            # a full ring overwrote its oldest token: the next one is now the oldest; others grew by one
+            self.score[rows] = (float("inf") if score is None
+                                else score.to(self.device, torch.float32).reshape(H))
+            # a full ring overwrote its oldest token: the next one is now the oldest; others grew
+            # by one
             self.first = torch.where(full, (self.first + 1) % W, self.first)
             self.lens = self.lens + (~full).long()
             return
-        if bool(self.first.any()):  # the ring went round: the window back in position order, room for the chunk
-            i = _ranges(torch.zeros_like(self.lens), self.lens)              # 0 .. lens[h]-1 for every head h
+        if bool(self.first.any()):
+            # the ring went round: the window back in position order, room for the chunk
+            i = _ranges(torch.zeros_like(self.lens), self.lens)  # 0 .. lens[h]-1 for every head h
             h = torch.repeat_interleave(torch.arange(H), self.lens)
             self._relayout(self.starts[h] + (self.first[h] + i) % W, self.lens, self.lens + t)
             self.first = torch.zeros_like(self.first)
@@ -611,155 +675,16 @@ class WindowKV(RaggedKV):
         return out
 
     def wrap(self):
-        """After a forward: each head's last min(n, W) rows, in order from row 0, in at most W rows."""
+        """After a forward: each head's last min(n, W) rows, in order from row 0, in at most W
+        rows."""
         if self.ring:
             return
         keep, caps = torch.clamp(self.lens, max=self.window), torch.clamp(self.caps, max=self.window)
-        if not (torch.equal(keep, self.lens) and torch.equal(caps, self.caps)):  # past the window: copy once
+        # past the window: copy once
+        if not (torch.equal(keep, self.lens) and torch.equal(caps, self.caps)):
             self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, caps)
         self.ring = True
 
     def select(self, keep):
-        raise NotImplementedError("a sliding-window layer keeps its last W tokens; nothing is evicted from it")
-
-
-# -----------------------------------------------------------------------------------------------
-# Benchmark: python kernels.py (CUDA: full sizes against SDPA / flash-attn; CPU: the torch path, small)
-
-def _timeit(fn, cuda):
-    """Seconds per call: triton's do_bench on CUDA, a plain loop of at least 0.3 s on CPU."""
-    if cuda:
-        return triton.testing.do_bench(fn, warmup=10, rep=50) / 1e3
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while n < 3 or time.perf_counter() - t0 < 0.3:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
-
-
-def _ragged_cache(lens, d, dtype, device):
-    """A compacted RaggedKV whose head h holds lens[h] random keys (what eviction leaves)."""
-    H, n = len(lens), max(lens)
-    kv = RaggedKV(H, d, dtype, device)
-    kv.append(torch.randn(n, H, d, dtype=dtype, device=device),
-              torch.randn(n, H, d, dtype=dtype, device=device), torch.arange(n))
-    kv.select([torch.arange(n) >= n - l for l in lens])  # keep each head's last lens[h] rows, no slack
-    return kv
-
-
-def _bench_attend(name, kv, t, G, cuda):
-    """Time RaggedKV.attend for t new queries per head against SDPA (dense, padded to the longest
-    head, masked) and flash-attn varlen on the same ragged layout. GB/s and TFLOP/s count the work
-    actually needed (kept K/V bytes, visible query-key pairs), the same for every row; the last
-    column is each output's max difference from ours (a parity check on the first GPU run)."""
-    H, d, dtype, device = kv.n_heads, kv.head_dim, kv.dtype, kv.device
-    q = torch.randn(t, H * G, d, dtype=dtype, device=device)
-    scale = d ** -0.5
-    lens = kv.lens.tolist()
-    nbytes = (sum(lens) * 2 + 2 * t * H * G) * d * q.element_size()  # K, V read; q read, out written
-    pairs = sum(G * sum(min(max(i + n - t + 1, 0), n) for i in range(t)) for n in lens)
-    flops = 4 * d * pairs  # QK^T and PV: 2 d multiply-adds per visible (query, key) pair
-    L = max(lens)
-    print(f"{name}: keys per head {min(lens)}..{L} (sum {sum(lens)}), {t} queries x {H * G} heads, "
-          f"d={d}, {str(dtype).split('.')[-1]}")
-    k_pad = torch.zeros(1, H, L, d, dtype=dtype, device=device)   # the dense padded equivalent
-    v_pad = torch.zeros_like(k_pad)
-    for h, n in enumerate(lens):
-        k_pad[0, h, :n], v_pad[0, h, :n] = kv.k[int(kv.starts[h]):][:n], kv.v[int(kv.starts[h]):][:n]
-    if min(lens) == L:  # equal heads: bottom-right causal without materialising a (t, L) mask
-        from torch.nn.attention.bias import causal_lower_right
-        mask = causal_lower_right(t, L)
-    else:  # padding + bottom-right causal per head, (1, H*G, t, L) in GQA order h*G+g
-        n_h = torch.tensor(lens, device=device)[:, None, None]
-        mask = torch.arange(L, device=device) <= torch.arange(t, device=device)[:, None] + n_h - t
-        mask = mask.repeat_interleave(G, 0)[None]
-    qd = q.view(t, H * G, d).transpose(0, 1)[None]                 # (1, H*G, t, d)
-
-    def sdpa(k_, v_, gqa):
-        return F.scaled_dot_product_attention(qd, k_, v_, attn_mask=mask, scale=scale,
-                                              enable_gqa=gqa)[0].transpose(0, 1)
-    cands = {"ours (" + ("triton" if cuda else "torch") + ")": lambda: kv.attend(q, scale),
-             "sdpa dense padded": lambda: sdpa(k_pad, v_pad, True)}
-    try:
-        sdpa(k_pad, v_pad, True)
-    except RuntimeError:  # some SDPA backends refuse GQA with this mask: repeat K/V as HF's repeat_kv
-        k_rep, v_rep = k_pad.repeat_interleave(G, 1), v_pad.repeat_interleave(G, 1)
-        cands["sdpa dense padded"] = lambda: sdpa(k_rep, v_rep, False)
-    try:
-        from flash_attn import flash_attn_varlen_func
-        k, v, cu_k, _, max_len = kv.keys_values()                  # compacted: cu_k is exact
-        qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)
-        cu_q = torch.arange(H + 1, dtype=torch.int32, device=device) * t
-        cands["flash-attn varlen"] = lambda: flash_attn_varlen_func(
-            qv, k, v, cu_q, cu_k, t, max_len, softmax_scale=scale, causal=True
-        ).view(H, t, G, d).transpose(0, 1).reshape(t, H * G, d)
-    except ImportError:
-        print("  (flash-attn not importable: skipped)")
-    ours = None
-    for label, fn in cands.items():
-        try:
-            out = fn().float()
-            ours = out if ours is None else ours
-            s = _timeit(fn, cuda)
-            print(f"  {label:26s} {s * 1e3:9.3f} ms {nbytes / s / 1e9:8.1f} GB/s {flops / s / 1e12:7.2f} TFLOP/s"
-                  f"   max|diff| {(out - ours).abs().max().item():.2e}")
-        except Exception as e:  # a baseline that does not run here must not stop the others
-            print(f"  {label:26s} failed: {type(e).__name__}: {str(e)[:100]}")
-        del fn
-
-
-def _bench_append(sizes, H, d, dtype, device, cuda, n_appends=100):
-    """Cost of appending one decode token vs cache size. Into slack it must be flat; a regrow
-    copies the cache (O(n)) but leaves n/2 rows of slack per head, so its amortised share is flat too."""
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    print(f"RaggedKV.append of 1 token, H={H}, d={d}:")
-    for n in sizes:
-        kv = _ragged_cache([n] * H, d, dtype, device)  # compacted: the first append has to regrow
-        k1, pos = torch.randn(1, H, d, dtype=dtype, device=device), torch.tensor([n])
-        sync()
-        t0 = time.perf_counter()
-        kv.append(k1, k1, pos)
-        sync()
-        regrow = time.perf_counter() - t0
-        slack = int((kv.caps - kv.lens).min())
-        ptr = kv.k.data_ptr()
-        t0 = time.perf_counter()
-        for _ in range(n_appends):
-            kv.append(k1, k1, pos)
-        sync()
-        into_slack = (time.perf_counter() - t0) / n_appends
-        assert kv.k.data_ptr() == ptr, "append into slack reallocated"
-        print(f"  {n:7d} rows/head: into slack {into_slack * 1e6:7.1f} us | regrow {regrow * 1e3:8.2f} ms "
-              f"once per {slack} appends = {regrow / slack * 1e6:6.1f} us amortised")
-
-
-if __name__ == "__main__":
-    cuda = torch.cuda.is_available()
-    if triton is None and cuda:
-        raise SystemExit("the CUDA benchmark needs triton (pip install triton)")
-    torch.manual_seed(0)
-    H, G, d = 8, 4, 128  # Qwen3-8B: 32 query heads, 8 KV heads, head_dim 128
-    if cuda:
-        dev, dtype = "cuda", torch.bfloat16
-        print(f"CUDA: {torch.cuda.get_device_name()}, Qwen3-8B attention shapes, bf16")
-        for total in (32768, 65536, 131072):  # kept keys per layer, 30% of a context of total / 0.3
-            lens = (torch.rand(H) + 0.5)                        # per-head retention varies 3x
-            lens = (lens / lens.sum() * total).long().clamp(min=1).tolist()
-            _bench_attend(f"decode, {total // 1024}K kept keys/layer (30% of {total / 0.3 / H / 1024:.0f}K tokens)",
-                          _ragged_cache(lens, d, dtype, dev), 1, G, cuda)
-        _bench_attend("chunked prefill, 16K chunk against a 64K-key cache",
-                      _ragged_cache([65536 + 16384] * H, d, dtype, dev), 16384, G, cuda)
-        _bench_append([1024, 8192, 65536, 524288], H, d, dtype, dev, cuda)
-    else:
-        print("No CUDA: timing the torch path (SDPA on the reference's blocks; one decode token: per-head\n"
-              "matmuls) on SMALL shapes (fp32, 1 thread). These numbers describe the CPU path, not the Triton\n"
-              "kernel (the interpreter is for tests, not speed).")
-        torch.set_num_threads(1)
-        for total in (2048, 8192):
-            lens = (torch.rand(H) + 0.5)
-            lens = (lens / lens.sum() * total).long().clamp(min=1).tolist()
-            _bench_attend(f"decode, {total} kept keys/layer", _ragged_cache(lens, d, torch.float32, "cpu"), 1, G, cuda)
-        _bench_attend("chunked prefill, 256-token chunk against a 2K-key cache",
-                      _ragged_cache([2048 + 256] * H, d, torch.float32, "cpu"), 256, G, cuda)
-        _bench_append([1024, 8192, 65536], H, d, torch.float32, "cpu", cuda)
+        raise NotImplementedError("a sliding-window layer keeps its last W tokens; nothing is "
+                                  "evicted from it")

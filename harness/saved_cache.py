@@ -2,10 +2,11 @@
 Compress once, answer later: what a saved cache costs on disk and how soon it answers.
 
 For each offline model, context length and budget: prefill the context as generate.py does (its
-chunk and window), save the cache (KVCache.save), then answer one question twice, greedily: from the
-cache just compressed (time to the first answer token = prefill + question + first token) and from
-the file (cache.load_cache + question + first token). The answers must be equal; the file's size is
-set beside the bytes a full cache holds after the same prefill (cache.full_cache_bytes).
+chunk and window), save the cache (formats.cache_file.save_cache), then answer one question twice,
+greedily: from the cache just compressed (time to the first answer token = prefill + question +
+first token) and from the file (load_cache + question + first token). The answers must be equal;
+the file's size is set beside the bytes a full cache holds after the same prefill
+(cache.full_cache_bytes).
 
     python -m harness.saved_cache                                   # both offline models, 2K and 8K
     python -m harness.saved_cache --models smollm2-135m-gguf --lengths 2048 --out /tmp/saved
@@ -25,7 +26,8 @@ import torch
 import cli
 import generate
 import model as M
-from cache import Budget, full_cache_bytes, load_cache
+from cache import Budget, full_cache_bytes
+from formats.cache_file import load_cache, save_cache
 from harness.quality import load_docs
 from teacher import prompt_format
 
@@ -50,8 +52,9 @@ def measure(model, tok, fmt, name, context, budget, args, folder):
     full_bytes, kv_bytes = full_cache_bytes(cache, len(ids)), cache.nbytes
     path = folder / f"{name}-{len(ids)}-{budget:g}.kv"
     t0 = time.perf_counter()
-    cache.save(path, model, ids, last, n_protected=n_protected, method=method, budget=budget,
-               chunk_size=args.chunk_size, window=args.window, prefill_seconds=prefill_s)
+    save_cache(path, cache, model, ids, last, n_protected=n_protected, method=method,
+               budget=budget, chunk_size=args.chunk_size, window=args.window,
+               prefill_seconds=prefill_s)
     save_s = time.perf_counter() - t0
     state = cache.checkpoint()
     t0 = time.perf_counter()

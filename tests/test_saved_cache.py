@@ -1,4 +1,4 @@
-"""A compressed cache saved to a file and answered from later (KVCache.save, cache.load_cache).
+"""A compressed cache saved to a file and answered from later (formats/cache_file.py).
 
 The oracle is the cache that was saved: with greedy decoding a question answered from the loaded
 cache gets the same tokens (and bit-equal logits) as from the saved one, in this process and in
@@ -19,8 +19,10 @@ import torch
 import cache as C
 import cli
 import model as M
-from cache import Batch, Budget, CacheFileError, load_cache
-from formats.gate_file import save_gate
+from cache import Batch, Budget
+from formats import tensor_file
+from formats.cache_file import CacheFileError, load_cache, read_header, save_cache
+from formats.gate_file import gate_sha256, save_gate
 from gate import Gates
 from generate import METHODS, begin_answer, build_inputs, decode_one, make_cache, prefill, prefill_kvzip, sample
 from teacher import KVzipTeacher, prompt_format
@@ -122,7 +124,7 @@ def test_loaded_cache_answers_as_the_saved_one(tiny, tmp_path, method, budget, d
     128th token where it evicts."""
     model, path = tiny["model"], tmp_path / "doc.kv"
     cache, ids, last = compressed(tiny, method, budget, decode)
-    cache.save(path, model, ids, last, method=method, budget=budget, chunk_size=CHUNK,
+    save_cache(path, cache, model, ids, last, method=method, budget=budget, chunk_size=CHUNK,
                window=WINDOW)
     saved_bytes = path.read_bytes()
     loaded, info = load_cache(path, model, scorer_for(tiny, method, decode))
@@ -141,7 +143,7 @@ def test_loaded_cache_answers_as_the_saved_one(tiny, tmp_path, method, budget, d
     head, logits = greedy(model, cache, last, 60, QUESTION)
     if decode is not None:
         assert sum(h.shape[0] for h in cache.buffer[cache.compressed[0]]) == 60 + len(QUESTION)
-    cache.save(path, model, ids, logits, method=method, budget=budget)
+    save_cache(path, cache, model, ids, logits, method=method, budget=budget)
     loaded, info = load_cache(path, model, scorer_for(tiny, method, decode))
     want, want_logits = greedy(model, cache, logits, N_NEW - 60)
     got, got_logits = greedy(model, loaded, info["last_logits"], N_NEW - 60)
@@ -154,9 +156,9 @@ def test_the_file_holds_the_kept_rows_and_what_made_them(tiny, tmp_path):
     windows): no slack, no evicted row; its metadata names model, method, budget, plan, context."""
     model, path = tiny["model"], tmp_path / "doc.kv"
     cache, ids, last = compressed(tiny, "fastkvzip", 0.3, None)
-    cache.save(path, model, ids, last, method="fastkvzip", budget=0.3, chunk_size=CHUNK,
+    save_cache(path, cache, model, ids, last, method="fastkvzip", budget=0.3, chunk_size=CHUNK,
                window=WINDOW)
-    header, state = C.read_header(path)
+    header, state = read_header(path)
     rows = sum(int(kv.lens.sum()) for kv in cache.layers)
     kv_bytes = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
                    if k.endswith((".k", ".v")))
@@ -169,13 +171,13 @@ def test_the_file_holds_the_kept_rows_and_what_made_them(tiny, tmp_path):
     assert (state["method"], state["budget"], state["level"]) == ("fastkvzip", 0.3, "global")
     assert state["n_context"] == N_CONTEXT and state["n_protected"] == len(ids) - N_CONTEXT
     assert state["plan"] == vars(C.plan_prefill(N_CONTEXT, 0.3, CHUNK, WINDOW))
-    assert state["gate_sha256"] == C.tensors_sha256(tiny["gates"].state_dict())
+    assert state["gate_sha256"] == gate_sha256(tiny["gates"])
 
 
 SUBPROCESS = """
 import json, sys, torch
 import model as M
-from cache import load_cache
+from formats.cache_file import load_cache
 from formats.gate_file import load_gate
 from generate import make_cache
 from tests.test_saved_cache import greedy
@@ -199,7 +201,7 @@ def test_another_process_answers_the_same(tiny, tmp_path):
     cases, want = [], []
     for i, (method, budget, decode) in enumerate(CASES):
         cache, ids, last = compressed(tiny, method, budget, decode)
-        cache.save(tmp_path / f"{i}.kv", tiny["model"], ids, last, method=method, budget=budget)
+        save_cache(tmp_path / f"{i}.kv", cache, tiny["model"], ids, last, method=method, budget=budget)
         want.append(greedy(tiny["model"], cache, last, N_NEW, QUESTION)[0])
         cases.append(dict(file=str(tmp_path / f"{i}.kv"), method=method, decode=decode, n=N_NEW,
                           question=QUESTION))
@@ -220,7 +222,7 @@ def test_other_families(arch, tmp_path):
     """Llama and Qwen2 (no QK-norm; Qwen2's q/k/v biases): the gate at 0.3, decode-time eviction."""
     t = tiny_setup(arch, tmp_path / arch)
     cache, ids, last = compressed(t, "fastkvzip", 0.3, DECODE)
-    cache.save(tmp_path / "doc.kv", t["model"], ids, last)
+    save_cache(tmp_path / "doc.kv", cache, t["model"], ids, last)
     loaded, info = load_cache(tmp_path / "doc.kv", t["model"], scorer_for(t, "fastkvzip", DECODE))
     want, want_logits = greedy(t["model"], cache, last, N_NEW, QUESTION)
     got, got_logits = greedy(t["model"], loaded, info["last_logits"], N_NEW, QUESTION)
@@ -245,7 +247,7 @@ def test_offline_models_answer_the_same_from_a_file(offline, tmp_path, method, d
     ids, n_protected, [(_, q)] = build_inputs(t["tok"], t["fmt"], text, ["Where?"])
     budget = 1.0 if method == "full" else 0.3
     cache, last = prefilled(t, method, t["name"], ids, n_protected, budget, decode)
-    cache.save(tmp_path / "doc.kv", t["model"], ids, last, n_protected=n_protected)
+    save_cache(tmp_path / "doc.kv", cache, t["model"], ids, last, n_protected=n_protected)
     scorer = getattr(cache, "scorer", None) if decode else None
     loaded, info = load_cache(tmp_path / "doc.kv", t["model"], scorer)
     n = 132 if decode else 8
@@ -262,7 +264,7 @@ def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("saved")
     t = tiny_setup("gemma3", folder / "model")
     cache, ids, last = compressed(t, "fastkvzip", 0.3, DECODE)
-    cache.save(folder / "doc.kv", t["model"], ids, last)
+    save_cache(folder / "doc.kv", cache, t["model"], ids, last)
     return t, folder / "doc.kv"
 
 
@@ -337,7 +339,7 @@ def test_refuses_a_truncated_file(saved, tmp_path, keep):
 def test_refuses_a_corrupt_file(saved, tmp_path, where):
     """A flipped bit: in the header's JSON (in a number: still JSON), in a key, in the checksum."""
     t, path = saved
-    header, _ = C.read_header(path)
+    header, _ = read_header(path)
     n = int.from_bytes(path.read_bytes()[:8], "little")
 
     def flip(d):
@@ -381,10 +383,10 @@ def test_a_full_disk_writes_nothing(saved, tmp_path, monkeypatch):
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    monkeypatch.setattr(cli, "open", lambda *a, **kw: FullDisk(real_open(*a, **kw)), raising=False)
+    monkeypatch.setattr(tensor_file, "open", lambda *a, **kw: FullDisk(real_open(*a, **kw)), raising=False)
     for dest in (target, tmp_path / "new.kv"):
         with pytest.raises(cli.WriteError) as e:
-            cache.save(dest, t["model"], info["ids"], info["last_logits"])
+            save_cache(dest, cache, t["model"], info["ids"], info["last_logits"])
         assert str(e.value) == f"cannot write {dest}: No space left on device"
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kv"]
@@ -398,7 +400,7 @@ def test_a_batch_member_is_not_saved(saved, tmp_path):
     batch = Batch(t["model"].config)
     batch.join(cache)
     with pytest.raises(ValueError, match="leave the batch"):
-        cache.save(tmp_path / "x.kv", t["model"], info["ids"], info["last_logits"])
+        save_cache(tmp_path / "x.kv", cache, t["model"], info["ids"], info["last_logits"])
     assert not (tmp_path / "x.kv").exists()
 
 
