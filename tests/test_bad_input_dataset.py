@@ -11,6 +11,7 @@ import torch
 import bench
 import cli
 import gate
+from formats.gate_file import save_gate
 from harness import ruler
 from model import ModelConfig, load_tokenizer
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
@@ -31,7 +32,7 @@ def tiny(tmp_path_factory):
     gates = gate.Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
                        cfg.group_size)
     path = folder.parent / "gate.safetensors"
-    gate.save_gate(path, gates, {"note": "random, tests only"})
+    save_gate(path, gates, {"note": "random, tests only"})
     return folder, path
 
 
