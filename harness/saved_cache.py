@@ -26,6 +26,7 @@ import cli
 import generate
 import model as M
 from cache import Budget, full_cache_bytes, load_cache
+from commands.generate import build_inputs
 from harness.quality import load_docs
 from teacher import prompt_format
 
@@ -40,7 +41,7 @@ def first_token(model, cache, q_ids, last_logits):
 @torch.no_grad()
 def measure(model, tok, fmt, name, context, budget, args, folder):
     """One (model, context, budget): prefill, save, answer from both; -> a result row."""
-    ids, n_protected, [(_, q_ids)] = generate.build_inputs(tok, fmt, context, [QUESTION])
+    ids, n_protected, [(_, q_ids)] = build_inputs(tok, fmt, context, [QUESTION])
     method = "full" if budget == 1.0 else "fastkvzip"
     cache = generate.make_cache(method, model, name, n_protected)  # the gate loads before the clock
     t0 = time.perf_counter()

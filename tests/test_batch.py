@@ -320,7 +320,7 @@ def test_batch_lines_end_at_newlines_and_files_are_found_beside_the_batch(tiny_c
     str.splitlines(), which breaks lines there too ("Unterminated string"). A relative context_file
     is read from the batch file's folder (it was read from the current one), and a missing one is
     named with the folder looked in."""
-    import generate
+    from commands.generate import read_requests
     folder, _ = tiny_cli
     tok, fmt = M.load_tokenizer(folder), PromptFormat("", "")
     (tmp_path / "b").mkdir()
@@ -330,13 +330,13 @@ def test_batch_lines_end_at_newlines_and_files_are_found_beside_the_batch(tiny_c
              json.dumps({"context_file": "doc.txt"})]
     (tmp_path / "b" / "req.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     monkeypatch.chdir(tmp_path)  # not the batch file's folder
-    reqs = generate.read_requests("b/req.jsonl", tok, fmt, 1024, Budget(0.5), 4)
+    reqs = read_requests("b/req.jsonl", tok, fmt, 1024, Budget(0.5), 4)
     assert [r["ids"] for r in reqs] == [tok.encode(t, add_special_tokens=False).ids
                                         for t in (context, "the document beside the batch file")]
     (tmp_path / "b" / "req.jsonl").write_text(json.dumps({"context_file": "missing.txt"}) + "\n")
     missing = tmp_path / "b" / "missing.txt"
     with pytest.raises(UsageError, match=f"context_file {missing}: No such file"):
-        generate.read_requests("b/req.jsonl", tok, fmt, 1024, Budget(0.5), 4)
+        read_requests("b/req.jsonl", tok, fmt, 1024, Budget(0.5), 4)
 
 
 @pytest.mark.parametrize("flags,words", [

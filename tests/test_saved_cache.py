@@ -20,8 +20,9 @@ import cache as C
 import cli
 import model as M
 from cache import Batch, Budget, CacheFileError, load_cache
+from commands.generate import build_inputs
 from gate import Gates, save_gate
-from generate import METHODS, begin_answer, build_inputs, decode_one, make_cache, prefill, prefill_kvzip, sample
+from generate import METHODS, begin_answer, decode_one, make_cache, prefill, prefill_kvzip, sample
 from teacher import KVzipTeacher, prompt_format
 from tests.helpers import edit_config, run_main, tiny_checkpoint, tiny_tokenizer
 
