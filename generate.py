@@ -1,47 +1,24 @@
 """
-Generate with a compressed KV cache.
+Generate with a compressed KV cache: the method's path from a prompt to its answers.
 
-The context is prefilled in chunks; after every chunk the tokens that left the local window are scored
-and the least important KV pairs are evicted (METHOD.md §6). Questions are then answered one by one from
-the same compressed cache, each rolled back afterwards (METHOD.md §11's query-agnostic setting).
-With --batch, many documents: each is prefilled alone, then up to --batch-size of them decode together,
-one forward per step over one ragged cache (cache.Batch); one JSON line per request, in order.
+The context is prefilled in chunks; after every chunk the tokens that left the local window are
+scored and the least important KV pairs are evicted (METHOD.md §6). Questions are then answered one
+by one from the same compressed cache, each rolled back afterwards (METHOD.md §11's query-agnostic
+setting). Many requests decode together: each is prefilled alone, then their rows join one ragged
+cache (cache.Batch), one forward of one token each per step.
 
-CPU example (the offline Gemma 3 270M, converted from PyPI on first use; the first chapter of Persuasion):
-    python generate.py --budget 0.3      # no context given: the shipped example and its question
-    python generate.py --context-file examples/persuasion-chapter-1.txt --question "How old is Elizabeth?" \
-        --max-new-tokens 8
-    python generate.py --prompt "Water boils at" --max-new-tokens 20 --budget 1.0
-    python generate.py --batch requests.jsonl --batch-size 8 > answers.jsonl
-      (a line: {"context_file": "examples/persuasion-chapter-1.txt",
-                "questions": ["How old is Elizabeth?"]}; a relative context_file is read from the
-       batch file's folder)
-Compress once, answer later (METHOD.md §8.1; in --batch, a line {"cache_file": "ch1.kv", ...}):
-    python generate.py --context-file examples/persuasion-chapter-1.txt --save-cache ch1.kv \
-        --max-new-tokens 0    # compress and save only: no question
-    python generate.py --load-cache ch1.kv --question "How old is Elizabeth?" --max-new-tokens 8
-Full-size example (GPU, a released gate is fetched from the hub):
-    python generate.py --model qwen3-8b --context-file doc.txt --question "..." --budget 0.3
+Read first: prefill, then decode. `python generate.py ...` keeps its command line (flags, requests,
+batch files, saved caches, printing) in commands/generate.py.
 """
-import argparse
-import json
-import math
-import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
 
-import cli
 import gate
-from cache import LEVELS, Batch, Budget, EvictingCache, KVCache, full_cache_bytes
-from cli import OFFLINE_DEFAULT, UsageError, parse_device, read_context, resolve_model, retention_map, summary_line
-from formats.cache_file import CacheFileError, check_cache_file, load_cache, read_header, save_cache
-from formats.gate_file import GateError, resolve_gate
-from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_model, load_tokenizer, model_identity
-from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
+from cache import Batch, Budget, EvictingCache, KVCache
+from model import ModelError
 
 METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
 
@@ -75,8 +52,8 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
 # prefill, one decode step
 
 def prefill(model, cache, ids, n_protected, budget=Budget()):
-    """Feed ids (system prompt ⊕ context) in chunks of budget.chunk_size, evicting after each chunk
-    (METHOD.md §6). Returns the last position's logits. With a full KVCache nothing is evicted."""
+    """Feed ids (system prompt ⊕ context) in chunks of budget.chunk_size, evicting after each
+    chunk (METHOD.md §6); -> the last position's logits. A full KVCache evicts nothing."""
     n_context = len(ids) - n_protected
     evicting = isinstance(cache, EvictingCache) and n_context > 0
     plan = budget.plan(n_context) if evicting else None
@@ -122,14 +99,14 @@ def decode_one(model, cache, token):
 
 
 def decode_batch(model, batch, tokens):
-    """One token for each member of a cache.Batch, in join order -> logits (B, vocab): one forward."""
+    """One forward, a token for each member of a cache.Batch in join order -> logits (B, vocab)."""
     logits = model(torch.tensor(tokens, device=batch.device), batch)
     batch.after_step()  # every member's decode-time eviction, on its own rows
     return logits
 
 
 def begin_answer(model, cache, question_ids, last_logits=None):
-    """Switch the cache to decoding and append the question; -> the logits its answer starts from."""
+    """Switch the cache to decoding, append the question -> the logits its answer starts from."""
     if isinstance(cache, EvictingCache):
         cache.start_decoding()  # from here on new tokens are buffered and gated 128 at a time
     if not question_ids:
@@ -144,8 +121,7 @@ def begin_answer(model, cache, question_ids, last_logits=None):
 class Method:
     """What scores and evicts the KV pairs of every request of a run (make_cache)."""
     name: str = "fastkvzip"  # one of METHODS
-    model_name: str = OFFLINE_DEFAULT  # fastkvzip without gates: the bundled or released gate
-    gates: object = None  # fastkvzip: the gate.Gates, already loaded
+    gates: object = None  # fastkvzip: the gate.Gates (formats.gate_file.resolve_gate loads them)
     teacher: object = None  # kvzip: the teacher.KVzipTeacher that scores the context
     level: str = None  # eviction structure (cache.LEVELS); None: the scorer's own
     decode_tokens_per_head: int = None  # decode-time eviction (EvictingCache); None: keep all
@@ -169,9 +145,6 @@ class Request:
     prefill_s: float = 0.0
     kv_bytes: int = 0  # held after prefill
     peak_kv_bytes: int = 0
-    source: str = "prefill"  # where the cache came from: "prefill", or "file" (load_cache)
-    cache_file: str = None  # the file it was loaded from, or saved to (--save-cache)
-    file_s: float = None  # seconds the load (or the save) took
     q: int = -1  # the question being answered
     out: list = None  # its answer so far; None between answers
     state: dict = None  # the cache's checkpoint from before the question
@@ -194,44 +167,17 @@ class Request:
                              "float32 (or bfloat16)")
         return sample(self.logits, temperature, top_p, self.generator)
 
-    def stats(self):
-        """The `stats` object of --json: speed, bytes held after prefill (and their peak), what was
-        kept."""
-        cache, n, cfg = self.cache, len(self.ids), self.cache.cfg
-        compressed = list(cfg.compressed_layers)
-        per_layer = (cache.kept_fraction_per_layer(self.n_protected, n)
-                     if isinstance(cache, EvictingCache) else [1.0] * len(compressed))
-        return dict(method=self.method, budget=self.budget if self.method != "full" else 1.0,
-                    prompt_tokens=n, context_tokens=n - self.n_protected,
-                    compressed_layers=compressed,
-                    n_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window,
-                    sliding_layers=[i for i in range(cfg.num_hidden_layers)
-                                    if cfg.window(i) is not None and i not in compressed],
-                    prefill_seconds=self.prefill_s,
-                    prefill_tokens_per_s=n / self.prefill_s if self.prefill_s else None,
-                    cache_source=self.source, cache_file=self.cache_file,
-                    load_seconds=self.file_s if self.source == "file" else None,
-                    save_seconds=self.file_s if self.source != "file" else None,
-                    decode_tokens_per_s=self.n_steps / self.decode_s if self.n_steps else None,
-                    kv_bytes=self.kv_bytes, kv_bytes_full=full_cache_bytes(cache, n),
-                    peak_kv_bytes=self.peak_kv_bytes,
-                    gate_seconds=getattr(cache, "gate_seconds", 0.0),
-                    kept_fraction=sum(per_layer) / len(per_layer) if per_layer else 1.0,
-                    kept_fraction_per_layer=per_layer)
-
 
 def setup(model, req, method=Method(), seed=0, index=0):
     """A request made ready to answer, from plain values: req {"ids": system prompt ⊕ context ids,
     "n_protected": system prompt length, "questions": [(text, ids)], "budget": a cache.Budget,
     "max_new_tokens"} -> a Request whose cache for `method` is prefilled alone. Budget 1.0 without
     decode-time eviction keeps every pair: the full cache, no scorer (and no gate) needed."""
-    if "cache_file" in req:
-        return load_request(model, req, method, seed, index)
     ids, n_protected, budget = req["ids"], req["n_protected"], req["budget"]
     keeps_all = budget.ratio == 1.0 and method.decode_tokens_per_head is None
     name = "full" if keeps_all else method.name
     assert name != "kvzip" or method.teacher is not None, "kvzip needs its teacher (KVzipTeacher)"
-    cache = make_cache(name, model, method.model_name, n_protected, level=method.level,
+    cache = make_cache(name, model, n_protected, level=method.level,
                        decode_tokens_per_head=method.decode_tokens_per_head, seed=seed,
                        gates=method.gates)
     t0 = time.perf_counter()
@@ -244,25 +190,6 @@ def setup(model, req, method=Method(), seed=0, index=0):
                    n_protected=n_protected, method=name, budget=budget.ratio,
                    prefill_s=time.perf_counter() - t0, kv_bytes=cache.nbytes,
                    peak_kv_bytes=cache.peak_nbytes)
-
-
-def load_request(model, req, method=Method(), seed=0, index=0):
-    """setup() for a request whose cache was saved (KVCache.save): req {"cache_file", "questions",
-    "max_new_tokens"}. The file decides what its prefill did (method, budget, decode-time eviction);
-    `method` only lends the scorer that goes on evicting while decoding (the same gate)."""
-    path, state = req["cache_file"], req.get("cache_state") or {}
-    scorer = None
-    if state.get("decode_tokens_per_head") is not None:  # the file checks it is the scorer it had
-        scorer = make_cache(state["method"], model, method.model_name, state["n_protected"],
-                            decode_tokens_per_head=state["decode_tokens_per_head"], seed=seed,
-                            gates=method.gates).scorer
-    cache, info = load_cache(path, model, scorer)
-    return Request(cache, req["questions"], req["max_new_tokens"], info["last_logits"],
-                   torch.Generator().manual_seed(seed), index=index, ids=info["ids"],
-                   n_protected=info["n_protected"], method=info["method"] or "full",
-                   budget=info["budget"] or 1.0, prefill_s=None, kv_bytes=cache.nbytes,
-                   peak_kv_bytes=cache.peak_nbytes, source="file", cache_file=str(path),
-                   file_s=info["load_seconds"])
 
 
 def generate_batch(model, requests, method=Method(), batch_size=1, stop_ids=(),
@@ -284,7 +211,7 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
     answer ends leaves the batch, starts its next question alone and rejoins. Greedy answers are
     the ones each request gets alone (tests/test_batch.py). Yields (event, request): "question"
     (request.q starts), "token" (request.out[-1]), "answer" (request.answers[-1], before the
-    rollback), "done" (request.stats() still readable). answer_stop_ids (default stop_ids) end an
+    rollback), "done" (its cache still readable). answer_stop_ids (default stop_ids) end an
     answer to a question; stop_ids end a continuation of the context (question text "").
     ends_line(answer so far, token) -> bool, for a base model's one-line answers (one_line): also
     ends an answer to a question."""
@@ -361,19 +288,19 @@ def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0
 # -------------------------------------------------------------------------------------------------
 # wiring: model, cache, scorer
 
-def make_cache(method, model, model_name, n_protected, gate_file=None, level=None, decode_tokens_per_head=None,
-               seed=0, gates=None):
-    """An empty cache for `method` in model's dtype and device. fastkvzip: `gates` when already loaded, else the
-    gate in gate_file (default: the bundled or released gate for model_name); random: scores seeded by seed;
-    level: the eviction structure (default: the scorer's own); decode_tokens_per_head: see EvictingCache."""
+def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens_per_head=None,
+               seed=0):
+    """An empty cache for `method` in model's dtype and device. fastkvzip: scored by `gates` (a
+    gate.Gates: formats.gate_file.resolve_gate loads the bundled, a released or a given gate);
+    random: scores seeded by seed; level: the eviction structure (default: the scorer's own);
+    decode_tokens_per_head: see EvictingCache."""
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
     if method == "full":
         return KVCache(cfg, dtype, device)
     H = cfg.num_key_value_heads
     if method == "fastkvzip":
-        if gates is None:
-            gates = resolve_gate(gate_file, cfg, model_name, device=device)
+        assert gates is not None, "fastkvzip needs its gates: formats.gate_file.resolve_gate"
         scorer = gate.GateScorer(gates)
     elif method == "streaming":
         scorer = gate.StreamingScorer(n_kv_heads=H)
@@ -393,319 +320,6 @@ def make_cache(method, model, model_name, n_protected, gate_file=None, level=Non
                          decode_tokens_per_head=decode_tokens_per_head)
 
 
-def check_args(args):
-    """Everything about the flags that can be checked before anything is read or loaded."""
-    if args.load_cache is not None:
-        flags = (("--prompt", args.prompt), ("--context-file", args.context_file),
-                 ("--budget", args.budget), ("--batch", args.batch),
-                 ("--save-cache", args.save_cache), ("--level", args.level),
-                 ("--decode-tokens-per-head", args.decode_tokens_per_head))
-        given = [f for f, v in flags if v is not None]
-        if given:
-            where = ' (in --batch: a line {"cache_file": ...})' if given[0] == "--batch" else ""
-            raise UsageError(f"--load-cache answers from a cache made with its context, budget and "
-                             f"method: drop {given[0]}{where}")
-    if args.save_cache is not None and args.batch is not None:
-        raise UsageError("--save-cache saves one context's cache: drop --batch (or run each alone)")
-    args.budget = 0.3 if args.budget is None else args.budget
-    if not 0 < args.budget <= 1:  # also refuses nan
-        raise UsageError(f"--budget must be in (0, 1] (the fraction of context KV pairs kept), got {args.budget}")
-    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 0), ("--chunk-size", args.chunk_size, 1),
-                             ("--window", args.window, 0),
-                             ("--decode-tokens-per-head", args.decode_tokens_per_head, 1)):
-        if value is not None and value < low:
-            raise UsageError(f"{flag} must be {'positive' if low else '>= 0'}, got {value}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if not -2**63 <= args.seed < 2**63:
-        raise UsageError(f"--seed {args.seed} does not fit in 64 bits")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1] (the probability mass sampled from), got {args.top_p}")
-    if args.decode_tokens_per_head is not None and args.method in ("kvzip", "snapkv", "full"):
-        why = {"kvzip": "scores the context once", "snapkv": "scores prefill chunks only",
-               "full": "keeps every pair"}[args.method]
-        raise UsageError(f"--method {args.method} {why}; drop --decode-tokens-per-head")
-    if args.gate and args.method != "fastkvzip":
-        raise UsageError(f"--gate is read by --method fastkvzip only, not by --method {args.method}; drop it")
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size must be positive, got {args.batch_size}")
-    if args.batch is not None:
-        given = [f for f, v in (("--prompt", args.prompt), ("--context-file", args.context_file),
-                                ("--question", args.question)) if v is not None]
-        if given:
-            raise UsageError(f"--batch reads contexts and questions from its file: drop {given[0]}")
-        return
-    if args.prompt is not None and args.context_file:
-        raise UsageError("pass --prompt TEXT or --context-file FILE, not both")
-    for flag, text in [("--prompt", args.prompt)] + [("--question", q) for q in args.question or []]:
-        if text is not None:  # the shell's bytes: Python keeps those that are not UTF-8 as lone surrogates
-            cli.decode_text(os.fsencode(text), flag)
-    if any(not q.strip() for q in args.question or []):  # it would continue the context instead
-        raise UsageError("--question is empty: ask something, or drop --question to continue the "
-                         "context")
-
-
-def build_inputs(tok, fmt, context, questions=None):
-    """(prefill ids, number of protected system-prompt ids, list of (question text, question ids)),
-    for a list of question strings; without any, one empty question: generation continues the
-    context. The context and questions are data: only the template makes control ids (model.py)."""
-    system = encode_prompt(tok, fmt.system)
-    # a question about a context in the evaluation format (METHOD.md §11), for a base model (no
-    # chat postfix) with the start of its answer (model.question_ids), so that it answers instead
-    # of going on with the text; a bare prompt just ends its turn
-    qs = [(q, question_ids(tok, fmt, q) if q else encode_prompt(tok, fmt.postfix))
-          for q in questions or [""]]
-    return system + encode_text(tok, context), len(system), qs
-
-
-def make_request(tok, fmt, context, questions, budget, max_new_tokens, max_positions, where="",
-                 flag="--max-new-tokens", method="full"):
-    """setup()'s request dict for one context and its questions, refused with one line when
-    context + question + answer would not fit in the model's positions, or when the window would
-    leave `method` nothing to choose (check_window)."""
-    ids, n_protected, qs = build_inputs(tok, fmt, context, questions)
-    longest = len(ids) + max(len(q) for _, q in qs) + max_new_tokens
-    if longest > max_positions:
-        raise UsageError(f"{where}context + question + {flag} = {longest} tokens exceeds the "
-                         f"model's maximum of {max_positions}; shorten the context or lower {flag}")
-    check_window(method, budget, len(ids) - n_protected, where)
-    return dict(ids=ids, n_protected=n_protected, questions=qs, budget=budget,
-                max_new_tokens=max_new_tokens)
-
-
-def check_window(method, budget, n_context, where=""):
-    """Refuse a budget the local window takes whole (METHOD.md §6: then only a window of r·n
-    tokens survives): a scoring method would keep exactly what --method streaming keeps, its
-    scores never asked, while its name said otherwise."""
-    if method in ("full", "streaming") or budget.ratio == 1.0 or n_context == 0:
-        return
-    plan = budget.plan(n_context)
-    if plan.segment_ratio > 0:
-        return
-    kept = int(budget.ratio * n_context)
-    short = n_context < budget.chunk_size  # the window is the last 2% (METHOD.md §6)
-    window = (f"the last 2% a context shorter than --chunk-size {budget.chunk_size} keeps" if short
-              else f"--window {budget.window}")
-    fix = "a --budget above 0.02" if short else f"a --window below {kept}, a larger --budget"
-    raise UsageError(f"{where}--budget {budget.ratio:g} keeps {kept} of the {n_context} context "
-                     f"tokens, no more than the window ({window}): --method {method} would choose "
-                     f"nothing and keep what --method streaming keeps; pass {fix}, or --method "
-                     f"streaming")
-
-
-def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions, where):
-    """load_request()'s request dict for a saved cache and the questions asked of it: refused with
-    one line when its system prompt is not this prompt format's (another --chat / --thinking: the
-    questions would be asked in another format) or when the answers would not fit in the model."""
-    qs = build_inputs(tok, fmt, "", questions)[2]
-    with safe_open(str(path), framework="pt") as f:  # the prompt ids: a small tensor of the file
-        system = f.get_tensor("ids")[:state["n_protected"]].tolist()
-    if system != encode_prompt(tok, fmt.system):
-        raise UsageError(f"{where} {path} was made with another prompt format (its system prompt "
-                         "differs): pass the --chat / --thinking it was made with")
-    longest = state["n_seen"] + max(len(q) for _, q in qs) + max_new_tokens
-    if longest > max_positions:
-        raise UsageError(f"{where} {path}: its {state['n_seen']} tokens + question + max new "
-                         f"tokens = {longest} exceed the model's maximum of {max_positions}")
-    return dict(cache_file=path, cache_state=state, questions=qs, max_new_tokens=max_new_tokens)
-
-
-def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, method="full",
-                  from_file=None):
-    """--batch FILE -> setup()'s requests (cli.read_batch reads and checks the file). budget (a
-    cache.Budget) and max_new_tokens: the flags, the defaults; method: what will score the KV pairs
-    (check_window). from_file(path, questions, max_new_tokens, where): the request of a "cache_file"
-    line (a saved cache, checked against the model)."""
-    reqs = []
-    for where, r in cli.read_batch(path, budget.ratio, max_new_tokens):
-        if r["cache_file"]:
-            reqs.append(from_file(r["cache_file"], r["questions"], r["max_new_tokens"],
-                                  f"{where}: cache_file"))
-        else:
-            reqs.append(make_request(tok, fmt, r["context"], r["questions"],
-                                     replace(budget, ratio=r["budget"]), r["max_new_tokens"],
-                                     max_positions, f"{where}: ", "max_new_tokens", method))
-    return reqs
-
-
-def model_setup(name, dtype, chat, thinking, device):
-    """What --model, --dtype, --chat and --thinking decide, checked before the weights load (they
-    take minutes on a large model): (folder, config, tokenizer, dtype, prompt format)."""
-    folder = resolve_model(name)
-    cfg = ModelConfig.from_json(folder)
-    tok = load_tokenizer(folder, cfg)
-    dtype = compute_dtype(dtype, device)
-    check_dtype(cfg, dtype)
-    hybrid = cfg.arch == "qwen3" and uses_chat(cfg, chat) and "instruct" not in name.lower()
-    if thinking and not hybrid:
-        raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model "
-                         "and template have no such switch: drop it")
-    return folder, cfg, tok, dtype, prompt_format(cfg, name, chat=chat, thinking=thinking)
-
-
-EXAMPLE = ("examples/persuasion-chapter-1.txt", "How old is Elizabeth?")  # README's first command
-
-
-def run(args):
-    """One request (--prompt, --context-file, or the shipped example), streamed as it is answered;
-    or --batch FILE, one JSON line per request on stdout, in order."""
-    check_args(args)
-    device = parse_device(args.device)
-    budget = Budget(args.budget, args.chunk_size, args.window)
-    context, questions = args.prompt, args.question
-    if args.batch is None and context is None and args.load_cache is None:
-        path = args.context_file
-        if not path:  # nothing given: the README's first command, at these flags
-            path, questions = EXAMPLE[0], questions or [EXAMPLE[1]]
-            print(f"no --prompt or --context-file: answering {questions[0]!r} about the shipped "
-                  f"example, {path}, at --budget {args.budget}", file=sys.stderr, flush=True)
-            path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
-        context = read_context(path)
-    if context is not None and not context.strip():
-        raise UsageError("--prompt is empty: there is no context to continue")
-    # every cheap check first (config, tokenizer, lengths, gate file): the weights take minutes
-    dtype = args.dtype
-    if args.load_cache is not None and dtype is None:  # the dtype the cache holds, unless asked
-        dtype = read_header(args.load_cache)[1]["dtype"]
-    folder, cfg, tok, dtype, fmt = model_setup(args.model, dtype, args.chat, args.thinking, device)
-    n_pos = cfg.max_position_embeddings
-    identity = {}
-
-    def from_file(path, questions, max_new_tokens, where="--load-cache"):
-        identity.update(identity or model_identity(folder))  # a sample of the weights: once
-        return file_request(tok, fmt, path, check_cache_file(path, identity, dtype), questions,
-                            max_new_tokens, n_pos, where)
-
-    if args.batch is not None:
-        reqs = read_requests(args.batch, tok, fmt, n_pos, budget, args.max_new_tokens, args.method,
-                             from_file)
-    elif args.load_cache is not None:
-        reqs = [from_file(args.load_cache, questions, args.max_new_tokens)]
-    else:
-        reqs = [make_request(tok, fmt, context, questions, budget, args.max_new_tokens, n_pos,
-                             method=args.method)]
-    method = Method(args.method, args.model, level=args.level,
-                    decode_tokens_per_head=args.decode_tokens_per_head)
-    prefills = [r for r in reqs if "cache_file" not in r]
-    evicting = any(args.decode_tokens_per_head is not None or r["budget"].ratio < 1
-                   for r in prefills)
-    gated_files = any(r["cache_state"]["method"] == "fastkvzip" and r["cache_state"].get(
-        "decode_tokens_per_head") is not None for r in reqs if "cache_file" in r)
-    if (args.method == "fastkvzip" and evicting) or gated_files or args.gate:  # --gate is checked
-        method.gates = resolve_gate(args.gate, cfg, args.model, device=device)
-    model = load_model(folder, device, dtype)
-    if args.method == "kvzip" and evicting:
-        method.teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
-    # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own
-    ends_line = None if fmt.postfix else one_line(tok)
-    if args.save_cache is not None:  # prefill, save, then answer (if asked) from the same cache
-        with torch.no_grad():
-            r = setup(model, reqs[0], method, args.seed)
-        t0 = time.perf_counter()
-        save_cache(args.save_cache, r.cache, model, r.ids, r.logits, r.n_protected, r.method,
-                   r.budget, budget.chunk_size, budget.window, prefill_seconds=r.prefill_s)
-        r.cache_file, r.file_s = args.save_cache, time.perf_counter() - t0
-        events = decode(model, [r], 1, cfg.eos_token_ids, cfg.eos_token_ids, args.temperature,
-                        args.top_p, ends_line)
-    else:
-        events = generate_batch(model, reqs, method, args.batch_size if args.batch else 1,
-                                cfg.eos_token_ids, cfg.eos_token_ids, args.temperature,
-                                args.top_p, args.seed, ends_line)
-    stream = args.batch is None and not args.json
-    from tqdm import tqdm
-    bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr,
-               disable=None if args.batch else True)  # None: off where stderr is no terminal
-    done, printed, shown = {}, 0, 0
-    for event, r in events:
-        if stream and event == "question":
-            shown = 0  # characters of this answer printed so far
-            if r.questions[r.q][0]:
-                print(f"\nQ: {r.questions[r.q][0]}\nA:", end="", flush=True)
-        elif stream and event in ("token", "answer"):
-            # the answer so far, decoded whole: a character split over tokens (an emoji in byte
-            # tokens) decodes as U+FFFD until its last byte arrives, so it waits for it
-            text = tok.decode(r.out if event == "token" else r.answers[-1]["output_ids"])
-            if event == "answer" or not text.endswith("\ufffd"):
-                print(text[shown:], end="\n" if event == "answer" else "", flush=True)
-                shown = len(text)
-        if event != "done":
-            continue
-        stats = r.stats()
-        evicted = isinstance(r.cache, EvictingCache)
-        retention = r.cache.retention(r.n_protected, len(r.ids)) if evicted else None
-        if stream:
-            if args.show_retention and retention is not None:
-                print(retention_map(retention, r.cache.compressed), file=sys.stderr)
-            print(summary_line(stats), file=sys.stderr)
-            continue
-        if args.show_retention and retention is not None:  # (compressed layers, KV heads)
-            stats.update(retention=retention.tolist())
-        for a in r.answers:
-            a["text"] = tok.decode(a["output_ids"])
-        done[r.index] = {"prompt_ids": r.ids, "answers": r.answers, "stats": stats}
-        bar.update(1)
-        while printed in done:  # in request order, each as soon as the ones before it are out
-            print(json.dumps(done.pop(printed)), flush=True)
-            printed += 1
-    bar.close()
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=OFFLINE_DEFAULT, help="local folder, HF repo id, or alias (qwen3-8b, "
-                   f"gemma3-12b, ...); default: {OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
-    p.add_argument("--prompt", help="text to continue (it is the context that gets compressed)")
-    p.add_argument("--context-file", help="a text file to prefill and compress before any question")
-    p.add_argument("--question", action="append", help="a question about the context (repeatable; "
-                   "each is answered from the same compressed cache)")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap in the model's chat template (default: on, except for a base model, "
-                   "whose tokenizer has no template)")
-    p.add_argument("--thinking", action="store_true", help="Qwen3: leave thinking on (default off, as the paper)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per answer (0: prefill only)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling and the random baseline")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype (default: bfloat16 on GPU, float32 on CPU, where bf16 is ~4x slower without "
-                   "bf16 units)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (ids, answers, stats)")
-    p.add_argument("--method", choices=METHODS, default="fastkvzip", help="what scores the KV pairs")
-    p.add_argument("--budget", type=float, default=None,
-                   help="fraction r of the context's KV pairs kept in the compressed layers, window included "
-                        "(default 0.3; 1.0 = no eviction)")
-    p.add_argument("--gate", help="gate file (default: the bundled gate, or the authors' released gate)")
-    p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (the authors use 16000)")
-    p.add_argument("--window", type=int, default=4096,
-                   help="recent context tokens always kept (contexts shorter than one chunk keep their last 2%%)")
-    p.add_argument("--decode-tokens-per-head", type=int, default=None, metavar="N",
-                   help="during decoding, evict back to this many tokens per compressed head on average "
-                        "every 128 tokens (default: keep generated tokens; a count, where --budget is a "
-                        "fraction)")
-    p.add_argument("--level", choices=LEVELS, default=None,
-                   help="eviction structure: one global threshold over layers x heads (fastkvzip default), "
-                        "uniform per layer, or uniform per head (baselines' default)")
-    p.add_argument("--kvzip-softmax", choices=["float32", "model"], default="float32",
-                   help="--method kvzip: softmax dtype of the teacher (the authors use the model dtype, bf16; "
-                        "fp32 avoids rounding ties among small probabilities)")
-    p.add_argument("--show-retention", action="store_true", help="print the layer x head retention map "
-                   "(with --json or --batch: stats.retention)")
-    p.add_argument("--batch", metavar="FILE", help="many documents: a JSON-lines file, one request a line, "
-                   '{"context": "..."} or {"context_file": "path"}, "questions": [...], optional "budget" and '
-                   '"max_new_tokens" (default: the flags); prints one --json line per request, in order')
-    p.add_argument("--batch-size", type=int, default=8, help="--batch: requests decoded at once (default 8)")
-    p.add_argument("--save-cache", metavar="FILE", help="write the compressed cache to FILE (one "
-                   "safetensors file) after the prefill, to answer from later with --load-cache; "
-                   "questions are answered too (--max-new-tokens 0: none)")
-    p.add_argument("--load-cache", metavar="FILE", help="answer --question from a cache saved with "
-                   "--save-cache: no context, no prefill (its budget and method are the file's)")
-    return p.parse_args(argv)
-
-
-def main(argv=None):
-    cli.main(run, parse_args(argv), ModelError, GateError, CacheFileError)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the command line: commands/generate.py
+    from commands.generate import main
+    sys.exit(main())

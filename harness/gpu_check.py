@@ -428,7 +428,7 @@ def part_decode(S, run, res):
     dev, dtype = device_and_dtype(S)
     n = S["decode_context"]
     step(run, "decode", res, dict(case="prefill", context=n))
-    cache = generate.make_cache("fastkvzip", model, "random", 0, gates=gates)
+    cache = generate.make_cache("fastkvzip", model, 0, gates=gates)
     generate.prefill(model, cache, context(model, n, 1), 0,
                      Budget(BUDGET, S["chunk_size"], S["window"]))
     cache.start_decoding()
@@ -491,7 +491,7 @@ def prefill_once(S, model, gates, teacher, method, ids, chunk_size, window):
     from cache import Budget, KVCache
     dev, dtype = device_and_dtype(S)
     cache = KVCache(model.config, dtype, dev) if method == "full" else \
-        generate.make_cache(method, model, "random", 0, gates=gates)
+        generate.make_cache(method, model, 0, gates=gates)
     teacher.seconds = 0.0
     if dev == "cuda":
         torch.cuda.empty_cache()

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import generate
 from cache import Budget, EvictingCache
 from cli import OFFLINE_DEFAULT, resolve_model
+from formats.gate_file import resolve_gate
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
 from model import load_model, load_tokenizer
@@ -30,8 +31,8 @@ from teacher import encode_prompt, prompt_format
 
 
 def prefill_ours(model, method, budget, ids, n_protected, args):
-    # fastkvzip: the bundled gate
-    cache = generate.make_cache(method, model, args.model, n_protected)
+    gates = resolve_gate(None, model.config, args.model) if method == "fastkvzip" else None
+    cache = generate.make_cache(method, model, n_protected, gates)  # fastkvzip: the bundled gate
     logits = generate.prefill(model, cache, ids, n_protected,
                               Budget(budget, args.chunk, args.window))
     if isinstance(cache, EvictingCache):

@@ -26,6 +26,7 @@ import generate
 import model as M
 from cache import Budget
 from cli import OFFLINE_DEFAULT, resolve_model
+from formats.gate_file import resolve_gate
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
 from teacher import encode_prompt, prompt_format
@@ -66,7 +67,9 @@ def main():
         def runs_for(ids):
             def ours(method, budget):
                 # the gate loads before the clock
-                cache = generate.make_cache(method, model, args.model, len(system))
+                gates = (resolve_gate(None, model.config, args.model) if method == "fastkvzip"
+                         else None)
+                cache = generate.make_cache(method, model, len(system), gates)
                 return lambda: generate.prefill(model, cache, ids, len(system),
                                                 Budget(budget, args.chunk, args.window))
             return {"ours, full": lambda: ours("full", 1.0),

@@ -42,6 +42,7 @@ import torch
 import generate
 from cache import Budget, EvictingCache
 from cli import UsageError, pyplot, save_figure
+from formats.gate_file import resolve_gate
 from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
 from teacher import (
     KVzipTeacher,
@@ -276,8 +277,9 @@ def method_cache(model, method, level, n_protected, model_name, gate_file, seed,
     """An empty evicting cache for one method, made by generate.make_cache as `generate.py --method`
     makes it (gate_file None: the bundled or released gate of model_name). KVzip's scores arrive
     after prefill; for the replay they come precomputed."""
-    cache = generate.make_cache(method, model, model_name, n_protected, gate_file=gate_file,
-                                level=level, seed=seed)
+    gates = (resolve_gate(gate_file, model.config, model_name, device=model_info(model)[2])
+             if method == "fastkvzip" else None)
+    cache = generate.make_cache(method, model, n_protected, gates, level=level, seed=seed)
     # only KVzip: every other method keeps its own scorer
     if method == "kvzip" and teacher_scores is not None:
         cache.scorer = Precomputed(teacher_scores)

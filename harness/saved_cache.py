@@ -27,7 +27,9 @@ import cli
 import generate
 import model as M
 from cache import Budget, full_cache_bytes
+from commands.generate import build_inputs
 from formats.cache_file import load_cache, save_cache
+from formats.gate_file import resolve_gate
 from harness.quality import load_docs
 from teacher import prompt_format
 
@@ -42,9 +44,10 @@ def first_token(model, cache, q_ids, last_logits):
 @torch.no_grad()
 def measure(model, tok, fmt, name, context, budget, args, folder):
     """One (model, context, budget): prefill, save, answer from both; -> a result row."""
-    ids, n_protected, [(_, q_ids)] = generate.build_inputs(tok, fmt, context, [QUESTION])
+    ids, n_protected, [(_, q_ids)] = build_inputs(tok, fmt, context, [QUESTION])
     method = "full" if budget == 1.0 else "fastkvzip"
-    cache = generate.make_cache(method, model, name, n_protected)  # the gate loads before the clock
+    gates = resolve_gate(None, model.config, name) if method == "fastkvzip" else None
+    cache = generate.make_cache(method, model, n_protected, gates)  # the gate loads before the clock
     t0 = time.perf_counter()
     plan = Budget(budget, args.chunk_size, args.window)
     last = generate.prefill(model, cache, ids, n_protected, plan)
@@ -134,7 +137,7 @@ def main():
             model, tok = M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
             fmt = prompt_format(model.config, name)
             with torch.no_grad():  # first calls pay one-time setup: not part of either path's time
-                warm = generate.make_cache("full", model, name, 0)
+                warm = generate.make_cache("full", model, 0)
                 generate.answer(model, warm, [1, 2, 3], 2, set())
             text = [t for _, d in load_docs(tok) for t in d]
             for n in args.lengths:

@@ -158,11 +158,11 @@ def no_access(folder, mode):
 
 
 def run_main(capsys, *argv):
-    """generate.py's main with argv -> (exit code, stdout, stderr)."""
-    import generate
+    """generate.py's main (commands/generate.py) with argv -> (exit code, stdout, stderr)."""
+    from commands.generate import main
     code = 0
     try:
-        generate.main(list(argv))
+        main(list(argv))
     except SystemExit as e:
         code = e.code
     out = capsys.readouterr()

@@ -56,7 +56,7 @@ def kept(cache):
 def alone(model, req, method, gates, decode_budget, stop_ids, teacher):
     """The single-request path: prefill, then each question answered and rolled back."""
     m = "full" if req["budget"].ratio == 1.0 and decode_budget is None else method
-    cache = make_cache(m, model, "tiny", req["n_protected"], decode_tokens_per_head=decode_budget,
+    cache = make_cache(m, model, req["n_protected"], decode_tokens_per_head=decode_budget,
                        gates=gates)
     with torch.no_grad():
         if m == "kvzip":
@@ -82,7 +82,7 @@ def check_batch_equals_alone(tiny, method, budget, decode_budget, lengths, max_n
         r["budget"] = Budget(budget, CHUNK, WINDOW)
     teacher = KVzipTeacher(model, tok, fmt) if method == "kvzip" else None
     seen = {}
-    how = Method(method, "tiny", gates=gates, teacher=teacher, decode_tokens_per_head=decode_budget)
+    how = Method(method, gates=gates, teacher=teacher, decode_tokens_per_head=decode_budget)
     results = {}
     for event, r in generate_batch(model, reqs, how, batch_size, stop_ids=stop_ids):
         if event == "answer":  # before the rollback: the rows the answer was generated from
@@ -138,7 +138,7 @@ def test_batch_frees_rows_of_finished_members(tiny):
     reqs = requests_for(tok, fmt, [50, 90], [4, 4])
     caches = []
     for r in reqs:
-        c = make_cache("fastkvzip", model, "tiny", r["n_protected"], gates=gates)
+        c = make_cache("fastkvzip", model, r["n_protected"], gates=gates)
         with torch.no_grad():
             prefill(model, c, r["ids"], r["n_protected"], Budget(0.3, CHUNK, WINDOW))
         c.start_decoding()
@@ -320,7 +320,7 @@ def test_batch_lines_end_at_newlines_and_files_are_found_beside_the_batch(tiny_c
     str.splitlines(), which breaks lines there too ("Unterminated string"). A relative context_file
     is read from the batch file's folder (it was read from the current one), and a missing one is
     named with the folder looked in."""
-    import generate
+    from commands.generate import read_requests
     folder, _ = tiny_cli
     tok, fmt = M.load_tokenizer(folder), PromptFormat("", "")
     (tmp_path / "b").mkdir()
@@ -330,13 +330,13 @@ def test_batch_lines_end_at_newlines_and_files_are_found_beside_the_batch(tiny_c
              json.dumps({"context_file": "doc.txt"})]
     (tmp_path / "b" / "req.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     monkeypatch.chdir(tmp_path)  # not the batch file's folder
-    reqs = generate.read_requests("b/req.jsonl", tok, fmt, 1024, Budget(0.5), 4)
+    reqs = read_requests("b/req.jsonl", tok, fmt, 1024, Budget(0.5), 4)
     assert [r["ids"] for r in reqs] == [tok.encode(t, add_special_tokens=False).ids
                                         for t in (context, "the document beside the batch file")]
     (tmp_path / "b" / "req.jsonl").write_text(json.dumps({"context_file": "missing.txt"}) + "\n")
     missing = tmp_path / "b" / "missing.txt"
     with pytest.raises(UsageError, match=f"context_file {missing}: No such file"):
-        generate.read_requests("b/req.jsonl", tok, fmt, 1024, Budget(0.5), 4)
+        read_requests("b/req.jsonl", tok, fmt, 1024, Budget(0.5), 4)
 
 
 @pytest.mark.parametrize("flags,words", [
@@ -418,7 +418,7 @@ def test_gpu_batch_decode_equals_alone_and_reference(monkeypatch):
         caches = []
         with torch.no_grad():
             for ids in docs:
-                c = make_cache("fastkvzip", model, "tiny", 4, gates=gates)
+                c = make_cache("fastkvzip", model, 4, gates=gates)
                 prefill(model, c, ids, 4, Budget(0.3, CHUNK, WINDOW))
                 c.start_decoding()
                 caches.append(c)

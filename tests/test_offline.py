@@ -224,8 +224,8 @@ def test_sigterm_during_conversion_cleans_up_in_one_line(tmp_path):
               "    (out / 'model.safetensors').write_bytes(b'half')\n"
               "    os.kill(os.getpid(), signal.SIGTERM)\n"
               "models.convert = convert\n"
-              "import generate\n"
-              "generate.main(sys.argv[1:])\n")
+              "from commands.generate import main\n"
+              "main(sys.argv[1:])\n")
     r = subprocess.run([sys.executable, "-c", driver, "--prompt", "hi"],
                        cwd=Path(models.__file__).parent.parent, capture_output=True, text=True,
                        timeout=120, env={**os.environ, "FASTKVZIP_CACHE": str(tmp_path),

@@ -20,11 +20,12 @@ import cache as C
 import cli
 import model as M
 from cache import Batch, Budget
+from commands.generate import build_inputs
 from formats import tensor_file
 from formats.cache_file import CacheFileError, load_cache, read_header, save_cache
 from formats.gate_file import gate_sha256, save_gate
 from gate import Gates
-from generate import METHODS, begin_answer, build_inputs, decode_one, make_cache, prefill, prefill_kvzip, sample
+from generate import METHODS, begin_answer, decode_one, make_cache, prefill, prefill_kvzip, sample
 from teacher import KVzipTeacher, prompt_format
 from tests.helpers import edit_config, run_main, tiny_checkpoint, tiny_tokenizer
 
@@ -70,7 +71,7 @@ def prompt(t):
 def prefilled(t, method, name, ids, n_protected, budget, decode):
     """make_cache, then the method's prefill (KVzip's with its teacher) -> (cache, the last logits)."""
     model, plan = t["model"], Budget(budget, CHUNK, WINDOW)
-    cache = make_cache(method, model, name, n_protected, decode_tokens_per_head=decode,
+    cache = make_cache(method, model, n_protected, decode_tokens_per_head=decode,
                        gates=t["gates"])
     with torch.no_grad():
         if method == "kvzip":
@@ -107,7 +108,7 @@ def kept(cache):
 
 def scorer_for(t, method, decode):
     """The scorer generate.py would give load_cache: the one make_cache builds for the method."""
-    cache = make_cache(method, t["model"], "tiny", 0, decode_tokens_per_head=decode,
+    cache = make_cache(method, t["model"], 0, decode_tokens_per_head=decode,
                        gates=t["gates"])
     return getattr(cache, "scorer", None)  # a full cache has none
 
@@ -186,7 +187,7 @@ model = M.load_model(spec["folder"], "cpu", torch.float32)
 gates = load_gate(spec["gate"], model.config)
 out = []
 for case in spec["cases"]:
-    made = make_cache(case["method"], model, "tiny", 0, decode_tokens_per_head=case["decode"],
+    made = make_cache(case["method"], model, 0, decode_tokens_per_head=case["decode"],
                       gates=gates)
     scorer = getattr(made, "scorer", None)
     cache, info = load_cache(case["file"], model, scorer)
@@ -306,7 +307,7 @@ def test_refuses_another_scorer_or_gate(saved):
     refused(path, t["model"], None, "evicts while decoding", "GateScorer")
     refused(path, t["model"], scorer_for(t, "random", DECODE), "GateScorer", "RandomScorer")
     other = Gates(1, t["model"].config.hidden_size, 2, 2)
-    made = make_cache("fastkvzip", t["model"], "tiny", 0, decode_tokens_per_head=DECODE,
+    made = make_cache("fastkvzip", t["model"], 0, decode_tokens_per_head=DECODE,
                       gates=other)
     refused(path, t["model"], made.scorer, "another gate")
 

@@ -302,11 +302,11 @@ def test_every_committed_benchmark_names_a_shipped_gate():
 # ------------------------------------------------ through the programs: generate.py, train_gate.py
 
 def run_generate(capsys, *argv):
-    """generate.main in this process -> (exit code, stdout, stderr)."""
-    import generate
+    """generate.py's main in this process -> (exit code, stdout, stderr)."""
+    from commands.generate import main
     code = 0
     try:
-        generate.main([str(a) for a in argv])
+        main([str(a) for a in argv])
     except SystemExit as e:
         code = e.code
     out = capsys.readouterr()
