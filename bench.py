@@ -43,12 +43,13 @@ import torch
 import cli
 from cache import LEVELS
 from cli import OFFLINE_DEFAULT, UsageError, resolve_model, write_text
+from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from harness import quality, ruler
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
-from model import ModelConfig, ModelError, load_model, load_tokenizer
+from model import ModelError
 from teacher import KVzipTeacher, encode_prompt, prompt_format
 
 ROOT = Path(__file__).resolve().parent
@@ -290,8 +291,7 @@ def run(args):
     rows = ruler.read_rows(args.dataset) if args.dataset else None
     folder = resolve_model(args.model)
     # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
-    cfg = ModelConfig.from_json(folder)
-    tok = load_tokenizer(folder, cfg)
+    cfg, tok = check_folder(folder)
     fmt = prompt_format(cfg, args.model, chat=args.chat)
     gates = resolve_gate(args.gate, cfg, args.model)
     check_lengths(args, cfg, tok, len(encode_prompt(tok, fmt.system)))
@@ -336,7 +336,7 @@ def run(args):
     write_text(out / "config.json", json.dumps(config, indent=1))
     # CPU: fp32 compute (bf16 is ~4x slower without bf16 units); CUDA: bf16, as the paper runs
     device = torch.device(args.device)
-    model = load_model(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = load_checked(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     records = list(done.values())
 
     def save():

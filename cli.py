@@ -17,14 +17,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from model import ModelError, default_device
+
 
 class UsageError(Exception):
     """Bad input (flags, files, folders): printed by `main` as one line, exit code 2."""
-
-
-class ModelError(Exception):
-    """Bad model input (folder, config, weights); the message is one line that says how to fix
-    it."""
 
 
 class WriteError(UsageError):
@@ -266,10 +263,6 @@ def _download(repo: str) -> Path:
     if not (folder / "config.json").is_file():
         raise ModelError(f"{repo}: the repo has no config.json; is it a transformers checkpoint?")
     return folder
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def parse_device(spec: str | None) -> torch.device:

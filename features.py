@@ -26,8 +26,9 @@ from safetensors import SafetensorError
 
 import cli
 from cli import UsageError, tree_sha256
+from formats.checkpoint import load_checked
 from formats.gate_file import bundled_gate_path, gate_metadata
-from model import DTYPES, load_model
+from model import DTYPES
 from teacher import KVzipTeacher, encode_text
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
@@ -366,9 +367,8 @@ def shard_problem(path, key):
 
 def feature_dtype(choice, dtype, cfg):
     """The dtype hidden states are stored in: --feature-dtype, or for "auto" the model's, except
-    fp32 features above FP16_FEATURES_ABOVE bytes per token, stored as fp16 (SmolLM2-135M: 30 layers
-    x 576 values, 69 KB -> 35 KB; Gemma 3 270M's 3 x 640, 7.7 KB, stay fp32). The gates still train
-    in the model's dtype."""
+    fp32 features above FP16_FEATURES_ABOVE bytes per token, stored as fp16 (METHOD.md §5.5,
+    §13.12). The gates still train in the model's dtype."""
     if choice != "auto":
         return DTYPES[choice]
     per_token = len(cfg.compressed_layers) * cfg.hidden_size * 4
@@ -437,7 +437,7 @@ def extract_features(out, model_folder, dtype, device, docs, fmt, tokenizer, tea
         todo.append(i)
     if not todo:
         return
-    model = load_model(model_folder, device, dtype)
+    model = load_checked(model_folder, device, dtype)
     teacher = KVzipTeacher(model, tokenizer, fmt, chunk_size=teacher_chunk,
                            prefill_chunk=prefill_chunk, softmax_dtype=teacher_softmax)
     from tqdm import tqdm

@@ -5,16 +5,16 @@ attention probability any query of that repetition gives it. Pairs the model nee
 context score high; the gates (gate.py) are trained to predict these scores from one hidden state.
 It is also a scorer at inference (`generate.py --method kvzip`), at ~2x a prefill.
 
-    1. prefill system prompt ⊕ context with a full cache (chunks of 16,000 tokens, nothing evicted)
+    1. prefill system prompt ⊕ context with a full cache (chunks of 16,000 tokens, none evicted)
     2. cut the context into chunks of 2,000 tokens; for chunk i run the repeat input
-           "\n\nRepeat the previous context exactly." ⊕ postfix ⊕ chunk_0                        (i = 0)
-           "\n\nRepeat the part of the previous context exactly, starting with "
-               ⊕ last 8 tokens of chunk_{i-1} ⊕ postfix ⊕ chunk_i                              (i > 0)
+           (i = 0)  "\n\nRepeat the previous context exactly." ⊕ postfix ⊕ chunk_0
+           (i > 0)  "\n\nRepeat the part of the previous context exactly, starting with "
+                        ⊕ last 8 tokens of chunk_{i-1} ⊕ postfix ⊕ chunk_i
        on top of the full cache. In each compressed layer its queries (all of them: instruction,
-       template and copied chunk) attend over keys [system prompt ; chunk i ; the repeat input itself]
-       with logits q·k/√d_h and a causal mask inside the repeat; the softmax probabilities of the
-       chunk's keys, maximised over the G query heads of each KV head and over all repeat queries,
-       are chunk i's scores (H, chunk). Other chunks are not in that softmax.
+       template and copied chunk) attend over keys [system prompt ; chunk i ; the repeat input
+       itself] with logits q·k/√d_h and a causal mask inside the repeat; the softmax probabilities
+       of the chunk's keys, maximised over the G query heads of each KV head and over all repeat
+       queries, are chunk i's scores (H, chunk). Other chunks are not in that softmax.
     3. roll the cache back: the repeat tokens never stay.
 
 Output: (compressed layers, KV heads, context length) in [0, 1]. Memory beyond the model's own
@@ -22,11 +22,11 @@ forward: one chunk's score matrix (Hq, repeat length, system + chunk + repeat le
 whole context's. Compressed layers: all for Qwen3, only the global ones for Gemma3 (METHOD.md §9).
 
 Softmax dtype: fp32 by default. The authors compute the logits and the softmax in the model dtype
-(bf16, METHOD.md §4.3, §12.10): a bf16 logit of ~20 is only known to ±0.06, i.e. ±6% on its
-probability, and the max over ~2,000 queries picks the rounding errors that went up. In fp32 the
-targets depend only on the model, not on the device (CPU fp32 and GPU bf16 runs agree up to the
-model's own rounding), at the cost of one fp32 (Hq, 2K, 4K) matrix per layer — small next to the
-forward pass. softmax_dtype="model" reproduces the authors.
+(bf16, METHOD.md §4.3, §12.10), whose rounding errors the max over a chunk's queries picks when
+they went up (METHOD.md §13.5). In fp32 the targets depend only on the model, not on the device
+(CPU fp32 and GPU bf16 runs agree up to the model's own rounding), at the cost of one fp32
+(Hq, 2K, 4K) matrix per layer, small next to the forward pass. softmax_dtype="model" reproduces the
+authors.
 
 Cost: one prefill plus one forward of (context + ~1.1% prompt tokens) on top of the full cache, i.e.
 about two prefills (the cost Fast KVzip's gate removes at inference).
@@ -44,7 +44,7 @@ from cache import KVCache, plan_prefill, select_segment
 from model import ModelConfig, ModelError
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."  # METHOD.md §4.2
-# trailing space
+# ends with a space: the previous chunk's last tokens follow
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "
 PREV_TOKENS = 8         # the next repeat starts from the previous chunk's last 8 tokens
 SCORE_CHUNK = 2000      # context tokens scored per repeat input (METHOD.md §4.2)
@@ -54,8 +54,8 @@ PREFILL_CHUNK = 16000   # prefill chunk of the authors' pipeline (METHOD.md §4.
 class TeacherCache(KVCache):
     """A full KV cache that, in compressed layers, can also
     - keep the attention-input hidden states of tokens at positions >= capture_from (gate features,
-      METHOD.md §1.7, §3), moved to the CPU as they come: an 8B model's 100K-token document is ~30
-      GB;
+      METHOD.md §1.7, §3), moved to the CPU as they come (an 8B model's long document fills tens
+      of GB, METHOD.md §5.5);
     - score a context chunk while a repeat input runs (span = (n_system, chunk start, chunk end)).
     """
 
@@ -114,7 +114,7 @@ class TeacherCache(KVCache):
 class KVzipTeacher:
     """KVzip scores (and optionally gate features) for one context.
 
-    model: model.Transformer; tokenizer: tokenizers.Tokenizer; fmt: model.PromptFormat (system,
+    model: model.Transformer; tokenizer: tokenizers.Tokenizer; fmt: PromptFormat (below: system,
     postfix). softmax_dtype: "float32" or "model" (the authors compute logits and softmax in
     bf16)."""
 
@@ -224,10 +224,11 @@ def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=
     callers can pool contexts (`pool_agreement`), keyed by the budget written as f"{r:g}"
     (JSON-ready):
       spearman   rank correlation over the layer's H·n pairs;
-      at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local window
-      that both keep: teacher = pairs the teacher keeps, both = of those, the ones the student keeps too,
-      student = pairs the student keeps, segment = pairs in the evicted segment; digits = digit-token pairs
-      there, digits_teacher / digits_student = of those, the ones each side keeps."""
+      at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local
+      window that both keep: teacher = pairs the teacher keeps, both = of those, the ones the
+      student keeps too, student = pairs the student keeps, segment = pairs in the evicted segment;
+      digits = digit-token pairs there, digits_teacher / digits_student = of those, the ones each
+      side keeps."""
     out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double())
                          for s, t in zip(student, teacher)])
     for r in budgets:
@@ -297,7 +298,7 @@ def _plain_controls(tok) -> tuple[str, ...]:
     if not hasattr(tok, "fastkvzip_plain_controls"):  # looked up once per tokenizer
         tok.fastkvzip_plain_controls = tuple(
             t.content for t in tok.get_added_tokens_decoder().values()
-            if not t.special and t.content in _TEMPLATE_CONTROLS)
+            if not t.special and t.content in CONTROL_TOKENS)
     return tok.fastkvzip_plain_controls
 
 
@@ -343,7 +344,9 @@ _LLAMA3_POSTFIX = "\n\n<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n
 _BOS_TEXT = {"gemma": "<bos>", "llama3": "<|begin_of_text|>"}
 # a control token as the templates write it (the group keeps it in re.split's output)
 _CONTROL = re.compile(r"(<[^<>\s{}]+>)")
-_TEMPLATE_CONTROLS = frozenset(_CONTROL.findall(
+# the control tokens the templates write: only they become control ids (encode_prompt), and
+# formats/checkpoint.py refuses a tokenizer that puts one past the embedding
+CONTROL_TOKENS = frozenset(_CONTROL.findall(
     _QWEN_PREFIX + _QWEN_POSTFIX + _QWEN_NO_THINK + _GEMMA_PREFIX + _GEMMA_POSTFIX + _LLAMA3_PREFIX
     + _LLAMA3_POSTFIX))
 

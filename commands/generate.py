@@ -38,9 +38,10 @@ import cli
 from cache import LEVELS, Budget, EvictingCache, full_cache_bytes
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, read_context, resolve_model, retention_map, summary_line
 from formats.cache_file import CacheFileError, check_cache_file, load_cache, read_header, save_cache
+from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from generate import METHODS, Method, Request, decode, make_cache, setup
-from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_model, load_tokenizer, model_identity
+from model import ModelError, compute_dtype, model_identity
 from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
 
 # -------------------------------------------------------------------------------------------------
@@ -289,10 +290,8 @@ def model_setup(name, dtype, chat, thinking, device):
     """What --model, --dtype, --chat and --thinking decide, checked before the weights load (they
     take minutes on a large model): (folder, config, tokenizer, dtype, prompt format)."""
     folder = resolve_model(name)
-    cfg = ModelConfig.from_json(folder)
-    tok = load_tokenizer(folder, cfg)
     dtype = compute_dtype(dtype, device)
-    check_dtype(cfg, dtype)
+    cfg, tok = check_folder(folder, dtype)
     hybrid = cfg.arch == "qwen3" and uses_chat(cfg, chat) and "instruct" not in name.lower()
     if thinking and not hybrid:
         raise UsageError("--thinking switches the thinking of hybrid Qwen3 chat models; this model "
@@ -381,7 +380,7 @@ def run(args):
         "decode_tokens_per_head") is not None for r in reqs if "cache_file" in r)
     if (args.method == "fastkvzip" and evicting) or gated_files or args.gate:  # --gate is checked
         method.gates = resolve_gate(args.gate, cfg, args.model, device=device)
-    model = load_model(folder, device, dtype)
+    model = load_checked(folder, device, dtype)
     if args.method == "kvzip" and evicting:
         method.teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
     # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own

@@ -23,8 +23,9 @@ import features
 import train_gate
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, pyplot, resolve_model, save_figure, write_json
 from features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents
+from formats.checkpoint import check_dtype, read_config, read_tokenizer
 from formats.gate_file import authors_file_name, save_gate
-from model import ModelConfig, ModelError, check_dtype, compute_dtype, load_tokenizer
+from model import ModelError, compute_dtype
 from teacher import encode_prompt, prompt_format, uses_chat
 from train_gate import RECIPES, Recipe, agreement_with_teacher, auto_layer_groups, init_distributed, train
 
@@ -102,9 +103,9 @@ def run(args):
     folder = resolve_model(args.model)
     if rank == 0 and world > 1:
         dist.barrier()
-    cfg = ModelConfig.from_json(folder)
+    cfg = read_config(folder)
     check_dtype(cfg, dtype)
-    tokenizer = load_tokenizer(folder, cfg)
+    tokenizer = read_tokenizer(folder, cfg)
     prefill_chunk = args.prefill_chunk or (16000 if device.type == "cuda" else 4000)
     chat = uses_chat(cfg, args.chat)
     fmt = prompt_format(cfg, args.model, chat=chat)

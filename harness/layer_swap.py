@@ -32,10 +32,11 @@ import torch
 import cli
 from cache import EvictingCache
 from cli import OFFLINE_DEFAULT, UsageError, file_sha256, resolve_model
+from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from gate import GateScorer
 from harness import quality
-from model import ModelConfig, ModelError, load_model, load_tokenizer
+from model import ModelError
 from teacher import KVzipTeacher, agreement, digit_tokens, kept_by_rule, pool_agreement, prompt_format
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
@@ -120,8 +121,7 @@ def run(args):
              "--seed", str(args.seed), "--chunk-size", str(args.chunk_size), "--window",
              str(args.window)]
     folder = resolve_model(args.model)
-    cfg = ModelConfig.from_json(folder)
-    tok = load_tokenizer(folder, cfg)
+    cfg, tok = check_folder(folder)
     fmt = prompt_format(cfg, args.model)
     gates = resolve_gate(args.gate, cfg, args.model)
     # the benchmark's contexts and questions (its default needles) for these flags
@@ -142,7 +142,7 @@ def run(args):
     source = gates.meta.get("source")  # what makes two runs' contexts the same experiment
     key = dict(flags=flags, budgets=args.budgets, gate=file_sha256(source) if source else None,
                combos=args.combos)
-    model = load_model(folder, "cpu", torch.float32)
+    model = load_checked(folder, "cpu", torch.float32)
     teacher, scorer = KVzipTeacher(model, tok, fmt), GateScorer(gates)
     stops = quality.answer_stops(cfg, tok)
     records = []

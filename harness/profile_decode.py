@@ -23,10 +23,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import generate
 from cache import Budget, EvictingCache
 from cli import OFFLINE_DEFAULT, resolve_model
+from formats.checkpoint import load_checked, read_tokenizer
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
-from model import load_model, load_tokenizer
 from teacher import encode_prompt, prompt_format
 
 
@@ -87,7 +87,7 @@ def main():
                 "--window >= 0")
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model)
-    tok, model = load_tokenizer(folder), load_model(folder, "cpu", torch.float32)
+    tok, model = read_tokenizer(folder), load_checked(folder, "cpu", torch.float32)
     fmt = prompt_format(model.config, args.model)
     system = encode_prompt(tok, fmt.system)
     ids = system + [t for _, d in load_docs(tok) for t in d][:args.length]

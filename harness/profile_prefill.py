@@ -23,9 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import cli
 import generate
-import model as M
 from cache import Budget
 from cli import OFFLINE_DEFAULT, resolve_model
+from formats.checkpoint import load_checked, read_tokenizer
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
@@ -53,7 +53,7 @@ def main():
                 "--window >= 0")
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model)
-    tok, model = M.load_tokenizer(folder), M.load_model(folder, "cpu", torch.float32)
+    tok, model = read_tokenizer(folder), load_checked(folder, "cpu", torch.float32)
     peer = load_peer(folder)
     if peer is None:
         p.error("transformers is not installed (pip install -r requirements-test.txt)")

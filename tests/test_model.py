@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 import model as M
 from cache import KVCache
 from cli import _HUB_FILES, ALIASES, OFFLINE_DEFAULT, parse_device, resolve_model
+from formats.checkpoint import check_config, load_checked, read_config, read_tokenizer
 from teacher import PromptFormat, encode_prompt, prompt_format, question_ids, uses_chat
 from tests.helpers import assert_close, edit_config, hf_model, tiny_checkpoint
 
@@ -267,7 +268,7 @@ def test_released_config_layouts():
     assert (len(cfg.compressed_layers) == 32 and cfg.group_size == 4 and not cfg.qkv_bias
             and cfg.chat_format == "llama3")
     with pytest.raises(M.ModelError, match="llama3.*without low_freq_factor"):
-        M.ModelConfig.from_dict({**llama8b, "rope_scaling": {"factor": 8.0, "rope_type": "llama3"}})
+        check_config({**llama8b, "rope_scaling": {"factor": 8.0, "rope_type": "llama3"}})
 
 
 def test_llama3_frequencies_match_transformers_at_llama31_8b_size():
@@ -339,14 +340,14 @@ def _one_line_error(fn, *needles):
 
 
 def test_bad_folders(tmp_path):
-    _one_line_error(lambda: M.load_model(tmp_path / "nope", "cpu"), "not found")
+    _one_line_error(lambda: load_checked(tmp_path / "nope", "cpu"), "not found")
     _one_line_error(lambda: resolve_model(str(tmp_path / "nope")), "not found")
-    _one_line_error(lambda: M.load_model(tmp_path, "cpu"), "no config.json")
+    _one_line_error(lambda: load_checked(tmp_path, "cpu"), "no config.json")
     _one_line_error(lambda: resolve_model(tmp_path), "no config.json")
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 64}))
-    _one_line_error(lambda: M.load_model(tmp_path, "cpu"), "unsupported model_type 'phi3'")
-    _one_line_error(lambda: M.load_tokenizer(tmp_path), "no tokenizer.json")
+    _one_line_error(lambda: load_checked(tmp_path, "cpu"), "unsupported model_type 'phi3'")
+    _one_line_error(lambda: read_tokenizer(tmp_path), "no tokenizer.json")
 
 
 def test_bad_weights(checkpoints, tmp_path):
@@ -355,15 +356,15 @@ def test_bad_weights(checkpoints, tmp_path):
     weights = tmp_path / "m" / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])  # an interrupted download
-    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "model.safetensors",
+    _one_line_error(lambda: load_checked(tmp_path / "m", "cpu"), "model.safetensors",
                     "truncated or corrupt")
     weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
-    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "truncated or corrupt")
+    _one_line_error(lambda: load_checked(tmp_path / "m", "cpu"), "truncated or corrupt")
     weights.unlink()
-    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "no *.safetensors")
+    _one_line_error(lambda: load_checked(tmp_path / "m", "cpu"), "no *.safetensors")
     shutil.copy(good / "model.safetensors", weights)  # weights of a 2-layer model, config says 3
     edit_config(tmp_path / "m", lambda d: {**d, "num_hidden_layers": 3, "layer_types": None})
-    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "lacks")
+    _one_line_error(lambda: load_checked(tmp_path / "m", "cpu"), "lacks")
 
 
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"metadata": {}}',
@@ -374,7 +375,7 @@ def test_unreadable_shard_index(checkpoints, tmp_path, text):
     one line naming the index, not a JSONDecodeError, KeyError or AttributeError."""
     shutil.copytree(checkpoints("qwen3-gqa4-untied-sharded")[0], tmp_path / "m")
     (tmp_path / "m" / "model.safetensors.index.json").write_text(text)
-    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "model.safetensors.index.json",
+    _one_line_error(lambda: load_checked(tmp_path / "m", "cpu"), "model.safetensors.index.json",
                     "re-download the model")
 
 
@@ -387,23 +388,23 @@ def test_bad_configs(checkpoints, tmp_path):
     config = tmp_path / "m" / "config.json"
     original = config.read_text()
     config.write_text("[1, 2, 3]")
-    _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"),
+    _one_line_error(lambda: load_checked(tmp_path / "m", "cpu"),
                     "config.json holds a JSON list, not an object")
     for key, value in (("hidden_size", "64"), ("num_attention_heads", -4),
                        ("num_key_value_heads", 2.5), ("max_position_embeddings", True),
                        ("rms_norm_eps", "small"), ("rope_theta", 0), ("eos_token_id", "2"),
                        ("rope_scaling", "yarn"), ("layer_types", "full_attention")):
         config.write_text(json.dumps({**json.loads(original), key: value}))
-        _one_line_error(lambda: M.ModelConfig.from_json(tmp_path / "m"), key)
+        _one_line_error(lambda: read_config(tmp_path / "m"), key)
     # shapes that parse but do not fit the weights: wider MLP, and more KV heads (so no "missing"
     # tensor)
     for key, value in (("intermediate_size", 96), ("num_key_value_heads", 4)):
         config.write_text(json.dumps({**json.loads(original), key: value}))
-        _one_line_error(lambda: M.load_model(tmp_path / "m", "cpu"), "has shape",
+        _one_line_error(lambda: load_checked(tmp_path / "m", "cpu"), "has shape",
                         "config.json implies")
     config.write_text(original)
-    assert M.load_model(tmp_path / "m", "cpu") is not None
-    assert M.load_model(tmp_path / "m", "cpu:0") is not None  # the CPU by its index
+    assert load_checked(tmp_path / "m", "cpu") is not None
+    assert load_checked(tmp_path / "m", "cpu:0") is not None  # the CPU by its index
 
 
 def test_parse_device():
@@ -552,7 +553,7 @@ def test_unreadable_tokenizer_config_is_refused(checkpoints, tmp_path, text, wor
     shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "m")
     path = tmp_path / "m" / "tokenizer_config.json"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    _one_line_error(lambda: M.ModelConfig.from_json(tmp_path / "m"), "tokenizer_config.json", words)
+    _one_line_error(lambda: read_config(tmp_path / "m"), "tokenizer_config.json", words)
 
 
 def test_unreadable_model_folder_and_foreign_tokenizer(checkpoints, tmp_path):
@@ -564,14 +565,14 @@ def test_unreadable_model_folder_and_foreign_tokenizer(checkpoints, tmp_path):
     with no_access(tmp_path / "locked", 0o000):
         _one_line_error(lambda: resolve_model(tmp_path / "locked" / "m"), "cannot read",
                         "Permission denied")
-        _one_line_error(lambda: M.ModelConfig.from_json(tmp_path / "locked" / "m"), "cannot read")
-        _one_line_error(lambda: M.load_tokenizer(tmp_path / "locked" / "m"), "cannot read")
+        _one_line_error(lambda: read_config(tmp_path / "locked" / "m"), "cannot read")
+        _one_line_error(lambda: read_tokenizer(tmp_path / "locked" / "m"), "cannot read")
     shutil.copy(resolve_model(OFFLINE_DEFAULT) / "tokenizer.json", tmp_path / "locked" / "m")
-    cfg = M.ModelConfig.from_json(tmp_path / "locked" / "m")
-    _one_line_error(lambda: M.load_tokenizer(tmp_path / "locked" / "m", cfg), "262144 token ids",
+    cfg = read_config(tmp_path / "locked" / "m")
+    _one_line_error(lambda: read_tokenizer(tmp_path / "locked" / "m", cfg), "262144 token ids",
                     f"vocab_size {cfg.vocab_size}")
     own = resolve_model(OFFLINE_DEFAULT)
-    assert M.load_tokenizer(own, M.ModelConfig.from_json(own)).get_vocab_size() == 262144  # it fits
+    assert read_tokenizer(own, read_config(own)).get_vocab_size() == 262144  # it fits
 
 
 def overflowing_gemma3(folder):
@@ -588,8 +589,8 @@ def overflowing_gemma3(folder):
 
 def test_gemma3_in_float16_overflows_and_is_refused(tmp_path):
     """Gemma 3's activations outgrow float16 (the real 270M passes 65504 at layer 7 of 18): the
-    output turns to NaN, whose argmax is token 0. load_model refuses float16 for Gemma 3, naming the
-    dtypes that work."""
+    output turns to NaN, whose argmax is token 0. load_checked refuses float16 for Gemma 3, naming
+    the dtypes that work."""
     model = overflowing_gemma3(tmp_path / "g")
     ids = torch.tensor([2, 10, 11, 12])
     assert torch.isfinite(model(ids)).all()  # fp32: fine
@@ -597,6 +598,6 @@ def test_gemma3_in_float16_overflows_and_is_refused(tmp_path):
     logits = half(ids, KVCache(half.config, torch.float16))
     # what --dtype float16 answered
     assert not torch.isfinite(logits).any() and int(logits[-1].argmax()) == 0
-    _one_line_error(lambda: M.load_model(tmp_path / "g", "cpu", torch.float16), "float16",
+    _one_line_error(lambda: load_checked(tmp_path / "g", "cpu", torch.float16), "float16",
                     "bfloat16 or float32")
     M.load_model(tmp_path / "g", "cpu", torch.bfloat16)  # bfloat16 has float32's range

@@ -1,0 +1,325 @@
+"""Checks of a Hugging Face checkpoint folder, before model.py reads it.
+
+model.py trusts its checkpoint; the programs call this module first, so that a bad folder is one
+`model.ModelError` line that says how to fix it, never a traceback or a silently different model:
+- config.json (and generation_config.json): readable JSON objects, values of the right type and
+  sign, a supported model_type, RoPE type and activation, sizes that agree (read_config,
+  check_config);
+- tokenizer_config.json: a chat template of a readable form (it decides the prompt layout);
+- tokenizer.json: present, readable, and this model's (read_tokenizer);
+- the compute dtype (check_dtype);
+- the weights: the shard index, each file's header, every tensor's shape, none missing or left over
+  (check_weights), read from the headers before any tensor is.
+
+check_folder (config, tokenizer, dtype) runs before anything heavy; load_checked before the weights
+load.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
+
+import model as M
+from model import ModelConfig, ModelError
+from teacher import CONTROL_TOKENS
+
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+          "sliding_window", "sliding_window_pattern")
+_POSITIVE = ("rope_theta", "rope_local_base_freq", "query_pre_attn_scalar",
+             "final_logit_softcapping")
+
+
+def check_folder(folder: str | Path, dtype: torch.dtype | None = None):
+    """The cheap checks, before anything heavy: config.json, the tokenizer, the dtype (when given).
+    -> (ModelConfig, tokenizers.Tokenizer)."""
+    cfg = read_config(folder)
+    tok = read_tokenizer(folder, cfg)
+    if dtype is not None:
+        check_dtype(cfg, dtype)
+    return cfg, tok
+
+
+def load_checked(folder: str | Path, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> M.Transformer:
+    """model.load_model, after the folder, its config, the dtype and the weights' headers are
+    checked."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise ModelError(f"model folder not found: {folder}")
+    cfg = read_config(folder / "config.json")
+    device = torch.device(device) if device is not None else M.default_device()
+    check_dtype(cfg, dtype or M.compute_dtype(None, device))
+    check_weights(folder, cfg)
+    return M.load_model(folder, device, dtype)
+
+
+# ------------------------------------------------------------------------------------- config.json
+
+def read_config(path: str | Path) -> ModelConfig:
+    """ModelConfig.from_json, after config.json, generation_config.json and the chat template are
+    checked (path: config.json or its folder)."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ModelError(f"no config.json in {path.parent}: pass a Hugging Face model folder "
+                             "(config.json, tokenizer.json, *.safetensors)")
+        d = json.loads(path.read_text())
+        gen_path = path.parent / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    except OSError as e:  # a folder or file this user may not read
+        raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path.parent}: unreadable JSON ({e}); re-download the config "
+                         "files") from None
+    for name, obj in (("config.json", d), ("generation_config.json", gen)):
+        if not isinstance(obj, dict):
+            raise ModelError(f"{path.parent / name} holds a JSON {type(obj).__name__}, not an "
+                             f"object; re-download the config files")
+    check_config(d, gen)
+    _check_chat_template(path.parent)
+    return ModelConfig.from_json(path)
+
+
+def check_config(d: dict, generation_config: dict | None = None) -> None:
+    """Refuse a config.json dict that ModelConfig.from_dict cannot build a model from, or would
+    build a silently wrong one from."""
+    _ids(d.get("eos_token_id"))
+    _ids((generation_config or {}).get("eos_token_id"), "generation_config.json")
+    if d.get("model_type") == "gemma3" and "text_config" in d and \
+            not isinstance(d["text_config"] or {}, dict):
+        raise ModelError("config.json: text_config must be an object")
+    arch, d = M.config_keys(d)
+    if arch is None:
+        raise ModelError(f"unsupported model_type {d.get('model_type')!r} (architectures "
+                         f"{d.get('architectures')}): only Qwen3, Gemma3, Llama and Qwen2 decoders "
+                         "are implemented")
+    if d.get("use_bidirectional_attention"):
+        raise ModelError("bidirectional Gemma3 (EmbeddingGemma) is not a causal decoder: "
+                         "unsupported")
+    _check_types(d)
+    n_layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
+    kv_heads = d.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                         f"{kv_heads}")
+    types = d.get("layer_types")
+    if types and len(types) != n_layers:
+        raise ModelError(f"layer_types has {len(types)} entries for {n_layers} layers")
+    _ids(d["eos_token_id"])  # the text config's own (or the family default)
+    for p in M.rope_parameters(arch, d).values():
+        if p["rope_type"] not in M.ROPE_TYPES:
+            raise ModelError(f"unsupported rope_type {p['rope_type']!r}: implemented "
+                             f"{', '.join(M.ROPE_TYPES)}")
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor")
+                   if p.get(k) is None]
+        if p["rope_type"] == "llama3" and missing:
+            raise ModelError(f"rope_type 'llama3' without {', '.join(missing)} in config.json")
+        if p["rope_type"] == "linear" and not p.get("factor"):
+            raise ModelError("rope_type 'linear' without a factor in config.json")
+    act = d.get("hidden_activation") or d["hidden_act"]
+    if act not in M.ACTIVATIONS:
+        raise ModelError(f"unsupported activation {act!r}")
+
+
+def _ids(x, where="config.json") -> None:
+    ids = [] if x is None else x if isinstance(x, list) else [x]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelError(f"{where}: eos_token_id must be an integer >= 0 or a list of them, "
+                         f"got {x!r}")
+
+
+def _check_types(d: dict) -> None:
+    """Refuse config.json values of the wrong type or sign (a string size, a negative head count),
+    which would otherwise fail later in a traceback or build a silently wrong model."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    integer = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    for key in _SIZES:
+        v = d.get(key)
+        if v is not None and not (integer(v) and v > 0):
+            raise ModelError(f"config.json: {key} must be a positive integer, got {v!r}")
+    if d.get("max_window_layers") is not None and not integer(d["max_window_layers"]):
+        raise ModelError(f"config.json: max_window_layers must be an integer, got "
+                         f"{d['max_window_layers']!r}")
+    for key in _POSITIVE:
+        v = d.get(key)
+        if v is not None and not (number(v) and v > 0):
+            raise ModelError(f"config.json: {key} must be a positive number, got {v!r}")
+    if not (number(d.get("rms_norm_eps")) and d["rms_norm_eps"] >= 0):
+        raise ModelError(f"config.json: rms_norm_eps must be a number >= 0, got "
+                         f"{d.get('rms_norm_eps')!r}")
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ModelError(f"config.json: {key} must be an object, got {d[key]!r}")
+    types = d.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(
+            t in ("full_attention", "sliding_attention") for t in types)):
+        raise ModelError("config.json: layer_types must be a list of 'full_attention' / "
+                         "'sliding_attention'")
+    for key in ("hidden_act", "hidden_activation"):
+        if d.get(key) is not None and not isinstance(d[key], str):
+            raise ModelError(f"config.json: {key} must be a string, got {d[key]!r}")
+
+
+def _check_chat_template(folder: Path) -> None:
+    """The tokenizer's chat template decides the prompt (model.chat_template), so a
+    tokenizer_config.json that cannot be read is refused rather than read as "no template" (which
+    would silently give another prompt)."""
+    path = folder / "tokenizer_config.json"
+    try:
+        if path.is_file():
+            d = json.loads(path.read_text(encoding="utf-8"))
+            t = d.get("chat_template") if isinstance(d, dict) else None
+            named = isinstance(t, list) and all(
+                isinstance(x, dict) and isinstance(x.get("template"), str) for x in t)
+            if not isinstance(d, dict) or not (named or isinstance(t, (str, type(None)))):
+                raise ModelError(f"{path}: expected an object whose chat_template is a string or a "
+                                 f"list of {{name, template}} objects; re-download the tokenizer "
+                                 f"files")
+        if (folder / "chat_template.jinja").is_file():
+            (folder / "chat_template.jinja").read_text(errors="replace")
+    except OSError as e:
+        raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise ModelError(f"{path} is not valid JSON ({e}); re-download the tokenizer files: its "
+                         f"chat template decides the prompt layout") from None
+
+
+def check_dtype(cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """Refuse a compute dtype the model cannot run in: Gemma 3's residual stream outgrows float16's
+    range and turns to inf/NaN (METHOD.md §9). Refused for the whole family, which shares the
+    architecture (sandwich norms add each sub-layer's normalised output to an unnormalised stream);
+    its checkpoints are bfloat16, whose range is float32's."""
+    if cfg.arch == "gemma3" and dtype == torch.float16:
+        raise ModelError("Gemma 3 cannot run in float16: its activations outgrow float16's range "
+                         "(65504) and turn to inf/NaN; use --dtype bfloat16 or float32")
+
+
+# ----------------------------------------------------------------------------------------- weights
+
+def check_weights(folder: Path, cfg: ModelConfig) -> None:
+    """The weights model.load_model will read: a valid shard index, readable headers, and exactly
+    the tensors the config implies, in its shapes (read from the headers, no tensor data)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index maps tensor name -> shard file
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+            raise ModelError(f"{index} is not valid JSON ({e}); re-download the model") from None
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not (isinstance(weight_map, dict) and weight_map
+                and all(isinstance(f, str) for f in weight_map.values())):
+            raise ModelError(f"{index}: expected an object whose weight_map maps tensor names to "
+                             f"shard files; re-download the model")
+        missing = [f for f in sorted(set(weight_map.values())) if not (folder / f).is_file()]
+        if missing:
+            raise ModelError(f"{folder}: shard {missing[0]} listed in "
+                             "model.safetensors.index.json is missing; re-download the model")
+    elif not any(folder.glob("*.safetensors")):
+        raise ModelError(f"{folder}: no *.safetensors weights (only safetensors checkpoints are "
+                         "supported; convert .bin/.gguf first)")
+    with torch.device("meta"):
+        shapes = {k: tuple(t.shape) for k, t in M.Transformer(cfg).state_dict().items()}
+    tied = lambda name: cfg.tie_word_embeddings and name == "lm_head.weight"
+    expected = {k for k in shapes if not tied(k)}
+    seen, unexpected = set(), []
+    for path in M.weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = M.checkpoint_name(key)
+                    if name in expected:
+                        shape = tuple(f.get_slice(key).get_shape())
+                        if shape != shapes[name]:
+                            raise ModelError(f"{path}: {key} has shape {shape}, config.json "
+                                             f"implies {shapes[name]}; config.json and weights do "
+                                             f"not match")
+                        seen.add(name)
+                    elif name is not None and not tied(name):
+                        unexpected.append(key)
+        except (SafetensorError, OSError) as e:
+            msg = " ".join(str(e).split())
+            raise ModelError(f"{path}: truncated or corrupt safetensors file ({msg}); "
+                             f"re-download it") from None
+    if expected - seen:
+        missing = sorted(expected - seen)
+        raise ModelError(f"{folder}: checkpoint lacks {len(missing)} tensors the config needs "
+                         f"(e.g. {missing[0]}); config.json and weights do not match")
+    if unexpected:
+        raise ModelError(f"{folder}: checkpoint has {len(unexpected)} tensors this {cfg.arch} "
+                         f"config does not use (e.g. {unexpected[0]}); config.json and weights do "
+                         f"not match")
+
+
+# --------------------------------------------------------------------------------------- tokenizer
+
+def read_tokenizer(folder: str | Path, cfg: ModelConfig | None = None) -> Tokenizer:
+    """model.load_tokenizer, after tokenizer.json is found readable. cfg (the model's config):
+    refuse another model's tokenizer, one whose ids that text or a prompt can make (its base
+    vocabulary, its added tokens, a template's control tokens) reach past the embedding, or whose
+    own bos / eos tokens (tokenizer_config.json) are not the config's. Special tokens past the
+    embedding are fine: text never makes them (Gemma 3's <image_soft_token>)."""
+    path = Path(folder).expanduser() / "tokenizer.json"
+    try:
+        if not path.is_file():
+            raise ModelError(f"no tokenizer.json in {path.parent}: add the model's tokenizer.json "
+                             f"to the folder")
+    except OSError as e:
+        raise ModelError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        tok = M.load_tokenizer(path.parent)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise ModelError(f"{path}: unreadable tokenizer ({' '.join(str(e).split())}); "
+                         f"re-download it") from None
+    if cfg is not None:
+        _check_tokenizer(tok, path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids)
+    return tok
+
+
+def _check_tokenizer(tok, path: Path, vocab_size: int, bos_id: int | None,
+                     eos_ids: list[int]) -> None:
+    fix = "another model's tokenizer; put the model's own tokenizer.json in the folder"
+    base = tok.get_vocab_size(with_added_tokens=False)
+    if base > vocab_size:
+        raise ModelError(f"{path}: its base vocabulary has {base} token ids, more than the model's "
+                         f"vocab_size {vocab_size} (config.json): {fix}")
+    for i, t in sorted(tok.get_added_tokens_decoder().items()):
+        if i >= vocab_size and (not t.special or t.content in CONTROL_TOKENS):
+            raise ModelError(f"{path}: its token {t.content!r} has id {i}, past the model's "
+                             f"vocab_size {vocab_size} (config.json), and "
+                             f"{'a prompt' if t.special else 'text'} would make it: {fix}")
+    named = _tokenizer_config_tokens(path.parent)
+    bos_ids = [bos_id] if bos_id is not None else []
+    for key, ids in (("bos_token", bos_ids), ("eos_token", eos_ids)):
+        name = named.get(key)
+        if name is not None and ids and tok.token_to_id(name) not in ids:
+            raise ModelError(f"{path}: its {key} {name!r} is id {tok.token_to_id(name)}, not "
+                             f"config.json's {key}_id {ids if len(ids) > 1 else ids[0]}: {fix}")
+    unknown = [i for i in bos_ids + eos_ids if tok.id_to_token(i) is None]
+    if unknown:
+        raise ModelError(f"{path}: config.json's bos / eos token id {unknown[0]} is no token of "
+                         f"this tokenizer: {fix}")
+
+
+def _tokenizer_config_tokens(folder: Path) -> dict:
+    """bos_token / eos_token as tokenizer_config.json names them (a string or {"content": ...});
+    {} without a readable file (read_config refuses a bad one)."""
+    try:
+        d = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # UnicodeDecodeError and json.JSONDecodeError are ValueErrors
+        return {}
+    out = {}
+    for key in ("bos_token", "eos_token"):
+        v = d.get(key) if isinstance(d, dict) else None
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            out[key] = v
+    return out
