@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from cli import UsageError
 from gate import Gates
 from teacher import agreement, digit_tokens, pool_agreement, spearman
 
@@ -100,24 +99,24 @@ def init_distributed():
 # 3. training (METHOD.md §5.2-5.4): the paper's recipe; the others plug a named loss, optimiser or
 #    selection into the same loop (section 4)
 
+def split(store):
+    """(train, validation) token indices: the held-out documents when there are any, else the
+    authors' split, every 100th token, 1-based (load_data.py:split_fn)."""
+    is_val = store.is_val_doc
+    if not is_val.any():
+        is_val = (torch.arange(store.n_tokens) + 1) % VAL_EVERY == 0
+    return (~is_val).nonzero().squeeze(1), is_val.nonzero().squeeze(1)
+
+
 def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Recipe(), groups=1):
     """METHOD.md §5.2-5.4 with the paper's Recipe(); the others are §13. Returns (gates, metrics).
     The batches never depend on the recipe. Layers share no parameters and every loss is a sum over
     layers, so the layers may train in `groups` runs one after another, each over the same batches
     with its layers' features read into memory: the gates are those of one joint run (tested), and
     features larger than memory are read once per group instead of at random on every step."""
-    N = store.n_tokens
-    is_val = store.is_val_doc
-    if not is_val.any():  # the authors' split, every 100th token, 1-based (load_data.py:split_fn)
-        is_val = (torch.arange(N) + 1) % VAL_EVERY == 0
-    train_idx, val_idx = (~is_val).nonzero().squeeze(1), is_val.nonzero().squeeze(1)
-    n_train, B = len(train_idx), batch_tokens
-    if n_train < B:
-        raise UsageError(f"only {n_train} training tokens for --batch-tokens {B}; add data "
-                         f"(--tokens) or lower it")
-    if len(val_idx) == 0:
-        raise UsageError(f"only {N} tokens: need at least {VAL_EVERY} for one validation token; "
-                         f"raise --tokens")
+    train_idx, val_idx = split(store)
+    B = batch_tokens
+    assert len(train_idx) >= B and len(val_idx) > 0, "too few tokens to train (commands/train_gate)"
     torch.manual_seed(seed)
     # projections and b in the model's dtype, norms and sink keys in fp32 (METHOD.md §1.2)
     make = lambda n: Gates(n, cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size,
@@ -151,7 +150,7 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
             metrics[k] = (v if k == "step" else
                           [sum(rows, []) for rows in zip(*(m[k] for m in parts))]
                           if isinstance(v[0], list) else sum((m[k] for m in parts), []))
-    metrics.update(layers=list(cfg.compressed_layers), n_train=n_train, n_val=len(val_idx),
+    metrics.update(layers=list(cfg.compressed_layers), n_train=len(train_idx), n_val=len(val_idx),
                    recipe=asdict(recipe), layer_groups=groups, seconds=time.perf_counter() - t0)
     metrics["steps_per_s"] = steps / max(metrics["seconds"], 1e-9)
     return gates, metrics

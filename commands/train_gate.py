@@ -27,7 +27,7 @@ from formats.checkpoint import check_dtype, read_config, read_tokenizer
 from formats.gate_file import authors_file_name, save_gate
 from model import ModelError, compute_dtype
 from teacher import encode_prompt, prompt_format, uses_chat
-from train_gate import RECIPES, Recipe, agreement_with_teacher, auto_layer_groups, init_distributed, train
+from train_gate import RECIPES, Recipe, agreement_with_teacher, auto_layer_groups, init_distributed, split, train
 
 DEFAULT_RECIPE = "paper"
 DEFAULT_LR = {"sgd": 0.2, "adam": 3e-3}  # an --optimizer other than the recipe's, without --lr
@@ -148,6 +148,13 @@ def run(args):
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
     recipe = make_recipe(args.recipe, {f.name: getattr(args, f.name) for f in fields(Recipe)})
     groups = args.layer_groups or auto_layer_groups(store)  # train() caps it at the layers
+    train_idx, val_idx = split(store)
+    if len(train_idx) < args.batch_tokens:
+        raise UsageError(f"only {len(train_idx)} training tokens for --batch-tokens "
+                         f"{args.batch_tokens}; add data (--tokens) or lower it")
+    if len(val_idx) == 0:
+        raise UsageError(f"only {store.n_tokens} tokens: need at least {train_gate.VAL_EVERY} for "
+                         f"one validation token; raise --tokens")
     gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log,
                            recipe, groups)
     metrics["n_val_docs"] = sum(d["split"] == "val" for d in manifest["documents"])
