@@ -1,6 +1,6 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with
 exit code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how
-to resume, outputs written atomically (safetensors too: streamed, with a checksum), one rule for
+to resume, outputs written atomically, one rule for
 what counts as text, and matplotlib for --plot."""
 import argparse
 import hashlib
@@ -39,8 +39,8 @@ def _terminate(signum, frame):
 
 
 def main(run, args, *errors, kept=lambda args: None):
-    """run(args), with a UsageError or any of `errors` (model.ModelError, gate.GateError, ...)
-    reported as one line `error: message` and exit code 2 instead of a traceback; Ctrl-C (exit code
+    """run(args), with a UsageError or any of `errors` (model.ModelError,
+    formats.gate_file.GateError, ...) reported as one line `error: message` and exit code 2 instead of a traceback; Ctrl-C (exit code
     130) and SIGTERM (143) as one line `interrupted: ...`; a closed stdout (`| head`) as a quiet
     exit 141. kept(args): what the run keeps and how to resume it (a clause, or None when nothing is
     kept), added to the interrupt line and to a failed write."""

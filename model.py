@@ -579,10 +579,10 @@ def load_model(folder: str | Path, device: str | torch.device | None = None,
 
 
 def model_identity(folder: str | Path) -> dict[str, str | None]:
-    """Which model a saved KV cache belongs to (cache.load_cache checks): sha256 of config.json (as
-    JSON), of tokenizer.json (None without one) and of a weight sample: each file's name, size and
-    first, middle and last MiB (the first holds its header), enough to tell two fine-tunes of one
-    config apart in milliseconds where hashing 16 GB takes a minute."""
+    """Which model a saved KV cache belongs to (formats.cache_file.load_cache checks): sha256 of
+    config.json (as JSON), of tokenizer.json (None without one) and of a weight sample: each file's
+    name, size and first, middle and last MiB (the first holds its header), enough to tell two
+    fine-tunes of one config apart in milliseconds where hashing every weight takes a minute."""
     folder, h, piece = Path(folder).expanduser(), hashlib.sha256(), 2**20
     config = json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True)
     tok = folder / "tokenizer.json"
