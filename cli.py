@@ -40,10 +40,11 @@ def _terminate(signum, frame):
 
 def main(run, args, *errors, kept=lambda args: None):
     """run(args), with a UsageError or any of `errors` (model.ModelError,
-    formats.gate_file.GateError, ...) reported as one line `error: message` and exit code 2 instead of a traceback; Ctrl-C (exit code
-    130) and SIGTERM (143) as one line `interrupted: ...`; a closed stdout (`| head`) as a quiet
-    exit 141. kept(args): what the run keeps and how to resume it (a clause, or None when nothing is
-    kept), added to the interrupt line and to a failed write."""
+    formats.gate_file.GateError, ...) reported as one line `error: message` and exit code 2
+    instead of a traceback; Ctrl-C (exit code 130) and SIGTERM (143) as one line
+    `interrupted: ...`; a closed stdout (`| head`) as a quiet exit 141. kept(args): what the run
+    keeps and how to resume it (a clause, or None when nothing is kept), added to the interrupt
+    line and to a failed write."""
     # only it may set handlers
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None

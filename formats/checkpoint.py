@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -56,7 +57,10 @@ def load_checked(folder: str | Path, device: str | torch.device | None = None,
     device = torch.device(device) if device is not None else M.default_device()
     check_dtype(cfg, dtype or M.compute_dtype(None, device))
     check_weights(folder, cfg)
-    return M.load_model(folder, device, dtype)
+    model = M.load_model(folder, device, dtype)
+    if _tokenizer_config_tokens(folder) and (folder / "tokenizer.json").is_file():
+        stop_at_named_eos(folder, M.load_tokenizer(folder), model.config)  # as read_tokenizer
+    return model
 
 
 # ------------------------------------------------------------------------------------- config.json
@@ -281,6 +285,8 @@ def read_tokenizer(folder: str | Path, cfg: ModelConfig | None = None) -> Tokeni
                          f"re-download it") from None
     if cfg is not None:
         _check_tokenizer(tok, path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids)
+        for note in stop_at_named_eos(path.parent, tok, cfg):
+            print(f"note: {note}", file=sys.stderr)
     return tok
 
 
@@ -296,17 +302,49 @@ def _check_tokenizer(tok, path: Path, vocab_size: int, bos_id: int | None,
             raise ModelError(f"{path}: its token {t.content!r} has id {i}, past the model's "
                              f"vocab_size {vocab_size} (config.json), and "
                              f"{'a prompt' if t.special else 'text'} would make it: {fix}")
-    named = _tokenizer_config_tokens(path.parent)
     bos_ids = [bos_id] if bos_id is not None else []
-    for key, ids in (("bos_token", bos_ids), ("eos_token", eos_ids)):
-        name = named.get(key)
-        if name is not None and ids and tok.token_to_id(name) not in ids:
-            raise ModelError(f"{path}: its {key} {name!r} is id {tok.token_to_id(name)}, not "
-                             f"config.json's {key}_id {ids if len(ids) > 1 else ids[0]}: {fix}")
     unknown = [i for i in bos_ids + eos_ids if tok.id_to_token(i) is None]
     if unknown:
         raise ModelError(f"{path}: config.json's bos / eos token id {unknown[0]} is no token of "
                          f"this tokenizer: {fix}")
+    named = _tokenizer_config_tokens(path.parent)
+    for key, ids in (("bos_token", bos_ids), ("eos_token", eos_ids)):
+        name = named.get(key)
+        if name is not None and ids and tok.token_to_id(name) is None:
+            raise ModelError(f"{path}: its {key} {name!r} is id None, not config.json's "
+                             f"{key}_id {ids if len(ids) > 1 else ids[0]}: {fix}")
+
+
+def named_tokens(folder: Path, tok, cfg: ModelConfig) -> dict:
+    """The bos / eos tokens tokenizer_config.json names that config.json does not: {key: (name,
+    id)}. Common in fine-tunes (a ChatML fine-tune of a base model names <|im_end|> while
+    config.json keeps the base's eos): such a model runs correctly when generation stops at
+    both eos tokens, and its prompts come from its template's own tokens, not from bos_token_id."""
+    ids = {"bos_token": [cfg.bos_token_id] if cfg.bos_token_id is not None else [],
+           "eos_token": cfg.eos_token_ids}
+    out = {}
+    for key, name in _tokenizer_config_tokens(Path(folder)).items():
+        i = tok.token_to_id(name)
+        if ids[key] and i is not None and i not in ids[key]:
+            out[key] = (name, i)
+    return out
+
+
+def stop_at_named_eos(folder: Path, tok, cfg: ModelConfig) -> list[str]:
+    """Add the eos token tokenizer_config.json names to cfg.eos_token_ids when config.json lacks
+    it (generation stops at both) -> one note per token named otherwise, for the user."""
+    notes = []
+    for key, (name, i) in named_tokens(folder, tok, cfg).items():
+        was = cfg.eos_token_ids if key == "eos_token" else cfg.bos_token_id
+        if key == "eos_token":
+            cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | {i})
+            notes.append(f"tokenizer_config.json's eos_token {name!r} (id {i}) is not "
+                         f"config.json's eos_token_id {was}: generation stops at both")
+        else:
+            notes.append(f"tokenizer_config.json's bos_token {name!r} (id {i}) is not "
+                         f"config.json's bos_token_id {was}: prompts begin as the template "
+                         f"writes them")
+    return notes
 
 
 def _tokenizer_config_tokens(folder: Path) -> dict:

@@ -93,9 +93,7 @@ def test_another_models_tokenizer_is_one_clear_error(tmp_path):
     refused(qwen_cfg, gemma, None, "base vocabulary has 262144 token ids", "vocab_size 151936",
             "another model's tokenizer")
     refused(dict(model_type="llama", vocab_size=49152), qwen, None, "151643 token ids")
-    refused(GEMMA_CFG, qwen, qwen, "eos_token '<|im_end|>' is id 151645", "[1, 106]")  # ChatML
     refused(GEMMA_CFG, qwen, gemma, "bos_token '<bos>' is id None", "config.json's bos_token_id 2")
-    refused(GEMMA_CFG, smollm2, smollm2, "bos_token '<|im_start|>' is id 1", "bos_token_id 2")
     # no tokenizer_config.json to name them: Gemma's prompt template needs its own control tokens
     folder = folder_with(tmp_path, GEMMA_CFG, qwen)
     cfg = read_config(folder)
@@ -108,6 +106,27 @@ def test_another_models_tokenizer_is_one_clear_error(tmp_path):
         folder = folder_with(tmp_path, config, tok_from, tok_from)
         read_tokenizer(folder, read_config(folder))
     read_tokenizer(smollm2, read_config(smollm2))
+
+
+def test_a_fine_tunes_own_eos_stops_generation_beside_the_configs(tmp_path, capsys):
+    """A ChatML fine-tune of a base model: tokenizer_config.json names <|im_end|> while config.json
+    keeps the base's eos (<|endoftext|>) and bos. It runs correctly when both eos ids stop
+    generation: accepted, both stop, one note line each for eos and bos; the loaded model stops at
+    both too. A named token the tokenizer lacks is still refused (the files disagree)."""
+    from formats.checkpoint import load_checked
+    smollm2 = published("smollm2")
+    config = {**json.loads((smollm2 / "config.json").read_text()), "eos_token_id": 0,
+              "bos_token_id": 0}
+    folder = folder_with(tmp_path, config, smollm2, smollm2)  # names <|im_start|>, <|im_end|>
+    cfg = read_config(folder)
+    assert cfg.eos_token_ids == [0]
+    read_tokenizer(folder, cfg)
+    assert cfg.eos_token_ids == [0, 2]
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 2 and all(n.startswith("note: ") for n in notes), notes
+    assert "eos_token '<|im_end|>' (id 2)" in notes[1] and "stops at both" in notes[1], notes
+    shutil.copy(smollm2 / "model.safetensors", folder)
+    assert load_checked(folder, "cpu", torch.float32).config.eos_token_ids == [0, 2]
 
 
 def test_tokens_past_the_embedding_that_text_or_a_prompt_makes_are_refused(tmp_path):
