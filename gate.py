@@ -53,8 +53,12 @@ def sink_gate(x, q_weight, q_bias, k_weight, q_norm, k_norm, k_base, b):
     G = b.shape[-1]
     x = x.to(q_weight.dtype)
     # -- low-rank projections, one (N, D) @ (D, out) per layer --
-    q = torch.baddbmm(q_bias.unsqueeze(1), x, q_weight.transpose(1, 2))  # (L, N, H·G·D')
-    k = torch.bmm(x, k_weight.transpose(1, 2))                            # (L, N, H·D')
+    if L == 1:  # one layer (inference): two plain linear layers, the same numbers, faster on CPUs
+        q = F.linear(x[0], q_weight[0], q_bias[0])[None]                  # (1, N, H·G·D')
+        k = F.linear(x[0], k_weight[0])[None]                             # (1, N, H·D')
+    else:
+        q = torch.baddbmm(q_bias.unsqueeze(1), x, q_weight.transpose(1, 2))  # (L, N, H·G·D')
+        k = torch.bmm(x, k_weight.transpose(1, 2))                            # (L, N, H·D')
     # q_proj's output is head-major: column h·G·D' + g·D' + i (METHOD.md §1.4 step 1)
     q = rms_norm(q.view(L, N, H, G, Dp), q_norm.view(L, 1, 1, 1, Dp))    # (L, N, H, G, D') fp32
     k = rms_norm(k.view(L, N, H, Dp), k_norm.view(L, 1, 1, Dp))          # (L, N, H, D') fp32
