@@ -61,6 +61,18 @@ class KVCache:
         """Bytes of keys and values actually allocated, all layers (slack included)."""
         return sum(kv.nbytes for kv in self.layers)
 
+    @property
+    def kept_nbytes(self):
+        """Bytes of the keys and values kept, all layers (no slack): what nbytes holds them in."""
+        return sum(kv.kept_nbytes for kv in self.layers)
+
+    def reserve(self, n):
+        """Room for n more tokens in every layer (an answer's question and decoded tokens), so that
+        decoding copies nothing and holds no more than it will use."""
+        for kv in self.layers:
+            kv.reserve(n)
+            self._track_peak(kv)
+
     def _track_peak(self, kv):
         """After kv changed: the most ever held is what all layers hold now, plus kv's old buffers
         if it was just re-laid out (old and new are both alive while rows are copied)."""
@@ -284,22 +296,22 @@ class EvictingCache(KVCache):
             return
         level = level or self.level
         layers = [self.layers[i] for i in self.compressed]
-        in_seg = [[held_in(kv, h, start, end) for h in range(kv.n_heads)] for kv in layers]
-        # every head still holds every position of the segment (nothing there was evaluated yet)
-        scores = torch.stack([torch.stack([kv.head_score(h)[m] for h, m in enumerate(rows)])
-                              for kv, rows in zip(layers, in_seg)])
+        # per layer, every head's used rows at once, head after head (RaggedKV.rows)
+        rows = [kv.rows() for kv in layers]
+        pos = [kv.pos[r] for kv, r in zip(layers, rows)]
+        in_seg = [(p >= start) & (p < end) for p in pos]
+        # every head still holds every position of the segment, in order (nothing there was
+        # evaluated yet): the segment's scores of a layer are an (H, s) block
+        scores = torch.stack([kv.score[r][m].view(kv.n_heads, -1)
+                              for kv, r, m in zip(layers, rows, in_seg)])
         # context pairs each layer holds outside this segment (older kept ones, and the window)
-        others = torch.tensor([sum(int(((kv.head_pos(h) >= self.n_protected) & ~m).sum())
-                                   for h, m in enumerate(rows))
-                               for kv, rows in zip(layers, in_seg)], device=scores.device)
-        keep = select_segment(scores, ratio, level, others)
-        for li in range(len(self.compressed)):
-            masks = []
-            for h, m in enumerate(in_seg[li]):
-                mask = ~m
-                mask[m] = keep[li, h]
-                masks.append(mask)
-            self.keep_rows(li, masks)
+        others = torch.stack([((p >= self.n_protected) & ~m).sum() for p, m in zip(pos, in_seg)])
+        keep = select_segment(scores, ratio, level, others.to(scores.device))
+        for li, m in enumerate(in_seg):
+            mask = ~m  # rows outside the segment stay; inside it, what select_segment keeps
+            mask[m] = keep[li].reshape(-1)
+            layers[li].select_rows(mask)
+            self._track_peak(layers[li])
 
     def keep_rows(self, li, masks):
         """Keep, in compressed layer li, the rows masks[h] (bool, one per row held) of each head h;
@@ -465,6 +477,10 @@ class Batch:
     def nbytes(self):
         return sum(kv.nbytes for kv in self.layers)
 
+    @property
+    def kept_nbytes(self):
+        return sum(kv.kept_nbytes for kv in self.layers)
+
     def _track_peak(self):
         transient = max(kv.transient for kv in self.layers)
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes + transient)
@@ -551,6 +567,7 @@ class HeadSlice:
     # this member's share of the storage; the shared storage's re-layouts are the batch's to count
     nbytes = property(lambda self: int(self.kv.caps[self.heads].sum()) * 2 * self.head_dim
                       * self.kv.k.element_size())
+    kept_nbytes = property(lambda self: self.n_rows * 2 * self.head_dim * self.kv.k.element_size())
     transient = property(lambda self: 0, lambda self, value: None)
 
     def head_pos(self, h):

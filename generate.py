@@ -105,10 +105,15 @@ def decode_batch(model, batch, tokens):
     return logits
 
 
-def begin_answer(model, cache, question_ids, last_logits=None):
-    """Switch the cache to decoding, append the question -> the logits its answer starts from."""
+def begin_answer(model, cache, question_ids, last_logits=None, max_new_tokens=None):
+    """Switch the cache to decoding, append the question -> the logits its answer starts from.
+    max_new_tokens: the answer's length at most; its rows are reserved with the question's (the
+    last token sampled is never fed back), so decoding neither copies the cache nor holds
+    spare rows beyond them."""
     if isinstance(cache, EvictingCache):
         cache.start_decoding()  # from here on new tokens are buffered and gated 128 at a time
+    if max_new_tokens is not None:
+        cache.reserve(len(question_ids) + max(0, max_new_tokens - 1))
     if not question_ids:
         return last_logits
     return model(torch.tensor(question_ids, device=cache.device), cache, num_logits=1)[-1]
@@ -157,7 +162,8 @@ class Request:
         """Start question self.q alone: checkpoint, then the question's forward."""
         if self.rollback:
             self.state = self.cache.checkpoint()
-        self.logits = begin_answer(model, self.cache, self.questions[self.q][1], self.logits)
+        self.logits = begin_answer(model, self.cache, self.questions[self.q][1], self.logits,
+                                   self.max_new_tokens)
         self.out = []
 
     def sample(self, temperature, top_p):

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 # The reference: the readable spec of the varlen contract above; and the CPU path, the same blocks
 # through PyTorch's fused attention.
 
-APPEND_EXACT = 64   # appends of at least this many tokens per head (prefill chunks) get no slack
+APPEND_EXACT = 2    # appends of this many tokens or more (prefill chunks, questions): no slack
 MAX_SLACK = 1024    # at most this many spare rows per head after a token-by-token append
 # query rows per step of the reference: memory (Hq, 1024, N) instead of (Hq, M, N)
 QUERY_BLOCK = 1024
@@ -455,7 +455,13 @@ class RaggedKV:
 
     @property
     def nbytes(self):
+        """K/V bytes held: every region's rows, slack included."""
         return self.k.nbytes + self.v.nbytes
+
+    @property
+    def kept_nbytes(self):
+        """K/V bytes of the rows kept (no slack): what nbytes would be with none."""
+        return self.n_rows * 2 * self.head_dim * self.k.element_size()
 
     def head_pos(self, h):
         s = int(self.starts[h])
@@ -465,18 +471,32 @@ class RaggedKV:
         s = int(self.starts[h])
         return self.score[s:s + int(self.lens[h])]
 
+    def rows(self):
+        """Flat row indices of every head's used rows, head after head (no slack rows)."""
+        return _ranges(self.starts, self.lens).to(self.device)
+
     def _relayout(self, src_rows, new_lens, new_caps):
         """Move the rows src_rows (flat indices, head-major) into fresh regions of sizes
         new_caps."""
         new_starts = torch.cumsum(new_caps, 0) - new_caps
-        dst_rows = _ranges(new_starts, new_lens).to(self.device)
         src_rows = src_rows.to(self.device)
         old = (self.k, self.v, self.pos, self.score)
-        self._alloc(int(new_caps.sum()))  # the old tensors are freed when `old` goes out of scope
         self.transient = max(self.transient, old[0].nbytes + old[1].nbytes)  # until the copy ends
-        for new, o in zip((self.k, self.v, self.pos, self.score), old):
-            new[dst_rows] = o[src_rows]
+        if torch.equal(new_lens, new_caps):  # no slack (eviction): the gathered rows are all
+            self.k, self.v, self.pos, self.score = (o[src_rows] for o in old)
+        else:
+            dst_rows = _ranges(new_starts, new_lens).to(self.device)
+            self._alloc(int(new_caps.sum()))  # the old tensors are freed with `old`
+            for new, o in zip((self.k, self.v, self.pos, self.score), old):
+                new[dst_rows] = o[src_rows]
         self.lens, self.caps, self.starts = new_lens.clone(), new_caps.clone(), new_starts
+
+    def reserve(self, n):
+        """Room for n more rows in every head (what an answer of n tokens needs), so that its
+        appends write into slack and copy nothing; a region already that large is left alone."""
+        need = self.lens + n
+        if bool((need > self.caps).any()):
+            self._relayout(self.rows(), self.lens, torch.maximum(self.caps, need))
 
     def append(self, k, v, pos, score=None):
         """k, v (t, H, d); pos (t,) absolute positions, the same for every head, or (H, t) per head
@@ -486,11 +506,11 @@ class RaggedKV:
             f"expected (t, {self.n_heads}, {self.head_dim})"
         need = self.lens + t
         if bool((need > self.caps).any()):
-            # token-by-token appends (decoding) grow by 1.5x, between 16 and MAX_SLACK rows: a long
-            # cache is copied once every 1,024 tokens (a few ms even at 128K), not left holding 50%
-            # unused rows (a prefill whose last chunk is one token would otherwise end 1.5x its
-            # size). A prefill chunk is allocated exactly: slack there would be counted as KV held
-            # after prefill.
+            # token-by-token appends (decoding with no reserve()) grow by 1.5x, between 16 and
+            # MAX_SLACK rows: a long cache is copied once every 1,024 tokens (a few ms even at
+            # 128K), not left holding 50% unused rows (a prefill whose last chunk is one token
+            # would otherwise end 1.5x its size). A prefill chunk or a question is allocated
+            # exactly: slack there would be counted as KV held, and an answer reserves its rows.
             if t < APPEND_EXACT:
                 slack = torch.clamp(need // 2, min=16, max=MAX_SLACK)
             else:
@@ -525,13 +545,15 @@ class RaggedKV:
 
     def pop_heads(self, h0, n):
         """Remove heads h0 .. h0+n-1 (a sequence leaves a batch) and return them as a layer of
-        their own; the shared storage shrinks to what the others hold."""
+        their own, holding its rows and no slack (its answer is over); the shared storage shrinks
+        to what the others hold."""
         r0, r1 = int(self.caps[:h0].sum()), int(self.caps[:h0 + n].sum())  # their rows
         out = copy.copy(self)  # same class and settings (a WindowKV's window and ring state)
         tensors = (self.k, self.v, self.pos, self.score)
-        out.k, out.v, out.pos, out.score = (x[r0:r1].clone() for x in tensors)
-        out.lens, out.caps = self.lens[h0:h0 + n].clone(), self.caps[h0:h0 + n].clone()
-        out.starts = self.starts[h0:h0 + n] - r0
+        lens = self.lens[h0:h0 + n].clone()
+        rows = _ranges(self.starts[h0:h0 + n], lens).to(self.device)  # in order: a ring stays one
+        out.k, out.v, out.pos, out.score = (x[rows] for x in tensors)
+        out.lens, out.caps, out.starts = lens, lens.clone(), torch.cumsum(lens, 0) - lens
         out.n_heads, out.transient = n, 0
         self.transient = max(self.transient, self.nbytes)
         self.k, self.v, self.pos, self.score = (torch.cat([x[:r0], x[r1:]]) for x in tensors)
@@ -574,6 +596,14 @@ class RaggedKV:
         batch's B x H heads included)."""
         H, d = self.n_heads, self.head_dim
         qh = q.view(H, -1, d).float() * scale                      # (H, G, d): query head h*G + g
+        n, cap = int(self.lens[0]) if H else 0, int(self.caps[0]) if H else 0
+        if H and bool((self.lens == n).all() and (self.caps == cap).all()):
+            # every head holds as many rows in regions of one size (a full cache, a full ring):
+            # the regions are one strided (H, cap, d) tensor, and the heads one batched matmul
+            first = 0 if window is None else max(0, n - window)
+            ks, vs = (x[:H * cap].view(H, cap, d)[:, first:n].float() for x in (self.k, self.v))
+            out = torch.softmax(qh @ ks.transpose(1, 2), dim=-1) @ vs  # (H, G, d)
+            return out.view(1, H * qh.shape[1], d).to(q.dtype)
         sizes = torch.stack([self.lens, self.caps - self.lens], 1).reshape(-1).tolist()
         ks, vs = self.k.split(sizes)[::2], self.v.split(sizes)[::2]  # head h's used rows
         if window is not None:
@@ -588,10 +618,17 @@ class RaggedKV:
 
     def select(self, keep):
         """keep: list of H bool tensors (len_h,) -> keep those rows, freeing everything else."""
-        mask = torch.cat([kp.to(self.device, torch.bool).reshape(-1) for kp in keep])
+        self.select_rows(torch.cat([kp.reshape(-1) for kp in keep]))
+
+    def select_rows(self, mask):
+        """mask (n_rows,) bool over the used rows in rows()' order (head after head) -> keep those
+        rows, freeing everything else and the slack: one re-layout for all heads."""
+        mask = mask.to(self.device, torch.bool)
         assert mask.numel() == self.n_rows, "one mask entry per used row of every head"
-        new_lens = torch.tensor([int(kp.sum()) for kp in keep], dtype=torch.long)
-        self._relayout(_ranges(self.starts, self.lens).to(self.device)[mask], new_lens, new_lens)
+        head = torch.repeat_interleave(torch.arange(self.n_heads), self.lens)  # each row's head
+        new_lens = torch.zeros(self.n_heads, dtype=torch.long)
+        new_lens.index_add_(0, head, mask.cpu().long())  # rows kept per head
+        self._relayout(self.rows()[mask], new_lens, new_lens)
 
     def truncate(self, n):
         """Drop the last n rows of every head (e.g. remove a question's tokens)."""
@@ -673,6 +710,12 @@ class WindowKV(RaggedKV):
         out = super().pop_heads(h0, n)
         out.first, self.first = first[h0:h0 + n].clone(), torch.cat([first[:h0], first[h0 + n:]])
         return out
+
+    def reserve(self, n):
+        """RaggedKV.reserve, never past W rows: a full ring overwrites its oldest row in place."""
+        need = torch.clamp(self.lens + n, max=self.window)
+        if bool((need > self.caps).any()):  # a ring not yet full: its rows still from row 0
+            self._relayout(self.rows(), self.lens, torch.maximum(self.caps, need))
 
     def wrap(self):
         """After a forward: each head's last min(n, W) rows, in order from row 0, in at most W

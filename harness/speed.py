@@ -60,12 +60,13 @@ def timed_run(model, method, budget, ids, n_protected, teacher, s):
         score_s = getattr(cache, "gate_seconds", 0.0)
     sync(device)
     prefill_s = time.perf_counter() - t0
-    kv_bytes, peak = cache.nbytes, cache.peak_nbytes
+    kv_bytes, kept, peak = cache.nbytes, cache.kept_nbytes, cache.peak_nbytes
     out, decode_s = generate.answer(model, cache, [ids[-1]] * 4, s.decode, stop_ids=set())
     return dict(context=len(ids) - n_protected, method=method, budget=budget, prefill_s=prefill_s,
                 prefill_tok_s=len(ids) / prefill_s, score_s=score_s,
                 score_fraction=score_s / prefill_s, kv_bytes=kv_bytes,
-                kv_bytes_full=full_cache_bytes(cache, len(ids)), peak_kv_bytes=peak,
+                kv_kept_bytes=kept, kv_bytes_full=full_cache_bytes(cache, len(ids)),
+                peak_kv_bytes=peak,
                 decode_tok_s=(len(out) - 1) / decode_s if decode_s > 0 else None,
                 device=device.type)
 
@@ -234,7 +235,9 @@ def batch_run(model, prefilled, question, steps):
     cfg, dtype, device = model_info(model)
     batch, tokens = Batch(cfg, dtype, device), []
     for cache in (copy.deepcopy(c) for c in prefilled):
-        tokens.append(int(generate.begin_answer(model, cache, question).argmax()))
+        # as generate.decode: the question and the answer's rows reserved (`steps` fed back)
+        logits = generate.begin_answer(model, cache, question, max_new_tokens=steps + 1)
+        tokens.append(int(logits.argmax()))
         batch.join(cache)
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
@@ -242,7 +245,8 @@ def batch_run(model, prefilled, question, steps):
     secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     B = len(prefilled)
     return dict(batch=B, decode_tok_s=B * steps / secs, decode_cpu_tok_s=B * steps / cpu,
-                kv_bytes=batch.nbytes, peak_kv_bytes=batch.peak_nbytes)
+                kv_bytes=batch.nbytes, kv_kept_bytes=batch.kept_nbytes,
+                peak_kv_bytes=batch.peak_nbytes)
 
 
 def peer_batch_run(peer, docs, question, steps):
@@ -288,11 +292,13 @@ def batch_markdown(rows, batch_length, steps):
            f"{batch_length} tokens and shorter (75-100%), each prefilled alone; {steps} greedy "
            "steps after a 4-token question, tokens/s over all B. transformers: its own generate on "
            "the same contexts, left-padded, timed from its first new token. KV: bytes the batch "
-           "holds at the end (transformers: its padded DynamicCache). CPU tok/s: over this "
+           "holds at the end (transformers: its padded DynamicCache); held / kept: those "
+           "bytes over the bytes of the rows kept (slack is the difference). CPU tok/s: over this "
            "process's CPU seconds (what other jobs on a shared machine disturb least)."
            + (f" Medians of {rounds} rounds, taken in turn." if rounds > 1 else ""), "",
-           "| method | budget | B | decode tok/s | × B=1 | × transformers | CPU tok/s | KV held |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| method | budget | B | decode tok/s | × B=1 | × transformers | CPU tok/s | KV held "
+           "| held / kept |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         x1 = (r["decode_tok_s"] / one[(r["method"], r["budget"])]
               if (r["method"], r["budget"]) in one else None)
@@ -301,7 +307,8 @@ def batch_markdown(rows, batch_length, steps):
         f = lambda x: f"{x:.2f}×" if x is not None else "–"
         out.append(f"| {r['method']} | {r['budget']:g} | {r['batch']} | {r['decode_tok_s']:.1f} | "
                    f"{f(x1)} | {f(xp)} | {r['decode_cpu_tok_s']:.1f} | "
-                   f"{r['kv_bytes'] / 2**20:.1f} MiB |")
+                   f"{r['kv_bytes'] / 2**20:.1f} MiB | "
+                   f"{f(r['kv_bytes'] / r['kv_kept_bytes'] if r.get('kv_kept_bytes') else None)} |")
     return out
 
 

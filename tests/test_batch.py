@@ -162,6 +162,33 @@ def test_batch_frees_rows_of_finished_members(tiny):
     assert all(kv.n_heads == 0 and kv.nbytes == 0 for kv in batch.layers)
 
 
+@pytest.mark.parametrize("method", ["full", "fastkvzip"])
+def test_batch_holds_the_rows_it_keeps(tiny, method):
+    """Issue 41: an answer reserves its question's and its tokens' rows (begin_answer with
+    max_new_tokens), so decoding in a batch copies nothing and ends holding exactly the rows kept;
+    a member that leaves takes back its rows and no slack."""
+    from generate import begin_answer, decode_batch
+    model, tok, fmt, gates = tiny
+    reqs = requests_for(tok, fmt, [50, 90, 70], [4, 4, 4])
+    steps, question = 6, [5, 6, 7, 8]
+    batch, tokens = Batch(model.config), []
+    with torch.no_grad():
+        for r in reqs:
+            c = make_cache(method, model, r["n_protected"], gates=gates if method != "full"
+                           else None)
+            prefill(model, c, r["ids"], r["n_protected"], Budget(0.3, CHUNK, WINDOW))
+            tokens.append(int(begin_answer(model, c, question, max_new_tokens=steps + 1).argmax()))
+            batch.join(c)
+        storage = [kv.k.data_ptr() for kv in batch.layers]
+        for _ in range(steps):
+            tokens = decode_batch(model, batch, tokens).argmax(-1).tolist()
+    assert batch.nbytes == batch.kept_nbytes  # every reserved row used, none spare
+    assert [kv.k.data_ptr() for kv in batch.layers] == storage, "decoding re-laid a layer out"
+    member = batch.members[1]
+    batch.leave(member)
+    assert member.nbytes == member.kept_nbytes and batch.nbytes == batch.kept_nbytes
+
+
 def test_ragged_layout_of_a_batch_against_the_reference():
     """The batched layout (sequences' heads side by side, each with its own length and slack)
     attends as the reference over each sequence's own rows; extend / pop_heads move rows without

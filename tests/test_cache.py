@@ -326,3 +326,52 @@ def test_adopting_a_full_prefill_equals_prefilling_the_evicting_cache(tiny, give
         rows = lambda kv: torch.cat([torch.arange(int(s), int(s) + int(n))
                                      for s, n in zip(kv.starts, kv.lens)])
         assert torch.equal(a.k[rows(a)], b.k[rows(b)]) and torch.equal(a.v[rows(a)], b.v[rows(b)])
+
+
+class PerHeadEvictCache(EvictingCache):
+    """evict() written head by head, as plainly as it reads (the method before issue 41's
+    vectorised version): the reference the cache's own eviction must keep exactly."""
+
+    def evict(self, start, end, ratio, level=None):
+        from cache import held_in, select_segment
+        if end <= start:
+            return
+        layers = [self.layers[i] for i in self.compressed]
+        in_seg = [[held_in(kv, h, start, end) for h in range(kv.n_heads)] for kv in layers]
+        scores = torch.stack([torch.stack([kv.head_score(h)[m] for h, m in enumerate(rows)])
+                              for kv, rows in zip(layers, in_seg)])
+        others = torch.tensor([sum(int(((kv.head_pos(h) >= self.n_protected) & ~m).sum())
+                                   for h, m in enumerate(rows)) for kv, rows in zip(layers, in_seg)])
+        keep = select_segment(scores, ratio, level or self.level, others)
+        for li, rows in enumerate(in_seg):
+            masks = []
+            for h, m in enumerate(rows):
+                mask = ~m
+                mask[m] = keep[li, h]
+                masks.append(mask)
+            self.keep_rows(li, masks)
+
+
+@pytest.mark.parametrize("level", ["global", "layer", "head", "calibrated"])
+def test_evict_keeps_what_a_per_head_reference_keeps(tiny, level):
+    """Several chunks, the last of one token (its regions get slack), a protected system prompt,
+    ties in the scores: every head keeps the same rows, with the same keys."""
+    cfg = tiny.config
+    torch.manual_seed(7)
+    n, n_protected = 257, 5  # chunks of 64: the last holds one token
+    L, H = len(cfg.compressed_layers), cfg.num_key_value_heads
+    scores = torch.rand(L, H, n).round(decimals=1)  # many ties
+    ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
+    caches = [cls(cfg, FixedScorer(scores), n_protected=n_protected, level=level)
+              for cls in (EvictingCache, PerHeadEvictCache)]
+    with torch.no_grad():
+        for cache in caches:
+            prefill(tiny, cache, ids, n_protected, Budget(0.3, chunk_size=64, window=24))
+    ours, ref = caches
+    for layer in ours.compressed:
+        a, b = ours.layers[layer], ref.layers[layer]
+        assert torch.equal(a.lens, b.lens)
+        for h in range(H):
+            assert torch.equal(a.head_pos(h), b.head_pos(h)), (layer, h)
+            assert torch.equal(a.head_score(h), b.head_score(h))
+    assert torch.equal(ours.layers[ours.compressed[0]].k, ref.layers[ref.compressed[0]].k)

@@ -375,7 +375,8 @@ def test_ragged_attend_triton_backend_and_env(monkeypatch):
     kv = RaggedKV(H, d, torch.float32, "cpu")
     kv.append(torch.randn(40, H, d), torch.randn(40, H, d), torch.arange(40))
     kv.select([torch.rand(40) > 0.3, torch.rand(40) > 0.7])
-    kv.append(torch.randn(3, H, d), torch.randn(3, H, d), torch.arange(40, 43))  # into fresh slack
+    kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.arange(40, 41))  # slack now
+    kv.append(torch.randn(2, H, d), torch.randn(2, H, d), torch.arange(41, 43))  # into it
     q = torch.randn(3, H * G, d)
     ref = kv.attend(q, 0.2, window=9, backend="torch")
     monkeypatch.setenv("FASTKVZIP_ATTN_BACKEND", "triton")
