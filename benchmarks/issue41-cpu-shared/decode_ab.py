@@ -1,0 +1,62 @@
+"""
+Decode at B = 1: our full cache, Fast KVzip 0.3 and transformers on the same context, one process,
+1 thread; each round times `--steps` greedy-free decode steps of each (fixed tokens), the order of
+the three reversed every other round; CPU milliseconds per step (time.process_time).
+
+    python benchmarks/issue41-cpu-shared/decode_ab.py --model smollm2-135m-gguf --length 2048
+
+Run from the repository root. Prints one JSON line: the medians and every round.
+"""
+import argparse
+import collections
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, ".")
+import generate  # noqa: E402
+import model as M  # noqa: E402
+from cache import Budget, EvictingCache  # noqa: E402
+from cli import resolve_model  # noqa: E402
+from formats.gate_file import resolve_gate  # noqa: E402
+from harness.quality import load_docs  # noqa: E402
+from harness.speed import load_peer, peer_prefill  # noqa: E402
+from teacher import encode_prompt, prompt_format  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--model", default="smollm2-135m-gguf")
+p.add_argument("--length", type=int, default=2048)
+p.add_argument("--steps", type=int, default=16)
+p.add_argument("--rounds", type=int, default=5)
+p.add_argument("--threads", type=int, default=1)
+a = p.parse_args()
+torch.set_num_threads(a.threads)
+folder = resolve_model(a.model)
+tok, model = M.load_tokenizer(folder), M.load_model(folder, "cpu", torch.float32)
+system = encode_prompt(tok, prompt_format(model.config, a.model).system)
+ids = system + [t for _, d in load_docs(tok) for t in d][:a.length]
+steps = {}
+with torch.no_grad():
+    for method, b in (("full", 1.0), ("fastkvzip", 0.3)):
+        gates = resolve_gate(None, model.config, a.model) if method == "fastkvzip" else None
+        cache = generate.make_cache(method, model, len(system), gates)
+        generate.prefill(model, cache, ids, len(system), Budget(b, 2048, 512))
+        if isinstance(cache, EvictingCache):
+            cache.start_decoding()
+        steps[method] = (lambda c: (lambda t: generate.decode_one(model, c, t)))(cache)
+    forward, _, _ = peer_prefill(load_peer(folder), ids, 2048)
+    steps["hf"] = lambda t: forward([t])
+    res = collections.defaultdict(list)
+    for r in range(a.rounds):
+        for n in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            f = steps[n]
+            f(5)
+            t0 = time.process_time()
+            for i in range(a.steps):
+                f(100 + i)
+            res[n].append((time.process_time() - t0) / a.steps * 1e3)
+print(json.dumps(dict(model=a.model, length=a.length, ms={n: float(np.median(v)) for n, v in res.items()},
+                      runs=res)))
