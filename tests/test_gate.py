@@ -334,6 +334,61 @@ def test_gate_with_non_finite_weights_is_refused(tmp_path, bad):
         load_gate(tmp_path / "q4_dim16_sink16.pt", make_cfg(1, 32, 2, 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("how,words", [
+    ("all zeros", "layer 0 head 0 gives every token the same score"),
+    ("every weight x1e30", "gives every token the same score"),  # the norms overflow to 0
+    ("b x1e30", "gives every token the same score (1)"),  # each head its own constant: 0 or 1
+    ("k_base x1e30", "gives every token the same score (0)"),  # the sinks swamp the own key
+    ("one head's b x1e30", "layer 2 head 1 gives every token the same score"),
+])
+def test_gate_whose_scores_cannot_rank_is_refused(tmp_path, dtype, how, words):
+    """Finite weights whose scores are the same for every token: eviction would silently go by
+    position. The probe runs in the file's dtype (bf16 for released gates)."""
+    g = random_gates(dtype=dtype)
+    with torch.no_grad():
+        if how == "all zeros":
+            for p in g.parameters():
+                p.zero_()
+        elif how == "every weight x1e30":
+            for p in g.parameters():
+                p.mul_(1e30)
+        elif how == "b x1e30":
+            g.b.copy_(torch.ones_like(g.b) * 1e30)
+        elif how == "k_base x1e30":
+            g.k_base.mul_(1e30)
+        else:
+            g.b[2, 1] = 1e30
+    for name in ("g.safetensors", "q3_dim8_sink5.pt"):
+        save_gate(tmp_path / name, g)
+        with pytest.raises(GateError) as err:
+            load_gate(tmp_path / name, make_cfg())
+        line = str(err.value)
+        assert words in line and "cannot rank" in line and "\n" not in line, line
+
+
+def test_gates_that_rank_load_and_leave_the_random_state_alone(tmp_path):
+    """The probe of check_ranks passes what ranks: a freshly initialised Gates (k_base = b = 0), the
+    tests' random gates in every gate dtype, the authors' layout, and the bundled gates; it draws
+    from its own generator."""
+    fresh = Gates(3, 32, 2, 3)
+    save_gate(tmp_path / "fresh.safetensors", fresh)
+    before = torch.random.get_rng_state()
+    load_gate(tmp_path / "fresh.safetensors", make_cfg())
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        save_gate(tmp_path / "r.safetensors", random_gates(dtype=dtype))
+        assert load_gate(tmp_path / "r.safetensors", make_cfg()).dtype == dtype
+    save_authors_file(tmp_path / "q3_dim16_sink16.pt", [authors_state_dict(32, 2, 3)] * 2)
+    load_gate(tmp_path / "q3_dim16_sink16.pt", make_cfg(2, 32, 2, 3))
+    for path in sorted(gate_file.GATES_DIR.glob("*.safetensors")):
+        meta = gate_file.gate_metadata(path)
+        cfg = make_cfg(meta["n_layers"], meta["hidden_size"], meta["n_kv_heads"], meta["group"],
+                       layers=meta.get("layers"))
+        for dtype in (None, torch.bfloat16):
+            load_gate(path, cfg, dtype=dtype)
+
+
 def test_resolve_gate(tmp_path, monkeypatch):
     cfg = make_cfg(1, 32, 2, 4)
     monkeypatch.setattr(gate_file, "GATES_DIR", tmp_path / "gates")
