@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import stat
+import zipfile
 from pathlib import Path
 
 import safetensors.torch
@@ -194,10 +195,51 @@ def _numpy_safe_globals():
             (ma.scalar, "numpy.core.multiarray.scalar")]
 
 
-def _read_authors_pt(path):
+# the most a gate file may unpack to when no model is given (gate_sha256 of a path): a float32 gate
+# at D' = S = 64 for a 70B-sized model (80 layers, hidden 8192, 8 KV heads, group 8) is ~3 GB
+MAX_GATE_BYTES = 4 << 30
+MAX_GATE_DIM = 64  # bounds D' and S in max_gate_bytes; the released gates have D' = S = 16
+
+
+def max_gate_bytes(cfg=None):
+    """The most bytes a gate file for model config `cfg` can hold unpacked, generously: every tensor
+    in float32 (released gates are bf16), D' and S up to MAX_GATE_DIM (released: 16), plus 64 MiB
+    for the training curves and the pickle, i.e. ~16x the released layout. No cfg: MAX_GATE_BYTES.
+    (SmolLM2-135M: ~120 MB; Qwen2.5-14B: ~3 GB, against a 0.4 GB released gate.)"""
+    if cfg is None:
+        return MAX_GATE_BYTES
+    d, r = _model_dims(cfg), MAX_GATE_DIM
+    L, D, H, G = d["layers"], d["hidden"], d["H"], d["G"]
+    per_layer = (H * G + H) * r * D + H * G * r + 2 * r + H * r * r + H * G
+    return 4 * L * per_layer + (64 << 20)
+
+
+def _check_zip_sizes(path, limit):
+    """torch.save writes a zip: read its members' declared (uncompressed) sizes from the central
+    directory, which costs a few kB, and refuse a total beyond `limit` before torch.load unpacks
+    anything: a 1 MB archive of deflated zeros can declare 1 GiB, and torch's reader allocates
+    each record at its declared size. A legacy (non-zip) torch file is not compressed: nothing to
+    check."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return
+        with zipfile.ZipFile(path) as z:
+            declared = sum(info.file_size for info in z.infolist())
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
+        raise GateError(f"gate {path} is not a readable torch file ({type(e).__name__})") from None
+    if declared > limit:
+        raise GateError(f"gate {path} unpacks to {declared / 2**20:,.0f} MiB (its zip's declared "
+                        f"sizes), more than a gate for this model can hold (at most {limit / 2**20:,.0f} "
+                        "MiB): refused unread; pass the gate's own .pt or .safetensors file")
+
+
+def _read_authors_pt(path, limit=MAX_GATE_BYTES):
     """The authors' released file (METHOD.md §2): torch.save({"module": [state dict per gate layer],
     "loss": ..., "acc": ...}). Loaded with weights_only=True: a pickle that would import anything
-    beyond tensors, containers and numpy arrays is refused before it can run."""
+    beyond tensors, containers and numpy arrays is refused before it can run. An archive that
+    declares more than `limit` bytes unpacked is refused before it is unpacked (_check_zip_sizes)."""
+    _check_zip_sizes(path, limit)
     try:
         with torch.serialization.safe_globals(_numpy_safe_globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -266,7 +308,7 @@ def load_gate(path, cfg, dtype=None, device=None):
     if kind == "safetensors":
         layers, meta = _read_safetensors(path)
     elif kind == "torch":
-        layers, meta = _read_authors_pt(path)
+        layers, meta = _read_authors_pt(path, max_gate_bytes(cfg))
     else:
         raise GateError(f"gate {path} is neither a safetensors file nor a torch.save file (the "
                         "authors' .pt)")

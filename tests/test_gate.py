@@ -389,6 +389,31 @@ def test_gates_that_rank_load_and_leave_the_random_state_alone(tmp_path):
             load_gate(path, cfg, dtype=dtype)
 
 
+def test_zip_bomb_gate_is_refused_before_torch_load(tmp_path, monkeypatch):
+    """torch.save writes a zip: a released-looking .pt of ~5 MB whose deflated member of zeros
+    declares 1 GiB is refused from the zip's declared sizes, before torch.load unpacks a byte; a
+    .pt within the bound still loads."""
+    import zipfile
+    path = tmp_path / "q3_dim16_sink16.pt"
+    save_authors_file(path, [authors_state_dict(32, 2, 3)])
+    cfg = make_cfg(1, 32, 2, 3)
+    assert load_gate(path, cfg).n_layers == 1
+    chunk = bytes(16 << 20)
+    with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED, compresslevel=1) as z, \
+            z.open("archive/data/bomb", "w", force_zip64=True) as f:
+        for _ in range(64):  # 1 GiB of zeros, 16 MiB at a time
+            f.write(chunk)
+    assert path.stat().st_size < 8 << 20
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a) or real_load(*a, **k))
+    with pytest.raises(GateError) as err:
+        load_gate(path, cfg)
+    line = str(err.value)
+    assert ("unpacks to 1,024 MiB" in line and "at most 64 MiB" in line and "\n" not in line
+            and not calls), line
+
+
 def test_resolve_gate(tmp_path, monkeypatch):
     cfg = make_cfg(1, 32, 2, 4)
     monkeypatch.setattr(gate_file, "GATES_DIR", tmp_path / "gates")
