@@ -4,6 +4,7 @@ SnapKV (§10), set arithmetic on the kept positions. Tiny random configs, CPU fp
 authors' files use it)."""
 import math
 import os
+import re
 from collections import OrderedDict
 from types import SimpleNamespace
 
@@ -390,23 +391,34 @@ def test_gates_that_rank_load_and_leave_the_random_state_alone(tmp_path):
 
 
 def test_zip_bomb_gate_is_refused_before_torch_load(tmp_path, monkeypatch):
-    """torch.save writes a zip: a released-looking .pt of ~5 MB whose deflated member of zeros
-    declares 1 GiB is refused from the zip's declared sizes, before torch.load unpacks a byte; a
-    .pt within the bound still loads."""
+    """torch.save writes a zip: a released-looking .pt of ~5 MB whose last tensor's record is
+    1 GiB of deflated zeros (torch.load would unpack all of it: 1 GB of memory) is refused from the
+    zip's declared sizes, before torch.load is called; the same file before the swap loads."""
     import zipfile
-    path = tmp_path / "q3_dim16_sink16.pt"
-    save_authors_file(path, [authors_state_dict(32, 2, 3)])
+    src, path = tmp_path / "plain.pt", tmp_path / "q3_dim16_sink16.pt"
+    save_authors_file(src, [authors_state_dict(32, 2, 3)])
     cfg = make_cfg(1, 32, 2, 3)
-    assert load_gate(path, cfg).n_layers == 1
-    chunk = bytes(16 << 20)
-    with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED, compresslevel=1) as z, \
-            z.open("archive/data/bomb", "w", force_zip64=True) as f:
-        for _ in range(64):  # 1 GiB of zeros, 16 MiB at a time
-            f.write(chunk)
+    assert load_gate(src, cfg).n_layers == 1
+    with zipfile.ZipFile(src) as zin:
+        records = [n for n in zin.namelist() if re.search(r"/data/\d+$", n)]
+        last = max(records, key=lambda n: int(n.rsplit("/", 1)[1]))
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zout:
+            for name in zin.namelist():
+                if name != last:
+                    zout.writestr(name, zin.read(name), zipfile.ZIP_STORED)
+                    continue
+                chunk = bytes(16 << 20)
+                with zout.open(name, "w", force_zip64=True) as f:
+                    for _ in range(64):  # 1 GiB of zeros, 16 MiB at a time
+                        f.write(chunk)
     assert path.stat().st_size < 8 << 20
     calls = []
-    real_load = torch.load
-    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a) or real_load(*a, **k))
+
+    def no_load(*a, **k):  # never unpack the bomb, not even on the code before the check
+        calls.append(a)
+        raise RuntimeError("torch.load called")
+
+    monkeypatch.setattr(torch, "load", no_load)
     with pytest.raises(GateError) as err:
         load_gate(path, cfg)
     line = str(err.value)
