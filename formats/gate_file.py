@@ -229,16 +229,18 @@ def _check_zip_sizes(path, limit):
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
         raise GateError(f"gate {path} is not a readable torch file ({type(e).__name__})") from None
     if declared > limit:
-        raise GateError(f"gate {path} unpacks to {declared / 2**20:,.0f} MiB (its zip's declared "
-                        f"sizes), more than a gate for this model can hold (at most {limit / 2**20:,.0f} "
-                        "MiB): refused unread; pass the gate's own .pt or .safetensors file")
+        mib = lambda n: f"{n / 2**20:,.0f} MiB"
+        raise GateError(f"gate {path} unpacks to {mib(declared)} (its zip's declared sizes), more "
+                        f"than a gate for this model can hold (at most {mib(limit)}): refused "
+                        "unread; pass the gate's own .pt or .safetensors file")
 
 
 def _read_authors_pt(path, limit=MAX_GATE_BYTES):
     """The authors' released file (METHOD.md §2): torch.save({"module": [state dict per gate layer],
     "loss": ..., "acc": ...}). Loaded with weights_only=True: a pickle that would import anything
     beyond tensors, containers and numpy arrays is refused before it can run. An archive that
-    declares more than `limit` bytes unpacked is refused before it is unpacked (_check_zip_sizes)."""
+    declares more than `limit` bytes unpacked is refused before it is unpacked
+    (_check_zip_sizes)."""
     _check_zip_sizes(path, limit)
     try:
         with torch.serialization.safe_globals(_numpy_safe_globals()):
@@ -337,7 +339,7 @@ def load_gate(path, cfg, dtype=None, device=None):
     return gates
 
 
-PROBE_TOKENS = 16  # the probe of check_ranks: this many random hidden states, the same in each layer
+PROBE_TOKENS = 16  # check_ranks' probe: this many random hidden states, the same in each layer
 
 
 @torch.no_grad()
@@ -371,8 +373,8 @@ def check_ranks(gates, source):
         l, h = (int(i) for i in flat.nonzero()[0])
         raise GateError(f"gate {source}: layer {l} head {h} gives every token the same score "
                         f"({float(scores[l, h, 0]):.3g}): its weights are degenerate (all zero, or "
-                        "so large the scores saturate), so it cannot rank tokens and eviction would "
-                        "go by position; retrain it, or pass another --gate")
+                        "so large the scores saturate), so it cannot rank tokens and eviction "
+                        "would go by position; retrain it, or pass another --gate")
 
 
 def gate_sha256(gate):
