@@ -24,9 +24,11 @@ Full-size example (GPU, a released gate is fetched from the hub):
     python generate.py --model qwen3-8b --context-file doc.txt --question "..." --budget 0.3
 """
 import argparse
+import errno
 import json
 import math
 import os
+import stat
 import sys
 import time
 from dataclasses import replace
@@ -105,7 +107,9 @@ def parse_args(argv=None):
                    help="--batch: requests decoded at once (default 8)")
     p.add_argument("--save-cache", metavar="FILE", help="write the compressed cache to FILE (one "
                    "safetensors file) after the prefill, to answer from later with --load-cache; "
-                   "questions are answered too (--max-new-tokens 0: none)")
+                   "questions are answered too (--max-new-tokens 0: none). A cache saved here "
+                   "before is replaced; any other file (your text, a folder, a device, a link) is "
+                   "refused before the prefill: delete it first to replace it")
     p.add_argument("--load-cache", metavar="FILE", help="answer --question from a cache saved with "
                    "--save-cache: no context, no prefill (its budget and method are the file's)")
     return p.parse_args(argv)
@@ -125,6 +129,8 @@ def check_args(args):
                              f"method: drop {given[0]}{where}")
     if args.save_cache is not None and args.batch is not None:
         raise UsageError("--save-cache saves one context's cache: drop --batch (or run each alone)")
+    if args.save_cache is not None:  # before the prefill, which takes minutes
+        check_save_target(args.save_cache, args.context_file)
     args.budget = 0.3 if args.budget is None else args.budget
     if not 0 < args.budget <= 1:  # also refuses nan
         raise UsageError(f"--budget must be in (0, 1] (the fraction of context KV pairs kept), "
@@ -165,6 +171,60 @@ def check_args(args):
     if any(not q.strip() for q in args.question or []):  # it would continue the context instead
         raise UsageError("--question is empty: ask something, or drop --question to continue the "
                          "context")
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISFIFO, "a pipe (FIFO)"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def check_save_target(path, context_file=None):
+    """--save-cache PATH, refused in one line unless the cache can be written there without losing
+    anything: a new file in a folder this user may write, or a cache saved here before
+    (formats.cache_file.read_header says so), which is replaced. Never the user's text (the
+    --context-file itself, under any name), a file that is not such a cache, nor what is not a
+    regular file (a folder, a device such as /dev/null, a pipe, a symbolic link): those are kept,
+    and the line says to delete the file first to replace it."""
+    if not path:
+        raise UsageError("--save-cache needs a file name, got an empty one")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:  # a parent that is a file, a name too long, a folder not searchable
+        why = "not a folder" if e.errno == errno.ENOTDIR else e.strerror or e
+        raise UsageError(f"cannot write --save-cache {path}: {why}") from None
+    if mode is None and path.endswith(("/", os.sep)):
+        raise UsageError(f"--save-cache {path} names a folder: pass a file name, e.g. "
+                         f"{os.path.join(path, 'doc.kv')}")
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+        to = f" to {os.readlink(path)}" if stat.S_ISLNK(mode) else ""
+        raise UsageError(f"--save-cache {path} is {kind}{to}, not a regular file: not replaced; "
+                         "pass the name of a new file (or of a cache saved before)")
+    if mode is not None:
+        if context_file is not None and _same_file(path, context_file):
+            raise UsageError(f"--save-cache {path} is the --context-file: saving would replace "
+                             "your text; pass another file name")
+        try:
+            read_header(path)
+        except CacheFileError:
+            raise UsageError(f"--save-cache {path} exists and is not a cache saved by "
+                             "--save-cache: not replaced; pass another file name, or delete it "
+                             "first") from None
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        why = "not a folder" if os.path.exists(folder) else "no such folder"
+        raise UsageError(f"cannot write --save-cache {path}: {why} {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write --save-cache {path}: the folder {folder} is not writable")
+
+
+def _same_file(a, b):
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is not there
+        return False
 
 
 # -------------------------------------------------------------------------------------------------
@@ -390,6 +450,7 @@ def run(args):
     if args.save_cache is not None:  # prefill, save, then answer (if asked) from the same cache
         with torch.no_grad():
             r = setup(model, reqs[0], method, args.seed)
+        check_save_target(args.save_cache, args.context_file)  # again: the prefill took a while
         t0 = time.perf_counter()
         save_cache(args.save_cache, r.cache, model, r.ids, r.logits, r.n_protected, r.method,
                    r.budget, budget.chunk_size, budget.window, prefill_seconds=r.prefill_s)
