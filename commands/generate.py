@@ -111,22 +111,38 @@ def parse_args(argv=None):
                    "before is replaced; any other file (your text, a folder, a device, a link) is "
                    "refused before the prefill: delete it first to replace it")
     p.add_argument("--load-cache", metavar="FILE", help="answer --question from a cache saved with "
-                   "--save-cache: no context, no prefill (its budget and method are the file's)")
-    return p.parse_args(argv)
+                   "--save-cache: no context, no prefill (its method, budget, level, chunking and "
+                   "window are the file's: those flags are refused beside it)")
+    args, unset = p.parse_args(argv), object()
+    # parsed again onto a namespace that already holds every flag, argparse sets only the flags
+    # typed (as bench.py): --load-cache refuses those it would ignore, their defaults included.
+    # --question appends to its default: None, as in the first parse
+    blank = dict.fromkeys(vars(args), unset) | {"question": None}
+    args.typed = {k for k, v in vars(p.parse_args(argv, argparse.Namespace(**blank))).items()
+                  if v is not unset}
+    return args
 
 
 def check_args(args):
     """Everything about the flags that can be checked before anything is read or loaded."""
+    typed = getattr(args, "typed", set())  # the flags given (parse_args), defaults or not
     if args.load_cache is not None:
-        flags = (("--prompt", args.prompt), ("--context-file", args.context_file),
-                 ("--budget", args.budget), ("--batch", args.batch),
-                 ("--save-cache", args.save_cache), ("--level", args.level),
-                 ("--decode-tokens-per-head", args.decode_tokens_per_head))
-        given = [f for f, v in flags if v is not None]
+        # what made the cache: the file's, not the flags' (the method, --window, ... would be
+        # silently ignored)
+        flags = ("--prompt", "--context-file", "--budget", "--batch", "--save-cache", "--method",
+                 "--level", "--chunk-size", "--window", "--decode-tokens-per-head",
+                 "--kvzip-softmax")
+        valued = ("method", "chunk_size", "window", "kvzip_softmax")  # their defaults are values
+        dest = lambda f: f[2:].replace("-", "_")
+        given = [f for f in flags if dest(f) in typed
+                 or (dest(f) not in valued and getattr(args, dest(f)) is not None)]
         if given:
             where = ' (in --batch: a line {"cache_file": ...})' if given[0] == "--batch" else ""
-            raise UsageError(f"--load-cache answers from a cache made with its context, budget and "
-                             f"method: drop {given[0]}{where}")
+            raise UsageError(f"--load-cache answers from a cache made with its context, method, "
+                             f"budget, level, chunking and window: drop {given[0]}{where}")
+    if args.method == "full" and args.level is not None:
+        raise UsageError(f"--method full keeps every pair: there is no eviction structure to "
+                         f"choose; drop --level {args.level}")
     if args.save_cache is not None and args.batch is not None:
         raise UsageError("--save-cache saves one context's cache: drop --batch (or run each alone)")
     if args.save_cache is not None:  # before the prefill, which takes minutes
