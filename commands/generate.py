@@ -308,7 +308,22 @@ def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions
     if longest > max_positions:
         raise UsageError(f"{where} {path}: its {state['n_seen']} tokens + question + max new "
                          f"tokens = {longest} exceed the model's maximum of {max_positions}")
-    return dict(cache_file=path, cache_state=state, questions=qs, max_new_tokens=max_new_tokens)
+    return dict(cache_file=path, cache_state=state, questions=qs, max_new_tokens=max_new_tokens,
+                where=where)
+
+
+def at_line(where, path, e):
+    """A formats.cache_file.CacheFileError about `path` (its message names the file), named after
+    the --batch line it came from: `where` ("--batch FILE line N: cache_file") takes the place of
+    the file's name. --load-cache's are left as they are."""
+    if not where or where == "--load-cache":
+        return e
+    message, path = str(e), str(path)
+    for name in (f"cache file {path}", path):
+        if message.startswith(name):
+            return CacheFileError(f"{where} {path}{message[len(name):]}")
+    message = message.replace(f"cache file {path}", "it", 1) if path in message else message
+    return CacheFileError(f"{where} {path}: {message}")
 
 
 def load_request(model, req, method=Method(), seed=0, index=0):
@@ -338,7 +353,10 @@ def start(model, reqs, method, seed, files):
         if "cache_file" not in req:
             yield setup(model, req, method, seed, i)
             continue
-        r, secs = load_request(model, req, method, seed, i)
+        try:
+            r, secs = load_request(model, req, method, seed, i)
+        except CacheFileError as e:  # found as it loads (a checksum): named after its batch line
+            raise at_line(req.get("where"), req["cache_file"], e) from None
         files[i] = ("file", str(req["cache_file"]), secs)
         yield r
 
@@ -437,8 +455,11 @@ def run(args):
 
     def from_file(path, questions, max_new_tokens, where="--load-cache"):
         identity.update(identity or model_identity(folder))  # a sample of the weights: once
-        return file_request(tok, fmt, path, check_cache_file(path, identity, dtype), questions,
-                            max_new_tokens, n_pos, where)
+        try:
+            state = check_cache_file(path, identity, dtype)
+        except CacheFileError as e:  # a --batch line's file: named after its line
+            raise at_line(where, path, e) from None
+        return file_request(tok, fmt, path, state, questions, max_new_tokens, n_pos, where)
 
     if args.batch is not None:
         reqs = read_requests(args.batch, tok, fmt, n_pos, budget, args.max_new_tokens, args.method,
