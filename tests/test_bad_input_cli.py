@@ -243,7 +243,7 @@ def test_method_full_takes_no_level(capsys, level, no_loading):
     one_line(*res[::2], "--method full", "drop --level")
 
 
-def test_check_save_target_is_the_generate_command_s(tmp_path):
+def test_check_save_target_alone(tmp_path):
     """The check is the command line's (commands/generate.py), not the method's or the format's."""
     (tmp_path / "doc.txt").write_text(NOTES)
     with pytest.raises(cli.UsageError, match="not a cache"):
