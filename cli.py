@@ -119,8 +119,8 @@ def _write_failure(e):
 def atomic_path(path):
     """A temporary name beside `path` to write to; it replaces `path` when the block ends without
     error (os.replace), so a killed run never leaves half a file, and is removed otherwise. A failed
-    write (a full disk) is a WriteError naming `path`, and so is a `path` that is a device, a pipe or
-    a socket: os.replace would put a regular file in its place (/dev/null, as root)."""
+    write (a full disk) is a WriteError naming `path`, and so is a `path` that is a device, a pipe
+    or a socket: os.replace would put a regular file in its place (/dev/null, as root)."""
     path = Path(path)
     try:
         mode = os.lstat(path).st_mode

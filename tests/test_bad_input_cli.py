@@ -159,7 +159,7 @@ def test_a_cache_saved_here_is_replaced(capsys, tiny, tmp_path):
     assert os.listdir(tmp_path) == ["doc.kv"]
 
 
-# -- item 10: a --save-cache that cannot be written: refused before anything loads ------------------
+# -- item 10: a --save-cache that cannot be written: refused before anything loads ----------------
 
 def test_save_cache_that_cannot_be_written_is_refused_before_the_model(capsys, tmp_path,
                                                                       no_loading, monkeypatch):
