@@ -148,8 +148,10 @@ def read_header(path):
                 raise CacheFileError(f"cache file {path} is truncated ({size} bytes)")
             n = struct.unpack("<Q", f.read(8))[0]
             if n > min(size - 8, 100 << 20):
-                raise CacheFileError(f"cache file {path} is truncated or not safetensors "
-                                     f"(a header of {n} bytes in {size})")
+                # n is the file's first 8 bytes: never printed (they may be anyone's text)
+                raise CacheFileError(f"cache file {path} is not a saved cache, or is truncated "
+                                     f"(the header length it starts with exceeds its {size} "
+                                     "bytes)")
             header = json.loads(f.read(n))
     except OSError as e:
         raise CacheFileError(f"cannot read cache file {path}: {e.strerror or e}") from None
