@@ -92,7 +92,7 @@ def check_prompt(cache, ids, n_protected):
     a system prompt within them, the one the cache protects."""
     assert cache.n_seen == 0, "prefill: the cache already holds a prompt; make a new one " \
         "(generate.make_cache) for each prefill"
-    assert len(ids) > 0, "prefill: ids is empty; give the prompt's token ids (system prompt ⊕ context)"
+    assert len(ids) > 0, "prefill: ids is empty; give the prompt's ids (system prompt ⊕ context)"
     assert 0 <= n_protected <= len(ids), \
         f"prefill: n_protected {n_protected} must be in [0, {len(ids)}] (the system prompt's ids)"
     assert getattr(cache, "n_protected", n_protected) == n_protected, \

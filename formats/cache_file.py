@@ -307,8 +307,10 @@ def _check_state(state, header, bad):
             raise bad(f"its state lacks {key!r}")
         if not valid(state[key]):
             raise bad(f"its state's {key!r} is not valid")
-    if not state["n_protected"] <= state["n_prompt"] <= state["n_seen"]:
-        raise bad("n_protected exceeds its prompt, or its prompt its n_seen")
+    if state["n_protected"] > state["n_prompt"]:
+        raise bad("n_protected exceeds its prompt")
+    if state["n_prompt"] > state["n_seen"]:
+        raise bad("its prompt is longer than n_seen, the tokens it holds")
     if state["n_context"] != state["n_prompt"] - state["n_protected"]:
         raise bad("n_context is not its prompt less n_protected")
     evicting = state["cache"] == "EvictingCache"
