@@ -24,6 +24,7 @@ never a hidden hook. Saving a cache to a file and loading it back is formats/cac
 """
 import copy
 import math
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -152,7 +153,7 @@ class Budget:
             raise ValueError(f"Budget: ratio must be in (0, 1], got {self.ratio}")
         for name, low in (("chunk_size", 1), ("window", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise ValueError(f"Budget: {name} must be an integer >= {low}, got {value!r}")
 
     def plan(self, n_context):
