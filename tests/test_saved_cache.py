@@ -23,7 +23,7 @@ from cache import Batch, Budget
 from commands.generate import build_inputs
 from formats import tensor_file
 from formats.cache_file import CacheFileError, load_cache, read_header, save_cache
-from formats.gate_file import gate_sha256, save_gate
+from formats.gate_file import gate_sha256, resolve_gate, save_gate
 from gate import Gates
 from generate import METHODS, begin_answer, decode_one, make_cache, prefill, prefill_kvzip, sample
 from teacher import KVzipTeacher, prompt_format
@@ -239,7 +239,8 @@ def offline(request):
     folder = cli.resolve_model(request.param)
     model, tok = M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
     fmt = prompt_format(model.config, request.param)
-    return dict(name=request.param, model=model, tok=tok, fmt=fmt, gates=None)
+    gates = resolve_gate(None, model.config, request.param)  # the bundled gate
+    return dict(name=request.param, model=model, tok=tok, fmt=fmt, gates=gates)
 
 
 @pytest.mark.parametrize("method, decode", [(m, None) for m in METHODS] + [("fastkvzip", DECODE)])
