@@ -35,7 +35,7 @@ def no_loading(monkeypatch):
     def reached(*a, **k):
         raise AssertionError("the model was reached: the flags were not refused first")
     monkeypatch.setattr(G, "model_setup", reached)
-    monkeypatch.setattr(G, "load_model", reached)
+    monkeypatch.setattr(G, "load_checked", reached)
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def no_weights(monkeypatch):
     """Loading the weights fails the test (the tokenizer and config may be read)."""
     def reached(*a, **k):
         raise AssertionError("the weights were loaded: the refusal came late")
-    monkeypatch.setattr(G, "load_model", reached)
+    monkeypatch.setattr(G, "load_checked", reached)
 
 
 @pytest.fixture(scope="module")
