@@ -310,7 +310,7 @@ def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions
         raise UsageError(f"{where} {path}: its {state['n_seen']} tokens + question + max new "
                          f"tokens = {longest} exceed the model's maximum of {max_positions}")
     return dict(cache_file=path, cache_state=state, questions=qs, max_new_tokens=max_new_tokens,
-                where=where)
+                where=where, system=system)
 
 
 def at_line(where, path, e):
@@ -328,8 +328,9 @@ def at_line(where, path, e):
 
 
 def load_request(model, req, method=Method(), seed=0, index=0):
-    """generate.setup() for a request whose cache was saved (formats.cache_file.save_cache): req {"cache_file",
-    "questions", "max_new_tokens"} -> (a generate.Request, the seconds the load took). The file
+    """generate.setup() for a request whose cache was saved (formats.cache_file.save_cache): req
+    {"cache_file", "questions", "max_new_tokens"} -> (a generate.Request, the seconds the load
+    took); what file_request checked is checked again on what was loaded. The file
     decides what its prefill did (method, budget, decode-time eviction); `method` only lends the
     scorer that goes on evicting while decoding (the same gate)."""
     path, state = req["cache_file"], req.get("cache_state") or {}
@@ -339,6 +340,10 @@ def load_request(model, req, method=Method(), seed=0, index=0):
                             decode_tokens_per_head=state["decode_tokens_per_head"], seed=seed,
                             gates=method.gates).scorer
     cache, info = load_cache(path, model, scorer)
+    if "system" in req and (info["ids"][:info["n_protected"]] != req["system"]
+                            or cache.n_seen != state["n_seen"]):  # read from one handle, now
+        raise CacheFileError(f"cache file {path} changed after it was checked (another system "
+                             "prompt or length): run again once it is written")
     r = Request(cache, req["questions"], req["max_new_tokens"], info["last_logits"],
                 torch.Generator().manual_seed(seed), index=index, ids=info["ids"],
                 n_protected=info["n_protected"], method=info["method"] or "full",

@@ -249,3 +249,28 @@ def test_check_save_target_alone(tmp_path):
     with pytest.raises(cli.UsageError, match="not a cache"):
         G.check_save_target(str(tmp_path / "doc.txt"))
     G.check_save_target(str(tmp_path / "new.kv"))  # a new file in a folder that may be written
+
+
+def test_a_cache_replaced_between_its_check_and_its_load_is_refused(tiny, tmp_path, capsys,
+                                                                    monkeypatch):
+    """--load-cache checks the file (its model, its system prompt, its length), then loads it:
+    a file replaced in between (here: by a cache of another context) is refused in one line
+    instead of answered with what was never checked."""
+    other = tmp_path / "other.kv"
+    doc = tmp_path / "other.txt"
+    doc.write_text("Short.")
+    code, _, err = _run(*tiny["flags"], "--context-file", str(doc), "--save-cache", str(other),
+                        "--max-new-tokens", "0")
+    assert code == 0, err
+    kv = tmp_path / "doc.kv"
+    kv.write_bytes(tiny["kv"].read_bytes())
+    load = G.load_cache
+
+    def swapped(path, *a, **k):
+        os.replace(other, path)  # after file_request checked it, before the load
+        return load(path, *a, **k)
+
+    monkeypatch.setattr(G, "load_cache", swapped)
+    flags = [f for f in tiny["flags"] if f not in ("--window", "8")]
+    res = run_main(capsys, *flags, "--load-cache", str(kv), "--question", "Q?")
+    one_line(res[0], res[2], "changed after it was checked")
