@@ -24,6 +24,7 @@ never a hidden hook. Saving a cache to a file and loading it back is formats/cac
 """
 import copy
 import math
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,9 @@ class KVCache:
         # absolute position of the next token (evicted tokens still count: RoPE positions)
         self.n_seen = 0
         self.peak_nbytes = 0
+        # the ids this cache prefilled (a CPU int64 tensor; generate.prefill sets it): what a saved
+        # cache records as its prompt (formats/cache_file.save_cache checks the ids it is given)
+        self.prefilled_ids = None
 
     @property
     def nbytes(self):
@@ -155,6 +159,14 @@ class Budget:
     ratio: float = 1.0
     chunk_size: int = 16384
     window: int = 4096
+
+    def __post_init__(self):
+        if not 0 < self.ratio <= 1:  # also refuses nan
+            raise ValueError(f"Budget: ratio must be in (0, 1], got {self.ratio}")
+        for name, low in (("chunk_size", 1), ("window", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise ValueError(f"Budget: {name} must be an integer >= {low}, got {value!r}")
 
     def plan(self, n_context):
         """The budget rule for a context of n_context tokens (plan_prefill)."""
@@ -258,6 +270,7 @@ class EvictingCache(KVCache):
         prefill."""
         assert self.n_seen == 0 and (scores is None) != (inputs is None), \
             "adopt: an empty cache; scores or inputs"
+        self.prefilled_ids = full.prefilled_ids
         self.layers = [copy.deepcopy(kv) for kv in full.layers] if keep_full else full.layers
         self.n_seen, self.peak_nbytes = full.n_seen, full.peak_nbytes
         for l, layer in enumerate(self.compressed):

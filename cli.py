@@ -117,8 +117,17 @@ def _write_failure(e):
 def atomic_path(path):
     """A temporary name beside `path` to write to; it replaces `path` when the block ends without
     error (os.replace), so a killed run never leaves half a file, and is removed otherwise. A failed
-    write (a full disk) is a WriteError naming `path`."""
+    write (a full disk) is a WriteError naming `path`, and so is a `path` that is a device, a pipe
+    or a socket: os.replace would put a regular file in its place (/dev/null, as root)."""
     path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:  # not there (or not reachable: the write says why)
+        mode = None
+    if mode is not None and (stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode)
+                             or stat.S_ISSOCK(mode)):
+        raise WriteError(f"cannot write {path}: a device, pipe or socket, not a regular file; "
+                         "pass a file name")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         yield tmp

@@ -54,6 +54,8 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
 def prefill(model, cache, ids, n_protected, budget=Budget()):
     """Feed ids (system prompt ⊕ context) in chunks of budget.chunk_size, evicting after each
     chunk (METHOD.md §6); -> the last position's logits. A full KVCache evicts nothing."""
+    check_prompt(cache, ids, n_protected)
+    cache.prefilled_ids = torch.tensor(list(ids), dtype=torch.long)
     n_context = len(ids) - n_protected
     evicting = isinstance(cache, EvictingCache) and n_context > 0
     plan = budget.plan(n_context) if evicting else None
@@ -74,14 +76,27 @@ def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget()):
     evicted, score it with the reconstruction teacher (about a second prefill), then evict once,
     with the same budget rule as the gate. Peak memory is the full context: the cost the gate
     removes."""
+    check_prompt(cache, ids, n_protected)
     full = teacher.new_cache()
     teacher.prefill(full, ids[:-1])
+    full.prefilled_ids = torch.tensor(list(ids), dtype=torch.long)
     last = model(torch.tensor(ids[-1:], device=full.device), full, num_logits=1)[-1]
-    assert cache.n_protected == n_protected, "the cache protects another system prompt length"
     scores = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context)
     cache.adopt(full, scores=scores)
     evict_once(cache, len(ids), n_protected, budget)
     return last
+
+
+def check_prompt(cache, ids, n_protected):
+    """What a prefill needs (library misuse fails here, not deep inside): an empty cache, some ids,
+    a system prompt within them, the one the cache protects."""
+    assert cache.n_seen == 0, "prefill: the cache already holds a prompt; make a new one " \
+        "(generate.make_cache) for each prefill"
+    assert len(ids) > 0, "prefill: ids is empty; give the prompt's ids (system prompt ⊕ context)"
+    assert 0 <= n_protected <= len(ids), \
+        f"prefill: n_protected {n_protected} must be in [0, {len(ids)}] (the system prompt's ids)"
+    assert getattr(cache, "n_protected", n_protected) == n_protected, \
+        f"prefill: n_protected {n_protected}, but the cache protects {cache.n_protected}"
 
 
 def evict_once(cache, n_tokens, n_protected, budget):
@@ -284,6 +299,8 @@ def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0
     """Append the question to a cache and generate until a stop id (decode() for one question, the
     answer left in the cache); returns (output ids, decode seconds). With no question ids,
     generation continues the prefill (whose last logits are last_logits)."""
+    assert len(question_ids) > 0 or last_logits is not None, \
+        "answer: give question_ids, or the prefill's last_logits to continue the context"
     r = Request(cache, [("", question_ids)], max_new_tokens, last_logits, generator, rollback=False)
     for event, _ in decode(model, [r], 1, stop_ids, temperature=temperature, top_p=top_p):
         if event == "token" and on_token:
@@ -300,6 +317,7 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
     gate.Gates: formats.gate_file.resolve_gate loads the bundled, a released or a given gate);
     random: scores seeded by seed; level: the eviction structure (default: the scorer's own);
     decode_tokens_per_head: see EvictingCache."""
+    assert method in METHODS, f"make_cache: method {method!r} is not one of {METHODS}"
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
     if method == "full":

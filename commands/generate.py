@@ -24,9 +24,11 @@ Full-size example (GPU, a released gate is fetched from the hub):
     python generate.py --model qwen3-8b --context-file doc.txt --question "..." --budget 0.3
 """
 import argparse
+import errno
 import json
 import math
 import os
+import stat
 import sys
 import time
 from dataclasses import replace
@@ -106,26 +108,46 @@ def parse_args(argv=None):
                    help="--batch: requests decoded at once (default 8)")
     p.add_argument("--save-cache", metavar="FILE", help="write the compressed cache to FILE (one "
                    "safetensors file) after the prefill, to answer from later with --load-cache; "
-                   "questions are answered too (--max-new-tokens 0: none)")
+                   "questions are answered too (--max-new-tokens 0: none). A cache saved here "
+                   "before is replaced; any other file (your text, a folder, a device, a link) is "
+                   "refused before the prefill: delete it first to replace it")
     p.add_argument("--load-cache", metavar="FILE", help="answer --question from a cache saved with "
-                   "--save-cache: no context, no prefill (its budget and method are the file's)")
-    return p.parse_args(argv)
+                   "--save-cache: no context, no prefill (its method, budget, level, chunking and "
+                   "window are the file's: those flags are refused beside it)")
+    args, unset = p.parse_args(argv), object()
+    # parsed again onto a namespace that already holds every flag, argparse sets only the flags
+    # typed (as bench.py): --load-cache refuses those it would ignore, their defaults included.
+    # --question appends to its default: None, as in the first parse
+    blank = dict.fromkeys(vars(args), unset) | {"question": None}
+    args.typed = {k for k, v in vars(p.parse_args(argv, argparse.Namespace(**blank))).items()
+                  if v is not unset}
+    return args
 
 
 def check_args(args):
     """Everything about the flags that can be checked before anything is read or loaded."""
+    typed = getattr(args, "typed", set())  # the flags given (parse_args), defaults or not
     if args.load_cache is not None:
-        flags = (("--prompt", args.prompt), ("--context-file", args.context_file),
-                 ("--budget", args.budget), ("--batch", args.batch),
-                 ("--save-cache", args.save_cache), ("--level", args.level),
-                 ("--decode-tokens-per-head", args.decode_tokens_per_head))
-        given = [f for f, v in flags if v is not None]
+        # what made the cache: the file's, not the flags' (the method, --window, ... would be
+        # silently ignored)
+        flags = ("--prompt", "--context-file", "--budget", "--batch", "--save-cache", "--method",
+                 "--level", "--chunk-size", "--window", "--decode-tokens-per-head",
+                 "--kvzip-softmax")
+        valued = ("method", "chunk_size", "window", "kvzip_softmax")  # their defaults are values
+        dest = lambda f: f[2:].replace("-", "_")
+        given = [f for f in flags if dest(f) in typed
+                 or (dest(f) not in valued and getattr(args, dest(f)) is not None)]
         if given:
             where = ' (in --batch: a line {"cache_file": ...})' if given[0] == "--batch" else ""
-            raise UsageError(f"--load-cache answers from a cache made with its context, budget and "
-                             f"method: drop {given[0]}{where}")
+            raise UsageError(f"--load-cache answers from a cache made with its context, method, "
+                             f"budget, level, chunking and window: drop {given[0]}{where}")
+    if args.method == "full" and args.level is not None:
+        raise UsageError(f"--method full keeps every pair: there is no eviction structure to "
+                         f"choose; drop --level {args.level}")
     if args.save_cache is not None and args.batch is not None:
         raise UsageError("--save-cache saves one context's cache: drop --batch (or run each alone)")
+    if args.save_cache is not None:  # before the prefill, which takes minutes
+        check_save_target(args.save_cache, args.context_file)
     args.budget = 0.3 if args.budget is None else args.budget
     if not 0 < args.budget <= 1:  # also refuses nan
         raise UsageError(f"--budget must be in (0, 1] (the fraction of context KV pairs kept), "
@@ -166,6 +188,60 @@ def check_args(args):
     if any(not q.strip() for q in args.question or []):  # it would continue the context instead
         raise UsageError("--question is empty: ask something, or drop --question to continue the "
                          "context")
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISFIFO, "a pipe (FIFO)"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def check_save_target(path, context_file=None):
+    """--save-cache PATH, refused in one line unless the cache can be written there without losing
+    anything: a new file in a folder this user may write, or a cache saved here before
+    (formats.cache_file.read_header says so), which is replaced. Never the user's text (the
+    --context-file itself, under any name), a file that is not such a cache, nor what is not a
+    regular file (a folder, a device such as /dev/null, a pipe, a symbolic link): those are kept,
+    and the line says to delete the file first to replace it."""
+    if not path:
+        raise UsageError("--save-cache needs a file name, got an empty one")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:  # a parent that is a file, a name too long, a folder not searchable
+        why = "not a folder" if e.errno == errno.ENOTDIR else e.strerror or e
+        raise UsageError(f"cannot write --save-cache {path}: {why}") from None
+    if mode is None and path.endswith(("/", os.sep)):
+        raise UsageError(f"--save-cache {path} names a folder: pass a file name, e.g. "
+                         f"{os.path.join(path, 'doc.kv')}")
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+        to = f" to {os.readlink(path)}" if stat.S_ISLNK(mode) else ""
+        raise UsageError(f"--save-cache {path} is {kind}{to}, not a regular file: not replaced; "
+                         "pass the name of a new file (or of a cache saved before)")
+    if mode is not None:
+        if context_file is not None and _same_file(path, context_file):
+            raise UsageError(f"--save-cache {path} is the --context-file: saving would replace "
+                             "your text; pass another file name")
+        try:
+            read_header(path)
+        except CacheFileError:
+            raise UsageError(f"--save-cache {path} exists and is not a cache saved by "
+                             "--save-cache: not replaced; pass another file name, or delete it "
+                             "first") from None
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        why = "not a folder" if os.path.exists(folder) else "no such folder"
+        raise UsageError(f"cannot write --save-cache {path}: {why} {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write --save-cache {path}: the folder {folder} is not writable")
+
+
+def _same_file(a, b):
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is not there
+        return False
 
 
 # -------------------------------------------------------------------------------------------------
@@ -233,12 +309,28 @@ def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions
     if longest > max_positions:
         raise UsageError(f"{where} {path}: its {state['n_seen']} tokens + question + max new "
                          f"tokens = {longest} exceed the model's maximum of {max_positions}")
-    return dict(cache_file=path, cache_state=state, questions=qs, max_new_tokens=max_new_tokens)
+    return dict(cache_file=path, cache_state=state, questions=qs, max_new_tokens=max_new_tokens,
+                where=where, system=system)
+
+
+def at_line(where, path, e):
+    """A formats.cache_file.CacheFileError about `path` (its message names the file), named after
+    the --batch line it came from: `where` ("--batch FILE line N: cache_file") takes the place of
+    the file's name. --load-cache's are left as they are."""
+    if not where or where == "--load-cache":
+        return e
+    message, path = str(e), str(path)
+    for name in (f"cache file {path}", path):
+        if message.startswith(name):
+            return CacheFileError(f"{where} {path}{message[len(name):]}")
+    message = message.replace(f"cache file {path}", "it", 1) if path in message else message
+    return CacheFileError(f"{where} {path}: {message}")
 
 
 def load_request(model, req, method=Method(), seed=0, index=0):
-    """generate.setup() for a request whose cache was saved (formats.cache_file.save_cache): req {"cache_file",
-    "questions", "max_new_tokens"} -> (a generate.Request, the seconds the load took). The file
+    """generate.setup() for a request whose cache was saved (formats.cache_file.save_cache): req
+    {"cache_file", "questions", "max_new_tokens"} -> (a generate.Request, the seconds the load
+    took); what file_request checked is checked again on what was loaded. The file
     decides what its prefill did (method, budget, decode-time eviction); `method` only lends the
     scorer that goes on evicting while decoding (the same gate)."""
     path, state = req["cache_file"], req.get("cache_state") or {}
@@ -248,6 +340,10 @@ def load_request(model, req, method=Method(), seed=0, index=0):
                             decode_tokens_per_head=state["decode_tokens_per_head"], seed=seed,
                             gates=method.gates).scorer
     cache, info = load_cache(path, model, scorer)
+    if "system" in req and (info["ids"][:info["n_protected"]] != req["system"]
+                            or cache.n_seen != state["n_seen"]):  # read from one handle, now
+        raise CacheFileError(f"cache file {path} changed after it was checked (another system "
+                             "prompt or length): run again once it is written")
     r = Request(cache, req["questions"], req["max_new_tokens"], info["last_logits"],
                 torch.Generator().manual_seed(seed), index=index, ids=info["ids"],
                 n_protected=info["n_protected"], method=info["method"] or "full",
@@ -263,7 +359,10 @@ def start(model, reqs, method, seed, files):
         if "cache_file" not in req:
             yield setup(model, req, method, seed, i)
             continue
-        r, secs = load_request(model, req, method, seed, i)
+        try:
+            r, secs = load_request(model, req, method, seed, i)
+        except CacheFileError as e:  # found as it loads (a checksum): named after its batch line
+            raise at_line(req.get("where"), req["cache_file"], e) from None
         files[i] = ("file", str(req["cache_file"]), secs)
         yield r
 
@@ -360,8 +459,11 @@ def run(args):
 
     def from_file(path, questions, max_new_tokens, where="--load-cache"):
         identity.update(identity or model_identity(folder))  # a sample of the weights: once
-        return file_request(tok, fmt, path, check_cache_file(path, identity, dtype), questions,
-                            max_new_tokens, n_pos, where)
+        try:
+            state = check_cache_file(path, identity, dtype)
+        except CacheFileError as e:  # a --batch line's file: named after its line
+            raise at_line(where, path, e) from None
+        return file_request(tok, fmt, path, state, questions, max_new_tokens, n_pos, where)
 
     if args.batch is not None:
         reqs = read_requests(args.batch, tok, fmt, n_pos, budget, args.max_new_tokens, args.method,
@@ -389,6 +491,7 @@ def run(args):
     if args.save_cache is not None:  # prefill, save, then answer (if asked) from the same cache
         with torch.no_grad():
             r = setup(model, reqs[0], method, args.seed)
+        check_save_target(args.save_cache, args.context_file)  # again: the prefill took a while
         t0 = time.perf_counter()
         save_cache(args.save_cache, r.cache, model, r.ids, r.logits, r.n_protected, r.method,
                    r.budget, budget.chunk_size, budget.window, prefill_seconds=r.prefill_s)

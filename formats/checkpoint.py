@@ -307,11 +307,16 @@ def _check_tokenizer(tok, path: Path, vocab_size: int, bos_id: int | None,
     if unknown:
         raise ModelError(f"{path}: config.json's bos / eos token id {unknown[0]} is no token of "
                          f"this tokenizer: {fix}")
+    # a token tokenizer_config.json names beside config.json's ids (a fine-tune's own eos) runs
+    # when the tokenizer holds it and config.json's ids are control tokens of this tokenizer too;
+    # config ids that are plain text here mean the tokenizer is another model's
     named = _tokenizer_config_tokens(path.parent)
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     for key, ids in (("bos_token", bos_ids), ("eos_token", eos_ids)):
         name = named.get(key)
-        if name is not None and ids and tok.token_to_id(name) is None:
-            raise ModelError(f"{path}: its {key} {name!r} is id None, not config.json's "
+        i = None if name is None else tok.token_to_id(name)
+        if name is not None and ids and (i is None or i not in ids and not set(ids) <= special):
+            raise ModelError(f"{path}: its {key} {name!r} is id {i}, not config.json's "
                              f"{key}_id {ids if len(ids) > 1 else ids[0]}: {fix}")
 
 

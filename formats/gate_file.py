@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import stat
+import zipfile
 from pathlib import Path
 
 import safetensors.torch
@@ -194,10 +195,53 @@ def _numpy_safe_globals():
             (ma.scalar, "numpy.core.multiarray.scalar")]
 
 
-def _read_authors_pt(path):
+# the most a gate file may unpack to when no model is given (gate_sha256 of a path): a float32 gate
+# at D' = S = 64 for a 70B-sized model (80 layers, hidden 8192, 8 KV heads, group 8) is ~3 GB
+MAX_GATE_BYTES = 4 << 30
+MAX_GATE_DIM = 64  # bounds D' and S in max_gate_bytes; the released gates have D' = S = 16
+
+
+def max_gate_bytes(cfg=None):
+    """The most bytes a gate file for model config `cfg` can hold unpacked, generously: every tensor
+    in float32 (released gates are bf16), D' and S up to MAX_GATE_DIM (released: 16), plus 64 MiB
+    for the training curves and the pickle, i.e. ~16x the released layout. No cfg: MAX_GATE_BYTES.
+    (SmolLM2-135M: ~120 MB; Qwen2.5-14B: ~3 GB, against a 0.4 GB released gate.)"""
+    if cfg is None:
+        return MAX_GATE_BYTES
+    d, r = _model_dims(cfg), MAX_GATE_DIM
+    L, D, H, G = d["layers"], d["hidden"], d["H"], d["G"]
+    per_layer = (H * G + H) * r * D + H * G * r + 2 * r + H * r * r + H * G
+    return 4 * L * per_layer + (64 << 20)
+
+
+def _check_zip_sizes(path, limit):
+    """torch.save writes a zip: read its members' declared (uncompressed) sizes from the central
+    directory, which costs a few kB, and refuse a total beyond `limit` before torch.load unpacks
+    anything: a 1 MB archive of deflated zeros can declare 1 GiB, and torch's reader allocates
+    each record at its declared size. A legacy (non-zip) torch file is not compressed: nothing to
+    check."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return
+        with zipfile.ZipFile(path) as z:
+            declared = sum(info.file_size for info in z.infolist())
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
+        raise GateError(f"gate {path} is not a readable torch file ({type(e).__name__})") from None
+    if declared > limit:
+        mib = lambda n: f"{n / 2**20:,.0f} MiB"
+        raise GateError(f"gate {path} unpacks to {mib(declared)} (its zip's declared sizes), more "
+                        f"than a gate for this model can hold (at most {mib(limit)}): refused "
+                        "unread; pass the gate's own .pt or .safetensors file")
+
+
+def _read_authors_pt(path, limit=MAX_GATE_BYTES):
     """The authors' released file (METHOD.md §2): torch.save({"module": [state dict per gate layer],
     "loss": ..., "acc": ...}). Loaded with weights_only=True: a pickle that would import anything
-    beyond tensors, containers and numpy arrays is refused before it can run."""
+    beyond tensors, containers and numpy arrays is refused before it can run. An archive that
+    declares more than `limit` bytes unpacked is refused before it is unpacked
+    (_check_zip_sizes)."""
+    _check_zip_sizes(path, limit)
     try:
         with torch.serialization.safe_globals(_numpy_safe_globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -240,8 +284,9 @@ def _file_kind(path):
 def load_gate(path, cfg, dtype=None, device=None):
     """Load a gate for model config `cfg` from our safetensors format or the authors' .pt format.
     dtype None keeps the file's projection dtype (bf16 for released gates). Returns `Gates` with
-    `.meta` holding the file's metadata. Raises GateError if the file is unsafe, malformed or shaped
-    for another model (compressed-layer count, hidden size, KV heads, group size)."""
+    `.meta` holding the file's metadata. Raises GateError if the file is unsafe, malformed, shaped
+    for another model (compressed-layer count, hidden size, KV heads, group size), or its scores
+    cannot rank tokens (check_ranks)."""
     path = Path(path)
     try:
         if not path.exists():
@@ -265,7 +310,7 @@ def load_gate(path, cfg, dtype=None, device=None):
     if kind == "safetensors":
         layers, meta = _read_safetensors(path)
     elif kind == "torch":
-        layers, meta = _read_authors_pt(path)
+        layers, meta = _read_authors_pt(path, max_gate_bytes(cfg))
     else:
         raise GateError(f"gate {path} is neither a safetensors file nor a torch.save file (the "
                         "authors' .pt)")
@@ -289,8 +334,47 @@ def load_gate(path, cfg, dtype=None, device=None):
         raise GateError(f"gate {path} was trained for layers {list(ids)}; the model "
                         f"compresses layers {list(cfg.compressed_layers)}")
     gates = Gates.from_layer_state_dicts(layers, dtype=dtype, device=device)
+    check_ranks(gates, path)
     gates.meta = {**meta, "source": str(path), "tensors_sha256": _layers_sha256(layers)}
     return gates
+
+
+PROBE_TOKENS = 16  # check_ranks' probe: this many random hidden states, the same in each layer
+
+
+@torch.no_grad()
+def check_ranks(gates, source):
+    """Refuse a gate whose scores cannot rank tokens: finite weights that are all zero, or so large
+    (×1e30) that the projections overflow the norms or the sigmoid saturates, give every token the
+    same score, and eviction then silently goes by position (the tie-break).
+
+    The probe: PROBE_TOKENS hidden states drawn N(0, 1) from a generator seeded here (the global
+    random state is untouched), cast to the gate's dtype on its device, scored by every layer at
+    once in the gate's own arithmetic (bf16 projections for a released gate), as inference will.
+    Refused: a non-finite score anywhere, or a (layer, KV head) whose scores are all equal
+    (bit-equal fp32, which includes saturation: every token at exactly 0 or 1). Per head, not per
+    layer: a gate whose bias b alone is huge saturates each head to its own constant, so a layer's
+    scores still differ across heads while no head ranks its tokens. A trained gate's scores on
+    random states spread widely (the bundled gates: ≥ 0.13 per head, 16 distinct values of 16); so
+    do a freshly initialised Gates and random ones. Cost: one forward of PROBE_TOKENS tokens (0.1 s
+    per 4 layers of a Qwen-14B-shaped bf16 gate on one CPU thread)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(PROBE_TOKENS, gates.hidden, generator=gen)
+    x = x.to(device=gates.q_weight.device, dtype=gates.dtype)
+    scores = gates(x.expand(gates.n_layers, -1, -1)).float()  # (L, H, N)
+    finite = torch.isfinite(scores).flatten(1).all(1)  # (L,)
+    if not finite.all():
+        l = int((~finite).nonzero()[0])
+        raise GateError(f"gate {source}: layer {l} scores NaN or inf on random hidden states (its "
+                        f"weights overflow {str(gates.dtype).removeprefix('torch.')}); the gate is "
+                        "broken (retrain it, or pass another --gate)")
+    flat = (scores == scores[..., :1]).all(-1)  # (L, H): every token scored the same
+    if flat.any():
+        l, h = (int(i) for i in flat.nonzero()[0])
+        raise GateError(f"gate {source}: layer {l} head {h} gives every token the same score "
+                        f"({float(scores[l, h, 0]):.3g}): its weights are degenerate (all zero, or "
+                        "so large the scores saturate), so it cannot rank tokens and eviction "
+                        "would go by position; retrain it, or pass another --gate")
 
 
 def gate_sha256(gate):

@@ -13,6 +13,8 @@ from cli import atomic_path
 
 _ST_DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
               "torch.int64": "I64", "torch.uint8": "U8"}
+TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "U8": torch.uint8}
 
 
 def tensor_bytes(t):
@@ -60,3 +62,31 @@ def checksum_ok(path):
             h.update(chunk)
             left -= len(chunk)
         return h.digest() == f.read(32)
+
+
+def read_tensors(f, header, start, device="cpu", digest=None):
+    """The tensors of a write_safetensors file, read from the open file `f` (positioned at byte
+    `start`, where the data begins) in the order they lie, one at a time on the host, each moved to
+    `device`: {name: tensor}. The header must have been checked to tile the data (every tensor's
+    bytes its shape's, back to back, the "checksum" last). digest: a hashlib object that has seen
+    every byte before `start`; it sees every byte read, so that the bytes checked are the ones
+    used. Raises EOFError when the file ends early (it changed while read)."""
+    out = {}
+    f.seek(start)
+    for name, spec in sorted(((n, s) for n, s in header.items() if n not in ("__metadata__",
+                                                                               "checksum")),
+                             key=lambda item: item[1]["data_offsets"][0]):
+        begin, end = spec["data_offsets"]
+        buf = bytearray(end - begin)
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            n = f.readinto(view[got:])
+            if not n:
+                raise EOFError(name)
+            got += n
+        if digest is not None:
+            digest.update(buf)
+        dtype = TORCH_DTYPES[spec["dtype"]]
+        t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(spec["shape"]).to(device)
+    return out

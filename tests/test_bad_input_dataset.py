@@ -41,7 +41,7 @@ def no_model(monkeypatch):
     """bench.run must stop before the weights load."""
     def refuse(*a, **kw):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(bench, "load_model", refuse)
+    monkeypatch.setattr(bench, "load_checked", refuse)
 
 
 def run_cli(capsys, *argv):

@@ -4,6 +4,7 @@ SnapKV (§10), set arithmetic on the kept positions. Tiny random configs, CPU fp
 authors' files use it)."""
 import math
 import os
+import re
 from collections import OrderedDict
 from types import SimpleNamespace
 
@@ -332,6 +333,97 @@ def test_gate_with_non_finite_weights_is_refused(tmp_path, bad):
     save_authors_file(tmp_path / "q4_dim16_sink16.pt", [sd])
     with pytest.raises(GateError, match=r"layer 0 q_proj.bias holds NaN or inf"):
         load_gate(tmp_path / "q4_dim16_sink16.pt", make_cfg(1, 32, 2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("how,words", [
+    ("all zeros", "layer 0 head 0 gives every token the same score"),
+    ("every weight x1e30", "gives every token the same score"),  # the norms overflow to 0
+    ("b x1e30", "gives every token the same score (1)"),  # each head its own constant: 0 or 1
+    ("k_base x1e30", "gives every token the same score (0)"),  # the sinks swamp the own key
+    ("one head's b x1e30", "layer 2 head 1 gives every token the same score"),
+])
+def test_gate_whose_scores_cannot_rank_is_refused(tmp_path, dtype, how, words):
+    """Finite weights whose scores are the same for every token: eviction would silently go by
+    position. The probe runs in the file's dtype (bf16 for released gates)."""
+    g = random_gates(dtype=dtype)
+    with torch.no_grad():
+        if how == "all zeros":
+            for p in g.parameters():
+                p.zero_()
+        elif how == "every weight x1e30":
+            for p in g.parameters():
+                p.mul_(1e30)
+        elif how == "b x1e30":
+            g.b.copy_(torch.ones_like(g.b) * 1e30)
+        elif how == "k_base x1e30":
+            g.k_base.mul_(1e30)
+        else:
+            g.b[2, 1] = 1e30
+    for name in ("g.safetensors", "q3_dim8_sink5.pt"):
+        save_gate(tmp_path / name, g)
+        with pytest.raises(GateError) as err:
+            load_gate(tmp_path / name, make_cfg())
+        line = str(err.value)
+        assert words in line and "cannot rank" in line and "\n" not in line, line
+
+
+def test_gates_that_rank_load_and_leave_the_random_state_alone(tmp_path):
+    """The probe of check_ranks passes what ranks: a freshly initialised Gates (k_base = b = 0), the
+    tests' random gates in every gate dtype, the authors' layout, and the bundled gates; it draws
+    from its own generator."""
+    fresh = Gates(3, 32, 2, 3)
+    save_gate(tmp_path / "fresh.safetensors", fresh)
+    before = torch.random.get_rng_state()
+    load_gate(tmp_path / "fresh.safetensors", make_cfg())
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        save_gate(tmp_path / "r.safetensors", random_gates(dtype=dtype))
+        assert load_gate(tmp_path / "r.safetensors", make_cfg()).dtype == dtype
+    save_authors_file(tmp_path / "q3_dim16_sink16.pt", [authors_state_dict(32, 2, 3)] * 2)
+    load_gate(tmp_path / "q3_dim16_sink16.pt", make_cfg(2, 32, 2, 3))
+    for path in sorted(gate_file.GATES_DIR.glob("*.safetensors")):
+        meta = gate_file.gate_metadata(path)
+        cfg = make_cfg(meta["n_layers"], meta["hidden_size"], meta["n_kv_heads"], meta["group"],
+                       layers=meta.get("layers"))
+        for dtype in (None, torch.bfloat16):
+            load_gate(path, cfg, dtype=dtype)
+
+
+def test_zip_bomb_gate_is_refused_before_torch_load(tmp_path, monkeypatch):
+    """torch.save writes a zip: a released-looking .pt of ~5 MB whose last tensor's record is
+    1 GiB of deflated zeros (torch.load would unpack all of it: 1 GB of memory) is refused from the
+    zip's declared sizes, before torch.load is called; the same file before the swap loads."""
+    import zipfile
+    src, path = tmp_path / "plain.pt", tmp_path / "q3_dim16_sink16.pt"
+    save_authors_file(src, [authors_state_dict(32, 2, 3)])
+    cfg = make_cfg(1, 32, 2, 3)
+    assert load_gate(src, cfg).n_layers == 1
+    with zipfile.ZipFile(src) as zin:
+        records = [n for n in zin.namelist() if re.search(r"/data/\d+$", n)]
+        last = max(records, key=lambda n: int(n.rsplit("/", 1)[1]))
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zout:
+            for name in zin.namelist():
+                if name != last:
+                    zout.writestr(name, zin.read(name), zipfile.ZIP_STORED)
+                    continue
+                chunk = bytes(16 << 20)
+                with zout.open(name, "w", force_zip64=True) as f:
+                    for _ in range(64):  # 1 GiB of zeros, 16 MiB at a time
+                        f.write(chunk)
+    assert path.stat().st_size < 8 << 20
+    calls = []
+
+    def no_load(*a, **k):  # never unpack the bomb, not even on the code before the check
+        calls.append(a)
+        raise RuntimeError("torch.load called")
+
+    monkeypatch.setattr(torch, "load", no_load)
+    with pytest.raises(GateError) as err:
+        load_gate(path, cfg)
+    line = str(err.value)
+    assert ("unpacks to 1,024 MiB" in line and "at most 64 MiB" in line and "\n" not in line
+            and not calls), line
 
 
 def test_resolve_gate(tmp_path, monkeypatch):

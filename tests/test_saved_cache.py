@@ -23,7 +23,7 @@ from cache import Batch, Budget
 from commands.generate import build_inputs
 from formats import tensor_file
 from formats.cache_file import CacheFileError, load_cache, read_header, save_cache
-from formats.gate_file import gate_sha256, save_gate
+from formats.gate_file import gate_sha256, resolve_gate, save_gate
 from gate import Gates
 from generate import METHODS, begin_answer, decode_one, make_cache, prefill, prefill_kvzip, sample
 from teacher import KVzipTeacher, prompt_format
@@ -125,11 +125,14 @@ def test_loaded_cache_answers_as_the_saved_one(tiny, tmp_path, method, budget, d
     128th token where it evicts."""
     model, path = tiny["model"], tmp_path / "doc.kv"
     cache, ids, last = compressed(tiny, method, budget, decode)
-    save_cache(path, cache, model, ids, last, method=method, budget=budget, chunk_size=CHUNK,
+    # what the cache is (generate.setup's name): a full KVCache is "full" and keeps it all, 1.0
+    full = budget == 1.0 and decode is None or method == "full"
+    name, kept_budget = ("full", 1.0) if full else (method, budget)
+    save_cache(path, cache, model, ids, last, method=name, budget=budget, chunk_size=CHUNK,
                window=WINDOW)
     saved_bytes = path.read_bytes()
     loaded, info = load_cache(path, model, scorer_for(tiny, method, decode))
-    assert info["ids"] == ids and info["budget"] == budget and info["method"] == method
+    assert info["ids"] == ids and info["budget"] == kept_budget and info["method"] == name
     assert torch.equal(info["last_logits"], last)
     assert kept(loaded) == kept(cache)
     want, want_logits = greedy(model, cache, last, N_NEW, QUESTION)
@@ -144,7 +147,7 @@ def test_loaded_cache_answers_as_the_saved_one(tiny, tmp_path, method, budget, d
     head, logits = greedy(model, cache, last, 60, QUESTION)
     if decode is not None:
         assert sum(h.shape[0] for h in cache.buffer[cache.compressed[0]]) == 60 + len(QUESTION)
-    save_cache(path, cache, model, ids, logits, method=method, budget=budget)
+    save_cache(path, cache, model, ids, logits, method=name, budget=budget)
     loaded, info = load_cache(path, model, scorer_for(tiny, method, decode))
     want, want_logits = greedy(model, cache, logits, N_NEW - 60)
     got, got_logits = greedy(model, loaded, info["last_logits"], N_NEW - 60)
@@ -202,7 +205,7 @@ def test_another_process_answers_the_same(tiny, tmp_path):
     cases, want = [], []
     for i, (method, budget, decode) in enumerate(CASES):
         cache, ids, last = compressed(tiny, method, budget, decode)
-        save_cache(tmp_path / f"{i}.kv", cache, tiny["model"], ids, last, method=method, budget=budget)
+        save_cache(tmp_path / f"{i}.kv", cache, tiny["model"], ids, last)  # what it is: derived
         want.append(greedy(tiny["model"], cache, last, N_NEW, QUESTION)[0])
         cases.append(dict(file=str(tmp_path / f"{i}.kv"), method=method, decode=decode, n=N_NEW,
                           question=QUESTION))
@@ -236,7 +239,8 @@ def offline(request):
     folder = cli.resolve_model(request.param)
     model, tok = M.load_model(folder, "cpu", torch.float32), M.load_tokenizer(folder)
     fmt = prompt_format(model.config, request.param)
-    return dict(name=request.param, model=model, tok=tok, fmt=fmt, gates=None)
+    gates = resolve_gate(None, model.config, request.param)  # the bundled gate
+    return dict(name=request.param, model=model, tok=tok, fmt=fmt, gates=gates)
 
 
 @pytest.mark.parametrize("method, decode", [(m, None) for m in METHODS] + [("fastkvzip", DECODE)])

@@ -93,7 +93,9 @@ def test_another_models_tokenizer_is_one_clear_error(tmp_path):
     refused(qwen_cfg, gemma, None, "base vocabulary has 262144 token ids", "vocab_size 151936",
             "another model's tokenizer")
     refused(dict(model_type="llama", vocab_size=49152), qwen, None, "151643 token ids")
+    refused(GEMMA_CFG, qwen, qwen, "eos_token '<|im_end|>' is id 151645", "[1, 106]")  # ChatML
     refused(GEMMA_CFG, qwen, gemma, "bos_token '<bos>' is id None", "config.json's bos_token_id 2")
+    refused(GEMMA_CFG, smollm2, smollm2, "eos_token '<|im_end|>' is id 2", "[1, 106]")
     # no tokenizer_config.json to name them: Gemma's prompt template needs its own control tokens
     folder = folder_with(tmp_path, GEMMA_CFG, qwen)
     cfg = read_config(folder)
@@ -110,9 +112,10 @@ def test_another_models_tokenizer_is_one_clear_error(tmp_path):
 
 def test_a_fine_tunes_own_eos_stops_generation_beside_the_configs(tmp_path, capsys):
     """A ChatML fine-tune of a base model: tokenizer_config.json names <|im_end|> while config.json
-    keeps the base's eos (<|endoftext|>) and bos. It runs correctly when both eos ids stop
-    generation: accepted, both stop, one note line each for eos and bos; the loaded model stops at
-    both too. A named token the tokenizer lacks is still refused (the files disagree)."""
+    keeps the base's eos (<|endoftext|>) and bos, control tokens of the same tokenizer. It runs
+    correctly when both eos ids stop generation: accepted, both stop, one note line each for eos
+    and bos; the loaded model stops at both too. Config ids that are plain text of the tokenizer,
+    or a named token it lacks, still mean another model's tokenizer: refused (the test above)."""
     from formats.checkpoint import load_checked
     smollm2 = published("smollm2")
     config = {**json.loads((smollm2 / "config.json").read_text()), "eos_token_id": 0,
