@@ -22,7 +22,8 @@ H, G, d, t = 2, 2, 16, 3
 kv = RaggedKV(H, d, torch.float32, "cpu")
 kv.append(torch.randn(9, H, d), torch.randn(9, H, d), torch.arange(9))
 kv.select([torch.arange(9) >= 3, torch.arange(9) % 2 == 0])  # heads of 6 and 5 rows
-kv.append(torch.randn(t, H, d), torch.randn(t, H, d), torch.arange(9, 12))  # into slack
+kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.arange(9, 10))  # decode: slack
+kv.append(torch.randn(t - 1, H, d), torch.randn(t - 1, H, d), torch.arange(10, 12))  # into it
 q = torch.randn(t, H * G, d)
 k, v, cu_k, used, max_len = kv.keys_values()
 assert bool((used < torch.diff(cu_k)).any()), "slack after a decode-sized append"
