@@ -427,8 +427,9 @@ class RaggedKV:
     """Keys and values of one layer, head h's rows at k[starts[h] : starts[h] + lens[h]].
 
     Each region has capacity caps[h] >= lens[h]; the rows between are slack, so appending a decode
-    token writes H rows and copies nothing. When some head runs out of room, every region is
-    re-laid out with headroom: half the length, at most MAX_SLACK rows per head. select / truncate
+    token writes H rows and copies nothing. reserve(n) makes room for what an answer will append;
+    a single-token append that finds no room re-lays every region out with headroom (half the
+    length, at most MAX_SLACK rows per head); a chunk is allocated exactly. select / truncate
     compact to exactly the kept rows: eviction frees memory, and nbytes reports what is held. Row
     companions pos (absolute position, int64) and score (importance, float32, +inf = never evict)
     live in flat tensors aligned with k's rows and move with them.
