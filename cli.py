@@ -152,6 +152,27 @@ def write_json(path, obj, indent=2):
     write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
 
 
+def no_file_in_the_way(root: Path, named: str, fix: str, at: Path | None = None):
+    """Refuse, in one line (UsageError), a file, a special file or a link to nothing where the
+    absolute folder `root` or a folder above it must be: "{named} is a file, not a folder; {fix}"
+    when it stands at `at` (default root), else "{named}: <path> is ...". -> the topmost folder of
+    root that does not exist yet (None when root exists): what making root creates."""
+    missing = None
+    for p in (root, *root.parents):
+        try:
+            if p.is_dir():
+                break
+            if p.exists() or p.is_symlink():
+                kind = ("a file" if p.is_file() else "a special file" if p.exists()
+                        else "a link to nothing")
+                where = named if p == (at or root) else f"{named}: {p}"
+                raise UsageError(f"{where} is {kind}, not a folder; {fix}")
+        except OSError:  # not to be looked at: making the folder says so
+            break
+        missing = p
+    return missing
+
+
 def file_sha256(path) -> str:
     """The sha256 of a file, as hex: the one hash of files in this project (assets, models,
     gates)."""

