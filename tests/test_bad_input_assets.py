@@ -1,5 +1,5 @@
 """Bad input to the asset builder (python -m offline.fetch_assets) and the GPU check's output folder
-(python -m harness.gpu_check --out): issue 40, items 3, 9 and 14.
+(python -m harness.gpu_check --out): damaged parts, unusable output folders, relative and empty paths.
 
 The builder's parts are replaced by small fakes (two files each), so each test builds in a temporary
 folder in well under a second; ~/.cache/fastkvzip/assets is never touched. Every bad input is one

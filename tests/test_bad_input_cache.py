@@ -1,4 +1,4 @@
-"""Bad input to a saved cache and to the library's cache API (issue 40, items 4, 5, 7, 10-14): every
+"""Bad input to a saved cache and to the library's cache API: every
 file that is not what save_cache wrote, or was crafted with a valid checksum, is refused in one line
 (CacheFileError; the command line: exit 2, nothing printed on stdout) before anything reads it;
 library misuse fails at once with a message that says what to give instead."""

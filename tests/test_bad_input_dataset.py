@@ -1,4 +1,4 @@
-"""bench.py --dataset / --suite ruler on bad input (issue 40, items 2, 8, 11, 14): every row of a
+"""bench.py --dataset / --suite ruler on bad input: every row of a
 kvpress-layout file is checked before the model loads and before --out is created; a bad one is one
 line naming the file's line (or parquet row), exit 2, nothing left behind; a generated suite of any
 --ruler-samples reaches its first context at once."""

@@ -329,7 +329,7 @@ def test_adopting_a_full_prefill_equals_prefilling_the_evicting_cache(tiny, give
 
 
 class PerHeadEvictCache(EvictingCache):
-    """evict() written head by head, as plainly as it reads (the method before issue 41's
+    """evict() written head by head, as plainly as it reads (the method before its
     vectorised version): the reference the cache's own eviction must keep exactly."""
 
     def evict(self, start, end, ratio, level=None):

@@ -4,9 +4,9 @@ batched-decode benchmark's work (bench.py --batch-sizes 1,4,8 --batch-length 512
 contexts of 75-100% of 512 tokens, a 4-token question, 16 decode steps), for the full cache and
 Fast KVzip 0.3; beside them transformers' padded cache for the same tokens (B x the longest
 sequence x every layer: an estimate, the measured one is in ../batch-cpu-quiet/). Works on the
-code before issue 41 (no begin_answer(max_new_tokens): nothing reserved) and after it.
+code before the reserved answer rows (no begin_answer(max_new_tokens): nothing reserved) and after.
 
-    python benchmarks/issue41-cpu-shared/batch_bytes.py smollm2-135m-gguf
+    python benchmarks/prefill-overhead-cpu/batch_bytes.py smollm2-135m-gguf
 
 Run from the repository root; one JSON line per configuration.
 """

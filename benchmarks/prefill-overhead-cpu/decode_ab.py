@@ -3,7 +3,7 @@ Decode at B = 1: our full cache, Fast KVzip 0.3 and transformers on the same con
 1 thread; each round times `--steps` greedy-free decode steps of each (fixed tokens), the order of
 the three reversed every other round; CPU milliseconds per step (time.process_time).
 
-    python benchmarks/issue41-cpu-shared/decode_ab.py --model smollm2-135m-gguf --length 2048
+    python benchmarks/prefill-overhead-cpu/decode_ab.py --model smollm2-135m-gguf --length 2048
 
 Run from the repository root. Prints one JSON line: the medians and every round.
 """

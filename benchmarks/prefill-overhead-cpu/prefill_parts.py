@@ -3,7 +3,7 @@ Fast KVzip's compressed prefill against our full prefill, in one process, in CPU
 share of the gate (EvictingCache._score) and the eviction (EvictingCache.evict) and a hash of every
 kept set (positions kept per compressed layer and head) to compare two versions of the code.
 
-    python benchmarks/issue41-cpu-shared/prefill_parts.py --model smollm2-135m-gguf --lengths 2048,8192
+    python benchmarks/prefill-overhead-cpu/prefill_parts.py --model smollm2-135m-gguf --lengths 2048,8192
 
 Run from the repository root (it imports the working tree's modules). Timers wrap the methods for
 the run; CPU seconds (time.process_time) are this process's, what other jobs on a shared machine
