@@ -292,8 +292,19 @@ def n_tokens(tok, row):
 def make_row(task, seed, index, size, target):
     rng = random.Random(f"ruler {task} {seed} {index}")  # each sample alone: any shard makes it
     context, question, prefix, answer = build(task, rng, size, target)
-    return dict(context=context, question=question, answer_prefix=prefix, answer=answer,
-                max_new_tokens=MAX_NEW[family(task)], task=task)
+    return kvpress_split(dict(context=context, question=question, answer_prefix=prefix,
+                              answer=answer, max_new_tokens=MAX_NEW[family(task)], task=task))
+
+
+def kvpress_split(row):
+    """A generated row split where kvpress's RULER file splits it: RULER writes the question, then
+    the answer prefix with its leading space; kvpress cuts the text where the prefix's words begin
+    (NVIDIA/kvpress:evaluation/benchmarks/ruler/create_huggingface_dataset.py), so the question
+    ends with the space and the prefix has none."""
+    prefix = row["answer_prefix"]
+    words = prefix.lstrip()
+    return dict(row, question=row["question"] + prefix[:len(prefix) - len(words)],
+                answer_prefix=words)
 
 
 def make_sample(tok, task, target, seed=42, index=0):
