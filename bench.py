@@ -23,7 +23,8 @@ Held-out corpus prose instead of Austen (--text prose), SmolLM2 reading it as pl
         --budgets 1.0,0.5,0.3,0.2 --lengths 2048 --contexts 12 --speed-lengths 0
 RULER-4K, 11 tasks (kvpress's leaderboard yardstick, generated offline: harness/ruler.py), or the
 samples of a file in kvpress's dataset layout (e.g. kvpress's own RULER-4K parquet), scored by
-string_match; benchmarks/ruler-4k-cpu/README.md has the runs and the Qwen3-8B GPU command:
+string_match, each row fed as kvpress's pipeline feeds it (--ruler-prompt harness: the authors'
+system prompt instead); benchmarks/ruler-4k-cpu/README.md has the runs and the Qwen3-8B GPU command:
     python bench.py --suite ruler --ruler-samples 2 --budgets 0.75,0.5,0.3,0.25,0.125 \
         --extra-levels ''
     python bench.py --dataset ruler-4096.parquet --model qwen3-8b --device cuda
@@ -46,16 +47,18 @@ from cli import OFFLINE_DEFAULT, UsageError, resolve_model, write_text
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from harness import quality, ruler
+from harness.kvpress_prompt import kvpress_format
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
-from model import ModelError
+from model import ModelError, chat_template
 from teacher import KVzipTeacher, encode_prompt, prompt_format
 
 ROOT = Path(__file__).resolve().parent
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
 BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
 SUITES = ("needle", "ruler")  # --suite: harness/quality.py's needle contexts, or harness/ruler.py
+RULER_PROMPTS = ("kvpress", "harness")  # --ruler-prompt: harness/kvpress_prompt.py, or teacher's
 
 
 # ---- 3. Command line -----------------------------------------------------------------------------
@@ -100,6 +103,12 @@ def parse_args(argv=None):
     p.add_argument("--ruler-tasks", type=lambda s: [x for x in s.split(",") if x],
                    default=list(ruler.TASKS), help="--suite ruler: comma list of the tasks "
                    "generated (default all 11: " + ",".join(ruler.TASKS) + ")")
+    p.add_argument("--ruler-prompt", choices=RULER_PROMPTS, default="kvpress",
+                   help="how RULER rows (generated or --dataset) are fed: kvpress (the default: "
+                   "as kvpress's pipeline, one user turn of the model's chat template holding the "
+                   "context, template tokens compressed with it, the first 4 tokens kept) or "
+                   "harness (the authors' system prompt and task sentence before the context, "
+                   "never evicted, as --suite needle)")
     p.add_argument("--text", choices=quality.TEXTS, default="austen",
                    help="the documents the quality contexts are cut from: austen (the novels, by "
                    "chapters) or prose (held-out documents of the gates' training corpus: "
@@ -293,10 +302,13 @@ def run(args):
     # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
     cfg, tok = check_folder(folder)
     fmt = prompt_format(cfg, args.model, chat=args.chat)
+    # RULER's rows: kvpress's one user turn (harness/kvpress_prompt.py), or the system prompt above
+    suite_fmt = kvpress_format(cfg, args.model, args.chat, chat_template(folder)) \
+        if args.suite == "ruler" and args.ruler_prompt == "kvpress" else fmt
     gates = resolve_gate(args.gate, cfg, args.model)
     check_lengths(args, cfg, tok, len(encode_prompt(tok, fmt.system)))
     if rows:
-        check_dataset(args, cfg, tok, fmt, rows)
+        check_dataset(args, cfg, tok, suite_fmt, rows)
     elif args.suite == "ruler" and not args.no_quality:  # a length too short for a task
         ruler.check_generated(tok, args.lengths, args.ruler_tasks, args.seed)
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
@@ -356,7 +368,7 @@ def run(args):
         + (f"; resuming after {len(done)} finished contexts" if done else ""))
     if not args.no_quality:
         suite = ruler if exp.suite == "ruler" else quality
-        suite.run(model, tok, fmt, exp, args.model, args.gate, args.shard, done,
+        suite.run(model, tok, suite_fmt, exp, args.model, args.gate, args.shard, done,
                   on_context=finished)
     if args.speed_lengths:
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None

@@ -533,6 +533,7 @@ class Experiment:
     dataset: str | None = None  # ruler: a file in kvpress's dataset layout, read as it is
     ruler_samples: int = 5  # ruler: samples generated per task and length
     ruler_tasks: tuple = ()  # ruler: the tasks generated
+    ruler_prompt: str = "kvpress"  # ruler: kvpress's one user turn, or the harness's system prompt
 
 
 def make_samples(tok, fmt, exp):
@@ -660,7 +661,9 @@ def finish_extras(raw):
 def quality_key(exp, config):
     """What makes two runs' contexts the same experiment: they may be resumed or merged only if
     equal."""
-    return dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])
+    key = dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])
+    del key["ruler_prompt"]  # how RULER rows are fed: no part of these contexts (ruler.run_key)
+    return key
 
 
 def load_records(folder, key):

@@ -26,10 +26,14 @@ What differs from RULER, and why:
 
 kvpress's layout, one row per question: context, question, answer_prefix, answer (the list of
 strings a prediction must contain; kvpress's RULER files name it `answer`, other data sets
-`answers`: both are read), max_new_tokens, task. The question follows the compressed context; the
-answer prefix starts the model's turn. Files in that layout (JSONL or parquet, e.g. kvpress's own
-RULER-4K file) are read as they are (read_dataset), so a local copy of the leaderboard's file gives
-its exact samples.
+`answers`: both are read), max_new_tokens, task. Generated rows are split where kvpress's RULER
+file splits RULER's text (kvpress_split). A row is fed as kvpress's pipeline feeds it
+(harness/kvpress_prompt.py: the context in one user turn of the chat template, compressed with
+the template's opening, only 4 sink tokens protected; each question after it, then the model's
+turn, then the answer prefix), or, as an option, in the harness's layout (teacher.prompt_format: the authors'
+system prompt, never evicted, before the context). Files in that layout (JSONL or parquet, e.g.
+kvpress's own RULER-4K file) are read as they are (read_dataset) and fed the same way, so a local
+copy of the leaderboard's file gives its exact samples and prompts.
 """
 import json
 import random
@@ -44,7 +48,9 @@ import torch
 
 import generate
 from cli import UsageError, _unique_keys, check_text, file_sha256, pyplot, save_figure
+from harness import kvpress_prompt
 from harness import quality as Q
+from harness.kvpress_prompt import KvpressFormat
 from teacher import KVzipTeacher, encode_prompt, encode_text
 
 COLUMNS = ("context", "question", "answer_prefix", "answer", "max_new_tokens", "task")
@@ -292,8 +298,19 @@ def n_tokens(tok, row):
 def make_row(task, seed, index, size, target):
     rng = random.Random(f"ruler {task} {seed} {index}")  # each sample alone: any shard makes it
     context, question, prefix, answer = build(task, rng, size, target)
-    return dict(context=context, question=question, answer_prefix=prefix, answer=answer,
-                max_new_tokens=MAX_NEW[family(task)], task=task)
+    return kvpress_split(dict(context=context, question=question, answer_prefix=prefix,
+                              answer=answer, max_new_tokens=MAX_NEW[family(task)], task=task))
+
+
+def kvpress_split(row):
+    """A generated row split where kvpress's RULER file splits it: RULER writes the question, then
+    the answer prefix with its leading space; kvpress cuts the text where the prefix's words begin
+    (NVIDIA/kvpress:evaluation/benchmarks/ruler/create_huggingface_dataset.py), so the question
+    ends with the space and the prefix has none."""
+    prefix = row["answer_prefix"]
+    words = prefix.lstrip()
+    return dict(row, question=row["question"] + prefix[:len(prefix) - len(words)],
+                answer_prefix=words)
 
 
 def make_sample(tok, task, target, seed=42, index=0):
@@ -430,17 +447,18 @@ def read_dataset(path):
 
 def check_fit(tok, fmt, located, max_positions):
     """Every row of read_rows against the model's positions, as generate.py checks a request: the
-    system prompt, the context, the question's turn with the answer prefix, and max_new_tokens must
-    fit; else a DatasetError naming the row."""
-    system, lengths = len(encode_prompt(tok, fmt.system)), {}
+    context as fed (context_ids: with the template's opening or the system prompt), the question's
+    turn with the answer prefix, and max_new_tokens must fit; else a DatasetError naming the row."""
+    lengths = {}
+    fed = "template + context" if isinstance(fmt, KvpressFormat) else "system prompt + context"
     for where, r in located:
         if r["context"] not in lengths:
-            lengths[r["context"]] = len(encode_text(tok, r["context"]))
-        n = system + lengths[r["context"]] + len(turn_ids(tok, fmt, r)) + r["max_new_tokens"]
+            lengths[r["context"]] = len(context_ids(tok, fmt, r["context"])[0])
+        n = lengths[r["context"]] + len(turn_ids(tok, fmt, r)) + r["max_new_tokens"]
         if n > max_positions:
-            raise DatasetError(f"{where}: system prompt + context + question + max_new_tokens = {n} "
-                               f"tokens exceeds the model's maximum of {max_positions}; shorten the "
-                               "context or lower max_new_tokens (or use a model with more positions)")
+            raise DatasetError(f"{where}: {fed} + question + max_new_tokens = {n} tokens exceeds "
+                               f"the model's maximum of {max_positions}; shorten the context or "
+                               "lower max_new_tokens (or use a model with more positions)")
 
 
 def write_dataset(rows, path):
@@ -527,6 +545,9 @@ def check_generated(tok, lengths, tasks, seed):
 def contexts(tok, fmt, exp):
     """(how many contexts, context c -> its quality.Sample) of a run: a file's read whole, a
     generated suite's made one at a time (sample_at)."""
+    assert isinstance(fmt, KvpressFormat) == (exp.ruler_prompt == "kvpress"), \
+        "fmt must be the prompt exp.ruler_prompt names (kvpress_prompt.kvpress_format, or " \
+        "teacher.prompt_format for the harness's)"
     if exp.dataset:
         samples = to_samples(tok, fmt, read_dataset(exp.dataset))
         return len(samples), samples.__getitem__
@@ -536,18 +557,30 @@ def contexts(tok, fmt, exp):
     return len(exp.lengths) * exp.ruler_samples * len(tasks), at
 
 
+def context_ids(tok, fmt, context):
+    """A context as it is fed -> (ids, n_protected). kvpress's prompt (fmt a KvpressFormat): the
+    template's opening and the context, compressed as a whole but for the presses' sink tokens;
+    the harness's (a teacher.PromptFormat): the authors' system prompt, never evicted, then the
+    context."""
+    if isinstance(fmt, KvpressFormat):
+        ids = kvpress_prompt.context_ids(tok, fmt, context)
+        return ids, min(kvpress_prompt.N_SINK, len(ids))
+    system = encode_prompt(tok, fmt.system)
+    return system + encode_text(tok, context), len(system)
+
+
 def turn_ids(tok, fmt, r):
-    """A row's question turn: the question, the model's turn, the answer prefix."""
+    """A row's question turn: the question, the end of the user's turn and the model's header
+    (kvpress without a template: "\n"), the answer prefix; one text between control tokens, as
+    kvpress encodes question + suffix + answer_prefix."""
     return encode_prompt(tok, "{question}" + fmt.postfix + "{prefix}", question=r["question"],
                          prefix=r["answer_prefix"])
 
 
 def to_samples(tok, fmt, rows):
     """kvpress's rows -> quality.Samples, one per distinct context (in file order; kvpress
-    compresses a context once for all its questions too). The prompt is the system prompt and the
-    context; each question is asked after it, then the model's turn begins, then the answer
-    prefix (kvpress puts the question in the user turn, the prefix after the turn's end)."""
-    system = encode_prompt(tok, fmt.system)
+    compresses a context once for all its questions too): the context as fed (context_ids), each
+    question asked after it (turn_ids)."""
     by_context = {}
     for r in rows:
         by_context.setdefault(r["context"], []).append(r)
@@ -555,8 +588,8 @@ def to_samples(tok, fmt, rows):
     for context, asked in by_context.items():
         questions = [Q.Question(r["task"], turn_ids(tok, fmt, r), "", r["max_new_tokens"])
                      for r in asked]
-        sample = Q.Sample(system + encode_text(tok, context), len(system), questions, {},
-                          asked[0]["task"])
+        ids, n_protected = context_ids(tok, fmt, context)
+        sample = Q.Sample(ids, n_protected, questions, {}, asked[0]["task"])
         sample.answers = [r["answer"] for r in asked]
         samples.append(sample)
     return samples
@@ -653,10 +686,12 @@ def entry(res, kept, nbytes):
 
 def run_key(exp, config):
     """What makes two RULER runs' contexts the same experiment (resume, --merge): the samples (the
-    generator's settings, or the file's sha256), the configurations, the model and the gate."""
+    generator's settings, or the file's sha256), the prompt they are fed in (kvpress's or the
+    harness's), the configurations, the model and the gate."""
     names = ("methods", "budgets", "extra_levels", "chunk_size", "window", "seed")
     key = dict({k: getattr(exp, k) for k in names}, suite="ruler", model=config["model"]["sha256"],
-               gate=config["gate"]["sha256"], chat=exp.chat, device=exp.device)
+               gate=config["gate"]["sha256"], chat=exp.chat, device=exp.device,
+               prompt=exp.ruler_prompt)
     if exp.dataset:
         rows = read_dataset(exp.dataset)
         key.update(dataset=file_sha256(exp.dataset), dataset_name=Path(exp.dataset).name,

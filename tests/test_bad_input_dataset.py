@@ -121,14 +121,18 @@ def test_context_longer_than_the_model_is_refused_naming_the_line(tiny, tmp_path
                  with_(context="x" * 2100 + "\n"))
     code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--dataset",
                         str(path), "--out", str(tmp_path / "out"))
-    assert code == 2 and f"{path} line 3: system prompt + context + question + max_new_tokens" \
+    assert code == 2 and f"{path} line 3: template + context + question + max_new_tokens" \
         in err and "exceeds the model's maximum of 2048" in err, err
     assert err.count("\n") == 1 and not (tmp_path / "out").exists()
     # max_new_tokens alone can push a short context past the end
     jsonl(path, with_(max_new_tokens=2000))
     code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--dataset",
                         str(path), "--out", str(tmp_path / "out"))
-    assert code == 2 and "line 1: system prompt" in err and not (tmp_path / "out").exists()
+    assert code == 2 and "line 1: template + context" in err and not (tmp_path / "out").exists()
+    # the harness's layout counts its system prompt instead
+    code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--dataset",
+                        str(path), "--ruler-prompt", "harness", "--out", str(tmp_path / "out"))
+    assert code == 2 and "line 1: system prompt + context" in err
 
 
 def test_shard_past_the_datasets_contexts(tiny, tmp_path, capsys, no_model):
