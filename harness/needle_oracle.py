@@ -35,7 +35,9 @@ from formats.checkpoint import check_folder, load_checked
 from gate import Scorer
 from harness import quality as Q
 from harness import ruler
-from teacher import KVzipTeacher, encode_text, prompt_format
+from harness.kvpress_prompt import kvpress_format
+from model import chat_template
+from teacher import KVzipTeacher, encode_text
 
 VARIANTS = ("scored", "oracle", "layer")
 
@@ -165,7 +167,7 @@ def main(argv=None):
     args.budgets = [round(1 - float(r), 6) for r in args.ratios.split(",")]
     folder = resolve_model(args.model)
     cfg, tok = check_folder(folder)
-    fmt = prompt_format(cfg, args.model)
+    fmt = kvpress_format(cfg, args.model, None, chat_template(folder))  # as bench.py's RULER
     model = load_checked(folder, "cpu", torch.float32)
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
     out = Path(args.out).expanduser()
