@@ -533,6 +533,7 @@ class Experiment:
     dataset: str | None = None  # ruler: a file in kvpress's dataset layout, read as it is
     ruler_samples: int = 5  # ruler: samples generated per task and length
     ruler_tasks: tuple = ()  # ruler: the tasks generated
+    ruler_sizing: str = "ruler"  # ruler: RULER's sizing (Llama-3.1 tokens) or "model" (its tokens)
 
 
 def make_samples(tok, fmt, exp):
