@@ -697,8 +697,8 @@ def load_rows(tok, dataset, lengths, n_per_task, seed, tasks=TASKS, sizing="rule
 def sample_at(tok, lengths, n_per_task, seed, tasks, c, sizing="ruler"):
     """Context c of a generated run, made alone when the run comes to it: the c-th row of
     load_rows (lengths, then sample index, then task), so a run of any --ruler-samples starts at
-    once (making every sample first takes seconds per 11 samples at 4K tokens, minutes at
-    kvpress's 500 per task, forever at 10**20)."""
+    once (making every sample first took ~1.3 s per 11 samples at 4K tokens with model sizing,
+    ~11 minutes at kvpress's 500 per task, forever at 10**20)."""
     per_length = n_per_task * len(tasks)
     i, t = divmod(c % per_length, len(tasks))
     try:
@@ -709,7 +709,8 @@ def sample_at(tok, lengths, n_per_task, seed, tasks, c, sizing="ruler"):
 
 def check_generated(tok, lengths, tasks, seed, sizing="ruler"):
     """Sample 0 of every task at every length, before any model work: a length too short for a task
-    is refused in one line (UsageError) before --out is written; about a second per 4K length."""
+    is refused in one line (UsageError) before --out is written; ~1.3 s per 4K length (model
+    sizing), ~0.5 s with RULER's (its first draws, then kept)."""
     for n in lengths:
         for task in tasks:
             sample_at(tok, [n], 1, seed, [task], 0, sizing)
