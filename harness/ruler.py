@@ -129,12 +129,12 @@ def essay_words(_memo=[]):
 
 # ---- 2. The generators: RULER's input text of one sample, its haystack of `size` words or lines --
 
-# RULER's templates and answer prefixes (constants.py); prepare.py appends the prefix to the template
-# ("base" model template: nothing around them), and each generator formats the whole
+# RULER's templates and answer prefixes (constants.py); prepare.py appends the prefix to the
+# template ("base" model template: nothing around them), and each generator formats the whole
 NIAH_TEMPLATE = (
-    "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize "
-    "it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special "
-    "magic {type_needle_v} for {query} mentioned in the provided text?"
+    "Some special magic {type_needle_v} are hidden within the following text. Make sure to "
+    "memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all "
+    "the special magic {type_needle_v} for {query} mentioned in the provided text?"
     " The special magic {type_needle_v} for {query} mentioned in the provided text are")
 VT_HEAD = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 VT_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} "
@@ -149,7 +149,8 @@ FWE_TEMPLATE = (
     "Read the following coded text and track the frequency of each coded word. Find the three most "
     "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please "
     "ignore the dots '....'. What are the three most frequently appeared words in the above coded "
-    "text? Answer: According to the coded text above, the three most frequently appeared words are:")
+    "text? Answer: According to the coded text above, the three most frequently appeared words "
+    "are:")
 
 
 def random_value(rng, kind):
@@ -308,8 +309,8 @@ def build(task, rng, seed, size, target, offset=False):
     raise ValueError(f"unknown RULER task {task!r}; tasks are {', '.join(TASKS)}")
 
 
-# kvpress's split of RULER's input text (create_huggingface_dataset.py): the context ends at the last
-# question, the question at the answer prefix's first word
+# kvpress's split of RULER's input text (create_huggingface_dataset.py): the context ends at the
+# last question, the question at the answer prefix's first word
 QUESTION = dict(niah=re.compile(r"What (?:is|are all) the special magic"),
                 vt=re.compile(r"Question: Find all variables that are assigned the value"),
                 cwe=re.compile(r"Question: What are the 10 most common words in the above list\?"),
@@ -887,7 +888,8 @@ def results(records, n_boot, seed, source, sizing="ruler"):
             r = raw.setdefault(key, dict(kept=[], nbytes=[], decode=[0, 0.0]))
             r["kept"].append(e["kept"]), r["nbytes"].append(e["nbytes"])
             r["decode"] = [r["decode"][0] + e["decode"][0], r["decode"][1] + e["decode"][1]]
-    name = suite_name(source, tasks, sizing) if isinstance(source, int) else f"{source}, {len(tasks)} tasks"
+    name = suite_name(source, tasks, sizing) if isinstance(source, int) else \
+        f"{source}, {len(tasks)} tasks"
     if not scores:
         return dict(suite=name, tasks=tasks, rows=[], n_contexts=0)
     extras = Q.finish_extras(raw)
