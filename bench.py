@@ -21,7 +21,8 @@ Held-out corpus prose instead of Austen (--text prose), SmolLM2 reading it as pl
 (benchmarks/smollm2-135m-cpu-prose/README.md):
     python bench.py --model smollm2-135m-gguf --text prose --no-chat --methods fastkvzip,kvzip,streaming \
         --budgets 1.0,0.5,0.3,0.2 --lengths 2048 --contexts 12 --speed-lengths 0
-RULER-4K, 11 tasks (kvpress's leaderboard yardstick, generated offline: harness/ruler.py), or the
+RULER-4K, 11 tasks (kvpress's leaderboard yardstick, generated offline and sized as RULER sized
+kvpress's file: harness/ruler.py; --ruler-sizing model fills the model's own tokens instead), or the
 samples of a file in kvpress's dataset layout (e.g. kvpress's own RULER-4K parquet), scored by
 string_match, each row fed as kvpress's pipeline feeds it (--ruler-prompt harness: the authors'
 system prompt instead); benchmarks/ruler-4k-cpu/README.md has the runs and the Qwen3-8B GPU command:
@@ -100,6 +101,11 @@ def parse_args(argv=None):
                    "(implies --suite ruler)")
     p.add_argument("--ruler-samples", type=int, default=5,
                    help="--suite ruler: samples generated per task")
+    p.add_argument("--ruler-sizing", choices=ruler.SIZINGS, default="ruler",
+                   help="--suite ruler: how samples fill --lengths: ruler (as RULER sized kvpress's "
+                   "RULER-4K file: Llama-3.1-8B tokens for every model, RULER's fixed haystack "
+                   "steps; labelled RULER-4K) or model (the largest haystack that fits in the "
+                   "model's own tokens; labelled 'RULER-4K (model-token sizing)')")
     p.add_argument("--ruler-tasks", type=lambda s: [x for x in s.split(",") if x],
                    default=list(ruler.TASKS), help="--suite ruler: comma list of the tasks "
                    "generated (default all 11: " + ",".join(ruler.TASKS) + ")")
@@ -310,7 +316,7 @@ def run(args):
     if rows:
         check_dataset(args, cfg, tok, suite_fmt, rows)
     elif args.suite == "ruler" and not args.no_quality:  # a length too short for a task
-        ruler.check_generated(tok, args.lengths, args.ruler_tasks, args.seed)
+        ruler.check_generated(tok, args.lengths, args.ruler_tasks, args.seed, args.ruler_sizing)
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -476,7 +482,8 @@ def suite_results(records, key, n_boot, seed, averaged):
     if key.get("suite") != "ruler":
         return quality_results(records, n_boot, seed, averaged)
     source = key.get("dataset_name") or max(key["lengths"])
-    return ruler.results(records, n_boot, seed, source)
+    # a generated run's key without a sizing is older than RULER's sizing: the model's tokens
+    return ruler.results(records, n_boot, seed, source, key.get("ruler_sizing", "model"))
 
 
 def finish(results, out, plot):

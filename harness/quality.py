@@ -534,6 +534,7 @@ class Experiment:
     ruler_samples: int = 5  # ruler: samples generated per task and length
     ruler_tasks: tuple = ()  # ruler: the tasks generated
     ruler_prompt: str = "kvpress"  # ruler: kvpress's one user turn, or the harness's system prompt
+    ruler_sizing: str = "ruler"  # ruler: RULER's sizing (Llama-3.1 tokens) or "model" (its tokens)
 
 
 def make_samples(tok, fmt, exp):

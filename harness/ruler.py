@@ -1,28 +1,43 @@
 """
 RULER (Hsieh et al., arXiv 2404.06654), the field's shared yardstick for KV compression as kvpress's
 leaderboard runs it: 4K tokens, 13 tasks, `string_match` averaged over them. Its tasks are
-synthetic; this module writes them here, offline, seeded, to a target length in the model's own
-tokens, from RULER's published definitions (NVIDIA/RULER:scripts/synthetic.yaml for the task
+synthetic; this module writes them here, offline, seeded, from RULER's published definitions at the
+commit kvpress's file was made with (NVIDIA/RULER@e40fae1: scripts/synthetic.yaml for the task
 settings, scripts/data/synthetic/constants.py for the templates, answer prefixes and generation
 lengths, scripts/data/synthetic/{niah, variable_tracking, common_words_extraction,
-freq_words_extraction}.py for the generators), in kvpress's dataset layout, and scores them as
-kvpress does
-(NVIDIA/kvpress:evaluation/benchmarks/ruler/calculate_metrics.py).
+freq_words_extraction}.py for the generators and their sizing), in kvpress's dataset layout (split
+as NVIDIA/kvpress:evaluation/benchmarks/ruler/create_huggingface_dataset.py splits RULER's text),
+and scores them as kvpress does (evaluation/benchmarks/ruler/calculate_metrics.py).
+
+Sizing. kvpress's RULER-4K file was generated once, in Llama-3.1-8B's tokens (its generate.sh), and
+every model reads the same samples. The default sizing ("ruler") does the same: counted with
+Llama-3.1-8B's tokenizer (offline assets), the haystack grows by RULER's fixed steps (essay: 500
+words; noise or needle lines: 25; vt: 10 noise lines; cwe: 10 words; fwe: target // 32 coded words
+from target // 6) in one first draw per task and run, each sample then a step smaller while it is
+too long; the text counted, and what is reserved for the generation (fwe: nothing), are each
+script's. vt's solved example is made once per run, as RULER makes it. So a model reads about as
+many of its own tokens as its tokenizer makes of Llama's: more than the target for some (cwe's
+words cost Qwen3 about a third more). The other sizing ("model"; named "RULER-4K (model-token
+sizing)") fills the target in the model's own tokens: context, question and answer prefix, each
+encoded alone as the harness feeds them, plus the generation length, with the largest haystack that
+fits (a bisection).
 
 What differs from RULER, and why:
   * The essay haystack. RULER's is Paul Graham's essays, which are not offline; ours is the six Jane
     Austen novels of the offline assets (public domain, Debian r-cran-janeaustenr), text no gate
-    here was trained on. Each sample reads it from a seeded offset (RULER always starts at the first
-    essay).
+    here was trained on, read from its first word as RULER reads its essays (model sizing: from a
+    seeded offset per sample).
   * Sentences for needle insertion are split by a regular expression (RULER: nltk's sent_tokenize).
   * The word lists are RULER's own: the noun, adjective and verb lists of PyPI `wonderwords` (2.2.0,
-    MIT), read as files.
+    MIT), read as files. A word needle is an adjective and a noun drawn apart (RULER: one draw from
+    the list of all pairs; the same but for the few pairs spelt twice).
+  * Random draws: each sample from its own generator, seeded by (task, seed, index), so any shard
+    makes it alone (RULER: one stream per task). Where RULER shuffles with a new generator of the
+    run's seed (niah's needles, cwe's and fwe's lists), so does this module.
+  * A sample that does not fit at the smallest step is an error (RULER retries it forever).
   * The two QA tasks (qa_1: SQuAD, qa_2: HotpotQA) need those data sets, which are not offline: they
     are left out, and the average is over the 11 synthetic tasks ("RULER-4K, 11 tasks").
-  * Length: a sample's context + question + answer prefix, each encoded alone by the model's
-    tokenizer (as the harness feeds them), plus its generation length, fit in the target (RULER
-    counts the same with its template, `max_seq_length`); the haystack is the largest that fits (a
-    bisection, where RULER steps by fixed increments). A chat template's own tokens are not counted.
+  * A chat template's own tokens are not counted (RULER's "base" template has none).
 
 kvpress's layout, one row per question: context, question, answer_prefix, answer (the list of
 strings a prediction must contain; kvpress's RULER files name it `answer`, other data sets
@@ -35,7 +50,9 @@ system prompt, never evicted, before the context). Files in that layout (JSONL o
 kvpress's own RULER-4K file) are read as they are (read_dataset) and fed the same way, so a local
 copy of the leaderboard's file gives its exact samples and prompts.
 """
+import functools
 import json
+import math
 import random
 import re
 import string
@@ -76,10 +93,12 @@ NEEDLE = "One of the special magic {v} for {key} is: {value}."
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER's 40 insertion depths, 0..100%
 
 
-def suite_name(n_tokens, tasks):
+def suite_name(n_tokens, tasks, sizing="ruler"):
     """How an average over `tasks` is named everywhere: "RULER-4K, 11 tasks" for the offline set
-    at 4,096 tokens (kvpress's "RULER-4K" averages 13)."""
+    at 4,096 tokens sized as RULER sizes kvpress's files (kvpress's "RULER-4K" averages 13);
+    "RULER-4K (model-token sizing), 11 tasks" for samples sized in the model's own tokens."""
     size = f"{n_tokens // 1024}K" if n_tokens % 1024 == 0 else str(n_tokens)
+    size += " (model-token sizing)" if sizing == "model" else ""
     return f"RULER-{size}, {len(tasks)} task{'s' * (len(tasks) != 1)}"
 
 
@@ -114,7 +133,31 @@ def essay_words(_memo=[]):
     return _memo[0]
 
 
-# ---- 2. The generators: one sample of a task, its haystack of `size` words, lines or items -------
+# ---- 2. The generators: RULER's input text of one sample, its haystack of `size` words or lines --
+
+# RULER's templates and answer prefixes (constants.py); prepare.py appends the prefix to the
+# template ("base" model template: nothing around them), and each generator formats the whole
+NIAH_TEMPLATE = (
+    "Some special magic {type_needle_v} are hidden within the following text. Make sure to "
+    "memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all "
+    "the special magic {type_needle_v} for {query} mentioned in the provided text?"
+    " The special magic {type_needle_v} for {query} mentioned in the provided text are")
+VT_HEAD = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+VT_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} "
+             "variables are assgined the value {query}, they are: ")  # (sic), RULER's
+VT_TEMPLATE = (VT_HEAD + "{context}\nQuestion: Find all variables that are assigned the value "
+               "{query} in the text above." + VT_PREFIX)
+CWE_HEAD = ("Below is a numbered list of words. In these words, some appear more often than "
+            "others. Memorize the ones that appear most often.\n")
+CWE_TEMPLATE = (CWE_HEAD + "{context}\nQuestion: What are the 10 most common words in the above "
+                "list? Answer: The top 10 words that appear most often in the list are:")
+FWE_TEMPLATE = (
+    "Read the following coded text and track the frequency of each coded word. Find the three most "
+    "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please "
+    "ignore the dots '....'. What are the three most frequently appeared words in the above coded "
+    "text? Answer: According to the coded text above, the three most frequently appeared words "
+    "are:")
+
 
 def random_value(rng, kind):
     if kind == "numbers":  # seven digits
@@ -131,27 +174,28 @@ def sentences(text):
     return [s for s in re.split(r'(?<=[.!?])\s+|(?<=[.!?]["\'])\s+', text.strip()) if s]
 
 
-def niah(rng, size, haystack, k_type, v_type, n_keys, n_values, n_queries):
-    """Needles "One of the special magic numbers for <key> is: <value>." in a haystack of repeated
-    noise sentences, of the essay (needles at RULER's depths, between sentences), or of other
-    needles."""
+def niah(rng, seed, offset, size, haystack, k_type, v_type, n_keys, n_values, n_queries):
+    """Needles "One of the special magic numbers for <key> is: <value>." in a haystack of `size`
+    repeated noise sentences, essay words (needles at RULER's depths, between sentences), or other
+    needles. The essay's words are its first, as RULER's, or (offset) from a seeded offset."""
     n_keys = max(n_keys, n_queries)
     keys, values, needles = [], [], []
     for _ in range(n_keys):
         keys.append(random_value(rng, k_type))
         values.append([random_value(rng, v_type) for _ in range(n_values)])
         needles += [NEEDLE.format(v=v_type, key=keys[-1], value=v) for v in values[-1]]
-    rng.shuffle(needles)
+    random.Random(seed).shuffle(needles)  # RULER's: a new generator of the run's seed each time
     if haystack == "essay":
         words = essay_words()
-        start = rng.randrange(len(words) // 2)  # room for any haystack of a 128K context after it
+        start = rng.randrange(len(words) // 2) if offset else 0  # room for a 128K context after it
         sents = sentences(" ".join(words[start:start + size]))
-        at = sorted(int(len(sents) * d / 100) for d in rng.sample(DEPTHS, len(needles)))
-        parts, last = [], 0
-        for pos, needle in zip(at, needles):
-            parts += sents[last:pos] + [needle]
-            last = pos
-        context = " ".join(parts + sents[last:])
+        at = [0] + sorted(int(len(sents) * (d / 100)) for d in rng.sample(DEPTHS, len(needles)))
+        at.append(len(sents))
+        parts = []  # RULER's joins: two needles at one depth leave an empty part (two spaces)
+        for i in range(1, len(at)):
+            parts.append(" ".join(sents[at[i - 1]:at[i]]))
+            parts += needles[i - 1:i]
+        context = " ".join(parts)
     else:
         lines = ([NOISE] * size if haystack == "repeat" else
                  [NEEDLE.format(v=v_type, key=random_value(rng, k_type),
@@ -163,129 +207,264 @@ def niah(rng, size, haystack, k_type, v_type, n_keys, n_values, n_queries):
     answer = [v for i in asked for v in values[i]]
     query = ", ".join(keys[i] for i in asked[:-1]) + ", and " + keys[asked[-1]] if n_queries > 1 \
         else keys[asked[0]]
-    if n_queries * n_values == 1:  # RULER's singular wording
-        v = v_type[:-1]
-        head = (f"A special magic {v} is hidden within the following text. "
-                f"Make sure to memorize it. I will quiz you about the {v} afterwards.\n")
-        question = f"What is the special magic {v} for {query} mentioned in the provided text?"
-        prefix = f" The special magic {v} for {query} mentioned in the provided text is"
-    else:
-        v = v_type
-        head = (f"Some special magic {v} are hidden within the following text. "
-                f"Make sure to memorize it. I will quiz you about the {v} afterwards.\n")
-        question = f"What are all the special magic {v} for {query} mentioned in the provided text?"
-        prefix = f" The special magic {v} for {query} mentioned in the provided text are"
-    return head + context + "\n", question, prefix, answer
+    template = NIAH_TEMPLATE
+    if n_queries * n_values == 1:  # RULER's singular wording, by these replacements
+        for a, b in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
+            template = template.replace(a, b)
+        v_type = v_type[:-1]
+    return template.format(type_needle_v=v_type, context=context, query=query), answer
 
 
-VT_HEAD = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-
-
-def vt_parts(rng, size, hops, name_len):
-    """One chain VAR A = 12345, VAR B = VAR A, ... (hops + 1 variables) among `size` noise lines."""
+def vt(rng, size, example=False, hops=4):
+    """Variable tracking (multi-hop): one chain VAR A = 12345, VAR B = VAR A, ... (hops + 1
+    variables) among `size` noise lines. RULER's solved example (example=True) has 3-letter names
+    and its template's whitespace collapsed, its last word ("above.") dropped."""
     names = []
     while len(names) < hops + 1:
-        name = "".join(rng.choices(string.ascii_uppercase, k=name_len))
+        name = "".join(rng.choices(string.ascii_uppercase, k=3 if example else 5))
         names += [name] * (name not in names)
     value = str(rng.randint(10000, 99998))  # numpy's randint(10000, 99999): upper bound excluded
     chain = [f"VAR {names[0]} = {value}"]
     chain += [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(hops)]
     lines = [NOISE + "\n"] * size
+    if len(lines) <= len(chain):  # too few lines for the chain: RULER cuts them into sentences
+        lines = [s + "." if s.strip() else s for s in (NOISE + "\n").split(".")] * size
     for j, pos in enumerate(sorted(rng.sample(range(len(lines)), len(chain)))):
         lines.insert(pos + j, chain[j])
     context = " ".join(lines).replace(". \n", ".\n")
-    question = ("Question: Find all variables that are assigned the value "
-                f"{value} in the text above.")
-    prefix = (" Answer: According to the chain(s) of variable assignment in the text above, "
-              f"{hops + 1} variables are assgined the value {value}, they are: ")  # (sic), RULER's
-    return context, question, prefix, names
-
-
-def vt(rng, size, hops=4, example_size=5):
-    """Variable tracking (multi-hop). RULER puts one solved example first: a short chain of 3-letter
-    names, its template on one line (whitespace collapsed), with its answer."""
-    ex_ctx, ex_q, ex_prefix, ex_answer = vt_parts(rng, example_size, hops, 3)
-    example = " ".join((VT_HEAD + ex_ctx + "\n" + ex_q).split()) + ex_prefix + " ".join(ex_answer)
-    context, question, prefix, answer = vt_parts(rng, size, hops, 5)
-    return example + "\n\n" + VT_HEAD + context + "\n", question, prefix, answer
-
-
-CWE_HEAD = ("Below is a numbered list of words. In these words, some appear more often than "
-            "others. Memorize the ones that appear most often.\n")
-CWE_Q = "Question: What are the 10 most common words in the above list?"
-CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
+    template = VT_TEMPLATE
+    if example:
+        cut = template.index(VT_PREFIX[:10])
+        template = " ".join(template[:cut].split()[:-1]) + template[cut:]
+    return template.format(context=context, query=value, num_v=hops + 1), names
 
 
 def cwe_words(seed):
+    """RULER's vocabulary of cwe: wonderwords' nouns, adjectives and verbs, sorted, shuffled by the
+    run's seed."""
     w = word_lists()
     words = sorted(set(w["noun"] + w["adjective"] + w["verb"]))
     random.Random(seed).shuffle(words)
     return words
 
 
-def cwe(rng, size, target, n_common=10):
-    """Common words extraction (aggregation): 10 + `size` distinct words, 10 repeated often, the
-    rest rarely, in a numbered list; a solved example first. RULER's repeats: 30 and 3 (example 10
-    and 3) from 4K tokens on, 6 and 1 (example 3 and 1) below."""
-    words = cwe_words(0)
-    common_r, rare_r, ex = (30, 3, (40, 10, 3)) if target >= 4096 else (6, 1, (20, 3, 1))
+def numbered(words):
+    return " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
 
-    def numbered(n_words, c, r):
+
+def cwe(rng, seed, size, target, n_common=10):
+    """Common words extraction (aggregation): `size` distinct words in a numbered list, the first
+    10 repeated often, the rest rarely; a solved example of 40 words first. RULER's repeats: 30 and
+    3 (example 10 and 3) from 4K tokens on, 6 and 1 (example 3 and 1) below."""
+    words = cwe_words(seed)
+    repeats, example = ((30, 3), (40, 10, 3)) if target >= 4096 else ((6, 1), (20, 3, 1))
+
+    def listed(n_words, common, rare):
         chosen = rng.sample(words, n_words)
-        items = chosen[:n_common] * c + chosen[n_common:] * r
-        rng.shuffle(items)
-        return " ".join(f"{i + 1}. {w}" for i, w in enumerate(items)), chosen[:n_common]
+        items = chosen[:n_common] * common + chosen[n_common:] * rare
+        random.Random(seed).shuffle(items)  # RULER's: a new generator of the run's seed each time
+        return numbered(items), chosen[:n_common]
 
-    ex_ctx, ex_answer = numbered(*ex)
-    example = CWE_HEAD + ex_ctx + "\n" + CWE_Q + CWE_PREFIX + " " + \
-        " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex_answer))
-    context, answer = numbered(n_common + size, common_r, rare_r)
-    return example + "\n" + CWE_HEAD + context + "\n", CWE_Q, CWE_PREFIX, answer
-
-
-def zeta(alpha):
-    """Riemann zeta(alpha), alpha > 1: the sum to 10^5 plus the tail's Euler-Maclaurin terms."""
-    n = 10**5
-    tail = n ** (1 - alpha) / (alpha - 1) - 0.5 * n ** -alpha
-    return sum(k ** -alpha for k in range(1, n + 1)) + tail
+    ex_context, ex_answer = listed(*example)
+    context, answer = listed(size, *repeats)
+    # the example's answer follows its prefix without a space, as RULER writes it
+    return (CWE_TEMPLATE.format(context=ex_context) + numbered(ex_answer) + "\n"
+            + CWE_TEMPLATE.format(context=context)), answer
 
 
-def fwe(rng, size, target, alpha=2.0, word_len=6):
-    """Frequent words extraction (aggregation): coded 6-letter words drawn with Zipf frequencies
-    (alpha 2), from a vocabulary of target // 50 words; the most frequent one is "..." (noise), the
-    answer is the next three."""
-    vocab_size = max(5, target // 50)
-    vocab = set()
-    while len(vocab) < vocab_size:
-        vocab.add("".join(rng.choices(string.ascii_lowercase, k=word_len)))
-    vocab = sorted(vocab)
-    rng.shuffle(vocab)
+def zeta(alpha, n=1000):
+    """Riemann zeta(alpha), alpha > 1 (RULER: scipy's): the first n terms summed exactly (fsum) plus
+    the tail's Euler-Maclaurin terms."""
+    tail = n ** (1 - alpha) / (alpha - 1) - 0.5 * n ** -alpha + alpha * n ** (-alpha - 1) / 12
+    return math.fsum([k ** -alpha for k in range(1, n + 1)] + [tail])
+
+
+def fwe_vocab(rng, seed, target, word_len=6):
+    """fwe's coded words: target // 50 distinct random 6-letter words, sorted, shuffled by the run's
+    seed; the first is "..." (noise)."""
+    n = max(5, target // 50)  # at least the noise and the three answers
+    vocab = ["".join(rng.choices(string.ascii_lowercase, k=word_len)) for _ in range(n)]
+    while len(set(vocab)) < n:
+        vocab.append("".join(rng.choices(string.ascii_lowercase, k=word_len)))
+    vocab = sorted(set(vocab))
+    random.Random(seed).shuffle(vocab)
     vocab[0] = "..."
+    return vocab
+
+
+def fwe(vocab, seed, size, alpha=2.0):
+    """Frequent words extraction (aggregation): `size` x k^-alpha / zeta(alpha) copies of the k-th
+    coded word (Zipf, alpha 2), shuffled; the answer is the three most frequent after the noise."""
     z = zeta(alpha)
     text = [w for k, w in enumerate(vocab, 1) for _ in range(int(size * k ** -alpha / z))]
-    rng.shuffle(text)
-    head = ("Read the following coded text and track the frequency of each coded word. "
-            "Find the three most frequently appeared coded words. ")
-    question = ("Question: Do not provide any explanation. Please ignore the dots '....'. "
-                "What are the three most frequently appeared words in the above coded text?")
-    prefix = (" Answer: According to the coded text above, "
-              "the three most frequently appeared words are:")
-    return head + " ".join(text) + "\n", question, prefix, vocab[1:4]
+    random.Random(seed).shuffle(text)  # RULER's: a new generator of the run's seed each time
+    return FWE_TEMPLATE.format(context=" ".join(text)), vocab[1:4]
 
 
-def build(task, rng, size, target):
+def build(task, rng, seed, size, target, offset=False):
+    """One draw of `task` with a haystack of `size` -> (RULER's input text, answer); offset: the
+    essay from a seeded offset."""
     if task in NIAH:
-        return niah(rng, size, *NIAH[task])
+        return niah(rng, seed, offset, size, *NIAH[task])
     if task == "vt":
         return vt(rng, size)
     if task == "cwe":
-        return cwe(rng, size, target)
+        return cwe(rng, seed, size, target)
     if task == "fwe":
-        return fwe(rng, size, target)
+        return fwe(fwe_vocab(rng, seed, target), seed, size)
     raise ValueError(f"unknown RULER task {task!r}; tasks are {', '.join(TASKS)}")
 
 
-# ---- 3. Samples to a target length in the model's tokens -----------------------------------------
+# kvpress's split of RULER's input text (create_huggingface_dataset.py): the context ends at the
+# last question, the question at the answer prefix's first word
+QUESTION = dict(niah=re.compile(r"What (?:is|are all) the special magic"),
+                vt=re.compile(r"Question: Find all variables that are assigned the value"),
+                cwe=re.compile(r"Question: What are the 10 most common words in the above list\?"),
+                fwe=re.compile(r"Question: Do not provide any explanation\."))
+ANSWER = dict(niah=re.compile(r"The special magic"), vt=re.compile(r"Answer:"),
+              cwe=re.compile(r"Answer:"), fwe=re.compile(r"Answer:"))
+
+
+def to_row(task, text, answer):
+    """RULER's input text and answer -> a row in kvpress's layout (context + question + answer
+    prefix is the text, character for character)."""
+    f = family(task)
+    i = list(QUESTION[f].finditer(text))[-1].start()
+    j = ANSWER[f].search(text, i).start()
+    return dict(context=text[:i], question=text[i:j], answer_prefix=text[j:], answer=answer,
+                max_new_tokens=MAX_NEW[f], task=task)
+
+
+# ---- 3. Samples to a target length: RULER's sizing (Llama-3.1 tokens, fixed steps) or the model's
+
+SIZINGS = ("ruler", "model")
+
+
+def llama_tokenizer(_memo=[]):
+    """Llama-3.1-8B's tokenizer (offline assets): kvpress's RULER files are sized in its tokens for
+    every model (its generate.sh)."""
+    if not _memo:
+        from tokenizers import Tokenizer
+
+        from offline import fetch_assets
+        _memo.append(Tokenizer.from_file(str(fetch_assets.tokenizer_file("llama3_1"))))
+    return _memo[0]
+
+
+def ruler_count(text):
+    """RULER's count: the text's tokens, no special ones (transformers' tokenize())."""
+    return len(llama_tokenizer().encode(text, add_special_tokens=False).ids)
+
+
+def steps(task, target):
+    """RULER's fixed steps of a task's haystack: (first size, step)."""
+    if task in NIAH:
+        essay = NIAH[task][0] == "essay"
+        step = 500 if essay else 25 if target >= 4096 else 5
+        return step, step
+    if task == "fwe":
+        return target // 6, target // 32
+    return 10, 10  # vt: noise lines; cwe: words
+
+
+def first_text(task, text, answer):
+    """The text RULER tokenizes when it searches a task's haystack size: the input and the answer,
+    written as each script writes them (vt: the Python list as it prints)."""
+    if task == "vt":
+        return text + f" {answer}"
+    if task == "cwe":
+        return text + " " + numbered(answer)
+    return text + " ".join(answer)  # niah: no space between the prefix and the answer
+
+
+def grow(draw, count, target, step, reserve, most=None):
+    """RULER's search of niah, vt and cwe: the haystack grows by `step` from `step`, one draw each,
+    until the input and its answer (first_text) with the reserved tokens exceed the target; then
+    one step back."""
+    size, total = step, 0
+    while total + reserve < target:
+        total = count(draw(size))
+        if total + reserve > target:
+            size -= step
+            break
+        size += step
+        if most is not None and size > most:
+            return most
+    return size
+
+
+def shrink(draw, count, target, size, step, reserve, what):
+    """RULER's per-sample loop: draw at `size`, and again a step smaller while the input with the
+    reserved tokens is longer than the target -> (text, answer, tokens counted, size). RULER
+    retries the smallest size forever; here it is an error."""
+    while True:
+        text, answer = draw(size)
+        length = count(text) + reserve
+        if length <= target:
+            return text, answer, length, size
+        if size <= step:
+            raise ValueError(f"RULER {what}: {target} tokens are too few for its smallest sample")
+        size -= step
+
+
+@functools.lru_cache(maxsize=None)
+def vt_example(seed, tok=None):
+    """RULER's solved example of vt, made once for all samples of a run: its noise grows by 5 lines
+    while the example fits 500 tokens with the 30 vt generates, as a sample of its own; then
+    written with its answer and two line breaks. Counted in Llama-3.1 tokens, or in tok's."""
+    count = ruler_count if tok is None else lambda s: len(encode_text(tok, s))
+    rng = random.Random(f"ruler vt example {seed}")
+    draw = lambda n: vt(rng, n, example=True)
+    size = grow(lambda n: first_text("vt", *draw(n)), count, 500, 5, MAX_NEW["vt"])
+    text, answer, _, _ = shrink(draw, count, 500, size, 5, MAX_NEW["vt"], "vt's example")
+    return text + " " + " ".join(answer) + "\n\n"
+
+
+@functools.lru_cache(maxsize=None)
+def haystack_size(task, target, seed):
+    """The haystack size of every sample of `task` (each may shrink: shrink), found once per run
+    as RULER finds it, by a first draw of its own (grow; fwe: its own search)."""
+    first, step = steps(task, target)
+    reserve = 0 if task == "fwe" else MAX_NEW[family(task)]  # fwe reserves none (RULER's script)
+    reserve += ruler_count(vt_example(seed)) if task == "vt" else 0
+    rng = random.Random(f"ruler {task} {seed} {target} first draw")
+    if task == "fwe":  # from target // 6 words up while the input is under the target; one back
+        vocab = fwe_vocab(rng, seed, target)
+        size = first
+        while ruler_count(fwe(vocab, seed, size)[0]) < target:
+            size += step
+        return size - step
+    most = len(cwe_words(seed)) if task == "cwe" else None
+    size = grow(lambda n: first_text(task, *build(task, rng, seed, n, target)), ruler_count,
+                target, step, reserve, most)
+    if size < step:
+        raise ValueError(f"RULER {task}: {target} tokens are too few for its smallest sample")
+    return size
+
+
+def ruler_sample(task, target, seed, index):
+    """Sample `index` of `task` as RULER makes it for kvpress's files: the run's haystack size,
+    a step smaller while the sample (input + its generation length, fwe's without) is longer than
+    the target in Llama-3.1 tokens."""
+    size, (_, step) = haystack_size(task, target, seed), steps(task, target)
+    rng = random.Random(f"ruler {task} {seed} {index}")  # each sample alone: any shard makes it
+    reserve = MAX_NEW[family(task)]
+    if task == "fwe":  # its vocabulary once per sample, its text shortened until it fits
+        vocab = fwe_vocab(rng, seed, target)
+        text, answer = fwe(vocab, seed, size)
+        while ruler_count(text) > target and size > step:
+            size -= step
+            text, answer = fwe(vocab, seed, size)
+        length = ruler_count(text) + reserve
+    else:
+        example = vt_example(seed) if task == "vt" else ""
+        reserve += ruler_count(example)  # RULER counts it apart, added
+        draw = lambda n: build(task, rng, seed, n, target)
+        text, answer, length, size = shrink(draw, ruler_count, target, size, step, reserve, task)
+        if example:  # before the input, as RULER inserts it
+            text = " " + example + "\n\n" + text
+    return dict(to_row(task, text, answer), length=length, haystack=size)
+
 
 def n_tokens(tok, row):
     """What a row costs in the model's tokens: context, question and answer prefix, each encoded
@@ -295,29 +474,21 @@ def n_tokens(tok, row):
     return sum(enc(x) for x in pieces) + row["max_new_tokens"]
 
 
-def make_row(task, seed, index, size, target):
+def make_row(task, seed, index, size, target, example=""):
+    """Sample `index` of `task` with a haystack of `size` (model sizing); example: vt's."""
     rng = random.Random(f"ruler {task} {seed} {index}")  # each sample alone: any shard makes it
-    context, question, prefix, answer = build(task, rng, size, target)
-    return kvpress_split(dict(context=context, question=question, answer_prefix=prefix,
-                              answer=answer, max_new_tokens=MAX_NEW[family(task)], task=task))
+    text, answer = build(task, rng, seed, size, target, offset=True)
+    return to_row(task, " " + example + "\n\n" + text if example else text, answer)
 
 
-def kvpress_split(row):
-    """A generated row split where kvpress's RULER file splits it: RULER writes the question, then
-    the answer prefix with its leading space; kvpress cuts the text where the prefix's words begin
-    (NVIDIA/kvpress:evaluation/benchmarks/ruler/create_huggingface_dataset.py), so the question
-    ends with the space and the prefix has none."""
-    prefix = row["answer_prefix"]
-    words = prefix.lstrip()
-    return dict(row, question=row["question"] + prefix[:len(prefix) - len(words)],
-                answer_prefix=words)
-
-
-def make_sample(tok, task, target, seed=42, index=0):
-    """One sample of `task` whose n_tokens is at most `target`, with the largest haystack that fits
-    (bisection over its size: the sample's random draws are the same at every size tried)."""
-    fits = lambda size: n_tokens(tok, make_row(task, seed, index, size, target)) <= target
-    lo = hi = 5  # the least haystack every task can take (the chain of vt has 5 lines to place)
+def model_sample(tok, task, target, seed, index):
+    """One sample of `task` whose n_tokens (the model's tokens) is at most `target`, with the
+    largest haystack that fits (bisection over its size: the sample's random draws are the same at
+    every size tried)."""
+    example = vt_example(seed, tok) if task == "vt" else ""
+    row = lambda size: make_row(task, seed, index, size, target, example)
+    fits = lambda size: n_tokens(tok, row(size)) <= target
+    lo = hi = 11 if task == "cwe" else 5  # the least haystack: cwe's 10 common words and one more
     if not fits(lo):
         raise ValueError(f"RULER {task}: {target} tokens are too few for its smallest sample")
     while fits(hi):
@@ -327,15 +498,25 @@ def make_sample(tok, task, target, seed=42, index=0):
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    row = make_row(task, seed, index, lo, target)
-    row["length"] = n_tokens(tok, row)
-    return row
+    r = row(lo)
+    return dict(r, length=n_tokens(tok, r), haystack=lo)
 
 
-def make_samples(tok, target, n_per_task, seed=42, tasks=TASKS):
-    """n_per_task samples of each task, in kvpress's layout (plus `length`: the tokens counted);
-    sample 0 of every task first, then sample 1, ...: a run stopped early has covered every task."""
-    return [make_sample(tok, task, target, seed, i) for i in range(n_per_task) for task in tasks]
+def make_sample(tok, task, target, seed=42, index=0, sizing="ruler"):
+    """Sample `index` of `task` at `target` tokens, in kvpress's layout plus `length` (the tokens
+    counted) and `haystack` (its size). sizing "ruler": as RULER sizes kvpress's files
+    (ruler_sample; tok is not used); "model": the largest haystack that fits in tok's tokens."""
+    if sizing == "model":
+        return model_sample(tok, task, target, seed, index)
+    assert sizing == "ruler", sizing
+    return ruler_sample(task, target, seed, index)
+
+
+def make_samples(tok, target, n_per_task, seed=42, tasks=TASKS, sizing="ruler"):
+    """n_per_task samples of each task (make_sample); sample 0 of every task first, then sample 1,
+    ...: a run stopped early has covered every task."""
+    return [make_sample(tok, task, target, seed, i, sizing) for i in range(n_per_task)
+            for task in tasks]
 
 
 # ---- 4. kvpress's dataset layout: JSONL or parquet, read as it is --------------------------------
@@ -509,37 +690,38 @@ def string_match(task, predictions, answers):
 
 # ---- 6. The run: the quality harness's machinery, one prefill replayed into every cache ------
 
-def load_rows(tok, dataset, lengths, n_per_task, seed, tasks=TASKS):
+def load_rows(tok, dataset, lengths, n_per_task, seed, tasks=TASKS, sizing="ruler"):
     """The rows a run asks, in kvpress's layout: a file's (dataset), else RULER's generated here,
     n_per_task samples of every task at each length (all of them: a run makes each when it comes
     to it, sample_at). A file that cannot be read, a length too short for a task: UsageError."""
     if dataset:
         return read_dataset(dataset)
     try:
-        return [r for n in lengths for r in make_samples(tok, n, n_per_task, seed, tasks)]
+        return [r for n in lengths for r in make_samples(tok, n, n_per_task, seed, tasks, sizing)]
     except ValueError as e:
         raise UsageError(f"--lengths: {e}") from None
 
 
-def sample_at(tok, lengths, n_per_task, seed, tasks, c):
+def sample_at(tok, lengths, n_per_task, seed, tasks, c, sizing="ruler"):
     """Context c of a generated run, made alone when the run comes to it: the c-th row of
     load_rows (lengths, then sample index, then task), so a run of any --ruler-samples starts at
-    once (making every sample first took ~1.3 s per 11 samples at 4K tokens, ~11 minutes at
-    kvpress's 500 per task, forever at 10**20)."""
+    once (making every sample first took ~1.3 s per 11 samples at 4K tokens with model sizing,
+    ~11 minutes at kvpress's 500 per task, forever at 10**20)."""
     per_length = n_per_task * len(tasks)
     i, t = divmod(c % per_length, len(tasks))
     try:
-        return make_sample(tok, tasks[t], lengths[c // per_length], seed, i)
+        return make_sample(tok, tasks[t], lengths[c // per_length], seed, i, sizing)
     except ValueError as e:
         raise UsageError(f"--lengths: {e}") from None
 
 
-def check_generated(tok, lengths, tasks, seed):
+def check_generated(tok, lengths, tasks, seed, sizing="ruler"):
     """Sample 0 of every task at every length, before any model work: a length too short for a task
-    is refused in one line (UsageError) before --out is written; ~1.3 s per 4K length."""
+    is refused in one line (UsageError) before --out is written; ~1.3 s per 4K length (model
+    sizing), ~0.5 s with RULER's (its first draws, then kept)."""
     for n in lengths:
         for task in tasks:
-            sample_at(tok, [n], 1, seed, [task], 0)
+            sample_at(tok, [n], 1, seed, [task], 0, sizing)
 
 
 def contexts(tok, fmt, exp):
@@ -553,7 +735,7 @@ def contexts(tok, fmt, exp):
         return len(samples), samples.__getitem__
     tasks = list(exp.ruler_tasks)
     at = lambda c: to_samples(tok, fmt, [sample_at(tok, exp.lengths, exp.ruler_samples, exp.seed,
-                                                   tasks, c)])[0]
+                                                   tasks, c, exp.ruler_sizing)])[0]
     return len(exp.lengths) * exp.ruler_samples * len(tasks), at
 
 
@@ -698,7 +880,7 @@ def run_key(exp, config):
                    dataset_contexts=len({r["context"] for r in rows}))
     else:
         key.update(lengths=exp.lengths, ruler_samples=exp.ruler_samples,
-                   ruler_tasks=list(exp.ruler_tasks))
+                   ruler_tasks=list(exp.ruler_tasks), ruler_sizing=exp.ruler_sizing)
     return key
 
 
@@ -711,12 +893,12 @@ def n_contexts(key):
 
 # ---- 7. Results: per-task and average string_match with bootstrap intervals; results.md; plot --
 
-def results(records, n_boot, seed, source):
+def results(records, n_boot, seed, source, sizing="ruler"):
     """The RULER part of results.json from the finished contexts' records (any order). Scores are
     kvpress's (0-100). Intervals (95%): a percentile bootstrap over each task's samples, the same
     resamples for every configuration; the average's resamples each task's own (stratified).
     source: the target length of generated samples (the suite is named "RULER-4K, 11 tasks"), or the
-    name of the kvpress-layout file they came from."""
+    name of the kvpress-layout file they came from; sizing: generated samples' (suite_name)."""
     records = sorted(records, key=lambda r: r["context"])
     tasks = list(dict.fromkeys(a["task"] for r in records for a in r["answers"]))
     scores, raw = {}, {}
@@ -730,7 +912,8 @@ def results(records, n_boot, seed, source):
             r = raw.setdefault(key, dict(kept=[], nbytes=[], decode=[0, 0.0]))
             r["kept"].append(e["kept"]), r["nbytes"].append(e["nbytes"])
             r["decode"] = [r["decode"][0] + e["decode"][0], r["decode"][1] + e["decode"][1]]
-    name = suite_name(source, tasks) if isinstance(source, int) else f"{source}, {len(tasks)} tasks"
+    name = suite_name(source, tasks, sizing) if isinstance(source, int) else \
+        f"{source}, {len(tasks)} tasks"
     if not scores:
         return dict(suite=name, tasks=tasks, rows=[], n_contexts=0)
     extras = Q.finish_extras(raw)

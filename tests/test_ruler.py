@@ -61,7 +61,7 @@ def check_answers(row):
 
 @pytest.mark.parametrize("target", [4096, 1500])
 def test_every_task_holds_its_answers_and_fills_the_target(tok, target):
-    rows = ruler.make_samples(tok, target, 2, seed=3)
+    rows = ruler.make_samples(tok, target, 2, seed=3, sizing="model")
     assert [r["task"] for r in rows] == list(ruler.TASKS) * 2
     for r in rows:
         check_answers(r)
@@ -92,12 +92,12 @@ def test_seeded():
     path = require_asset("tokenizers", "gemma3", "tokenizer.json")
     require_asset("austen")
     tok = Tokenizer.from_file(str(path))
-    a = ruler.make_samples(tok, 1024, 2, seed=7)
-    assert a == ruler.make_samples(tok, 1024, 2, seed=7)
-    b = ruler.make_samples(tok, 1024, 2, seed=8)
+    a = ruler.make_samples(tok, 1024, 2, seed=7, sizing="model")
+    assert a == ruler.make_samples(tok, 1024, 2, seed=7, sizing="model")
+    b = ruler.make_samples(tok, 1024, 2, seed=8, sizing="model")
     assert all(x["context"] != y["context"] for x, y in zip(a, b))
     one = a[len(ruler.TASKS) + 1]  # sample 1 of the second task: made alone, as a shard makes it
-    assert one == ruler.make_sample(tok, ruler.TASKS[1], 1024, seed=7, index=1)
+    assert one == ruler.make_sample(tok, ruler.TASKS[1], 1024, seed=7, index=1, sizing="model")
     assert a[0]["context"] != a[1]["context"]
 
 
