@@ -115,6 +115,10 @@ def parse_args(argv=None):
                    "context, template tokens compressed with it, the first 4 tokens kept) or "
                    "harness (the authors' system prompt and task sentence before the context, "
                    "never evicted, as --suite needle)")
+    p.add_argument("--answer-batch", action=argparse.BooleanOptionalAction, default=True,
+                   help="--suite ruler: answer all the caches of a context in one batched decode "
+                   "(default); --no-answer-batch: one cache after another, as answered alone "
+                   "(the same greedy answers, one method cache alive at a time)")
     p.add_argument("--text", choices=quality.TEXTS, default="austen",
                    help="the documents the quality contexts are cut from: austen (the novels, by "
                    "chapters) or prose (held-out documents of the gates' training corpus: "
@@ -373,9 +377,12 @@ def run(args):
     log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}"
         + (f"; resuming after {len(done)} finished contexts" if done else ""))
     if not args.no_quality:
-        suite = ruler if exp.suite == "ruler" else quality
-        suite.run(model, tok, suite_fmt, exp, args.model, args.gate, args.shard, done,
-                  on_context=finished)
+        if exp.suite == "ruler":
+            ruler.run(model, tok, suite_fmt, exp, args.model, args.gate, args.shard, done,
+                      on_context=finished, batched=args.answer_batch)
+        else:
+            quality.run(model, tok, fmt, exp, args.model, args.gate, args.shard, done,
+                        on_context=finished)
     if args.speed_lengths:
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
         system = encode_prompt(tok, fmt.system)

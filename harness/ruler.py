@@ -777,8 +777,8 @@ def to_samples(tok, fmt, rows):
     return samples
 
 
-def answer(model, tok, cache, sample, stop_ids):
-    """Each question of the sample answered greedily from the cache (rolled back after each), up to
+def answer_alone(model, tok, cache, sample, stop_ids):
+    """Each question of the sample answered greedily from one cache (rolled back after each), up to
     its max_new_tokens, stopping at the end of the sequence, as kvpress generates; -> dict(outputs,
     scores (string_match, 0..1), decode (tokens, seconds)).
 
@@ -806,12 +806,46 @@ def answer(model, tok, cache, sample, stop_ids):
     return res
 
 
-def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None):
+def answer(model, tok, caches, sample, stop_ids):
+    """answer_alone for many caches of one context at once: every cache of `caches` (name -> cache)
+    answers each question in one batched decode (generate.decode: the caches' rows in one
+    cache.Batch, one forward of one token each per step), each stopping on its own, as answer_alone
+    does: a stop id, the question's max_new_tokens, or every expected string in the text. Greedy:
+    the answers are answer_alone's (tests/test_ruler_batch.py). -> {name: dict(outputs, scores,
+    decode)}; decode = (forwards, seconds of the batch steps the cache took part in, each step
+    counted whole for every member: how long its answers took, not its share of the machine).
+
+    The caches are taken out of `caches` (left empty): each is freed as soon as its answers are
+    in."""
+    questions = [(q.task, q.prompt) for q in sample.questions]
+    names = list(caches)
+    reqs = [generate.Request(caches.pop(name), questions, 0, None, index=i)
+            for i, name in enumerate(names)]
+    for event, r in generate.decode(model, reqs, len(reqs), stop_ids):
+        if event == "question":  # its own length, set before decode reserves the answer's rows
+            r.max_new_tokens = sample.questions[r.q].max_new
+        elif event == "token" and metric(sample.questions[r.q].task)(
+                tok.decode(r.out), sample.answers[r.q]) == 1.0:
+            r.max_new_tokens = len(r.out)  # the score is final: decode ends the answer here
+    res = {}
+    for name, r in zip(names, reqs):
+        outs = [a["output_ids"] for a in r.answers]
+        scores = [metric(q.task)(tok.decode(o), expected)
+                  for q, o, expected in zip(sample.questions, outs, sample.answers)]
+        res[name] = dict(outputs=outs, scores=scores, decode=[r.n_steps, r.decode_s])
+    return res
+
+
+def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None,
+        batched=True):
     """quality.run's loop on RULER's samples (exp: a quality.Experiment of the ruler suite): every
     (method, budget) cache made from one captured full prefill of each context
-    (quality.prefill_from_capture), every question answered from it (answer) and scored by kvpress's
-    string_match. Contexts c with c % n == k of shard = (k, n), but those in `done`;
-    on_context(record) after each."""
+    (quality.prefill_from_capture), every question answered from it and scored by kvpress's
+    string_match: all the context's caches in one batched decode (answer), or, batched=False, one
+    cache after another, each answered as soon as it is made (answer_alone: one cache alive at a
+    time beside the full one). A cache that evicted nothing is the full cache, row for row: the
+    full cache's answers stand for it. Contexts c with c % n == k of shard = (k, n), but those in
+    `done`; on_context(record) after each."""
     cfg = model.config
     methods = [m for m in exp.methods if m != "full"]
     configs = [(m, Q.DEFAULT_LEVEL[m]) for m in methods]
@@ -826,26 +860,53 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
         sum(1 for c in done if c % n_shard == k_shard and c < total)
     todo = (c for c in range(k_shard, total, n_shard) if c not in done)
     n_done, t_start = 0, time.perf_counter()
+    n_layers = len(cfg.compressed_layers)
+    full_key = Q.entry_key("full", 1.0)
     for c in todo:
-        sample, t0, entries = sample_of(c), time.perf_counter(), {}
-        n_layers = len(cfg.compressed_layers)
+        sample, t0 = sample_of(c), time.perf_counter()
+        parts = dict(prefill=0.0, caches=0.0, answers=0.0)  # seconds: where the context's time went
+
+        def clock(part, since):
+            parts[part] += time.perf_counter() - since
+            return time.perf_counter()
+
         with torch.no_grad():
             full, logits, tscores = Q.capture_prefill(model, sample.ids, exp.chunk_size, teacher,
                                                       sample.n_protected)
-            ref = answer(model, tok, full, sample, stop_ids)
-            entries[Q.entry_key("full", 1.0)] = entry(ref, [1.0] * n_layers, full.nbytes)
+            t = clock("prefill", t0)  # with KVzip's teacher scoring it
+            held = {full_key: ([1.0] * n_layers, full.nbytes)}  # kept fractions and bytes
+            answering, same, res = {}, [], {}
+            if batched:
+                answering[full_key] = full
+            else:
+                res[full_key] = answer_alone(model, tok, full, sample, stop_ids)
+                t = clock("answers", t)
             for method, level in configs:
                 config = method if level == Q.DEFAULT_LEVEL[method] else f"{method}/{level}"
                 for budget in exp.budgets:
+                    key = Q.entry_key(config, budget)
                     cache = Q.method_cache(model, method, level, sample.n_protected, model_name,
                                            gate_file, exp.seed + c, tscores)
                     Q.prefill_from_capture(model, full, logits, cache, method, sample, budget,
                                            exp.chunk_size, exp.window)
                     kept = cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))
-                    # nothing evicted: the cache is the full cache, row for row; its answers stand
-                    res = ref if min(kept) == 1.0 else answer(model, tok, cache, sample, stop_ids)
-                    entries[Q.entry_key(config, budget)] = entry(res, kept, cache.nbytes)
+                    held[key] = (kept, cache.nbytes)
+                    t = clock("caches", t)
+                    if min(kept) == 1.0:  # nothing evicted: the full cache's answers stand
+                        same.append(key)
+                    elif batched:
+                        answering[key] = cache
+                    else:
+                        res[key] = answer_alone(model, tok, cache, sample, stop_ids)
+                        t = clock("answers", t)
                     del cache
+            del full, logits, tscores  # the batch holds the full cache until its answers are in
+            if batched:
+                res.update(answer(model, tok, answering, sample, stop_ids))
+                clock("answers", t)
+        ref = res[full_key]
+        res.update({key: ref for key in same})
+        entries = {key: entry(res[key], *held[key]) for key in held}
         record = dict(context=c, n_tokens=len(sample.ids), doc=sample.doc,
                       seconds=time.perf_counter() - t0, entries=entries,
                       answers=[dict(task=q.task, expected=a, full=tok.decode(o)) for q, a, o in
@@ -853,7 +914,9 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
         n_done += 1
         left = n_todo - n_done
         Q.log(f"ruler context {c + 1}/{total} ({sample.doc}, {len(sample.ids)} tokens) done "
-              f"in {record['seconds'] / 60:.1f} min; full cache {sum(ref['scores']):.2f} of "
+              f"in {record['seconds'] / 60:.1f} min (" +
+              ", ".join(f"{k} {v:.0f} s" for k, v in parts.items()) +
+              f"); full cache {sum(ref['scores']):.2f} of "
               f"{len(sample.questions)}; {left} left in this run, eta "
               f"{(time.perf_counter() - t_start) / n_done * left / 60:.0f} min")
         if on_context:
@@ -862,7 +925,8 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
 
 def entry(res, kept, nbytes):
     """One (config, budget) on one context: each question's string_match (0..1), kept fractions per
-    compressed layer, KV bytes, decode (tokens, seconds)."""
+    compressed layer, KV bytes held once prefilled, decode (tokens, seconds; batched: see
+    answer)."""
     return dict(scores=res["scores"], kept=kept, nbytes=nbytes, decode=list(res["decode"]))
 
 
