@@ -47,7 +47,7 @@ from cache import LEVELS
 from cli import OFFLINE_DEFAULT, UsageError, resolve_model, write_text
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
-from harness import quality, ruler
+from harness import quality, ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
@@ -101,14 +101,14 @@ def parse_args(argv=None):
                    "(implies --suite ruler)")
     p.add_argument("--ruler-samples", type=int, default=5,
                    help="--suite ruler: samples generated per task")
-    p.add_argument("--ruler-sizing", choices=ruler.SIZINGS, default="ruler",
+    p.add_argument("--ruler-sizing", choices=ruler_tasks.SIZINGS, default="ruler",
                    help="--suite ruler: how samples fill --lengths: ruler (as RULER sized kvpress's "
                    "RULER-4K file: Llama-3.1-8B tokens for every model, RULER's fixed haystack "
                    "steps; labelled RULER-4K) or model (the largest haystack that fits in the "
                    "model's own tokens; labelled 'RULER-4K (model-token sizing)')")
     p.add_argument("--ruler-tasks", type=lambda s: [x for x in s.split(",") if x],
-                   default=list(ruler.TASKS), help="--suite ruler: comma list of the tasks "
-                   "generated (default all 11: " + ",".join(ruler.TASKS) + ")")
+                   default=list(ruler_tasks.TASKS), help="--suite ruler: comma list of the tasks "
+                   "generated (default all 11: " + ",".join(ruler_tasks.TASKS) + ")")
     p.add_argument("--ruler-prompt", choices=RULER_PROMPTS, default="kvpress",
                    help="how RULER rows (generated or --dataset) are fed: kvpress (the default: "
                    "as kvpress's pipeline, one user turn of the model's chat template holding the "
@@ -252,10 +252,10 @@ def check_args(p, args):
     if args.kv_questions > args.kv_pairs:
         p.error(f"--kv-questions {args.kv_questions} asks more pairs than --kv-pairs "
                 f"{args.kv_pairs} holds")
-    bad = [t for t in args.ruler_tasks if t not in ruler.TASKS]
+    bad = [t for t in args.ruler_tasks if t not in ruler_tasks.TASKS]
     if bad or not args.ruler_tasks:
-        p.error(f"--ruler-tasks {','.join(bad) or '(none)'}: tasks are {','.join(ruler.TASKS)} "
-                f"(the QA tasks {', '.join(ruler.LEFT_OUT)} need SQuAD and HotpotQA, which are not "
+        p.error(f"--ruler-tasks {','.join(bad) or '(none)'}: tasks are {','.join(ruler_tasks.TASKS)} "
+                f"(the QA tasks {', '.join(ruler_tasks.LEFT_OUT)} need SQuAD and HotpotQA, which are not "
                 "offline)")
     args.ruler_tasks = list(dict.fromkeys(args.ruler_tasks))
     if args.ruler_samples < 1:

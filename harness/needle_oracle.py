@@ -34,7 +34,7 @@ from cli import UsageError, resolve_model
 from formats.checkpoint import check_folder, load_checked
 from gate import Scorer
 from harness import quality as Q
-from harness import ruler
+from harness import ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
 from model import chat_template
 from teacher import KVzipTeacher, encode_text
@@ -160,9 +160,9 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="folder: records.jsonl (resumable), summary.md")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
-    bad = [t for t in args.tasks if t not in ruler.NIAH]
+    bad = [t for t in args.tasks if t not in ruler_tasks.NIAH]
     if bad:
-        p.error(f"--tasks {','.join(bad)}: only NIAH tasks have needles ({', '.join(ruler.NIAH)})")
+        p.error(f"--tasks {','.join(bad)}: only NIAH tasks have needles ({', '.join(ruler_tasks.NIAH)})")
     args.methods = [m for m in args.methods.split(",") if m]
     args.budgets = [round(1 - float(r), 6) for r in args.ratios.split(",")]
     folder = resolve_model(args.model)

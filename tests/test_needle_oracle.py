@@ -8,7 +8,7 @@ import torch
 
 from gate import StreamingScorer
 from harness import needle_oracle as O
-from harness import ruler
+from harness import ruler_tasks
 from teacher import encode_text
 from tests.assets import require_asset
 
@@ -22,9 +22,9 @@ def tok():
 
 @pytest.mark.parametrize("task", ["niah_single_2", "niah_multivalue", "niah_multikey_3"])
 def test_needle_positions_cover_the_answer_sentences(tok, task):
-    row = ruler.make_row(task, 42, 0, 60, 4096)
+    row = ruler_tasks.make_row(task, 42, 0, 60, 4096)
     spans = O.needle_spans(row)
-    n_values = ruler.NIAH[task][4] * ruler.NIAH[task][5]
+    n_values = ruler_tasks.NIAH[task][4] * ruler_tasks.NIAH[task][5]
     assert len(spans) == n_values  # one sentence per value asked, none of the distractors
     system = [2]  # a BOS before the context, as a prompt without a chat template
     ids = system + encode_text(tok, row["context"])
@@ -50,7 +50,7 @@ def test_force_keep_overrides_only_its_positions():
 
 
 def test_needle_spans_refuse_a_context_without_the_answer():
-    row = ruler.make_row("niah_single_1", 42, 0, 30, 4096)
+    row = ruler_tasks.make_row("niah_single_1", 42, 0, 30, 4096)
     row = dict(row, answer=[str(random.Random(0).randint(10**8, 10**9))])
     with pytest.raises(AssertionError):
         O.needle_spans(row)

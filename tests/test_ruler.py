@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from cli import UsageError
-from harness import ruler
+from harness import ruler, ruler_tasks
 from tests.assets import require_asset
 
 
@@ -27,7 +27,7 @@ def check_answers(row):
     """The answer is what the context says, found by reading it (an oracle per task family)."""
     task, ctx, answer = row["task"], row["context"], row["answer"]
     if task.startswith("niah"):
-        haystack, _, v_type, n_keys, n_values, n_queries = ruler.NIAH[task]
+        haystack, _, v_type, n_keys, n_values, n_queries = ruler_tasks.NIAH[task]
         pairs = NEEDLE.findall(ctx)
         assert {t for t, _, _ in pairs} == {v_type}
         values = {}
@@ -40,17 +40,17 @@ def check_answers(row):
         distractors = len(pairs) - max(n_keys, n_queries) * n_values
         assert distractors > 10 if haystack == "needle" else distractors == 0
         if haystack == "repeat":
-            assert ctx.count(ruler.NOISE) > 30
+            assert ctx.count(ruler_tasks.NOISE) > 30
     elif task == "vt":
-        body = ctx.split("\n\n" + ruler.VT_HEAD)[-1]  # after the solved example
+        body = ctx.split("\n\n" + ruler_tasks.VT_HEAD)[-1]  # after the solved example
         value = re.search(r"assigned the value (\d+)", row["question"]).group(1)
         assign = dict(re.findall(r"VAR (\w+) = (VAR \w+|\d+)", body))
         resolve = lambda x: resolve(assign[x[4:]]) if x.startswith("VAR ") else x
         assert sorted(answer) == sorted(k for k in assign if resolve(assign[k]) == value)
         assert len(answer) == 5
-        assert body.count(ruler.NOISE) > 30
+        assert body.count(ruler_tasks.NOISE) > 30
     elif task == "cwe":
-        items = re.findall(r"\d+\. (\S+)", ctx.split(ruler.CWE_HEAD)[-1])
+        items = re.findall(r"\d+\. (\S+)", ctx.split(ruler_tasks.CWE_HEAD)[-1])
         counts = Counter(items).most_common()
         assert sorted(answer) == sorted(w for w, _ in counts[:10]) and counts[9][1] > counts[10][1]
     elif task == "fwe":
@@ -61,29 +61,29 @@ def check_answers(row):
 
 @pytest.mark.parametrize("target", [4096, 1500])
 def test_every_task_holds_its_answers_and_fills_the_target(tok, target):
-    rows = ruler.make_samples(tok, target, 2, seed=3, sizing="model")
-    assert [r["task"] for r in rows] == list(ruler.TASKS) * 2
+    rows = ruler_tasks.make_samples(tok, target, 2, seed=3, sizing="model")
+    assert [r["task"] for r in rows] == list(ruler_tasks.TASKS) * 2
     for r in rows:
         check_answers(r)
-        assert r["max_new_tokens"] == ruler.MAX_NEW[ruler.family(r["task"])]
-        assert r["length"] == ruler.n_tokens(tok, r)
+        assert r["max_new_tokens"] == ruler_tasks.MAX_NEW[ruler_tasks.family(r["task"])]
+        assert r["length"] == ruler_tasks.n_tokens(tok, r)
         assert 0.95 * target <= r["length"] <= target, (r["task"], r["length"])
 
 
 def test_suite_name():
-    assert ruler.suite_name(4096, ruler.TASKS) == "RULER-4K, 11 tasks"
-    assert ruler.suite_name(1500, ["vt"]) == "RULER-1500, 1 task"
+    assert ruler_tasks.suite_name(4096, ruler_tasks.TASKS) == "RULER-4K, 11 tasks"
+    assert ruler_tasks.suite_name(1500, ["vt"]) == "RULER-1500, 1 task"
 
 
 def test_singular_and_plural_wording():
-    one = ruler.make_row("niah_single_3", 0, 0, 50, 4096)
-    many = ruler.make_row("niah_multivalue", 0, 0, 50, 4096)
+    one = ruler_tasks.make_row("niah_single_3", 0, 0, 50, 4096)
+    many = ruler_tasks.make_row("niah_multivalue", 0, 0, 50, 4096)
     assert one["context"].startswith("A special magic uuid is hidden")
     assert one["question"].startswith("What is the special magic uuid for")
     assert one["answer_prefix"].endswith("provided text is")
     assert many["context"].startswith("Some special magic numbers are hidden") and \
         many["answer_prefix"].endswith("provided text are") and len(many["answer"]) == 4
-    q = ruler.make_row("niah_multiquery", 0, 0, 50, 4096)["question"]
+    q = ruler_tasks.make_row("niah_multiquery", 0, 0, 50, 4096)["question"]
     assert q.count(", ") == 3 and ", and " in q
 
 
@@ -92,12 +92,12 @@ def test_seeded():
     path = require_asset("tokenizers", "gemma3", "tokenizer.json")
     require_asset("austen")
     tok = Tokenizer.from_file(str(path))
-    a = ruler.make_samples(tok, 1024, 2, seed=7, sizing="model")
-    assert a == ruler.make_samples(tok, 1024, 2, seed=7, sizing="model")
-    b = ruler.make_samples(tok, 1024, 2, seed=8, sizing="model")
+    a = ruler_tasks.make_samples(tok, 1024, 2, seed=7, sizing="model")
+    assert a == ruler_tasks.make_samples(tok, 1024, 2, seed=7, sizing="model")
+    b = ruler_tasks.make_samples(tok, 1024, 2, seed=8, sizing="model")
     assert all(x["context"] != y["context"] for x, y in zip(a, b))
-    one = a[len(ruler.TASKS) + 1]  # sample 1 of the second task: made alone, as a shard makes it
-    assert one == ruler.make_sample(tok, ruler.TASKS[1], 1024, seed=7, index=1, sizing="model")
+    one = a[len(ruler_tasks.TASKS) + 1]  # sample 1 of the second task: made alone, as a shard makes it
+    assert one == ruler_tasks.make_sample(tok, ruler_tasks.TASKS[1], 1024, seed=7, index=1, sizing="model")
     assert a[0]["context"] != a[1]["context"]
 
 
@@ -115,7 +115,7 @@ def test_string_match_as_kvpress():
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_kvpress_layout_round_trip(tmp_path, suffix):
-    rows = [ruler.make_row(t, 0, i, 20, 4096) for t in ruler.TASKS for i in range(2)]
+    rows = [ruler_tasks.make_row(t, 0, i, 20, 4096) for t in ruler_tasks.TASKS for i in range(2)]
     path = tmp_path / f"ruler{suffix}"
     ruler.write_dataset(rows, path)
     assert ruler.read_dataset(path) == rows
@@ -226,7 +226,7 @@ def test_ruler_defaults():
     import bench
     args = bench.parse_args(["--suite", "ruler"])
     assert args.lengths == [4096] and args.speed_lengths == []
-    assert args.ruler_tasks == list(ruler.TASKS)
+    assert args.ruler_tasks == list(ruler_tasks.TASKS)
     assert bench.parse_args(["--suite", "ruler", "--lengths", "2048"]).lengths == [2048]
     assert bench.parse_args([]).suite == "needle"
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from harness import ruler
+from harness import ruler, ruler_tasks
 from harness.kvpress_prompt import N_SINK, KvpressFormat, kvpress_format
 from model import ModelConfig, chat_template, load_tokenizer
 from teacher import prompt_format
@@ -160,12 +160,12 @@ QUESTION_AT = dict(niah=r"What (?:is|are all) the special magic",
 ANSWER_AT = dict(niah="The special magic", vt="Answer:", cwe="Answer:", fwe="Answer:")
 
 
-@pytest.mark.parametrize("task", ruler.TASKS)
+@pytest.mark.parametrize("task", ruler_tasks.TASKS)
 def test_generated_rows_split_as_kvpress_splits_them(task):
     require_asset("austen")
-    row = ruler.make_row(task, 0, 0, 5, 4096)
+    row = ruler_tasks.make_row(task, 0, 0, 5, 4096)
     text = row["context"] + row["question"] + row["answer_prefix"]
-    family = ruler.family(task)
+    family = ruler_tasks.family(task)
     at = list(re.finditer(QUESTION_AT[family], text))[-1].start()
     qa = text[at:]
     cut = re.search(ANSWER_AT[family], qa).start()
