@@ -320,7 +320,8 @@ def run(args):
     if rows:
         check_dataset(args, cfg, tok, suite_fmt, rows)
     elif args.suite == "ruler" and not args.no_quality:  # a length too short for a task
-        ruler.check_generated(tok, args.lengths, args.ruler_tasks, args.seed, args.ruler_sizing)
+        ruler.check_generated(tok, suite_fmt, args.lengths, args.ruler_tasks, args.seed,
+                              args.ruler_sizing, cfg.max_position_embeddings)
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
     try:
         out.mkdir(parents=True, exist_ok=True)

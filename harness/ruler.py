@@ -148,10 +148,12 @@ def read_dataset(path):
     return [r for _, r in read_rows(path)]
 
 
-def check_fit(tok, fmt, located, max_positions):
+def check_fit(tok, fmt, located, max_positions,
+              fix="shorten the context or lower max_new_tokens (or use a model with more positions)"):
     """Every row of read_rows against the model's positions, as generate.py checks a request: the
     context as fed (context_ids: with the template's opening or the system prompt), the question's
-    turn with the answer prefix, and max_new_tokens must fit; else a DatasetError naming the row."""
+    turn with the answer prefix, and max_new_tokens must fit; else a DatasetError naming the row
+    and `fix`."""
     lengths = {}
     fed = "template + context" if isinstance(fmt, KvpressFormat) else "system prompt + context"
     for where, r in located:
@@ -160,8 +162,7 @@ def check_fit(tok, fmt, located, max_positions):
         n = lengths[r["context"]] + len(turn_ids(tok, fmt, r)) + r["max_new_tokens"]
         if n > max_positions:
             raise DatasetError(f"{where}: {fed} + question + max_new_tokens = {n} tokens exceeds "
-                               f"the model's maximum of {max_positions}; shorten the context or "
-                               "lower max_new_tokens (or use a model with more positions)")
+                               f"the model's maximum of {max_positions}; {fix}")
 
 
 def write_dataset(rows, path):
@@ -237,18 +238,28 @@ def sample_at(tok, lengths, n_per_task, seed, tasks, c, sizing="ruler"):
         raise UsageError(f"--lengths: {e}") from None
 
 
-def check_generated(tok, lengths, tasks, seed, sizing="ruler"):
-    """Sample 0 of every task at every length, before any model work: a length too short for a task
-    is refused in one line (UsageError) before --out is written; ~1.3 s per 4K length (model
-    sizing), ~0.5 s with RULER's (its first draws, then kept)."""
+def check_generated(tok, fmt, lengths, tasks, seed, sizing, max_positions):
+    """Sample 0 of every task at every length, before any model work: a length too short for a
+    task, or a sample longer than the model's positions (RULER's sizing counts Llama-3.1's tokens,
+    not the model's), is refused in one line (UsageError) before --out is written; ~0.5 s per 4K
+    length (model sizing: ~1.3 s)."""
     for n in lengths:
         for task in tasks:
-            sample_at(tok, [n], 1, seed, [task], 0, sizing)
+            fits(tok, fmt, sample_at(tok, [n], 1, seed, [task], 0, sizing), n, max_positions)
 
 
-def contexts(tok, fmt, exp):
+def fits(tok, fmt, row, n, max_positions):
+    """A generated row against the model's positions (check_fit), the fix being a lower --lengths."""
+    where = f"RULER {row['task']} at --lengths {n}"
+    check_fit(tok, fmt, [(where, row)], max_positions, fix="lower --lengths (or use a model with "
+              "more positions)")
+    return row
+
+
+def contexts(tok, fmt, exp, max_positions):
     """(how many contexts, context c -> its quality.Sample) of a run: a file's read whole, a
-    generated suite's made one at a time (sample_at)."""
+    generated suite's made one at a time (sample_at), each checked against the model's positions
+    as it is made (a file's rows were checked before the run: check_fit)."""
     assert isinstance(fmt, KvpressFormat) == (exp.ruler_prompt == "kvpress"), \
         "fmt must be the prompt exp.ruler_prompt names (kvpress_prompt.kvpress_format, or " \
         "teacher.prompt_format for the harness's)"
@@ -256,8 +267,11 @@ def contexts(tok, fmt, exp):
         samples = to_samples(tok, fmt, read_dataset(exp.dataset))
         return len(samples), samples.__getitem__
     tasks = list(exp.ruler_tasks)
-    at = lambda c: to_samples(tok, fmt, [sample_at(tok, exp.lengths, exp.ruler_samples, exp.seed,
-                                                   tasks, c, exp.ruler_sizing)])[0]
+
+    def at(c):
+        n = exp.lengths[c // (exp.ruler_samples * len(tasks))]
+        row = sample_at(tok, exp.lengths, exp.ruler_samples, exp.seed, tasks, c, exp.ruler_sizing)
+        return to_samples(tok, fmt, [fits(tok, fmt, row, n, max_positions)])[0]
     return len(exp.lengths) * exp.ruler_samples * len(tasks), at
 
 
@@ -375,7 +389,7 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
                 if lv != Q.DEFAULT_LEVEL[m]]
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
     stop_ids = set(cfg.eos_token_ids)
-    total, sample_of = contexts(tok, fmt, exp)
+    total, sample_of = contexts(tok, fmt, exp, cfg.max_position_embeddings)
     k_shard, n_shard = shard
     # this shard's contexts, counted and walked without a list: a generated run may be of any size
     n_todo = max(0, (total - k_shard + n_shard - 1) // n_shard) - \

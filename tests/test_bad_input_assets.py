@@ -62,7 +62,7 @@ def built_folder(root):
         ["MANIFEST.txt", "austen", "austen_parts", "corpus", "pydoc", "tokenizers"])
 
 
-# ---- item 3: a damaged part present is checked against its recorded hash and rebuilt ------------
+# ---- a damaged part present is checked against its recorded hash and rebuilt --------------------
 
 def test_a_damaged_part_present_is_rebuilt_in_one_line(tmp_path, monkeypatch, capsys, fake_parts):
     root = tmp_path / "assets"
@@ -111,7 +111,7 @@ def test_a_damaged_part_present_is_rebuilt_in_one_line(tmp_path, monkeypatch, ca
     assert code == 0 and fake_parts == [] and (root / "MANIFEST.txt").read_text() == manifest
 
 
-# ---- item 9: --out a file, a read-only folder, FASTKVZIP_CACHE a file, run by its path ----------
+# ---- --out a file, a read-only folder, FASTKVZIP_CACHE a file, run by its path ------------------
 
 def test_out_a_file_is_a_one_line_error(tmp_path, monkeypatch, capsys, fake_parts):
     f = tmp_path / "notes.txt"
@@ -154,7 +154,7 @@ def test_run_by_its_path_from_another_folder(tmp_path):
     assert f.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["f"]
 
 
-# ---- item 14: a relative --out, an empty --out, staging folders of runs that are gone ------------
+# ---- a relative --out, an empty --out, staging folders of runs that are gone ---------------------
 
 def test_a_relative_out_builds_every_part(tmp_path, monkeypatch, capsys, fake_parts):
     """The builders run commands in the download folder and hand them paths in it (apt-get download,

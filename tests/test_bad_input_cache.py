@@ -76,7 +76,7 @@ def one_line(code, out, err, *words):
         assert w in lines[0], lines[0]
 
 
-# -- item 4: one open file -------------------------------------------------------------------------
+# -- one open file ---------------------------------------------------------------------------------
 
 def test_a_file_replaced_while_it_loads_is_read_from_the_one_opened(saved, tmp_path, monkeypatch):
     """The path is replaced by another cache of the same prompt (full, budget 1.0) just after the
@@ -102,7 +102,7 @@ def test_a_file_replaced_while_it_loads_is_read_from_the_one_opened(saved, tmp_p
     assert kept(got) == kept(want) and got.nbytes == want.nbytes
 
 
-# -- item 5: crafted states with a valid checksum; the library's values ---------------------------
+# -- crafted states with a valid checksum; the library's values -----------------------------------
 
 @pytest.mark.parametrize("edit, words", [
     (lambda s: s.update(n_seen=-100), ["corrupt", "'n_seen'"]),
@@ -153,7 +153,7 @@ def test_prefill_checks_n_protected_and_save_checks_the_ids(saved, tmp_path):
     assert load_cache(tmp_path / "x.kv", model)[1]["ids"] == ids
 
 
-# -- item 7: crafted files that ended in a traceback ----------------------------------------------
+# -- crafted files that ended in a traceback ------------------------------------------------------
 
 def _first_ring(tensors):
     return next(n for n in sorted(tensors) if n.endswith(".first"))
@@ -215,7 +215,7 @@ def test_the_command_line_refuses_a_crafted_file_before_printing(capsys, saved, 
     one_line(*cli_load(capsys, t, ring), str(ring), "corrupt", "layer 0")
 
 
-# -- item 10: the library's misuse, one clear message ----------------------------------------------
+# -- the library's misuse, one clear message -------------------------------------------------------
 
 def test_library_misuse_says_what_to_give(saved):
     t, _ = saved
@@ -310,7 +310,7 @@ def test_n_protected_past_the_prompt_is_a_corrupt_file(capsys, saved, tmp_path):
     assert "prompt format" not in err
 
 
-# -- item 13: what the cache is, recorded without being told ---------------------------------------
+# -- what the cache is, recorded without being told ------------------------------------------------
 
 def test_a_cache_saved_without_method_or_budget_says_what_it_is(capsys, saved, tmp_path):
     """The saved fixture is a fastkvzip cache at 0.3 saved as the README does, with no method or

@@ -1,7 +1,7 @@
-"""Issue 40's bad input on generate.py's saved-cache command line: --save-cache never replaces what
-is not a cache this project wrote (item 1), a --save-cache that cannot be written is refused before
-anything loads (item 10), a "cache_file" in --batch names its line and never echoes the file (item
-12), and --load-cache refuses the flags it would ignore (item 14).
+"""Bad input on generate.py's saved-cache command line: --save-cache never replaces what
+is not a cache this project wrote, a --save-cache that cannot be written is refused before
+anything loads, a "cache_file" in --batch names its line and never echoes the file,
+and --load-cache refuses the flags it would ignore.
 
 The refusals are checked before any model loads: `no_loading` makes reaching the loader a test
 failure, and those that need the tokenizer (a batch's cache_file is checked against the model)
@@ -76,7 +76,7 @@ def _run(*argv):
     return code, out.getvalue(), err.getvalue()
 
 
-# -- item 1: --save-cache replaces only a cache this project saved ---------------------------------
+# -- --save-cache replaces only a cache this project saved -----------------------------------------
 
 NOTES = "My notes: Emma lives in Highbury. The code is 4721.\n" * 4
 
@@ -159,7 +159,7 @@ def test_a_cache_saved_here_is_replaced(capsys, tiny, tmp_path):
     assert os.listdir(tmp_path) == ["doc.kv"]
 
 
-# -- item 10: a --save-cache that cannot be written: refused before anything loads ----------------
+# -- a --save-cache that cannot be written: refused before anything loads -------------------------
 
 def test_save_cache_that_cannot_be_written_is_refused_before_the_model(capsys, tmp_path,
                                                                       no_loading, monkeypatch):
@@ -184,7 +184,7 @@ def test_save_cache_that_cannot_be_written_is_refused_before_the_model(capsys, t
     assert sorted(os.listdir(tmp_path)) == ["doc.txt", "locked"] and not os.listdir(locked)
 
 
-# -- item 12: a "cache_file" in --batch: errors name the line, never echo the file -----------------
+# -- a "cache_file" in --batch: errors name the line, never echo the file --------------------------
 
 def test_batch_cache_file_errors_name_the_line_and_echo_nothing(capsys, tiny, tmp_path, no_weights):
     passwd = tmp_path / "passwd"  # as /etc/passwd: its first 8 bytes read as a header length
@@ -219,7 +219,7 @@ def test_batch_cache_file_corrupt_at_load_names_the_line(capsys, tiny, tmp_path)
     assert "Traceback" not in res[2]
 
 
-# -- item 14: --load-cache refuses what it would ignore; --method full has no level ----------------
+# -- --load-cache refuses what it would ignore; --method full has no level -------------------------
 
 @pytest.mark.parametrize("flags", [["--method", "kvzip"], ["--method", "fastkvzip"],
                                    ["--chunk-size", "512"], ["--window", "8"],

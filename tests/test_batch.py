@@ -164,7 +164,7 @@ def test_batch_frees_rows_of_finished_members(tiny):
 
 @pytest.mark.parametrize("method", ["full", "fastkvzip"])
 def test_batch_holds_the_rows_it_keeps(tiny, method):
-    """Issue 41: an answer reserves its question's and its tokens' rows (begin_answer with
+    """An answer reserves its question's and its tokens' rows (begin_answer with
     max_new_tokens), so decoding in a batch copies nothing and ends holding exactly the rows kept;
     a member that leaves takes back its rows and no slack."""
     from generate import begin_answer, decode_batch

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from cli import UsageError
 from harness import ruler, ruler_tasks
 from harness.kvpress_prompt import N_SINK, KvpressFormat, kvpress_format
 from model import ModelConfig, chat_template, load_tokenizer
@@ -195,3 +196,20 @@ def test_check_fit_counts_what_is_fed_and_the_key_names_the_prompt():
     keys = [ruler.run_key(Experiment(**dict(vars(exp), ruler_prompt=p)), config)
             for p in ("kvpress", "harness")]
     assert keys[0]["prompt"] == "kvpress" and keys[0] != keys[1]
+
+
+def test_generated_samples_longer_than_the_models_positions_are_refused():
+    """RULER's sizing counts Llama-3.1's tokens: a model whose tokenizer makes more of the same text
+    (cwe costs Qwen3 about 5.2K tokens at --lengths 4096) must be told before, or as, it runs."""
+    folder, tok = published("qwen3")
+    require_asset("austen")
+    cfg = ModelConfig.from_dict({"model_type": "qwen3"})
+    fmt = kvpress_format(cfg, "Qwen/Qwen3-8B", template=chat_template(folder))
+    row = ruler.sample_at(tok, [4096], 1, 42, ["cwe"], 0)
+    ids, _ = ruler.context_ids(tok, fmt, row["context"])
+    n = len(ids) + len(ruler.turn_ids(tok, fmt, row)) + row["max_new_tokens"]
+    assert n > 4096  # the point of the check: the target is in another tokenizer's tokens
+    ruler.check_generated(tok, fmt, [4096], ["cwe"], 42, "ruler", n)
+    with pytest.raises(UsageError, match=f"RULER cwe at --lengths 4096: .* = {n} tokens exceeds "
+                       f"the model's maximum of {n - 1}; lower --lengths"):
+        ruler.check_generated(tok, fmt, [4096], ["cwe"], 42, "ruler", n - 1)
