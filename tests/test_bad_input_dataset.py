@@ -145,7 +145,7 @@ def test_shard_past_the_datasets_contexts(tiny, tmp_path, capsys, no_model):
 
 
 def test_dataset_folder_and_non_files(tmp_path, capsys):
-    """A folder once said \"no such file\"."""
+    """A folder once said 'no such file'."""
     for path, words in ((tmp_path, "is a folder; give a JSONL or parquet file"),
                         (tmp_path / "none.jsonl", "no such file"),
                         ("/dev/null", "is not a regular file")):
