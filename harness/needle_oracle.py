@@ -72,7 +72,8 @@ def needle_positions(tok, sample_ids, context, spans):
     enc = tok.encode(context, add_special_tokens=False)
     assert enc.ids == encode_text(tok, context), "a context with control-token text"
     n = len(enc.ids)
-    start = next((o for o in range(len(sample_ids) - n + 1) if sample_ids[o:o + n] == enc.ids), None)
+    start = next((o for o in range(len(sample_ids) - n + 1) if sample_ids[o:o + n] == enc.ids),
+                 None)
     if start is None:
         raise UsageError("the context's tokens are not one run of the prompt's (a chat template "
                          "merged them with its own text): run this on a model without one")
@@ -166,7 +167,8 @@ def main(argv=None):
     args.tasks = [t for t in args.tasks.split(",") if t]
     bad = [t for t in args.tasks if t not in ruler_tasks.NIAH]
     if bad:
-        p.error(f"--tasks {','.join(bad)}: only NIAH tasks have needles ({', '.join(ruler_tasks.NIAH)})")
+        p.error(f"--tasks {','.join(bad)}: only NIAH tasks have needles "
+                f"({', '.join(ruler_tasks.NIAH)})")
     args.methods = [m for m in args.methods.split(",") if m]
     args.budgets = [round(1 - float(r), 6) for r in args.ratios.split(",")]
     folder = resolve_model(args.model)

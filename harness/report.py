@@ -58,6 +58,15 @@ def speed_keys(s, kvzip, threads, config):
                 gpu=dict(common, seed=s.seed))  # random weights and gate, Qwen3-8B's shape
 
 
+def shown(path):
+    """A path as results.md shows it: inside the repository, relative to it (a bundled gate);
+    elsewhere, as given."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except (ValueError, OSError, TypeError):
+        return str(path)
+
+
 def differing(a, b):
     return ", ".join(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
@@ -74,7 +83,8 @@ def markdown(results):
     g = cfg["gate"]
     tensors = f", tensors {g['tensors_sha256'][:12]}" if g.get("tensors_sha256") else ""
     out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
-           f"Model `{f['model']}`, gate `{g['source']}` (sha256 {str(g['sha256'])[:12]}{tensors}), "
+           f"Model `{f['model']}`, gate `{shown(g['source'])}` "
+           f"(sha256 {str(g['sha256'])[:12]}{tensors}), "
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
            + (f"{results['n_contexts']} {TEXT_NAMES[f.get('text', 'austen')]} contexts of "
               f"{f['lengths']} tokens, " + ("no chat template, " if f.get("chat") is False
@@ -125,18 +135,24 @@ def ruler_markdown(results):
         source = (f"the {key['dataset_contexts']} contexts of `{key['dataset_name']}` (kvpress's "
                   f"layout, sha256 {key['dataset'][:12]})")
     else:
+        sizing = ("sized as RULER sizes kvpress's file, in Llama-3.1 tokens"
+                  if key.get("ruler_sizing", "model") == "ruler" else "sized in the model's tokens")
         source = (f"{key['ruler_samples']} samples of each of {len(key['ruler_tasks'])} tasks at "
-                  f"{key['lengths']} tokens, generated offline (harness/ruler.py; essay haystack: "
-                  "Jane Austen's novels; qa_1 and qa_2 left out: SQuAD and HotpotQA are not "
-                  "offline)")
+                  f"{key['lengths']} tokens, generated offline (harness/ruler_tasks.py, {sizing}; "
+                  "essay haystack: Jane Austen's novels; qa_1 and qa_2 left out: SQuAD and "
+                  "HotpotQA are not offline)")
+    fed = ("fed as kvpress's pipeline feeds them (4 sink tokens kept)"
+           if key.get("prompt", "harness") == "kvpress" else
+           "fed after the authors' system prompt (never evicted)")
     chat = {False: "no chat template, ", True: "chat template, "}.get(f.get("chat"), "")
     merged = f" ({len(cfg['merged_from'])} runs, merged)." if cfg.get("merged_from") else "."
     out = [f"# Fast KVzip on {results.get('suite', 'RULER')} ({cfg['started']})", "",
-           f"Model `{f['model']}`, gate `{cfg['gate']['source']}` (sha256 "
+           f"Model `{f['model']}`, gate `{shown(cfg['gate']['source'])}` (sha256 "
            f"{str(cfg['gate']['sha256'])[:12]}), commit {cfg['git_commit'][:10]}"
            f"{' (dirty)' if cfg['git_dirty'] else ''}. {results.get('n_contexts', 0)} finished "
-           f"contexts of {source}; {chat}seed {f['seed']}. Each context is compressed before its "
-           "question is seen (query-agnostic), the question asked after it, the answer scored by "
+           f"contexts of {source}, {fed}; {chat}seed {f['seed']}. Each context is compressed "
+           "before its question is seen (query-agnostic), the question asked after it, the answer "
+           "scored by "
            f"kvpress's string_match. Run time {results.get('seconds', 0) / 60:.1f} min{merged}", ""]
     out += ruler.markdown(results)
     return "\n".join(out) + "\n"

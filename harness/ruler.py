@@ -13,9 +13,9 @@ file splits RULER's text (ruler_tasks.to_row). A row is fed as kvpress's pipelin
 (harness/kvpress_prompt.py: the context in one user turn of the chat template, compressed with
 the template's opening, only 4 sink tokens protected; each question after it, then the model's
 turn, then the answer prefix), or, as an option, in the harness's layout (teacher.prompt_format:
-the authors' system prompt, never evicted, before the context). Files in that layout (JSONL or parquet, e.g.
-kvpress's own RULER-4K file) are read as they are (read_dataset) and fed the same way, so a local
-copy of the leaderboard's file gives its exact samples and prompts.
+the authors' system prompt, never evicted, before the context). Files in that layout (JSONL or
+parquet, e.g. kvpress's own RULER-4K file) are read as they are (read_dataset) and fed the same
+way, so a local copy of the leaderboard's file gives its exact samples and prompts.
 """
 import json
 import re
@@ -126,8 +126,9 @@ def check_row(r, where):
     if not (isinstance(answer, list) and answer and all(isinstance(a, str) and a.strip()
                                                          for a in answer)):
         got = (_kind(answer) if not isinstance(answer, list) else "an empty list" if not answer
-               else "a list holding " + next(_kind(a) if not isinstance(a, str) else "an empty string"
-                                             for a in answer if not isinstance(a, str) or not a.strip()))
+               else "a list holding " + next(
+                   _kind(a) if not isinstance(a, str) else "an empty string"
+                   for a in answer if not isinstance(a, str) or not a.strip()))
         raise DatasetError(f"{where}: 'answer' must be a non-empty string or a non-empty list of "
                            f"them, got {got} (the strings a prediction must contain)")
     for a in answer:
@@ -148,8 +149,10 @@ def read_dataset(path):
     return [r for _, r in read_rows(path)]
 
 
-def check_fit(tok, fmt, located, max_positions,
-              fix="shorten the context or lower max_new_tokens (or use a model with more positions)"):
+SHORTEN = "shorten the context or lower max_new_tokens (or use a model with more positions)"
+
+
+def check_fit(tok, fmt, located, max_positions, fix=SHORTEN):
     """Every row of read_rows against the model's positions, as generate.py checks a request: the
     context as fed (context_ids: with the template's opening or the system prompt), the question's
     turn with the answer prefix, and max_new_tokens must fit; else a DatasetError naming the row
@@ -249,7 +252,7 @@ def check_generated(tok, fmt, lengths, tasks, seed, sizing, max_positions):
 
 
 def fits(tok, fmt, row, n, max_positions):
-    """A generated row against the model's positions (check_fit), the fix being a lower --lengths."""
+    """A generated row against the model's positions (check_fit); the fix: a lower --lengths."""
     where = f"RULER {row['task']} at --lengths {n}"
     check_fit(tok, fmt, [(where, row)], max_positions, fix="lower --lengths (or use a model with "
               "more positions)")

@@ -1,12 +1,12 @@
 """
 RULER's 11 synthetic tasks (Hsieh et al., arXiv 2404.06654), generated here, offline, seeded, as
-RULER's generator at the commit kvpress's RULER file was made with writes them (NVIDIA/RULER@e40fae1:
-scripts/synthetic.yaml for the task settings, scripts/data/synthetic/constants.py for the templates,
-answer prefixes and generation lengths, scripts/data/synthetic/{niah, variable_tracking,
-common_words_extraction, freq_words_extraction}.py for the generators and their sizing), each
-sample a row in kvpress's layout (harness/ruler.py runs and scores them), split where
+the generator kvpress's RULER file was made with writes them (NVIDIA/RULER@e40fae1:
+scripts/synthetic.yaml for the task settings, scripts/data/synthetic/constants.py for the
+templates, answer prefixes and generation lengths, scripts/data/synthetic/{niah,
+variable_tracking, common_words_extraction, freq_words_extraction}.py for the generators and their
+sizing). Each sample is a row in kvpress's layout, split where
 NVIDIA/kvpress:evaluation/benchmarks/ruler/create_huggingface_dataset.py splits RULER's text
-(to_row).
+(to_row); harness/ruler.py runs and scores them.
 
 Sizing. kvpress's RULER-4K file was generated once, in Llama-3.1-8B's tokens (its generate.sh), and
 every model reads the same samples. The default sizing ("ruler") does the same: counted with
