@@ -60,7 +60,8 @@ def needle_spans(row):
     """Character spans, in the row's context, of the needle sentences that hold its answer."""
     spans = []
     for value in row["answer"]:
-        pattern = r"One of the special magic [^\n]*? is: " + re.escape(value) + r"\."
+        # a key is one word (an adjective-noun pair, or a UUID): a match never spans two needles
+        pattern = r"One of the special magic \S+ for \S+ is: " + re.escape(value) + r"\."
         spans += [m.span() for m in re.finditer(pattern, row["context"])]
     assert spans, f"no needle holds the answer of this {row['task']} sample"
     return spans

@@ -20,12 +20,15 @@ def tok():
     return Tokenizer.from_file(str(require_asset("tokenizers", "gemma3", "tokenizer.json")))
 
 
-@pytest.mark.parametrize("task", ["niah_single_2", "niah_multivalue", "niah_multikey_3"])
+@pytest.mark.parametrize("task", ["niah_single_2", "niah_multivalue", "niah_multikey_1",
+                                  "niah_multikey_3"])
 def test_needle_positions_cover_the_answer_sentences(tok, task):
     row = ruler_tasks.make_row(task, 42, 0, 60, 4096)
     spans = O.needle_spans(row)
     n_values = ruler_tasks.NIAH[task][4] * ruler_tasks.NIAH[task][5]
     assert len(spans) == n_values  # one sentence per value asked, none of the distractors
+    for s, e in spans:  # each a needle's sentence alone, never text between two needles
+        assert row["context"][s:e].count("special magic") == 1
     system = [2]  # a BOS before the context, as a prompt without a chat template
     ids = system + encode_text(tok, row["context"])
     pos = O.needle_positions(tok, ids, row["context"], spans)
