@@ -569,6 +569,7 @@ def markdown(results):
     get = lambda task, r0: next(r for r in rows if r["task"] == task and label(r) == label(r0)
                                 and r["budget"] == r0["budget"])
     fmt = lambda x, c: f"{x:.1f} [{c[0]:.1f}, {c[1]:.1f}]" if c else f"{x:.1f}"
+    cell = lambda r: f"{r['score']:.0f} [{r['ci'][0]:.0f}, {r['ci'][1]:.0f}]"
     averages = [r for r in rows if r["task"] == "average"]
     full = averages[0]
     capable = results.get("capable", [])
@@ -592,12 +593,13 @@ def markdown(results):
                    f"{fmt(r['score'], r['ci'])} | {rel} | {cap} |")
     n = {t: get(t, full)["n"] for t in tasks}
     out += ["", "## Per task (string_match, 0-100)", "",
-            "Samples per task: " + ", ".join(f"{t} {n[t]}" for t in tasks) + ".", "",
+            "Samples per task: " + ", ".join(f"{t} {n[t]}" for t in tasks) + ". Cells: the "
+            "task's string_match [95% bootstrap interval over its samples].", "",
             "| method | compression ratio | " + " | ".join(tasks) + " |",
             "|---|---|" + "---|" * len(tasks)]
     for r in averages:
         out.append(f"| {label(r)} | {r['compression_ratio']:g} | "
-                   + " | ".join(f"{get(t, r)['score']:.1f}" for t in tasks) + " |")
+                   + " | ".join(cell(get(t, r)) for t in tasks) + " |")
     if len(averages) == 1:  # the full cache alone
         return out
     out += ["", "## Kept fraction per compressed layer (mean over contexts)", "",
