@@ -112,7 +112,7 @@ def kvpress_preprocess(hf, context, question, prefix):
     return encode(context), encode(question + suffix + prefix)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3", "smollm2", "gemma3-base"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "smollm2", "gemma3-base", "llama3_1"])
 def test_same_ids_as_kvpress_with_transformers_templates(name):
     transformers = pytest.importorskip("transformers")
     from offline import models
@@ -121,7 +121,8 @@ def test_same_ids_as_kvpress_with_transformers_templates(name):
         cfg = ModelConfig.from_json(folder)
     else:
         folder = require_asset("tokenizers", name)
-        cfg = ModelConfig.from_dict({"model_type": "qwen3" if name == "qwen3" else "gemma3_text"})
+        cfg = ModelConfig.from_dict({"model_type": dict(qwen3="qwen3", gemma3="gemma3_text",
+                                                        llama3_1="llama")[name]})
     template = chat_template(folder) or None
     config = json.loads((folder / "tokenizer_config.json").read_text())
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
