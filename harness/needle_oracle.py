@@ -69,17 +69,27 @@ def needle_spans(row):
 
 def needle_positions(tok, sample_ids, context, spans):
     """Positions in sample_ids of the tokens that overlap a span of `context` (the context's own
-    tokens must appear in sample_ids as one run, as a prompt without a chat template holds them)."""
-    enc = tok.encode(context, add_special_tokens=False)
-    assert enc.ids == encode_text(tok, context), "a context with control-token text"
-    n = len(enc.ids)
-    start = next((o for o in range(len(sample_ids) - n + 1) if sample_ids[o:o + n] == enc.ids),
-                 None)
+    tokens must appear in sample_ids as one run, as a prompt without a chat template holds them).
+    A text's tokens up to a character are those its prefix encodes to, as far as both agree: the
+    first token where they differ straddles that character."""
+    ids = encode_text(tok, context)
+    n = len(ids)
+    start = next((o for o in range(len(sample_ids) - n + 1) if sample_ids[o:o + n] == ids), None)
     if start is None:
         raise UsageError("the context's tokens are not one run of the prompt's (a chat template "
                          "merged them with its own text): run this on a model without one")
-    return sorted(start + i for i, (a, b) in enumerate(enc.offsets)
-                  if any(a < e and b > s for s, e in spans))
+
+    def agree(prefix):  # -> (tokens shared with the whole context, whether all of the prefix's)
+        p = encode_text(tok, prefix)
+        k = next((i for i, (x, y) in enumerate(zip(p, ids)) if x != y), min(len(p), n))
+        return k, k == len(p)
+
+    out = set()
+    for s, e in spans:
+        first, _ = agree(context[:s])
+        last, whole = agree(context[:e])
+        out.update(range(first, last + (not whole)))
+    return sorted(start + i for i in out)
 
 
 def needle_kept(cache, positions):
