@@ -53,9 +53,13 @@ from harness.quality import label, load_docs, load_records, log, quality_key, qu
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
 from model import ModelError, chat_template
+from offline.fetch_assets import AssetsMissing
 from teacher import KVzipTeacher, encode_prompt, prompt_format
 
 ROOT = Path(__file__).resolve().parent
+# reported in one line (exit 2): bad --model / --gate, and the offline assets RULER's generator
+# reads (Austen, Llama-3.1's tokenizer) not built
+ERRORS = (ModelError, GateError, AssetsMissing)
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
 BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
 SUITES = ("needle", "ruler")  # --suite: harness/quality.py's needle contexts, or harness/ruler.py
@@ -590,4 +594,4 @@ def merge_rows(rows, new, folder, kind):
 
 if __name__ == "__main__":
     # bad --model / --gate / folders: one line
-    cli.main(run, parse_args(), ModelError, GateError, kept=kept)
+    cli.main(run, parse_args(), *ERRORS, kept=kept)

@@ -97,7 +97,7 @@ def asset_path(*parts: str) -> Path:
     """assets_dir()/parts..., raising AssetsMissing (with the fix) when it was not built."""
     path = assets_dir().joinpath(*parts)
     if not path.exists():
-        raise AssetsMissing(f"missing test asset {path}: {FIX}")
+        raise AssetsMissing(f"missing offline asset {path}: {FIX}")
     return path
 
 

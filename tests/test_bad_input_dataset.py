@@ -47,7 +47,7 @@ def no_model(monkeypatch):
 def run_cli(capsys, *argv):
     """bench.py's command line (cli.main, as __main__ runs it) -> (exit code, stderr)."""
     with pytest.raises(SystemExit) as e:
-        cli.main(bench.run, bench.parse_args(["--no-gpu", *argv]))
+        cli.main(bench.run, bench.parse_args(["--no-gpu", *argv]), *bench.ERRORS)
     return e.value.code, capsys.readouterr().err
 
 
@@ -207,3 +207,20 @@ def test_length_too_short_for_a_task_before_out(tiny, tmp_path, capsys, no_model
                         "--out", str(tmp_path / "out"))
     assert code == 2 and "too few for its smallest sample" in err and \
         not (tmp_path / "out").exists()
+
+
+def test_generated_ruler_without_the_offline_assets_is_one_line(tiny, tmp_path, capsys,
+                                                               monkeypatch, no_model):
+    """RULER's generator reads offline assets (Llama-3.1's tokenizer, Austen): not built, the run
+    says how to build them in one line, before --out is written."""
+    from harness import ruler_tasks
+    folder, gate_file = tiny
+    monkeypatch.setenv("FASTKVZIP_ASSETS", str(tmp_path / "none"))
+    for f in (ruler_tasks.llama_tokenizer, ruler_tasks.essay_words):  # read once per process
+        monkeypatch.setattr(f, "__defaults__", ([],))
+    code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--suite",
+                        "ruler", "--ruler-samples", "1", "--methods", "streaming", "--budgets",
+                        "0.5", "--lengths", "1500", "--out", str(tmp_path / "out"))
+    assert code == 2 and err.startswith("error: missing offline asset ") and \
+        "python -m offline.fetch_assets" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
