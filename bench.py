@@ -113,6 +113,11 @@ def parse_args(argv=None):
     p.add_argument("--ruler-tasks", type=lambda s: [x for x in s.split(",") if x],
                    default=list(ruler_tasks.TASKS), help="--suite ruler: comma list of the tasks "
                    "generated (default all 11: " + ",".join(ruler_tasks.TASKS) + ")")
+    p.add_argument("--ruler-only", type=lambda s: [x for x in s.split(",") if x],
+                   help="--suite ruler: comma list of tasks of --ruler-tasks whose contexts this run "
+                   "runs; the experiment (its --out, its results) stays that of all --ruler-tasks, "
+                   "the other tasks' contexts left to a later run, as --shard leaves its peers' "
+                   "(e.g. the tasks a full cache does at all, when CPU hours are short)")
     p.add_argument("--ruler-prompt", choices=RULER_PROMPTS, default="kvpress",
                    help="how RULER rows (generated or --dataset) are fed: kvpress (the default: "
                    "as kvpress's pipeline, one user turn of the model's chat template holding the "
@@ -262,6 +267,13 @@ def check_args(p, args):
                 f"(the QA tasks {', '.join(ruler_tasks.LEFT_OUT)} need SQuAD and HotpotQA, which are not "
                 "offline)")
     args.ruler_tasks = list(dict.fromkeys(args.ruler_tasks))
+    if args.ruler_only is not None:
+        bad = [t for t in args.ruler_only if t not in args.ruler_tasks]
+        if bad or not args.ruler_only or args.dataset or args.suite != "ruler":
+            p.error(f"--ruler-only {','.join(args.ruler_only) or '(none)'}: " + (
+                "a --dataset's rows are run whole; leave --ruler-only out" if args.dataset else
+                "it picks RULER tasks; add --suite ruler" if args.suite != "ruler" else
+                f"give tasks of --ruler-tasks ({','.join(args.ruler_tasks)})"))
     if args.ruler_samples < 1:
         p.error(f"--ruler-samples must be >= 1, got {args.ruler_samples}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -384,7 +396,8 @@ def run(args):
     if not args.no_quality:
         if exp.suite == "ruler":
             ruler.run(model, tok, suite_fmt, exp, args.model, args.gate, args.shard, done,
-                      on_context=finished, batched=args.answer_batch)
+                      on_context=finished, batched=args.answer_batch,
+                      only=set(args.ruler_only) if args.ruler_only else None)
         else:
             quality.run(model, tok, fmt, exp, args.model, args.gate, args.shard, done,
                         on_context=finished)

@@ -18,6 +18,7 @@ parquet, e.g. kvpress's own RULER-4K file) are read as they are (read_dataset) a
 way, so a local copy of the leaderboard's file gives its exact samples and prompts.
 """
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -376,7 +377,7 @@ def answer(model, tok, caches, sample, stop_ids):
 
 
 def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None,
-        batched=True):
+        batched=True, only=None):
     """quality.run's loop on RULER's samples (exp: a quality.Experiment of the ruler suite): every
     (method, budget) cache made from one captured full prefill of each context
     (quality.prefill_from_capture), every question answered from it and scored by kvpress's
@@ -384,7 +385,9 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
     cache after another, each answered as soon as it is made (answer_alone: one cache alive at a
     time beside the full one). A cache that evicted nothing is the full cache, row for row: the
     full cache's answers stand for it. Contexts c with c % n == k of shard = (k, n), but those in
-    `done`; on_context(record) after each."""
+    `done` and, with `only` (a set of task names; a generated run), those of other tasks: left to
+    a later run of the same experiment, as a shard leaves its peers'; on_context(record) after
+    each."""
     cfg = model.config
     methods = [m for m in exp.methods if m != "full"]
     configs = [(m, Q.DEFAULT_LEVEL[m]) for m in methods]
@@ -394,10 +397,18 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
     stop_ids = set(cfg.eos_token_ids)
     total, sample_of = contexts(tok, fmt, exp, cfg.max_position_embeddings)
     k_shard, n_shard = shard
-    # this shard's contexts, counted and walked without a list: a generated run may be of any size
-    n_todo = max(0, (total - k_shard + n_shard - 1) // n_shard) - \
-        sum(1 for c in done if c % n_shard == k_shard and c < total)
-    todo = (c for c in range(k_shard, total, n_shard) if c not in done)
+    tasks = list(exp.ruler_tasks)
+    assert only is None or not exp.dataset, "only: the tasks of a generated run"
+
+    def mine(c):  # context c is this run's: its shard's, of a task asked for (c % tasks: load_rows)
+        return c % n_shard == k_shard and (only is None or tasks[c % len(tasks)] in only)
+    # this run's contexts, counted and walked without a list: a generated run may be of any size;
+    # which are mine repeats every `period` contexts
+    period = math.lcm(n_shard, len(tasks) or 1)
+    n_todo = total // period * sum(map(mine, range(period))) + \
+        sum(map(mine, range(total - total % period, total))) - \
+        sum(1 for c in done if mine(c) and c < total)
+    todo = (c for c in range(k_shard, total, n_shard) if mine(c) and c not in done)
     n_done, t_start = 0, time.perf_counter()
     n_layers = len(cfg.compressed_layers)
     full_key = Q.entry_key("full", 1.0)

@@ -644,6 +644,14 @@ def test_bad_shard_and_merge_flags_are_refused(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--shard", shard])
         assert e.value.code == 2 and f"--shard {shard}: expected k/n" in capsys.readouterr().err
+    for flags, words in ((["--suite", "ruler", "--ruler-only", "cwe,bogus"], "give tasks of --ruler-tasks"),
+                         (["--suite", "ruler", "--ruler-tasks", "vt", "--ruler-only", "cwe"],
+                          "give tasks of --ruler-tasks (vt)"),
+                         (["--ruler-only", "cwe"], "add --suite ruler"),
+                         (["--dataset", str(tmp_path), "--ruler-only", "cwe"], "run whole")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(flags)
+        assert e.value.code == 2 and words in capsys.readouterr().err
     with pytest.raises(UsageError, match="needs --out"):
         bench.main(["--merge", str(tmp_path)])
     with pytest.raises(UsageError, match="config.json missing"):

@@ -166,3 +166,38 @@ def test_run_records_equal_either_way(tiny, tmp_path):
     for r in records[True]:  # nothing evicted at 1.0 here: the full cache's answers stand
         e, full = (r["entries"][Q.entry_key(m, 1.0)] for m in ("streaming", "full"))
         assert min(e["kept"]) == 1.0 and e["scores"] == full["scores"]
+
+
+def test_run_only_some_tasks_then_the_rest_equals_one_run(tiny, monkeypatch):
+    """ruler.run(only=...) runs just those tasks' contexts of a generated run (context c is task
+    c % len(tasks)); a later run given them as done runs the others; together they are the records
+    of one run of all contexts. The samples are stand-ins for RULER's (ruler.contexts replaced)."""
+    model, tok, _, _, folder = tiny
+    fmt = kvpress_format(model.config, "tiny", chat=True)
+    tasks = ["a", "b", "c"]
+    rows = [dict(context=f"Note {c}: the door code is {4700 + c}. " * 5, question="The code?",
+                 answer_prefix=" It is", answer=[str(4700 + c)], max_new_tokens=4,
+                 task=tasks[c % 3]) for c in range(7)]
+    monkeypatch.setattr(ruler, "contexts", lambda *a: (len(rows), lambda c: ruler.to_samples(
+        tok, fmt, [rows[c]])[0]))
+    exp = Q.Experiment(methods=["full", "streaming"], budgets=[0.4], extra_levels=[], lengths=[4096],
+                       contexts=0, passkeys=0, kv_pairs=0, kv_questions=0, probe_tokens=0,
+                       continue_tokens=0, chunk_size=CHUNK, window=WINDOW, seed=0, suite="ruler",
+                       ruler_tasks=tasks)
+
+    def run(**kw):
+        got = []
+        ruler.run(model, tok, fmt, exp, "tiny", str(folder / "gate.safetensors"),
+                  on_context=got.append, **kw)
+        for r in got:
+            r.pop("seconds")
+            for e in r["entries"].values():
+                e.pop("decode")
+        return {r["context"]: r for r in got}
+    only = run(only={"b"})
+    assert sorted(only) == [1, 4]
+    rest = run(done=set(only))
+    assert sorted(rest) == [0, 2, 3, 5, 6]
+    assert sorted(run(shard=(0, 2), only={"a", "c"})) == [0, 2, 6]
+    whole = run()
+    assert json.dumps({**only, **rest}, sort_keys=True) == json.dumps(whole, sort_keys=True)
