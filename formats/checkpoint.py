@@ -116,10 +116,10 @@ def check_config(d: dict, generation_config: dict | None = None) -> None:
         raise ModelError(f"unsupported model_type {d.get('model_type')!r} (architectures "
                          f"{d.get('architectures')}): only Qwen3, Gemma3, Llama and Qwen2 decoders "
                          "are implemented")
+    _check_types(d)
     if d.get("use_bidirectional_attention"):
         raise ModelError("bidirectional Gemma3 (EmbeddingGemma) is not a causal decoder: "
                          "unsupported")
-    _check_types(d)
     n_layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
     kv_heads = d.get("num_key_value_heads") or heads
     if heads % kv_heads:
