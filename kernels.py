@@ -223,7 +223,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     arguments against the contract (check_varlen: it reads the offsets, a host sync on a GPU);
     RaggedKV, which builds them itself, skips it."""
     if check:
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     backend = resolve_backend(q, backend)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
             window, seqused_k)
@@ -232,7 +232,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return fn(*args)
 
 
-def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None):
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 seqused_k=None):
     """The contract's shapes and offsets, else an ArgumentError naming the first argument that
     breaks it (offsets outside q's or k's rows read other memory, or nothing, without an error)."""
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -256,6 +257,10 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None):
         raise ArgumentError(f"varlen_attention: cu_seqlens_k must rise within k's {k.shape[0]} "
                             f"rows (it runs {cu_k[0]}..{cu_k[-1]}), each seqused_k within its "
                             f"region")
+    longest = (max(b - a for a, b in zip(cu_q, cu_q[1:])) if len(cu_q) > 1 else 0, max(used or [0]))
+    if not (max_seqlen_q >= longest[0] and max_seqlen_k >= longest[1]):  # Triton's grid: rows lost
+        raise ArgumentError(f"varlen_attention: max_seqlen_q, max_seqlen_k ({max_seqlen_q}, "
+                            f"{max_seqlen_k}) must be at least the longest sequence's {longest}")
 
 
 # -----------------------------------------------------------------------------------------------
