@@ -105,7 +105,7 @@ def check_prompt(cache, ids, n_protected, budget=Budget()):
                             f"{len(ids)}] (the system prompt's ids)")
     if getattr(cache, "n_protected", n_protected) != n_protected:
         raise ArgumentError(f"prefill: n_protected {n_protected}, but the cache protects "
-                            f"{cache.n_protected}: give both the system prompt's length")
+                            f"{cache.n_protected}: make the cache with the system prompt's length")
 
 
 def check_ids(call, ids, vocab_size):
@@ -118,10 +118,14 @@ def check_ids(call, ids, vocab_size):
     if t is not None and t.numel() == 0:
         raise ArgumentError(f"{call}: ids is empty; give the prompt's ids (system prompt ⊕ "
                             f"context)")
-    if t is None or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32) or \
-            not (0 <= int(t.min()) and int(t.max()) < vocab_size):
-        raise ArgumentError(f"{call}: ids must be token ids of the model, integers in [0, "
-                            f"{vocab_size}); got {_show(ids)}")
+    if t is None or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
+        raise ArgumentError(f"{call}: ids must be a list of token ids (integers), got "
+                            f"{_show(ids)}")
+    outside = ((t < 0) | (t >= vocab_size)).nonzero()
+    if len(outside):
+        i = int(outside[0])
+        raise ArgumentError(f"{call}: id {int(t[i])} at position {i} is no token of the model "
+                            f"(its ids are 0 to {vocab_size - 1})")
 
 
 def _count(x):
