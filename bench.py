@@ -52,14 +52,15 @@ from harness.kvpress_prompt import kvpress_format
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
+from kernels import ArgumentError
 from model import ModelError, chat_template
 from offline.fetch_assets import AssetsMissing
 from teacher import KVzipTeacher, encode_prompt, prompt_format
 
 ROOT = Path(__file__).resolve().parent
-# reported in one line (exit 2): bad --model / --gate, and the offline assets RULER's generator
-# reads (Austen, Llama-3.1's tokenizer) not built
-ERRORS = (ModelError, GateError, AssetsMissing)
+# reported in one line (exit 2): bad --model / --gate, the offline assets RULER's generator
+# reads (Austen, Llama-3.1's tokenizer) not built, a library call refused (kernels.ArgumentError)
+ERRORS = (ModelError, GateError, AssetsMissing, ArgumentError)
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
 BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
 SUITES = ("needle", "ruler")  # --suite: harness/quality.py's needle contexts, or harness/ruler.py

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import RaggedKV, WindowKV
+from kernels import ArgumentError, RaggedKV, WindowKV
 
 
 def new_layers(cfg, n_heads, dtype, device):
@@ -161,12 +161,13 @@ class Budget:
     window: int = 4096
 
     def __post_init__(self):
-        if not 0 < self.ratio <= 1:  # also refuses nan
-            raise ValueError(f"Budget: ratio must be in (0, 1], got {self.ratio}")
+        r = self.ratio  # "0.5" is text, not a ratio: refused here, not in a comparison later
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 < r <= 1:  # and nan
+            raise ArgumentError(f"Budget: ratio must be a number in (0, 1], got {r!r}")
         for name, low in (("chunk_size", 1), ("window", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ValueError(f"Budget: {name} must be an integer >= {low}, got {value!r}")
+                raise ArgumentError(f"Budget: {name} must be an integer >= {low}, got {value!r}")
 
     def plan(self, n_context):
         """The budget rule for a context of n_context tokens (plan_prefill)."""
@@ -262,6 +263,26 @@ def _finite_mean(layer):
 LEVELS = ("global", "layer", "head", "calibrated")
 
 
+def check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head):
+    """What an EvictingCache is built from, else an ArgumentError: a level, a system prompt length,
+    a decode budget, and a gate shaped for this model (another model's fails later in a matmul)."""
+    count = lambda x, low: isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= low
+    if level not in LEVELS:
+        raise ArgumentError(f"EvictingCache: level {level!r} is not one of {LEVELS}")
+    if not count(n_protected, 0) or not (decode_tokens_per_head is None
+                                         or count(decode_tokens_per_head, 1)):
+        raise ArgumentError(f"EvictingCache: n_protected must be an integer >= 0 and "
+                            f"decode_tokens_per_head None or an integer >= 1, got {n_protected!r} "
+                            f"and {decode_tokens_per_head!r}")
+    gates = getattr(scorer, "gates", None)
+    want = (len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size)
+    if gates is not None and (gates.n_layers, gates.hidden, gates.n_kv_heads, gates.group) != want:
+        raise ArgumentError(f"EvictingCache: the gate has (layers, hidden, KV heads, group) "
+                            f"{(gates.n_layers, gates.hidden, gates.n_kv_heads, gates.group)}, "
+                            f"the model {want}: load this model's gate "
+                            f"(formats.gate_file.resolve_gate)")
+
+
 class EvictingCache(KVCache):
     """A KV cache whose compressed layers score every new KV pair and evict on request.
 
@@ -280,7 +301,7 @@ class EvictingCache(KVCache):
                  level="global", decode_tokens_per_head=None, decode_buffer=128,
                  decode_window=None, decode_sinks=4):
         super().__init__(cfg, dtype, device)
-        assert level in LEVELS, f"level must be one of {LEVELS}"
+        check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head)
         self.scorer, self.level, self.n_protected = scorer, level, n_protected
         self.compressed = list(cfg.compressed_layers)
         # model layer -> gate index

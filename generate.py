@@ -10,6 +10,7 @@ cache (cache.Batch), one forward of one token each per step.
 Read first: prefill, then decode. `python generate.py ...` keeps its command line (flags, requests,
 batch files, saved caches, printing) in commands/generate.py.
 """
+import numbers
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 
 import gate
 from cache import Batch, Budget, EvictingCache, KVCache
+from kernels import ArgumentError
 from model import ModelError
 
 # rkv evicts at decode time only (R-KV compresses a reasoning trace, METHOD.md §10)
@@ -55,7 +57,7 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
 def prefill(model, cache, ids, n_protected, budget=Budget()):
     """Feed ids (system prompt ⊕ context) in chunks of budget.chunk_size, evicting after each
     chunk (METHOD.md §6); -> the last position's logits. A full KVCache evicts nothing."""
-    check_prompt(cache, ids, n_protected)
+    check_prompt(cache, ids, n_protected, budget)
     cache.prefilled_ids = torch.tensor(list(ids), dtype=torch.long)
     n_context = len(ids) - n_protected
     evicting = isinstance(cache, EvictingCache) and n_context > 0
@@ -77,7 +79,7 @@ def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget()):
     evicted, score it with the reconstruction teacher (about a second prefill), then evict once,
     with the same budget rule as the gate. Peak memory is the full context: the cost the gate
     removes."""
-    check_prompt(cache, ids, n_protected)
+    check_prompt(cache, ids, n_protected, budget)
     full = teacher.new_cache()
     teacher.prefill(full, ids[:-1])
     full.prefilled_ids = torch.tensor(list(ids), dtype=torch.long)
@@ -88,16 +90,56 @@ def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget()):
     return last
 
 
-def check_prompt(cache, ids, n_protected):
-    """What a prefill needs (library misuse fails here, not deep inside): an empty cache, some ids,
-    a system prompt within them, the one the cache protects."""
-    assert cache.n_seen == 0, "prefill: the cache already holds a prompt; make a new one " \
-        "(generate.make_cache) for each prefill"
-    assert len(ids) > 0, "prefill: ids is empty; give the prompt's ids (system prompt ⊕ context)"
-    assert 0 <= n_protected <= len(ids), \
-        f"prefill: n_protected {n_protected} must be in [0, {len(ids)}] (the system prompt's ids)"
-    assert getattr(cache, "n_protected", n_protected) == n_protected, \
-        f"prefill: n_protected {n_protected}, but the cache protects {cache.n_protected}"
+def check_prompt(cache, ids, n_protected, budget=Budget()):
+    """What a prefill needs, else an ArgumentError (library misuse fails here, not deep inside): an
+    empty cache, token ids of its model, a system prompt within them, the one the cache protects,
+    a Budget."""
+    if not isinstance(budget, Budget):
+        raise ArgumentError(f"prefill: budget must be a cache.Budget, e.g. Budget(0.3), got "
+                            f"{budget!r}")
+    if cache.n_seen != 0:
+        raise ArgumentError("prefill: the cache already holds a prompt; make a new one "
+                            "(generate.make_cache) for each prefill")
+    check_ids("prefill", ids, cache.cfg.vocab_size)
+    if not _count(n_protected) or n_protected > len(ids):
+        raise ArgumentError(f"prefill: n_protected {n_protected!r} must be an integer in [0, "
+                            f"{len(ids)}] (the system prompt's ids)")
+    if getattr(cache, "n_protected", n_protected) != n_protected:
+        raise ArgumentError(f"prefill: n_protected {n_protected}, but the cache protects "
+                            f"{cache.n_protected}: make the cache with the system prompt's length")
+
+
+def check_ids(call, ids, vocab_size):
+    """Token ids the embedding holds: integers in [0, vocab_size) (else torch's "index out of
+    range in self" deep in the forward)."""
+    try:
+        t = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):  # text, ragged lists, None
+        t = None
+    if t is not None and t.numel() == 0:
+        raise ArgumentError(f"{call}: ids is empty; give the prompt's ids (system prompt ⊕ "
+                            f"context)")
+    if t is None or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
+        raise ArgumentError(f"{call}: ids must be a list of token ids (integers), got "
+                            f"{_show(ids)}")
+    outside = ((t < 0) | (t >= vocab_size)).nonzero()
+    if len(outside):
+        i = int(outside[0])
+        raise ArgumentError(f"{call}: id {int(t[i])} at position {i} is no token of the model "
+                            f"(its ids are 0 to {vocab_size - 1})")
+
+
+def _count(x):
+    """An integer >= 0 (bool is not one)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+
+
+def _show(ids):
+    """A few ids of a list, for a message."""
+    ids = ids.tolist() if torch.is_tensor(ids) else ids
+    if not isinstance(ids, (list, tuple)) or len(ids) <= 6:
+        return repr(ids)[:60]
+    return f"[{', '.join(map(repr, ids[:3]))}, ... {ids[-1]!r}]"
 
 
 def evict_once(cache, n_tokens, n_protected, budget):
@@ -185,9 +227,11 @@ class Request:
 
     def sample(self, temperature, top_p):
         if not torch.isfinite(self.logits).all():  # argmax of NaN is token 0: never answer that
+            dtype = self.cache.dtype  # a wider dtype is advice only where one exists
+            wider = {torch.float16: "; its range may be too small: try --dtype bfloat16 or "
+                     "float32", torch.bfloat16: "; try --dtype float32"}.get(dtype, "")
             raise ModelError(f"the model's logits are inf/NaN after {len(self.out)} generated "
-                             f"tokens: its activations overflowed {self.cache.dtype}; use --dtype "
-                             "float32 (or bfloat16)")
+                             f"tokens, computed in {dtype}{wider}")
         return sample(self.logits, temperature, top_p, self.generator)
 
 
@@ -199,7 +243,8 @@ def setup(model, req, method=Method(), seed=0, index=0):
     ids, n_protected, budget = req["ids"], req["n_protected"], req["budget"]
     keeps_all = budget.ratio == 1.0 and method.decode_tokens_per_head is None
     name = "full" if keeps_all else method.name
-    assert name != "kvzip" or method.teacher is not None, "kvzip needs its teacher (KVzipTeacher)"
+    if name == "kvzip" and method.teacher is None:
+        raise ArgumentError("setup: kvzip needs its teacher (Method(teacher=KVzipTeacher(...)))")
     cache = make_cache(name, model, n_protected, level=method.level,
                        decode_tokens_per_head=method.decode_tokens_per_head, seed=seed,
                        gates=method.gates)
@@ -301,13 +346,29 @@ def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0
     """Append the question to a cache and generate until a stop id (decode() for one question, the
     answer left in the cache); returns (output ids, decode seconds). With no question ids,
     generation continues the prefill (whose last logits are last_logits)."""
-    assert len(question_ids) > 0 or last_logits is not None, \
-        "answer: give question_ids, or the prefill's last_logits to continue the context"
+    check_answer(cache, question_ids, max_new_tokens, last_logits)
     r = Request(cache, [("", question_ids)], max_new_tokens, last_logits, generator, rollback=False)
     for event, _ in decode(model, [r], 1, stop_ids, temperature=temperature, top_p=top_p):
         if event == "token" and on_token:
             on_token(r.out[-1])
     return r.answers[0]["output_ids"], r.decode_s
+
+
+def check_answer(cache, question_ids, max_new_tokens, last_logits):
+    """What answer needs, else an ArgumentError: a prefilled cache (an empty one would answer from
+    nothing), a question of token ids or the prefill's last logits, a length."""
+    if cache.n_seen == 0:
+        raise ArgumentError("answer: the cache holds no prompt; prefill it first "
+                            "(generate.prefill) or load a saved one (formats.cache_file)")
+    vocab, empty = cache.cfg.vocab_size, hasattr(question_ids, "__len__") and not len(question_ids)
+    if empty and (last_logits is None or last_logits.shape[-1] != vocab):
+        raise ArgumentError(f"answer: give question_ids, or the prefill's last_logits ({vocab} "
+                            f"values) to continue the context")
+    if not empty:
+        check_ids("answer", question_ids, vocab)
+    if not _count(max_new_tokens):
+        raise ArgumentError(f"answer: max_new_tokens must be an integer >= 0, got "
+                            f"{max_new_tokens!r}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -319,14 +380,13 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
     gate.Gates: formats.gate_file.resolve_gate loads the bundled, a released or a given gate);
     random: scores seeded by seed; level: the eviction structure (default: the scorer's own);
     decode_tokens_per_head: see EvictingCache."""
-    assert method in METHODS, f"make_cache: method {method!r} is not one of {METHODS}"
+    check_method(method, gates, decode_tokens_per_head)
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
     if method == "full":
         return KVCache(cfg, dtype, device)
     H = cfg.num_key_value_heads
     if method == "fastkvzip":
-        assert gates is not None, "fastkvzip needs its gates: formats.gate_file.resolve_gate"
         scorer = gate.GateScorer(gates)
     elif method == "streaming":
         scorer = gate.StreamingScorer(n_kv_heads=H)
@@ -337,13 +397,25 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
     elif method == "random":
         scorer = gate.RandomScorer(seed, n_kv_heads=H)
     elif method == "kvzip":
-        if decode_tokens_per_head is not None:
-            raise ValueError("kvzip scores the context once: it cannot evict during decoding")
         scorer = None  # the teacher scores the whole context after prefill (prefill_kvzip)
     # the authors run the baselines per head, the gate and KVzip with one global threshold
     level = level or (scorer.level if scorer else "global")
     return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected, level=level,
                          decode_tokens_per_head=decode_tokens_per_head)
+
+
+def check_method(method, gates, decode_tokens_per_head):
+    """What make_cache needs, else an ArgumentError: a method, the gates fastkvzip scores with, no
+    decode-time eviction for the methods that score the prompt only (the rest: EvictingCache)."""
+    if method not in METHODS:
+        raise ArgumentError(f"make_cache: method {method!r} is not one of {METHODS}")
+    if method == "fastkvzip" and not isinstance(gates, gate.Gates):
+        raise ArgumentError(f"make_cache: fastkvzip needs its gates (a gate.Gates: "
+                            f"formats.gate_file.resolve_gate), got {type(gates).__name__}")
+    why = {"snapkv": "scores prefill chunks only", "kvzip": "scores the context once"}
+    if method in why and decode_tokens_per_head is not None:
+        raise ArgumentError(f"make_cache: {method} {why[method]}: it cannot evict during decoding; "
+                            f"give decode_tokens_per_head=None")
 
 
 if __name__ == "__main__":  # the command line: commands/generate.py

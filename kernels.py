@@ -50,6 +50,13 @@ import os
 import torch
 import torch.nn.functional as F
 
+
+class ArgumentError(ValueError):
+    """A library call given an argument it cannot use (a value, a type, a shape): one sentence that
+    names the call and the argument. The method's own invariants stay asserts; this is for what a
+    caller passes, and holds under `python -O`."""
+
+
 # -----------------------------------------------------------------------------------------------
 # The reference: the readable spec of the varlen contract above; and the CPU path, the same blocks
 # through PyTorch's fused attention.
@@ -209,15 +216,51 @@ def resolve_backend(q, backend=None):
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale=None, causal=True, window=None, seqused_k=None, backend=None):
+                     softmax_scale=None, causal=True, window=None, seqused_k=None, backend=None,
+                     check=True):
     """Varlen attention (contract in the module docstring). backend: "torch" (sdpa_attention),
-    "reference" (attention_reference, the spec) or "triton"; None -> resolve_backend."""
+    "reference" (attention_reference, the spec) or "triton"; None -> resolve_backend. check: the
+    arguments against the contract (check_varlen: it reads the offsets, a host sync on a GPU);
+    RaggedKV, which builds them itself, skips it."""
+    if check:
+        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     backend = resolve_backend(q, backend)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
             window, seqused_k)
     fn = {"torch": sdpa_attention, "reference": attention_reference,
           "triton": triton_varlen_attention}[backend]
     return fn(*args)
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 seqused_k=None):
+    """The contract's shapes and offsets, else an ArgumentError naming the first argument that
+    breaks it (offsets outside q's or k's rows read other memory, or nothing, without an error)."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or \
+            k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ArgumentError(f"varlen_attention: expected q (total_q, Hq, d), k and v (total_k, "
+                            f"Hk, d) with Hq a multiple of Hk, got {shapes}")
+    offsets = [cu_seqlens_q, cu_seqlens_k] + ([] if seqused_k is None else [seqused_k])
+    if not all(torch.is_tensor(x) and x.dim() == 1 and x.dtype in (torch.int32, torch.int64)
+               for x in offsets) or not 1 <= len(cu_seqlens_q) == len(cu_seqlens_k) or \
+            seqused_k is not None and len(seqused_k) != len(cu_seqlens_q) - 1:
+        raise ArgumentError("varlen_attention: cu_seqlens_q and cu_seqlens_k must be integer "
+                            "tensors (B+1,), seqused_k one (B,)")
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = [b - a for a, b in zip(cu_k, cu_k[1:])] if seqused_k is None else seqused_k.tolist()
+    if cu_q[0] != 0 or cu_q[-1] != q.shape[0] or any(a > b for a, b in zip(cu_q, cu_q[1:])):
+        raise ArgumentError(f"varlen_attention: cu_seqlens_q must rise from 0 to q's "
+                            f"{q.shape[0]} rows (it runs {cu_q[0]}..{cu_q[-1]})")
+    if cu_k[0] < 0 or cu_k[-1] > k.shape[0] or not all(
+            0 <= n <= b - a for a, b, n in zip(cu_k, cu_k[1:], used)):
+        raise ArgumentError(f"varlen_attention: cu_seqlens_k must rise within k's {k.shape[0]} "
+                            f"rows (it runs {cu_k[0]}..{cu_k[-1]}), each seqused_k within its "
+                            f"region")
+    longest = (max(b - a for a, b in zip(cu_q, cu_q[1:])) if len(cu_q) > 1 else 0, max(used or [0]))
+    if not (max_seqlen_q >= longest[0] and max_seqlen_k >= longest[1]):  # Triton's grid: rows lost
+        raise ArgumentError(f"varlen_attention: max_seqlen_q, max_seqlen_k ({max_seqlen_q}, "
+                            f"{max_seqlen_k}) must be at least the longest sequence's {longest}")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -589,7 +632,8 @@ class RaggedKV:
         k, v, cu_k, used, max_len = self.keys_values()
         cu_q = torch.arange(H + 1, dtype=torch.int32, device=q.device) * t
         out = varlen_attention(qv, k, v, cu_q, cu_k, t, max_len, scale, causal=True,
-                               window=window, seqused_k=used, backend=backend)  # (H*t, G, d)
+                               window=window, seqused_k=used, backend=backend,
+                               check=False)  # (H*t, G, d)
         return out.view(H, t, G, d).transpose(0, 1).reshape(t, H * G, d)  # head index h*G + g
 
     def _attend_one(self, q, scale, window):

@@ -52,6 +52,7 @@ from formats.cache_file import CacheFileError, check_cache_file, load_cache, rea
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from generate import METHODS, Method, Request, decode, make_cache, setup
+from kernels import ArgumentError
 from model import ModelError, compute_dtype, model_identity
 from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
 
@@ -569,4 +570,4 @@ def run(args):
 
 
 def main(argv=None):
-    return cli.main(run, parse_args(argv), ModelError, GateError, CacheFileError)
+    return cli.main(run, parse_args(argv), ModelError, GateError, CacheFileError, ArgumentError)

@@ -25,6 +25,7 @@ from cli import OFFLINE_DEFAULT, UsageError, parse_device, pyplot, resolve_model
 from features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents
 from formats.checkpoint import check_dtype, read_config, read_tokenizer
 from formats.gate_file import authors_file_name, save_gate
+from kernels import ArgumentError
 from model import ModelError, compute_dtype
 from teacher import encode_prompt, prompt_format, uses_chat
 from train_gate import RECIPES, Recipe, agreement_with_teacher, auto_layer_groups, init_distributed, split, train
@@ -347,4 +348,4 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cli.main(run, args, ModelError, kept=lambda a: kept(names(a.model, a.out)[1], a.steps))
+    cli.main(run, args, ModelError, ArgumentError, kept=lambda a: kept(names(a.model, a.out)[1], a.steps))

@@ -26,8 +26,10 @@ import torch
 from cache import LEVELS, EvictingCache, KVCache, plan_prefill
 from formats.gate_file import gate_sha256
 from formats.tensor_file import TORCH_DTYPES, read_tensors, tensor_bytes, write_safetensors
-from generate import METHODS
-from kernels import RaggedKV, WindowKV, _ranges
+from gate import Scorer
+from generate import METHODS, check_ids
+from kernels import ArgumentError, RaggedKV, WindowKV, _ranges
+from model import Transformer
 
 CACHE_FORMAT, CACHE_VERSION = "fastkvzip-kv-cache", 1
 # what scores an EvictingCache of each method (gate.py's scorers; kvzip: its teacher, once)
@@ -55,46 +57,54 @@ def save_cache(path, cache, model, ids, last_logits, n_protected=None, method=No
     method; another is refused); budget: 1.0 for a KVCache (it keeps every pair, whatever was
     asked), else as given, or none (load_cache then reports the fraction the rows keep). The other
     values are recorded as given (what made the cache); the budget plan (cache.plan_prefill) is
-    derived. ValueError for a cache or values that do not belong together."""
+    derived. kernels.ArgumentError (a ValueError) for a cache or values that do not belong
+    together."""
+    _check_call("save_cache", path=path, model=model, cache=cache, last_logits=last_logits)
+    check_ids("save_cache", ids, model.config.vocab_size)
+    if not (n_protected is None or isinstance(n_protected, int) and not isinstance(n_protected,
+                                                                                   bool)):
+        raise ArgumentError(f"save_cache: n_protected must be an integer or None, got "
+                            f"{n_protected!r}")
     dtype = model.model.embed_tokens.weight.dtype
     if getattr(model, "identity", None) is None:
-        raise ValueError("the model has no identity to record: load it with model.load_model")
+        raise ArgumentError("the model has no identity to record: load it with model.load_model")
     if cache.dtype != dtype:
-        raise ValueError(f"the cache holds {cache.dtype}, the model runs in {dtype}")
+        raise ArgumentError(f"the cache holds {cache.dtype}, the model runs in {dtype}")
     ids = torch.as_tensor(list(ids), dtype=torch.long)
     prefilled = getattr(cache, "prefilled_ids", None)
     if prefilled is None:
-        raise ValueError("the cache does not know which ids it prefilled: prefill it with "
+        raise ArgumentError("the cache does not know which ids it prefilled: prefill it with "
                          "generate.prefill (or load it with load_cache), then save it")
     if not torch.equal(ids, prefilled):
-        raise ValueError(f"ids are not the {len(prefilled)} ids this cache prefilled: give those "
+        raise ArgumentError(f"ids are not the {len(prefilled)} ids this cache prefilled: give those "
                          f"(system prompt ⊕ context)")
     own = getattr(cache, "n_protected", None)
     if None not in (own, n_protected) and own != n_protected:
-        raise ValueError(f"n_protected {n_protected}, but the cache protects {own}")
+        raise ArgumentError(f"n_protected {n_protected}, but the cache protects {own}")
     n_protected = (n_protected if own is None else own) or 0
     if not 0 <= n_protected <= len(ids):
-        raise ValueError(f"n_protected {n_protected} must be in [0, {len(ids)}] (the system "
+        raise ArgumentError(f"n_protected {n_protected} must be in [0, {len(ids)}] (the system "
                          f"prompt's ids)")
     last_logits = last_logits.detach().reshape(-1).float()
     if last_logits.numel() != model.config.vocab_size:
-        raise ValueError(f"last_logits holds {last_logits.numel()} values, not the model's "
+        raise ArgumentError(f"last_logits holds {last_logits.numel()} values, not the model's "
                          f"{model.config.vocab_size}: give the logits after the newest token")
     if not bool(torch.isfinite(last_logits).all()):
-        raise ValueError(f"last_logits are inf/NaN: the model overflowed {dtype}; use float32")
+        raise ArgumentError(f"last_logits are inf/NaN: the model overflowed {dtype}; use float32")
     evicting = isinstance(cache, EvictingCache)
     scorer = type(cache.scorer).__name__ if evicting and cache.scorer is not None else None
     what = METHOD_OF.get(scorer, None) if evicting else "full"
     if method is None:
         method = what
     elif method != what:
-        raise ValueError(f"method {method!r}, but the cache is "
+        raise ArgumentError(f"method {method!r}, but the cache is "
                          f"{'scored by ' + str(scorer) if evicting else 'a full KVCache'} "
                          f"({what}): give method={what!r}")
     if not evicting:  # whatever budget was asked (--method full --budget 0.3), it keeps all
         budget = 1.0
-    elif budget is not None and not (isinstance(budget, (int, float)) and 0 < budget <= 1):
-        raise ValueError(f"budget must be in (0, 1] or None, got {budget!r}")
+    elif budget is not None and not (isinstance(budget, (int, float))
+                                     and not isinstance(budget, bool) and 0 < budget <= 1):
+        raise ArgumentError(f"budget must be in (0, 1] or None, got {budget!r}")
     tensors, state = _saved(cache)
     plan = None
     if None not in (budget, chunk_size, window) and len(ids) > n_protected:
@@ -109,6 +119,23 @@ def save_cache(path, cache, model, ids, last_logits, n_protected=None, method=No
                                       "format_version": str(CACHE_VERSION)})
 
 
+# what save_cache / load_cache take: (types, in words)
+_ARGUMENTS = {"path": ((str, os.PathLike), "a file path"),
+              "model": (Transformer, "a model.Transformer (model.load_model)"),
+              "cache": (KVCache, "a cache.KVCache or EvictingCache"),
+              "last_logits": (torch.Tensor, "a tensor"),
+              "scorer": ((Scorer, type(None)), "None or a gate.Scorer")}
+
+
+def _check_call(call, **given):
+    """Each argument of a save_cache / load_cache call of the type it must have, else an
+    ArgumentError naming it (not an AttributeError later)."""
+    for name, value in given.items():
+        types, what = _ARGUMENTS[name]
+        if not isinstance(value, types):
+            raise ArgumentError(f"{call}: {name} must be {what}, got {type(value).__name__}")
+
+
 def _saved(cache):
     """(tensors, JSON state): everything the cache needs to go on exactly. Every layer's kept rows
     as they lie (a ring's too), without slack: k, v, pos, score, and rows per head. An
@@ -118,13 +145,13 @@ def _saved(cache):
     tensors, layers = {}, []
     for i, kv in enumerate(cache.layers):
         if not isinstance(kv, RaggedKV):
-            raise ValueError("a member of a batch is not saved: let it leave the batch first")
+            raise ArgumentError("a member of a batch is not saved: let it leave the batch first")
         rows = _ranges(kv.starts, kv.lens).to(kv.device)
         for name in ("k", "v", "pos", "score"):
             tensors[f"layer.{i}.{name}"] = getattr(kv, name)[rows]
         if not (torch.isfinite(tensors[f"layer.{i}.k"]).all()
                 and torch.isfinite(tensors[f"layer.{i}.v"]).all()):
-            raise ValueError(f"layer {i} holds inf/NaN keys or values (the model overflowed "
+            raise ArgumentError(f"layer {i} holds inf/NaN keys or values (the model overflowed "
                              f"{cache.dtype}): not saved; use float32")
         tensors[f"layer.{i}.lens"] = kv.lens
         if isinstance(kv, WindowKV):
@@ -409,6 +436,7 @@ def load_cache(path, model, scorer=None, verify=True):
     context its compressed layers keep; chunk_size, window, plan, prefill_seconds,
     prefill_peak_kv_bytes, decode_tokens_per_head), kv_bytes, file_bytes and load_seconds."""
     t0 = time.perf_counter()
+    _check_call("load_cache", path=path, model=model, scorer=scorer)
     weight = model.model.embed_tokens.weight
     f, size = _open(path)
     with f:

@@ -31,9 +31,19 @@ from teacher import CONTROL_TOKENS
 
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-          "sliding_window", "sliding_window_pattern")
+          "sliding_window", "sliding_window_pattern", "_sliding_window_pattern",
+          "original_max_position_embeddings")
 _POSITIVE = ("rope_theta", "rope_local_base_freq", "query_pre_attn_scalar",
              "final_logit_softcapping")
+_FLAGS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window",
+          "use_bidirectional_attention")
+# a RoPE dict's numbers, as model.rope_inv_freq reads them (transformers 5.24's keys)
+_ROPE_POSITIVE = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast",
+                  "beta_slow", "attention_factor")
+_ROPE_NUMBERS = ("mscale", "mscale_all_dim")
+# the floating-point dtypes a weight may be stored in (safetensors' names); an integer, bool or
+# 8-bit float tensor is quantised (or a mask), meaningless as a float weight without its scales
+_FLOAT_WEIGHTS = ("F16", "BF16", "F32", "F64")
 
 
 def check_folder(folder: str | Path, dtype: torch.dtype | None = None):
@@ -58,6 +68,7 @@ def load_checked(folder: str | Path, device: str | torch.device | None = None,
     check_dtype(cfg, dtype or M.compute_dtype(None, device))
     check_weights(folder, cfg)
     model = M.load_model(folder, device, dtype)
+    check_finite(folder, model)
     if _tokenizer_config_tokens(folder) and (folder / "tokenizer.json").is_file():
         stop_at_named_eos(folder, M.load_tokenizer(folder), model.config)  # as read_tokenizer
     return model
@@ -105,10 +116,10 @@ def check_config(d: dict, generation_config: dict | None = None) -> None:
         raise ModelError(f"unsupported model_type {d.get('model_type')!r} (architectures "
                          f"{d.get('architectures')}): only Qwen3, Gemma3, Llama and Qwen2 decoders "
                          "are implemented")
+    _check_types(d)
     if d.get("use_bidirectional_attention"):
         raise ModelError("bidirectional Gemma3 (EmbeddingGemma) is not a causal decoder: "
                          "unsupported")
-    _check_types(d)
     n_layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
     kv_heads = d.get("num_key_value_heads") or heads
     if heads % kv_heads:
@@ -118,6 +129,7 @@ def check_config(d: dict, generation_config: dict | None = None) -> None:
     if types and len(types) != n_layers:
         raise ModelError(f"layer_types has {len(types)} entries for {n_layers} layers")
     _ids(d["eos_token_id"])  # the text config's own (or the family default)
+    _check_rope(arch, d)
     for p in M.rope_parameters(arch, d).values():
         if p["rope_type"] not in M.ROPE_TYPES:
             raise ModelError(f"unsupported rope_type {p['rope_type']!r}: implemented "
@@ -128,6 +140,9 @@ def check_config(d: dict, generation_config: dict | None = None) -> None:
             raise ModelError(f"rope_type 'llama3' without {', '.join(missing)} in config.json")
         if p["rope_type"] == "linear" and not p.get("factor"):
             raise ModelError("rope_type 'linear' without a factor in config.json")
+        if p["rope_type"] == "llama3" and not p["low_freq_factor"] < p["high_freq_factor"]:
+            raise ModelError("config.json: rope_type 'llama3' needs low_freq_factor < "
+                             "high_freq_factor (its blend divides by their difference)")
     act = d.get("hidden_activation") or d["hidden_act"]
     if act not in M.ACTIVATIONS:
         raise ModelError(f"unsupported activation {act!r}")
@@ -170,6 +185,64 @@ def _check_types(d: dict) -> None:
     for key in ("hidden_act", "hidden_activation"):
         if d.get(key) is not None and not isinstance(d[key], str):
             raise ModelError(f"config.json: {key} must be a string, got {d[key]!r}")
+    for key in _FLAGS:  # bool("false") is True: a string would silently flip the model
+        if d.get(key) is not None and not isinstance(d[key], bool):
+            raise ModelError(f"config.json: {key} must be true or false, got {d[key]!r}")
+    v = d.get("bos_token_id")
+    if v is not None and not (integer(v) and v >= 0):
+        raise ModelError(f"config.json: bos_token_id must be an integer >= 0, got {v!r}")
+
+
+def _check_rope(arch: str, d: dict) -> None:
+    """Refuse a RoPE dict (rope_parameters, or the legacy rope_scaling) that model.rope_inv_freq
+    would read wrongly: a scaling without its type (run as plain RoPE), a value of the wrong type
+    or sign (a TypeError deep in the frequencies, or silently other ones), a partial rotation."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    rp = d.get("rope_parameters")
+    if rp and d.get("rope_scaling") and d["rope_scaling"] != rp:  # transformers reads the latter
+        raise ModelError("config.json has both rope_parameters and rope_scaling, which differ: "
+                         "keep one")
+    if arch == "gemma3" and rp:  # transformers-5 Gemma3: one dict per layer type
+        other = [k for k in rp if k not in ("full_attention", "sliding_attention")]
+        if other:
+            raise ModelError(f"config.json: Gemma 3's rope_parameters holds one object per layer "
+                             f"type (full_attention, sliding_attention), not {other[0]!r}")
+        dicts = {f"rope_parameters.{k}": v for k, v in rp.items()}
+    else:
+        dicts = {"rope_parameters": rp} if rp else {"rope_scaling": d.get("rope_scaling")}
+    dicts["config.json"] = d  # a top-level partial_rotary_factor
+    for name, p in dicts.items():
+        if p is None:
+            continue
+        if not isinstance(p, dict):
+            raise ModelError(f"config.json: {name} must be an object, got {p!r}")
+        # Qwen3, Gemma3, Llama and Qwen2 rotate all of head_dim; a rotated fraction is another
+        # architecture's (GPT-NeoX, Phi). transformers 5.24 reads it in its scaled initialisers
+        # (modeling_rope_utils.py) but not in these families' default one: refused, not guessed
+        if p.get("partial_rotary_factor", 1) != 1:
+            key = "" if p is d else f"{name}."
+            raise ModelError(f"config.json: {key}partial_rotary_factor is "
+                             f"{p['partial_rotary_factor']!r}; only RoPE over the whole head "
+                             f"(1.0) is implemented")
+        if name == "config.json":
+            continue
+        scaling = [k for k, v in p.items() if k not in ("rope_theta", "partial_rotary_factor")
+                   and v is not None]
+        if not (p.get("rope_type") or p.get("type")) and scaling:
+            raise ModelError(f"config.json: {name} has {scaling[0]!r} but no rope_type: name the "
+                             f"scaling ({', '.join(M.ROPE_TYPES[1:])}) or drop the key")
+        for key in _ROPE_POSITIVE + _ROPE_NUMBERS:
+            v = p.get(key)
+            if v is not None and not (number(v) and (v > 0 or key in _ROPE_NUMBERS)):
+                kind = "a number" if key in _ROPE_NUMBERS else "a positive number"
+                raise ModelError(f"config.json: {name}.{key} must be {kind}, got {v!r}")
+        v = p.get("original_max_position_embeddings")
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            raise ModelError(f"config.json: {name}.original_max_position_embeddings must be a "
+                             f"positive integer, got {v!r}")
+        if p.get("truncate") is not None and not isinstance(p["truncate"], bool):
+            raise ModelError(f"config.json: {name}.truncate must be true or false, got "
+                             f"{p['truncate']!r}")
 
 
 def _check_chat_template(folder: Path) -> None:
@@ -241,7 +314,13 @@ def check_weights(folder: Path, cfg: ModelConfig) -> None:
                 for key in f.keys():
                     name = M.checkpoint_name(key)
                     if name in expected:
-                        shape = tuple(f.get_slice(key).get_shape())
+                        piece = f.get_slice(key)
+                        shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+                        if dtype not in _FLOAT_WEIGHTS:
+                            raise ModelError(f"{path}: {key} is stored as {dtype}, not a float "
+                                             f"type: a quantised or integer tensor cannot be "
+                                             f"used as a float weight without its scales; use "
+                                             f"the model's float (bf16/fp16/fp32) checkpoint")
                         if shape != shapes[name]:
                             raise ModelError(f"{path}: {key} has shape {shape}, config.json "
                                              f"implies {shapes[name]}; config.json and weights do "
@@ -261,6 +340,19 @@ def check_weights(folder: Path, cfg: ModelConfig) -> None:
         raise ModelError(f"{folder}: checkpoint has {len(unexpected)} tensors this {cfg.arch} "
                          f"config does not use (e.g. {unexpected[0]}); config.json and weights do "
                          f"not match")
+
+
+def check_finite(folder: Path, model: M.Transformer) -> None:
+    """Refuse weights holding inf/NaN (a damaged download, or values past the compute dtype's
+    range), which would otherwise surface as non-finite logits mid-answer. One pass per tensor: a
+    float32 sum is finite when every value is (weights are far below float32's range), and only a
+    non-finite sum is looked at element by element."""
+    for name, t in model.named_parameters():  # a tied weight once
+        if not torch.isfinite(t.sum(dtype=torch.float32)) and not bool(t.isfinite().all()):
+            wider = "" if t.dtype == torch.float32 else \
+                f", or --dtype float32 if its stored values outgrow {t.dtype}"
+            raise ModelError(f"{folder}: weight {name} holds inf/NaN values as {t.dtype}; "
+                             f"re-download the model{wider}")
 
 
 # --------------------------------------------------------------------------------------- tokenizer

@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from cli import ALIASES, atomic_path
 from gate import Gates
+from kernels import ArgumentError
 
 
 class GateError(Exception):
@@ -286,7 +287,8 @@ def load_gate(path, cfg, dtype=None, device=None):
     dtype None keeps the file's projection dtype (bf16 for released gates). Returns `Gates` with
     `.meta` holding the file's metadata. Raises GateError if the file is unsafe, malformed, shaped
     for another model (compressed-layer count, hidden size, KV heads, group size), or its scores
-    cannot rank tokens (check_ranks)."""
+    cannot rank tokens (check_ranks); kernels.ArgumentError for arguments of the wrong kind."""
+    check_call("load_gate", path, cfg, dtype, device)
     path = Path(path)
     try:
         if not path.exists():
@@ -337,6 +339,29 @@ def load_gate(path, cfg, dtype=None, device=None):
     check_ranks(gates, path)
     gates.meta = {**meta, "source": str(path), "tensors_sha256": _layers_sha256(layers)}
     return gates
+
+
+def check_call(call, path, cfg, dtype=None, device=None):
+    """load_gate's / resolve_gate's arguments, else an ArgumentError naming the first that is of
+    the wrong kind (a model where its config belongs, a dtype given as text)."""
+    try:
+        device_ok = device is None or torch.device(device) is not None
+    except (RuntimeError, TypeError):
+        device_ok = False
+    checks = (
+        ("path", path, isinstance(path, (str, os.PathLike)) or call == "resolve_gate"
+         and path is None, "a gate file's path"),
+        ("cfg", cfg, all(hasattr(cfg, k) for k in ("compressed_layers", "hidden_size",
+                                                   "num_key_value_heads")),
+         "the model's config (model.config)"),
+        ("dtype", dtype, dtype is None or dtype in GATE_DTYPES,
+         "None or one of torch.float32, bfloat16, float16"),
+        ("device", device, device_ok, "None or a torch device"))
+    for name, value, ok, what in checks:
+        if not ok:
+            shown = repr(value) if isinstance(value, (str, int, float, torch.dtype, type(None))) \
+                else type(value).__name__
+            raise ArgumentError(f"{call}: {name} must be {what}, got {shown:.60}")
 
 
 PROBE_TOKENS = 16  # check_ranks' probe: this many random hidden states, the same in each layer
@@ -421,6 +446,10 @@ def resolve_gate(arg, cfg, model_name, dtype=None, device=None):
     (gates/<model slug>.safetensors, e.g. gates/gemma3-270m-gguf.safetensors for the default model);
     else the authors' released gate for the models they published (downloaded from the HF hub).
     Anything else -> GateError telling how to get one."""
+    check_call("resolve_gate", arg, cfg, dtype, device)
+    if not arg and not isinstance(model_name, str):
+        raise ArgumentError(f"resolve_gate: model_name must be the model's name (a string) to "
+                            f"find its gate, got {model_name!r:.60}")
     if arg:
         return load_gate(arg, cfg, dtype, device)
     slug = _model_slug(model_name)

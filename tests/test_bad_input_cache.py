@@ -16,6 +16,7 @@ from cache import Budget, EvictingCache
 from formats.cache_file import CacheFileError, load_cache, read_header, save_cache
 from formats.tensor_file import write_safetensors
 from generate import answer, make_cache, prefill
+from kernels import ArgumentError
 from tests.helpers import run_main
 from tests.test_saved_cache import DECODE, compressed, damaged, kept, refused, scorer_for, tiny_setup
 
@@ -140,7 +141,7 @@ def test_prefill_checks_n_protected_and_save_checks_the_ids(saved, tmp_path):
     t, _ = saved
     model, ids = t["model"], list(range(40, 80))
     cache = make_cache("fastkvzip", model, 50, gates=t["gates"])
-    with pytest.raises(AssertionError, match="n_protected 50 must be in"):
+    with pytest.raises(ArgumentError, match="n_protected 50 must be an integer in"):
         prefill(model, cache, ids, 50, Budget(0.3, 16, 4))
     cache = make_cache("fastkvzip", model, 5, gates=t["gates"])
     with torch.no_grad():
@@ -221,15 +222,15 @@ def test_library_misuse_says_what_to_give(saved):
     t, _ = saved
     model = t["model"]
     cache = make_cache("full", model, 0)
-    with pytest.raises(AssertionError, match="ids is empty"):
+    with pytest.raises(ArgumentError, match="ids is empty"):
         prefill(model, cache, [], 0)
-    with pytest.raises(AssertionError, match="'bogus' is not one of"):
+    with pytest.raises(ArgumentError, match="'bogus' is not one of"):
         make_cache("bogus", model, 0)
     with torch.no_grad():
         last = prefill(model, cache, [40, 41, 42], 0)
-        with pytest.raises(AssertionError, match="already holds a prompt"):
+        with pytest.raises(ArgumentError, match="already holds a prompt"):
             prefill(model, cache, [43, 44], 0)
-        with pytest.raises(AssertionError, match="give question_ids, or the prefill's last_logits"):
+        with pytest.raises(ArgumentError, match="give question_ids, or the prefill's last_logits"):
             answer(model, cache, [], 3, set())
         assert len(answer(model, cache, [], 3, set(), last_logits=last)[0]) == 3
 

@@ -1,7 +1,9 @@
 """model.py against transformers 5.24 (the test-only oracle) on tiny random checkpoints it wrote
 itself, plus hand-built folders in the formats of released checkpoints (legacy config keys,
 multimodal Gemma3)."""
+import inspect
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -405,6 +407,141 @@ def test_bad_configs(checkpoints, tmp_path):
     config.write_text(original)
     assert load_checked(tmp_path / "m", "cpu") is not None
     assert load_checked(tmp_path / "m", "cpu:0") is not None  # the CPU by its index
+
+
+# RoPE dicts as a tester writes them into config.json, each refused in one line naming its key:
+# (the dict, words of the line). Before, the first ran as plain RoPE, -2 and inf as frequencies,
+# and the strings ended in a TypeError inside model.rope_inv_freq.
+ROPE_REFUSED = [
+    ({"factor": 4}, ["rope_scaling", "'factor'", "no rope_type"]),
+    ({"rope_type": "linear", "factor": -2}, ["rope_scaling.factor", "positive", "-2"]),
+    ({"rope_type": "linear", "factor": 0}, ["rope_scaling.factor", "positive"]),
+    ({"type": "linear", "factor": float("inf")}, ["rope_scaling.factor", "inf"]),
+    ({"rope_type": "yarn", "factor": float("nan")}, ["rope_scaling.factor", "nan"]),
+    ({"rope_type": "linear", "factor": "2"}, ["rope_scaling.factor", "'2'"]),
+    ({"rope_type": "yarn", "factor": 2.0, "beta_fast": "fast"}, ["rope_scaling.beta_fast", "'fast'"]),
+    ({**LLAMA3_RoPE, "low_freq_factor": "1"}, ["rope_scaling.low_freq_factor", "'1'"]),
+    ({**LLAMA3_RoPE, "low_freq_factor": 4.0}, ["low_freq_factor < high_freq_factor"]),
+    ({**QWEN_YARN, "original_max_position_embeddings": "16"},
+     ["rope_scaling.original_max_position_embeddings", "'16'"]),
+    ({**QWEN_YARN, "truncate": "no"}, ["rope_scaling.truncate", "'no'"]),
+    ({**QWEN_YARN, "mscale": "1"}, ["rope_scaling.mscale", "'1'"]),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5},
+     ["rope_scaling.partial_rotary_factor", "0.5"]),
+]
+
+
+@pytest.mark.parametrize("scaling, words", ROPE_REFUSED)
+def test_rope_dicts_are_checked_when_config_json_is_read(checkpoints, scaling, words):
+    """The legacy rope_scaling beside rope_theta (released checkpoints) and the same dict as
+    transformers-5's rope_parameters: one ModelError line naming the key."""
+    d = json.loads((checkpoints("qwen3-gqa2-tied")[0] / "config.json").read_text())
+    legacy = {**{k: v for k, v in d.items() if k != "rope_parameters"}, "rope_theta": 1e4,
+              "rope_scaling": scaling}
+    _one_line_error(lambda: check_config(legacy), *words)
+    v5 = {**d, "rope_parameters": {"rope_theta": 1e4, **scaling}}
+    _one_line_error(lambda: check_config(v5),
+                    *[w.replace("rope_scaling", "rope_parameters") for w in words])
+
+
+def test_rope_layouts_refused_beside_the_ones_that_run(checkpoints):
+    """Gemma 3's per-layer-type dicts are checked each; a flat one (which model.py would have
+    ignored), both rope_parameters and rope_scaling (transformers reads rope_scaling, model.py read
+    rope_parameters) and a top-level partial_rotary_factor are refused; the released layouts
+    still read."""
+    gemma = json.loads((checkpoints("gemma3-mixed-softcap")[0] / "config.json").read_text())
+    nested = {**GEMMA_RoPE, "full_attention": {"rope_theta": 1e6, "factor": 8.0}}
+    _one_line_error(lambda: check_config({**gemma, "rope_parameters": nested}),
+                    "rope_parameters.full_attention", "'factor'", "no rope_type")
+    _one_line_error(lambda: check_config({**gemma, "rope_parameters": QWEN_YARN}),
+                    "one object per layer type")
+    qwen = json.loads((checkpoints("qwen3-gqa2-tied")[0] / "config.json").read_text())
+    _one_line_error(lambda: check_config({**qwen, "rope_scaling": QWEN_YARN}),
+                    "both rope_parameters and rope_scaling")
+    _one_line_error(lambda: check_config({**qwen, "partial_rotary_factor": 0.5}),
+                    "config.json: partial_rotary_factor is 0.5")
+    check_config({**qwen, "partial_rotary_factor": 1.0})  # the whole head: what runs
+    check_config({**qwen, "rope_scaling": qwen["rope_parameters"]})  # the same dict twice
+    for name in ("qwen3-legacy-yarn", "llama-legacy-llama3", "gemma3-legacy"):
+        read_config(checkpoints(name)[0])
+
+
+def _keys_read(fn) -> set[str]:
+    """The config.json keys a function of model.py reads (d["key"], d.get("key"))."""
+    return set(re.findall(r'\bd(?:\[|\.get\()"(\w+)"', inspect.getsource(fn)))
+
+
+@pytest.mark.parametrize("name", ["qwen3-gqa2-tied", "gemma3-mixed-softcap"])
+def test_every_number_and_flag_model_py_reads_is_type_checked(checkpoints, name):
+    """Every key ModelConfig.from_dict and model.rope_parameters read whose value is a number or a
+    flag (found in their source, so a key added later is covered): given as a string, or a number
+    as a flag (bool is not an int, "false" is truthy), it is refused in one line naming it."""
+    d = json.loads((checkpoints(name)[0] / "config.json").read_text())
+    arch, full = M.config_keys(d)
+    absent = {"original_max_position_embeddings": 16, "_sliding_window_pattern": 6,
+              "use_sliding_window": False, "use_bidirectional_attention": False,
+              "max_window_layers": 1, "sliding_window": 8, "bos_token_id": 1}
+    keys = _keys_read(M.ModelConfig.from_dict) | _keys_read(M.rope_parameters)
+    typed = {k: full.get(k, absent.get(k)) for k in keys}
+    typed = {k: v for k, v in typed.items() if isinstance(v, (bool, int, float))}
+    assert {"vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+            "original_max_position_embeddings"} <= set(typed), sorted(typed)
+    for key, value in typed.items():
+        for wrong in ("2", 1 if isinstance(value, bool) else True):
+            _one_line_error(lambda: check_config({**d, key: wrong}), key)
+
+
+@pytest.mark.parametrize("dtype, stored", [(torch.int8, "I8"), (torch.bool, "BOOL"),
+                                           (torch.int32, "I32"), (torch.uint8, "U8"),
+                                           (torch.float8_e4m3fn, "F8_E4M3")])
+def test_integer_and_quantised_weights_are_refused(checkpoints, tmp_path, dtype, stored):
+    """A weight stored as an integer, bool or 8-bit float tensor was cast to float and ran with
+    wrong answers: its scales (a quantised checkpoint's other tensors) are not read. Refused from
+    the header, naming the tensor."""
+    shutil.copytree(checkpoints("llama-gqa2-tied")[0], tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    _one_line_error(lambda: load_checked(tmp_path / "m", "cpu"), name, stored,
+                    "quantised or integer")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_when_they_load(checkpoints, tmp_path, value):
+    """NaN / inf in a weight ended in "activations overflowed torch.float32; use --dtype float32"
+    mid-answer: found as the weights load, naming the tensor, and no wider dtype advised for a
+    float32 run."""
+    shutil.copytree(checkpoints("qwen3-gqa2-tied")[0], tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.0.self_attn.k_proj.weight"
+    tensors[name][3, 5] = value
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    _one_line_error(lambda: load_checked(tmp_path / "m", "cpu", torch.float32), name, "inf/NaN",
+                    "re-download")
+    with pytest.raises(M.ModelError) as e:
+        load_checked(tmp_path / "m", "cpu", torch.float32)
+    assert "--dtype" not in str(e.value), e.value
+
+
+def test_non_finite_logits_advise_only_a_wider_dtype(checkpoints, tmp_path):
+    """The model that load_model loads unchecked (the library) with a NaN weight: the answer stops
+    on non-finite logits saying so, in the dtype it ran in, with no advice to use that dtype."""
+    from generate import answer, prefill
+    shutil.copytree(checkpoints("qwen3-gqa2-tied")[0], tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    model = M.load_model(tmp_path / "m", "cpu", torch.float32)
+    cache = KVCache(model.config, torch.float32)
+    with torch.no_grad(), pytest.raises(M.ModelError) as e:
+        last = prefill(model, cache, [2, 10, 11, 12], 1)
+        answer(model, cache, [], 3, set(), last_logits=last)
+    msg = str(e.value)
+    assert "inf/NaN" in msg and "torch.float32" in msg and "--dtype" not in msg, msg
 
 
 def test_parse_device():

@@ -1,0 +1,196 @@
+"""The library's misuse, as a caller writes it from the README: every check of what a caller passes
+to the public API (generate.make_cache / prefill / answer, cache.Budget, cache.EvictingCache,
+gate.GateScorer, kernels.varlen_attention, formats.cache_file.save_cache / load_cache,
+formats.gate_file.load_gate / resolve_gate) raises kernels.ArgumentError in one sentence that
+names the argument, and does so under `python -O` too, where an assert would vanish (and, for
+n_protected, the system prompt would be evicted)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as M
+from cache import Budget, EvictingCache
+from formats.cache_file import load_cache, save_cache
+from formats.gate_file import load_gate, resolve_gate
+from gate import Gates, GateScorer
+from generate import Method, answer, make_cache, prefill, setup
+from kernels import ArgumentError, varlen_attention
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 64
+TINY = dict(model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10_000.0,
+            tie_word_embeddings=True, eos_token_id=1)
+
+
+def tiny():
+    """A random 2-layer Qwen3 built from its config (no checkpoint, no transformers: the -O
+    subprocess starts fast) and a gate of its shape."""
+    torch.manual_seed(0)
+    cfg = M.ModelConfig.from_dict(TINY)
+    model = M.Transformer(cfg).eval().requires_grad_(False)
+    model.identity = {"config_sha256": "0" * 64}  # what save_cache records; no folder here
+    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                  cfg.group_size, dim=4, sinks=2)
+    return model, gates
+
+
+def cases():
+    """(name, call, words its one line must hold), each a misuse of the public API."""
+    model, gates = tiny()
+    cfg, ids = model.config, list(range(10, 40))
+    kv = Path(tempfile.gettempdir()) / "never-written.kv"  # every save_cache below is refused
+    other = Gates(len(cfg.compressed_layers), 48, cfg.num_key_value_heads, cfg.group_size,
+                  dim=4, sinks=2)  # another model's gate: hidden 48
+    cache = lambda n_protected=4: make_cache("fastkvzip", model, n_protected, gates=gates)
+    done = make_cache("full", model, 0)
+    last = prefill(model, done, ids, 0)
+    evicted = cache(4)
+    evicted_last = prefill(model, evicted, ids, 4, Budget(0.5, 16, 4))
+    q, k = torch.randn(6, 4, 8), torch.randn(8, 2, 8)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)
+    return [
+        ("Budget ratio text", lambda: Budget("0.5"), ["Budget: ratio", "'0.5'"]),
+        ("Budget ratio bool", lambda: Budget(True), ["Budget: ratio", "True"]),
+        ("Budget window float", lambda: Budget(0.5, 16, 2.5), ["Budget: window", "2.5"]),
+        ("make_cache method", lambda: make_cache("bogus", model, 0), ["'bogus' is not one of"]),
+        ("make_cache no gates", lambda: make_cache("fastkvzip", model, 0), ["needs its gates"]),
+        ("make_cache snapkv decoding",
+         lambda: make_cache("snapkv", model, 0, decode_tokens_per_head=8),
+         ["snapkv", "cannot evict during decoding"]),
+        ("make_cache n_protected", lambda: cache(-1), ["n_protected", "-1"]),
+        ("EvictingCache level", lambda: EvictingCache(cfg, GateScorer(gates), level="pair"),
+         ["level 'pair'"]),
+        ("EvictingCache gate of another model",
+         lambda: EvictingCache(cfg, GateScorer(other), n_protected=4),
+         ["the gate has", "48", "this model's gate"]),
+        ("GateScorer of a path", lambda: GateScorer("gate.safetensors"),
+         ["GateScorer: gates must be a gate.Gates", "str"]),
+        ("prefill n_protected past the prompt", lambda: prefill(model, cache(50), ids, 50),
+         ["n_protected 50", "[0, 30]"]),
+        ("prefill n_protected not the cache's", lambda: prefill(model, cache(4), ids, 2),
+         ["n_protected 2", "the cache protects 4"]),
+        ("prefill empty", lambda: prefill(model, cache(0), [], 0), ["ids is empty"]),
+        ("prefill twice", lambda: prefill(model, done, ids, 0), ["already holds a prompt"]),
+        ("prefill id past the vocabulary", lambda: prefill(model, cache(), ids + [VOCAB], 4),
+         ["prefill: id 64 at position 30", f"0 to {VOCAB - 1}"]),
+        ("prefill negative id", lambda: prefill(model, cache(), [-1] + ids, 4),
+         ["prefill: id -1 at position 0"]),
+        ("prefill float ids", lambda: prefill(model, cache(0), [1.5, 2.0], 0),
+         ["prefill: ids must be a list of token ids", "1.5"]),
+        ("prefill budget as a float", lambda: prefill(model, cache(), ids, 4, 0.3),
+         ["budget must be a cache.Budget", "0.3"]),
+        ("answer before prefill", lambda: answer(model, cache(), [5, 6], 3, set()),
+         ["answer: the cache holds no prompt"]),
+        ("answer no question", lambda: answer(model, done, [], 3, set()),
+         ["give question_ids", "last_logits"]),
+        ("answer id past the vocabulary", lambda: answer(model, done, [VOCAB + 5], 3, set()),
+         ["answer: id 69 at position 0"]),
+        ("answer max_new_tokens text", lambda: answer(model, done, [5], "3", set()),
+         ["max_new_tokens", "'3'"]),
+        ("setup kvzip without teacher",
+         lambda: setup(model, dict(ids=ids, n_protected=4, budget=Budget(0.5), questions=[],
+                                   max_new_tokens=1), Method("kvzip")),
+         ["kvzip needs its teacher"]),
+        ("varlen cu_seqlens_q short of q",
+         lambda: varlen_attention(q, k, k, i32(0, 3, 5), i32(0, 4, 8), 3, 4),
+         ["cu_seqlens_q", "q's 6 rows", "0..5"]),
+        ("varlen cu_seqlens_k past k",
+         lambda: varlen_attention(q, k, k, i32(0, 3, 6), i32(0, 4, 9), 3, 5),
+         ["cu_seqlens_k", "k's 8 rows", "0..9"]),
+        ("varlen seqused_k past its region",
+         lambda: varlen_attention(q, k, k, i32(0, 3, 6), i32(0, 4, 8), 3, 5,
+                                  seqused_k=i32(5, 1)),
+         ["seqused_k within its region"]),
+        ("varlen max_seqlen_q short",  # Triton's grid would skip the rows past it
+         lambda: varlen_attention(q, k, k, i32(0, 3, 6), i32(0, 4, 8), 2, 4),
+         ["max_seqlen_q", "(2, 4)", "(3, 4)"]),
+        ("varlen heads", lambda: varlen_attention(q, k[:, :1].expand(8, 3, 8), k, i32(0, 6),
+                                                  i32(0, 8), 6, 8),
+         ["Hq a multiple of Hk"]),
+        ("save_cache of a config", lambda: save_cache(kv, done, cfg, ids, last),
+         ["save_cache: model must be a model.Transformer", "ModelConfig"]),
+        ("save_cache without a cache", lambda: save_cache(kv, None, model, ids, last),
+         ["save_cache: cache must be"]),
+        ("save_cache budget True",
+         lambda: save_cache(kv, evicted, model, ids, evicted_last, budget=True),
+         ["budget", "True"]),
+        ("load_cache of no path", lambda: load_cache(None, model), ["load_cache: path"]),
+        ("load_cache scorer text", lambda: load_cache(kv, model, "gate"),
+         ["load_cache: scorer", "str"]),
+        ("load_gate of a model", lambda: load_gate("g.safetensors", model),
+         ["load_gate: cfg", "Transformer"]),
+        ("load_gate dtype text", lambda: load_gate("g.safetensors", cfg, dtype="bfloat16"),
+         ["load_gate: dtype", "'bfloat16'"]),
+        ("resolve_gate no model name", lambda: resolve_gate(None, cfg, None),
+         ["resolve_gate: model_name"]),
+    ]
+
+
+def run_cases():
+    """Each case -> one line "name: ExceptionType: message" (what the -O subprocess prints)."""
+    lines = []
+    with torch.no_grad():
+        for name, call, _ in cases():
+            try:
+                call()
+                lines.append(f"{name}: no error")
+            except Exception as e:  # noqa: BLE001 - the line records which, compared below
+                lines.append(f"{name}: {type(e).__name__}: {e}")
+    return lines
+
+
+@pytest.mark.parametrize("case", range(len(cases())), ids=[c[0] for c in cases()])
+def test_misuse_is_one_named_error(case):
+    name, call, words = cases()[case]
+    with torch.no_grad(), pytest.raises(ArgumentError) as e:
+        call()
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), (name, msg)
+
+
+def test_python_O_gives_the_same_errors():
+    """The acceptance line: the misuse cases in a `python -O` subprocess (asserts stripped) end in
+    the same errors, line for line, as without -O; every one an ArgumentError."""
+    script = "import tests.test_bad_input_library as t; print(json.dumps(t.run_cases()))"
+    out = {}
+    for flags in ([], ["-O"]):
+        r = subprocess.run([sys.executable, *flags, "-c", "import json; " + script], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[tuple(flags)] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out[("-O",)] == out[()], [(a, b) for a, b in zip(out[()], out[("-O",)]) if a != b]
+    assert len(out[()]) == len(cases())
+    assert all(": ArgumentError: " in line for line in out[()]), out[()]
+
+
+def test_the_commands_report_an_argument_error_in_one_line(capsys, monkeypatch):
+    """A library refusal that reaches a command line is one line, exit 2, as a UsageError is."""
+    import bench
+    import commands.generate as gen
+    import commands.train_gate as tg
+
+    def refuse(args):
+        raise ArgumentError("prefill: n_protected 50 must be an integer in [0, 30]")
+
+    monkeypatch.setattr(gen, "run", refuse)
+    with pytest.raises(SystemExit) as e:
+        gen.main(["--model", "x", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().splitlines() == [
+        "error: prefill: n_protected 50 must be an integer in [0, 30]"], err
+    assert ArgumentError in bench.ERRORS
+    monkeypatch.setattr(tg, "run", refuse)
+    monkeypatch.setattr(tg, "parse_args", lambda argv: argv)
+    monkeypatch.setattr(tg, "kept", lambda *a: None)
+    with pytest.raises(SystemExit) as e:
+        tg.main(object())
+    assert e.value.code == 2 and "error: prefill: n_protected" in capsys.readouterr().err
