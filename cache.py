@@ -203,7 +203,7 @@ def top_k_mask(scores, k):
     return keep.view(scores.shape)
 
 
-class DecodeBudgetError(ValueError):
+class DecodeBudgetError(ArgumentError):
     """A decode-time budget too small for the scorer to choose anything."""
 
 
@@ -217,8 +217,7 @@ def check_decode_budget(tokens_per_head, protected):
     """Decode-time eviction always keeps `protected` rows per head (system prompt or first 4, and
     the local window) inside the budget: a budget of no more leaves nothing to the scorer, and
     every method would keep the same rows."""
-    if isinstance(tokens_per_head, bool) or not isinstance(tokens_per_head, numbers.Integral) \
-            or tokens_per_head <= protected:
+    if tokens_per_head <= protected:  # an integer: check_evicting
         raise DecodeBudgetError(
             f"decode_tokens_per_head {tokens_per_head!r} leaves nothing to the scorer: the system "
             f"prompt or first tokens and the local window ({protected} rows per head) are always "

@@ -406,16 +406,15 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
 
 def check_method(method, gates, decode_tokens_per_head):
     """What make_cache needs, else an ArgumentError: a method, the gates fastkvzip scores with, no
-    decode-time eviction for the methods that score the prompt only (the rest: EvictingCache)."""
+    decode-time eviction for KVzip, which scores the prompt only (the rest: EvictingCache)."""
     if method not in METHODS:
         raise ArgumentError(f"make_cache: method {method!r} is not one of {METHODS}")
     if method == "fastkvzip" and not isinstance(gates, gate.Gates):
         raise ArgumentError(f"make_cache: fastkvzip needs its gates (a gate.Gates: "
                             f"formats.gate_file.resolve_gate), got {type(gates).__name__}")
-    why = {"snapkv": "scores prefill chunks only", "kvzip": "scores the context once"}
-    if method in why and decode_tokens_per_head is not None:
-        raise ArgumentError(f"make_cache: {method} {why[method]}: it cannot evict during decoding; "
-                            f"give decode_tokens_per_head=None")
+    if method == "kvzip" and decode_tokens_per_head is not None:
+        raise ArgumentError("make_cache: kvzip scores the context once: it cannot evict during "
+                            "decoding; give decode_tokens_per_head=None")
 
 
 if __name__ == "__main__":  # the command line: commands/generate.py
