@@ -196,3 +196,17 @@ def test_the_commands_report_an_argument_error_in_one_line(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         tg.main(object())
     assert e.value.code == 2 and "error: prefill: n_protected" in capsys.readouterr().err
+
+
+def test_non_finite_logits_are_not_saved_and_float32_is_not_advised_to_float32():
+    """save_cache of inf/NaN last logits said "the model overflowed torch.float32; use float32" on
+    a float32 run: now it says what is known, and advises float32 only to a narrower dtype."""
+    model, _ = tiny()
+    cache = make_cache("full", model, 0)
+    with torch.no_grad():
+        prefill(model, cache, [5, 6, 7], 0)
+    nan = torch.full((VOCAB,), float("nan"))
+    kv = Path(tempfile.gettempdir()) / "never-written.kv"
+    with pytest.raises(ArgumentError, match=r"inf/NaN \(computed in torch.float32\): not saved$"):
+        save_cache(kv, cache, model, [5, 6, 7], nan)
+    assert not kv.exists()
