@@ -223,7 +223,7 @@ class GateScorer(Scorer):
         # gate.py imports nothing of the project (it lifts out alone)
         if not isinstance(gates, Gates):
             raise TypeError(f"GateScorer: gates must be a gate.Gates "
-                                f"(formats.gate_file.load_gate), got {type(gates).__name__}")
+                            f"(formats.gate_file.load_gate), got {type(gates).__name__}")
         super().__init__(gates.n_kv_heads)
         self.gates = gates
 
