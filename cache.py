@@ -273,12 +273,14 @@ def check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head):
         raise ArgumentError(f"EvictingCache: n_protected must be an integer >= 0 and "
                             f"decode_tokens_per_head None or an integer >= 1, got {n_protected!r} "
                             f"and {decode_tokens_per_head!r}")
-    gates = getattr(scorer, "gates", None)
+    gates = getattr(scorer, "gates", None)  # GateScorer's; the other scorers fit any model
+    if gates is None:
+        return
+    have = (gates.n_layers, gates.hidden, gates.n_kv_heads, gates.group)
     want = (len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads, cfg.group_size)
-    if gates is not None and (gates.n_layers, gates.hidden, gates.n_kv_heads, gates.group) != want:
+    if have != want:
         raise ArgumentError(f"EvictingCache: the gate has (layers, hidden, KV heads, group) "
-                            f"{(gates.n_layers, gates.hidden, gates.n_kv_heads, gates.group)}, "
-                            f"the model {want}: load this model's gate "
+                            f"{have}, the model {want}: load this model's gate "
                             f"(formats.gate_file.resolve_gate)")
 
 

@@ -26,8 +26,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import ArgumentError
-
 # =================================================================================================
 # 1. The gate
 # =================================================================================================
@@ -231,9 +229,11 @@ class GateScorer(Scorer):
     decode_window = 128  # the authors' local window for Fast KVzip at decode (METHOD.md §7)
 
     def __init__(self, gates):
-        if not isinstance(gates, Gates):  # a path or a state dict: formats.gate_file loads one
-            raise ArgumentError(f"GateScorer: gates must be a gate.Gates "
-                                f"(formats.gate_file.load_gate), got {type(gates).__name__}")
+        # a path or a state dict: formats.gate_file loads one. TypeError, not kernels.ArgumentError:
+        # gate.py imports nothing of the project (it lifts out alone)
+        if not isinstance(gates, Gates):
+            raise TypeError(f"GateScorer: gates must be a gate.Gates "
+                            f"(formats.gate_file.load_gate), got {type(gates).__name__}")
         super().__init__(gates.n_kv_heads)
         self.gates = gates
 

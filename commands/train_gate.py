@@ -348,4 +348,5 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cli.main(run, args, ModelError, ArgumentError, kept=lambda a: kept(names(a.model, a.out)[1], a.steps))
+    cli.main(run, args, ModelError, ArgumentError,
+             kept=lambda a: kept(names(a.model, a.out)[1], a.steps))

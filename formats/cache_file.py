@@ -74,23 +74,24 @@ def save_cache(path, cache, model, ids, last_logits, n_protected=None, method=No
     prefilled = getattr(cache, "prefilled_ids", None)
     if prefilled is None:
         raise ArgumentError("the cache does not know which ids it prefilled: prefill it with "
-                         "generate.prefill (or load it with load_cache), then save it")
+                            "generate.prefill (or load it with load_cache), then save it")
     if not torch.equal(ids, prefilled):
-        raise ArgumentError(f"ids are not the {len(prefilled)} ids this cache prefilled: give those "
-                         f"(system prompt ⊕ context)")
+        raise ArgumentError(f"ids are not the {len(prefilled)} ids this cache prefilled: give "
+                            f"those (system prompt ⊕ context)")
     own = getattr(cache, "n_protected", None)
     if None not in (own, n_protected) and own != n_protected:
         raise ArgumentError(f"n_protected {n_protected}, but the cache protects {own}")
     n_protected = (n_protected if own is None else own) or 0
     if not 0 <= n_protected <= len(ids):
         raise ArgumentError(f"n_protected {n_protected} must be in [0, {len(ids)}] (the system "
-                         f"prompt's ids)")
+                            f"prompt's ids)")
     last_logits = last_logits.detach().reshape(-1).float()
     if last_logits.numel() != model.config.vocab_size:
         raise ArgumentError(f"last_logits holds {last_logits.numel()} values, not the model's "
-                         f"{model.config.vocab_size}: give the logits after the newest token")
+                            f"{model.config.vocab_size}: give the logits after the newest token")
     if not bool(torch.isfinite(last_logits).all()):
-        raise ArgumentError(f"last_logits are inf/NaN: the model overflowed {dtype}; use float32")
+        raise ArgumentError(f"last_logits are inf/NaN (computed in {dtype}): not "
+                            f"saved{_wider(dtype)}")
     evicting = isinstance(cache, EvictingCache)
     scorer = type(cache.scorer).__name__ if evicting and cache.scorer is not None else None
     what = METHOD_OF.get(scorer, None) if evicting else "full"
@@ -98,8 +99,8 @@ def save_cache(path, cache, model, ids, last_logits, n_protected=None, method=No
         method = what
     elif method != what:
         raise ArgumentError(f"method {method!r}, but the cache is "
-                         f"{'scored by ' + str(scorer) if evicting else 'a full KVCache'} "
-                         f"({what}): give method={what!r}")
+                            f"{'scored by ' + str(scorer) if evicting else 'a full KVCache'} "
+                            f"({what}): give method={what!r}")
     if not evicting:  # whatever budget was asked (--method full --budget 0.3), it keeps all
         budget = 1.0
     elif budget is not None and not (isinstance(budget, (int, float))
@@ -136,6 +137,11 @@ def _check_call(call, **given):
             raise ArgumentError(f"{call}: {name} must be {what}, got {type(value).__name__}")
 
 
+def _wider(dtype):
+    """Advice for non-finite values: a wider dtype, only where one exists."""
+    return "" if dtype == torch.float32 else "; the model may outgrow it: run it in float32"
+
+
 def _saved(cache):
     """(tensors, JSON state): everything the cache needs to go on exactly. Every layer's kept rows
     as they lie (a ring's too), without slack: k, v, pos, score, and rows per head. An
@@ -151,8 +157,8 @@ def _saved(cache):
             tensors[f"layer.{i}.{name}"] = getattr(kv, name)[rows]
         if not (torch.isfinite(tensors[f"layer.{i}.k"]).all()
                 and torch.isfinite(tensors[f"layer.{i}.v"]).all()):
-            raise ArgumentError(f"layer {i} holds inf/NaN keys or values (the model overflowed "
-                             f"{cache.dtype}): not saved; use float32")
+            raise ArgumentError(f"layer {i} holds inf/NaN keys or values (computed in "
+                                f"{cache.dtype}): not saved{_wider(cache.dtype)}")
         tensors[f"layer.{i}.lens"] = kv.lens
         if isinstance(kv, WindowKV):
             tensors[f"layer.{i}.first"] = kv.first
@@ -210,7 +216,7 @@ def _open(path):
     except OSError as e:
         raise CacheFileError(f"cannot read cache file {path}: {e.strerror or e}") from None
     raise CacheFileError(f"{path} is not a saved KV cache: it is {_kind(mode)}, not a regular "
-                         f"file; give the file --save-cache wrote")
+                            f"file; give the file --save-cache wrote")
 
 
 def _header(f, path, size):

@@ -3,13 +3,14 @@
 model.py trusts its checkpoint; the programs call this module first, so that a bad folder is one
 `model.ModelError` line that says how to fix it, never a traceback or a silently different model:
 - config.json (and generation_config.json): readable JSON objects, values of the right type and
-  sign, a supported model_type, RoPE type and activation, sizes that agree (read_config,
-  check_config);
+  sign (every number and flag model.py reads, the RoPE dicts' too), a supported model_type, RoPE
+  type and activation, sizes that agree (read_config, check_config);
 - tokenizer_config.json: a chat template of a readable form (it decides the prompt layout);
 - tokenizer.json: present, readable, and this model's (read_tokenizer);
 - the compute dtype (check_dtype);
-- the weights: the shard index, each file's header, every tensor's shape, none missing or left over
-  (check_weights), read from the headers before any tensor is.
+- the weights: the shard index, each file's header, every tensor's shape and float dtype, none
+  missing or left over (check_weights), read from the headers before any tensor is; once loaded,
+  no inf/NaN (check_finite).
 
 check_folder (config, tokenizer, dtype) runs before anything heavy; load_checked before the weights
 load.
