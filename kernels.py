@@ -15,12 +15,9 @@ This file holds, top to bottom:
   the Triton kernel    FlashAttention-style forward: online softmax in fp32, the G query heads of
                        a KV head packed into the rows of one tile (each key block is read once for
                        all of them), keys split across programs for decode (flash-decoding).
-                       Triton is optional: without it this module imports and the torch path
-                       works.
   RaggedKV             one layer's storage: per-head regions with slack, append / select / attend
                        (one new token on the torch path: per head softmax(q k^T) v, no masks).
-  WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1) per
-                       token).
+  WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1)).
 The micro-benchmarks are harness/kernel_bench.py (python -m harness.kernel_bench).
 
 The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's seqused_k):
@@ -671,14 +668,10 @@ class RaggedKV:
 
     def select_rows(self, mask, room=0):
         """mask (n_rows,) bool over the used rows in rows()' order (head after head) -> keep those
-        rows, freeing everything else.
-
-        room 0 (prefill eviction, a rollback): every region shrinks to its kept rows, one
-        re-layout. room > 0 (decode-time eviction): a head that lost rows is left `room` free rows
-        for the next buffer of decoded tokens, the others keep their regions (at least that
-        room); if those regions fit the storage already held with at most 1/8 to spare, the kept
-        rows move down inside it and nothing is allocated, so that in steady state a decoding
-        cache is allocated once (the budget plus one buffer per head)."""
+        rows, freeing the rest. room 0: every region shrinks to its rows (one re-layout). room > 0
+        (decoding): a head that lost rows gets `room` free rows for the next buffer, the others keep
+        their regions; if these fit the storage held with at most 1/8 to spare, the rows move down
+        inside it and nothing is allocated (steady state: the budget plus one buffer per head)."""
         mask = mask.to(self.device, torch.bool)
         assert mask.numel() == self.n_rows, "one mask entry per used row of every head"
         head = torch.repeat_interleave(torch.arange(self.n_heads), self.lens)  # each row's head
@@ -695,15 +688,11 @@ class RaggedKV:
         caps[-1] += held - need  # the spare rows join the last region: the regions tile k
         starts = torch.cumsum(caps, 0) - caps
         dst = _ranges(starts, new_lens).to(self.device)
-        moved = src != dst
-        if bool(moved.any()):
-            src, dst = src[moved], dst[moved]
-            # k[src] is gathered before k[dst] is written (a transient copy of the moved rows
-            # only), so regions that overlap their old place are safe
-            for x in (self.k, self.v, self.pos, self.score):
-                x[dst] = x[src]
-            self.transient = max(self.transient, 2 * src.numel() * self.head_dim
-                                 * self.k.element_size())
+        moved = src != dst  # x[src] is gathered before x[dst] is written: overlaps are safe
+        src, dst = src[moved], dst[moved]
+        for x in (self.k, self.v, self.pos, self.score):
+            x[dst] = x[src]
+        self.transient = max(self.transient, 2 * len(src) * self.head_dim * self.k.element_size())
         self.lens, self.caps, self.starts = new_lens, caps, starts
 
     def truncate(self, n):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import model as M
-from cache import Budget, EvictingCache
+from cache import Budget, DecodeBudgetError, EvictingCache
 from formats.cache_file import load_cache, save_cache
 from formats.gate_file import load_gate, resolve_gate
 from gate import Gates, GateScorer
@@ -63,9 +63,12 @@ def cases():
         ("Budget window float", lambda: Budget(0.5, 16, 2.5), ["Budget: window", "2.5"]),
         ("make_cache method", lambda: make_cache("bogus", model, 0), ["'bogus' is not one of"]),
         ("make_cache no gates", lambda: make_cache("fastkvzip", model, 0), ["needs its gates"]),
-        ("make_cache snapkv decoding",
+        ("make_cache kvzip decoding",
+         lambda: make_cache("kvzip", model, 0, decode_tokens_per_head=200),
+         ["kvzip", "cannot evict during decoding"]),
+        ("make_cache decode budget the window fills",
          lambda: make_cache("snapkv", model, 0, decode_tokens_per_head=8),
-         ["snapkv", "cannot evict during decoding"]),
+         ["decode_tokens_per_head 8", "use at least 13"], DecodeBudgetError),
         ("make_cache n_protected", lambda: cache(-1), ["n_protected", "-1"]),
         ("EvictingCache level", lambda: EvictingCache(cfg, GateScorer(gates), level="pair"),
          ["level 'pair'"]),
