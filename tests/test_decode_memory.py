@@ -14,6 +14,7 @@ import gate
 import model as M
 from cache import Budget, DecodeBudgetError, EvictingCache, keep_within_budget
 from generate import begin_answer, decode_one, make_cache, prefill
+from kernels import ArgumentError
 from tests.helpers import tiny_checkpoint
 from tests.test_cache import random_gate_scorer
 
@@ -236,5 +237,5 @@ def test_budgets_the_protected_rows_fill_are_refused(tiny):
         with pytest.raises(DecodeBudgetError, match=f"use at least {least}"):
             make_cache(method, tiny, n_protected, gates=gates, decode_tokens_per_head=least - 1)
         make_cache(method, tiny, n_protected, gates=gates, decode_tokens_per_head=least)
-    with pytest.raises(DecodeBudgetError):
+    with pytest.raises(ArgumentError, match="decode_tokens_per_head"):
         make_cache("random", tiny, 0, decode_tokens_per_head=200.5)
