@@ -32,7 +32,8 @@ system prompt instead); benchmarks/ruler-4k-cpu/README.md has the runs and the Q
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
 Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md,
-relative.png.
+relative.png. --out is a new or empty folder, or one bench.py wrote (resumed, or merged into again);
+it holds one run at a time (a second run on it is refused while the first runs).
 """
 import argparse
 import dataclasses
@@ -297,7 +298,10 @@ def check_args(p, args):
 
 
 def main(argv=None):
-    return run(parse_args(argv))
+    try:
+        return run(parse_args(argv))
+    finally:
+        cli.release_folders()  # as cli.main does after a run
 
 
 def experiment(args):

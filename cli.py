@@ -71,6 +71,7 @@ def main(run, args, *errors, kept=lambda args: None):
         print("\ninterrupted" + (f": {note}" if note else ""), file=sys.stderr)
         sys.exit(143 if isinstance(e, Terminated) else 130)
     finally:
+        release_folders()  # the run is over: its folders are free for the next
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
 
@@ -177,7 +178,7 @@ def no_file_in_the_way(root: Path, named: str, fix: str, at: Path | None = None)
 
 # ---- output folders: a program writes only into its own, one run at a time ----------------------
 
-_HELD = {}  # folder -> the open descriptor whose flock claims it: held until the process ends
+_HELD = {}  # folder -> the open descriptor whose flock claims it, until release_folders()
 
 
 def leftover(name):
@@ -191,10 +192,11 @@ def claim_folder(path, flag, ours, what, create=False):
     (but for leftover temporaries) or one that ours(path) recognises as this program's own (a run it
     can resume): anything else is refused in one line (UsageError) before a file in it is touched.
     `what` names what ours() looks for ("a bench.py run"). An existing folder is then locked with
-    flock, which the OS drops when the process ends however it ends (kill -9 leaves no stale lock):
-    a second program on it is refused while the first runs. create: make the folder (and its
-    parents) first. -> the topmost folder this call created (None if none): what to remove if the
-    run fails before it has written anything (drop_folder). Calling it again is cheap."""
+    flock until release_folders() at the end of the run, or the end of the process however it ends
+    (the OS drops the lock: kill -9 leaves none stale): a second program on it is refused meanwhile.
+    create: make the folder (and its parents) first. -> the topmost folder this call created (None
+    if none): what to remove if the run fails before it has written anything (drop_folder). Calling
+    it again is cheap."""
     path = Path(path)
     created = None
     if create and not path.is_dir():
@@ -231,6 +233,13 @@ def claim_folder(path, flag, ours, what, create=False):
               file=sys.stderr)
     _HELD[key] = fd
     return created
+
+
+def release_folders():
+    """Unlock every folder claim_folder claimed, at the end of a run (cli.main does; so does a
+    caller that runs a program's run() itself, as bench.main)."""
+    while _HELD:
+        os.close(_HELD.popitem()[1])
 
 
 def drop_folder(path, created):

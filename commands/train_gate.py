@@ -287,7 +287,8 @@ def parse_args(argv=None):
                    "documents held out whole for validation, never part of a training sample "
                    "(default 0.05); 0 = the authors' split, every 100th token of the training "
                    "documents")
-    p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>)")
+    p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>): "
+                   "a new or empty folder, or one train_gate.py wrote (resumed); one run at a time")
     p.add_argument("--steps", type=int, default=5000,
                    help="optimiser steps (0 = compute features only)")
     p.add_argument("--batch-tokens", type=int, default=1000,

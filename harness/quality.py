@@ -679,17 +679,17 @@ def load_records(folder, key, n, fix="use a new --out, or the flags of the run t
             rec = json.loads(path.read_text(encoding="utf-8"))
         # written atomically by us: damaged by something else (cut short, or a folder put there)
         except (ValueError, OSError):
-            raise UsageError(f"{path} is unreadable; delete it (its context is then "
-                             "run again)") from None
+            raise UsageError(f"{path} is unreadable{' (a folder)' if path.is_dir() else ''}; "
+                             "delete it (its context is then run again)") from None
         if not isinstance(rec, dict) or rec.get("key") != key:
             raise UsageError(f"{path} comes from another configuration (flags, model or "
                              f"gate differ); {fix}")
         c = rec.get("context")
         # each context in the file of its number (bench.py's finished())
         if not (type(c) is int and 0 <= c < n and path.name == f"context-{c:03d}.json"):
-            raise UsageError(f"{path} claims context {c!r}, not that file's context of a run of "
-                             f"{n} contexts (0-{n - 1}); delete it (its context is then run "
-                             "again)")
+            claim = "names no context" if c is None else f"claims context {c!r}"
+            raise UsageError(f"{path} {claim}, not that file's context of a run of {n} contexts "
+                             f"(0-{n - 1}); delete it (its context is then run again)")
         records[c] = rec
     return records
 
