@@ -118,6 +118,8 @@ def test_own_folders_and_empty_ones_are_written_again(tmp_path):
         bench.main(["--merge", str(tmp_path / "a"), "--out", str(out), "--bootstrap", "10"])
         assert json.loads((out / "results.json").read_text())["complete"]
     assert bench.is_run(out) and not bench.is_run(tmp_path)
+    other = holder(out)  # the runs above, in this process, left the folder free when they ended
+    other.kill(), other.wait()
     from commands.train_gate import is_gate_run
     (tmp_path / "g").mkdir()
     (tmp_path / "g" / "metrics.json").write_text(json.dumps(
