@@ -32,7 +32,8 @@ system prompt instead); benchmarks/ruler-4k-cpu/README.md has the runs and the Q
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
 Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md,
-relative.png.
+relative.png. --out is a new or empty folder, or one bench.py wrote (resumed, or merged into again);
+it holds one run at a time (a second run on it is refused while the first runs).
 """
 import argparse
 import dataclasses
@@ -298,7 +299,10 @@ def check_args(p, args):
 
 
 def main(argv=None):
-    return run(parse_args(argv))
+    try:
+        return run(parse_args(argv))
+    finally:
+        cli.release_folders()  # as cli.main does after a run
 
 
 def experiment(args):
@@ -323,8 +327,11 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
+    out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
+    cli.claim_folder(out, "--out", is_run, RUN)  # a user's folder, or one in use: refused now
     # a --dataset's every row is checked before anything loads (its lengths once the tokenizer is)
     rows = ruler.read_rows(args.dataset) if args.dataset else None
+    samples = None  # the needle suite's contexts, made before anything is written
     folder = resolve_model(args.model)
     # the cheap checks first (config, tokenizer, gate, lengths, --out): the weights load last
     cfg, tok = check_folder(folder)
@@ -339,12 +346,9 @@ def run(args):
     elif args.suite == "ruler" and not args.no_quality:  # a length too short for a task
         ruler.check_generated(tok, suite_fmt, args.lengths, args.ruler_tasks, args.seed,
                               args.ruler_sizing, cfg.max_position_embeddings)
-    out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another "
-                         f"--out") from None
+    elif not args.no_quality:  # a length too short for the needles, or longer than every document
+        samples = quality.make_samples(tok, fmt, experiment(args))
+    cli.claim_folder(out, "--out", is_run, RUN, create=True)
     args.out_dir = str(out)
     exp, s = experiment(args), speed_settings(args)
     config = run_config(vars(args), folder, gates)
@@ -353,15 +357,15 @@ def run(args):
     config.update({f"{k}_key": v for k, v in speed_keys(s, "kvzip" in args.methods, args.threads,
                                                           config).items()})
     # an interrupted run with the same --out resumes after its last context
-    done = load_records(out, key)
+    done = load_records(out, key, n_contexts(key))
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[],
                    complete=False)
     gpu = torch.cuda.is_available() and not args.no_gpu
     previous = out / "results.json"
     # keep the speed rows of an earlier run of this folder if this one does not redo them
     if previous.exists():
-        old = read_json(previous, "delete it: the finished contexts in contexts/ are kept, only "
-                        "speed rows are lost")
+        old = read_results(previous, "delete it: the finished contexts in contexts/ are kept, "
+                           "only speed rows are lost")
         for k, redo in (("speed", bool(args.speed_lengths)), ("gpu", gpu)):
             if not old.get(k) or redo:
                 continue  # nothing to keep, or replaced by this run
@@ -401,7 +405,7 @@ def run(args):
                       only=set(args.ruler_only) if args.ruler_only else None)
         else:
             quality.run(model, tok, fmt, exp, args.model, args.gate, args.shard, done,
-                        on_context=finished)
+                        on_context=finished, samples=samples)
     if args.speed_lengths:
         teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in args.methods else None
         system = encode_prompt(tok, fmt.system)
@@ -484,6 +488,54 @@ def read_json(path, fix):
     return obj
 
 
+RUN = "a bench.py run"  # what --out must hold if it holds anything (claim_folder)
+
+
+def not_a_run(config):
+    """Why a config.json's content is not one bench.py wrote (a run's, or a merge's), or None."""
+    if not isinstance(config, dict):
+        return f"a JSON {type(config).__name__}, not an object"
+    missing = [k for k, kind in (("quality_key", dict), ("command", str))
+               if not isinstance(config.get(k), kind)]
+    return f"it has no {' or '.join(missing)}" if missing else None
+
+
+def is_run(folder):
+    """Whether `folder` is a bench.py run (or merge) that it may write into again: its config.json
+    is one bench.py wrote."""
+    try:
+        return not_a_run(json.loads((Path(folder) / "config.json").read_text("utf-8"))) is None
+    except (OSError, ValueError):
+        return False
+
+
+def read_results(path, fix):
+    """A run's results.json (read_json), with what merge and a resume take from it in the shape
+    bench.py writes: a config, speed rows as objects; otherwise UsageError naming it and `fix`."""
+    old = read_json(path, fix)
+    if not isinstance(old.get("config"), dict):
+        raise UsageError(f"{path} has no config: not a bench result; {fix}")
+    if not isinstance(old.get("seconds", 0), (int, float)):
+        raise UsageError(f"{path}: its seconds are not a number; {fix}")
+    for k in ("speed", "speed_peer", "gpu"):
+        rows = old.get(k)
+        if rows is not None and not (isinstance(rows, list)
+                                     and all(isinstance(r, dict) for r in rows)):
+            raise UsageError(f"{path}: its {k} rows are not a list of objects; {fix}")
+    return old
+
+
+def n_contexts(key, where="--out"):
+    """How many contexts the experiment of a quality key has (`where`: whose config holds it)."""
+    try:
+        if key.get("suite") == "ruler":
+            return ruler.n_contexts(key)
+        return len(key.get("lengths", [])) * key.get("contexts", 0)
+    except (KeyError, TypeError):  # a config.json edited by hand
+        raise UsageError(f"{where}/config.json: its quality_key does not say how many contexts "
+                         f"the run has; leave that folder out") from None
+
+
 def kept(args):
     """What an interrupted run (Ctrl-C, SIGTERM, a full disk) keeps, and how to resume it: a clause
     for cli.main."""
@@ -528,7 +580,8 @@ def finish(results, out, plot):
 def merge(folders, out, n_boot, seed, averaged, plot=False):
     """Several runs of one experiment (shards: --shard k/n, each with its own --out) -> one result
     in `out`, its intervals from n_boot bootstrap resamples, the relative average over the tasks in
-    `averaged`."""
+    `averaged`. A folder that cannot be part of it is refused by name, before `out` is touched."""
+    cli.claim_folder(out, "--out", is_run, RUN)
     folders = [Path(f) for f in folders]
     real = [f.resolve() for f in folders]
     same = [str(f) for i, f in enumerate(folders) if real[i] in real[:i]]
@@ -540,19 +593,32 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
     configs = [read_json(f / "config.json",
                          "rerun that folder's command to rewrite it, or leave it out of --merge")
                for f in folders]
-    foreign = [f for f, c in zip(folders, configs) if not isinstance(c.get("quality_key"), dict)]
-    if foreign:
-        raise UsageError(f"{foreign[0]}/config.json is not a bench run's (it has no quality_key); "
-                         f"leave that folder out of --merge")
-    key = configs[0]["quality_key"]
-    records, results = {}, dict(config=dict(configs[0], merged_from=[str(f) for f in folders],
+    for f, c in zip(folders, configs):
+        if not_a_run(c):
+            raise UsageError(f"{f}/config.json is not a bench run's ({not_a_run(c)}); leave {f} "
+                             f"out of --merge")
+    # runs made with --no-quality (speed rows only) expect no context
+    quality_runs = [i for i, c in enumerate(configs)
+                    if not (isinstance(c.get("flags"), dict) and c["flags"].get("no_quality"))]
+    first = quality_runs[0] if quality_runs else 0
+    key = configs[first]["quality_key"]
+    for i, (f, c) in enumerate(zip(folders, configs)):
+        # a speed-only run's contexts are none: its suite must still be the experiment's
+        other = c["quality_key"] if i in quality_runs else {"suite": c["quality_key"].get("suite")}
+        theirs = key if i in quality_runs else {"suite": key.get("suite")}
+        if other != theirs:
+            raise UsageError(f"{f} is a run of another experiment than {folders[first]} "
+                             f"({differing(theirs, other)} differ); leave {f} out of --merge")
+    expected = n_contexts(key, folders[first]) if quality_runs else 0
+    records, results = {}, dict(config=dict(configs[first], merged_from=[str(f) for f in folders],
                                             commands=[c["command"] for c in configs]), rows=[])
     for f in folders:
-        for c, rec in load_records(f, key).items():
+        for c, rec in load_records(f, key, expected, f"leave {f} out of --merge").items():
             # a context run twice (same seed, same flags) is the same context
             records.setdefault(c, rec)
-        old = (read_json(f / "results.json", "delete it: the contexts are merged from contexts/, "
-                         "its speed rows are " "lost") if (f / "results.json").exists() else {})
+        old = (read_results(f / "results.json", f"delete it (the contexts are merged from "
+                            f"contexts/, its speed rows are lost), or leave {f} out of --merge")
+               if (f / "results.json").exists() else {})
         for k in ("speed", "gpu"):
             if not old.get(k):
                 continue
@@ -560,35 +626,31 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
             if results.get(k) and results["config"].get(f"{k}_key") != row_key:
                 raise UsageError(
                     f"{f} holds {k} rows of another configuration than the folders before it "
-                    f"({differing(results['config'].get(f'{k}_key') or {}, row_key or {})} differ)")
+                    f"({differing(results['config'].get(f'{k}_key') or {}, row_key or {})} "
+                    f"differ); leave {f} out of --merge")
             results[k] = merge_rows(results.get(k, []), old[k], f, k)
             results["config"][f"{k}_key"] = row_key
             if k == "speed" and old.get("speed_peer"):  # measured in the same run as these rows
                 results["speed_peer"] = merge_rows(results.get("speed_peer", []),
                                                    old["speed_peer"], f, k)
+        # none in a run killed before its first results.json
         results["compressed_layers"] = old.get("compressed_layers",
-                                               results.get("compressed_layers"))
+                                               results.get("compressed_layers", []))
         # shards run side by side
         results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))
-    # runs made with --no-quality (speed rows only) expect no context
-    quality_runs = [c for c in configs if not (c.get("flags") or {}).get("no_quality")]
-    expected = len(key.get("lengths", [])) * key.get("contexts", 0)
-    if key.get("suite") == "ruler":
-        expected = ruler.n_contexts(key)
-    expected = expected if quality_runs else 0
     if len(records) < expected:
         log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
     if records:
         results.update(suite_results(list(records.values()), key, n_boot, seed, averaged))
-    results["complete"] = len(records) == expected
+    results["complete"] = sorted(records) == list(range(expected))
     out = Path(out)
+    created = cli.claim_folder(out, "--out", is_run, RUN, create=True)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another "
-                         f"--out") from None
-    write_results(out, results)
-    write_text(out / "config.json", json.dumps(results["config"], indent=1))
+        write_results(out, results)
+        write_text(out / "config.json", json.dumps(results["config"], indent=1))
+    except cli.WriteError:  # a full disk: a folder made for this merge is not left empty
+        cli.drop_folder(out, created)
+        raise
     finish(results, out, plot)
     log(f"merged {len(records)} contexts from {len(folders)} runs -> {out}/results.md")
 

@@ -1,12 +1,14 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with
 exit code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how
-to resume, outputs written atomically, one rule for
-what counts as text, and matplotlib for --plot."""
+to resume, outputs written atomically into output folders each program claims (only its own, one
+run at a time), one rule for what counts as text, and matplotlib for --plot."""
 import argparse
+import fcntl
 import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import sys
@@ -69,6 +71,7 @@ def main(run, args, *errors, kept=lambda args: None):
         print("\ninterrupted" + (f": {note}" if note else ""), file=sys.stderr)
         sys.exit(143 if isinstance(e, Terminated) else 130)
     finally:
+        release_folders()  # the run is over: its folders are free for the next
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
 
@@ -171,6 +174,84 @@ def no_file_in_the_way(root: Path, named: str, fix: str, at: Path | None = None)
             break
         missing = p
     return missing
+
+
+# ---- output folders: a program writes only into its own, one run at a time ----------------------
+
+_HELD = {}  # folder -> the open descriptor whose flock claims it, until release_folders()
+
+
+def leftover(name):
+    """A file an interrupted write leaves, not a user's: atomic_path's `.NAME.tmpPID`, safetensors'
+    `.tmpXXXXXX`."""
+    return re.fullmatch(r"\.(.+\.)?tmp\w*", name) is not None
+
+
+def claim_folder(path, flag, ours, what, create=False):
+    """The output folder `path` (given as `flag`) for this process alone. It must be new, empty
+    (but for leftover temporaries) or one that ours(path) recognises as this program's own (a run it
+    can resume): anything else is refused in one line (UsageError) before a file in it is touched.
+    `what` names what ours() looks for ("a bench.py run"). An existing folder is then locked with
+    flock until release_folders() at the end of the run, or the end of the process however it ends
+    (the OS drops the lock: kill -9 leaves none stale): a second program on it is refused meanwhile.
+    create: make the folder (and its parents) first. -> the topmost folder this call created (None
+    if none): what to remove if the run fails before it has written anything (drop_folder). Calling
+    it again is cheap."""
+    path = Path(path)
+    created = None
+    if create and not path.is_dir():
+        absent = [p for p in (path.absolute(), *path.absolute().parents) if not p.exists()]
+        created = absent[-1] if absent else None  # the parents are absent up to the first there
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"{flag} {path}: cannot create the folder ({e.strerror or e}); pass "
+                             f"another {flag}") from None
+    if not path.is_dir():
+        return created  # not there yet: claimed when it is made
+    try:
+        others = sorted(p.name for p in path.iterdir() if not leftover(p.name))
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot read the folder ({e.strerror or e}); pass "
+                         f"another {flag}") from None
+    if others and not ours(path):
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise UsageError(f"{flag} {path} holds files that are not {what} ({shown}): they are left "
+                         f"as they are; pass another {flag} (a new or empty folder)")
+    key = path.resolve()
+    if key in _HELD:
+        return created
+    fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(f"{flag} {path} is in use by another run, which holds its lock; wait for "
+                         f"it to end, or pass another {flag}") from None
+    except OSError as e:  # a file system without locks (some network mounts): say so, go on
+        print(f"note: cannot lock {path} ({e.strerror or e}); start no second run on it",
+              file=sys.stderr)
+    _HELD[key] = fd
+    return created
+
+
+def release_folders():
+    """Unlock every folder claim_folder claimed, at the end of a run (cli.main does; so does a
+    caller that runs a program's run() itself, as bench.main)."""
+    while _HELD:
+        os.close(_HELD.popitem()[1])
+
+
+def drop_folder(path, created):
+    """Undo claim_folder(path, create=True) for a run that failed before it wrote anything useful:
+    remove the folder and the parents it created (created: what claim_folder returned), with what
+    this run put in them."""
+    if created is None:
+        return
+    fd = _HELD.pop(Path(path).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+    shutil.rmtree(created, ignore_errors=True)
 
 
 def file_sha256(path) -> str:

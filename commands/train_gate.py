@@ -97,7 +97,7 @@ def run(args):
     device = parse_device(args.device) if args.device else torch.device(
         f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     model_name, out = names(args.model, args.out)
-    check_out(out)
+    check_out(out, rank)
     dtype = compute_dtype(args.dtype, device)
     if rank > 0:
         dist.barrier()  # rank 0 downloads / converts the model first, alone
@@ -127,7 +127,7 @@ def run(args):
     manifest = features.make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk,
                                       args.teacher_softmax, chat, stored_dtype)
     check_manifest(out, manifest)
-    make_out(out)  # only now that the input is accepted: a refused run leaves no empty folder
+    make_out(out, rank)  # only now that the input is accepted: a refused run leaves no empty folder
     if rank == 0:
         write_json(Path(out) / "manifest.json", manifest, indent=1)
         n_val = sum(split == "val" for _, _, split in docs)
@@ -198,9 +198,28 @@ def make_recipe(name, flags):
     return replace(recipe, **{f: v for f, v in given.items() if v is not None})
 
 
-def check_out(out):
+GATE_RUN = "a train_gate.py run"  # what --out must hold if it holds anything (cli.claim_folder)
+
+
+def is_gate_run(folder):
+    """Whether `folder` is one train_gate.py wrote, which a run may resume or replace: its
+    manifest.json (the features) or its metrics.json (a gate trained) is train_gate.py's."""
+    def read(name):
+        try:
+            obj = json.loads((Path(folder) / name).read_text("utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return obj if isinstance(obj, dict) else {}
+    manifest, metrics = read("manifest.json"), read("metrics.json")
+    return ({"format", "teacher", "documents"} <= manifest.keys()
+            or {"command", "layers", "val_loss"} <= metrics.keys())
+
+
+def check_out(out, rank=0):
     """--out must be a folder we can write into, or create: checked before hours of work go into
-    it, without creating it (make_out does, once the input is accepted)."""
+    it, without creating it (make_out does, once the input is accepted). Rank 0 claims it for the
+    run (cli.claim_folder: a folder of other files, or one another run holds, is refused); the
+    other ranks of a torchrun share it."""
     path = Path(out).absolute()
     try:
         # the folder, or where it will be
@@ -211,9 +230,14 @@ def check_out(out):
     except OSError as e:
         raise UsageError(f"--out {out} is not a writable folder ({e.strerror or e}); pass another "
                          f"--out") from None
+    if rank == 0:
+        cli.claim_folder(out, "--out", is_gate_run, GATE_RUN)
 
 
-def make_out(out):
+def make_out(out, rank=0):
+    if rank == 0:
+        cli.claim_folder(out, "--out", is_gate_run, GATE_RUN, create=True)
+        return
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -264,7 +288,8 @@ def parse_args(argv=None):
                    "documents held out whole for validation, never part of a training sample "
                    "(default 0.05); 0 = the authors' split, every 100th token of the training "
                    "documents")
-    p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>)")
+    p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>): "
+                   "a new or empty folder, or one train_gate.py wrote (resumed); one run at a time")
     p.add_argument("--steps", type=int, default=5000,
                    help="optimiser steps (0 = compute features only)")
     p.add_argument("--batch-tokens", type=int, default=1000,

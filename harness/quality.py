@@ -549,11 +549,13 @@ def make_samples(tok, fmt, exp):
     return lengths, [maker.make(n) for n in lengths]
 
 
-def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None):
+def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None,
+        samples=None):
     """Every configuration of `exp` on every context of this shard (k, n): contexts c with c % n ==
     k, but those in `done` (finished by an earlier run: resume). on_context(record) after each
     context, with one dict holding everything the summary needs of that context (its entries: see
-    `entry`)."""
+    `entry`). samples: make_samples(tok, fmt, exp), when the caller made them first (to refuse
+    lengths that cannot be made before any model work)."""
     cfg, _, _ = model_info(model)
     methods = [m for m in exp.methods if m != "full"]
     configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
@@ -561,7 +563,7 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
                 if lv != DEFAULT_LEVEL[m]]  # '--extra-levels global' would run the default twice
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
     stop_ids = answer_stops(cfg, tok)
-    lengths, samples = make_samples(tok, fmt, exp)
+    lengths, samples = samples or make_samples(tok, fmt, exp)
     k_shard, n_shard = shard
     todo = [c for c in range(len(lengths)) if c % n_shard == k_shard and c not in done]
     n_done, t_start = 0, time.perf_counter()
@@ -667,20 +669,28 @@ def quality_key(exp, config):
     return key
 
 
-def load_records(folder, key):
+def load_records(folder, key, n, fix="use a new --out, or the flags of the run that wrote it"):
     """The finished contexts in folder/contexts/ (each written atomically when its context
-    ended)."""
+    ended) of the experiment `key`, which has n contexts; a record of another experiment, or that
+    claims a context the experiment lacks, is a UsageError naming its file, `fix` what to do."""
     records = {}
     for path in sorted((Path(folder) / "contexts").glob("context-*.json")):
         try:
             rec = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError:  # written atomically by us: damaged by something else
-            raise UsageError(f"{path} is unreadable; delete it (its context is then "
-                             "run again)") from None
+        # written atomically by us: damaged by something else (cut short, or a folder put there)
+        except (ValueError, OSError):
+            raise UsageError(f"{path} is unreadable{' (a folder)' if path.is_dir() else ''}; "
+                             "delete it (its context is then run again)") from None
         if not isinstance(rec, dict) or rec.get("key") != key:
             raise UsageError(f"{path} comes from another configuration (flags, model or "
-                             "gate differ); use a new --out, or the flags of the run that wrote it")
-        records[rec["context"]] = rec
+                             f"gate differ); {fix}")
+        c = rec.get("context")
+        # each context in the file of its number (bench.py's finished())
+        if not (type(c) is int and 0 <= c < n and path.name == f"context-{c:03d}.json"):
+            claim = "names no context" if c is None else f"claims context {c!r}"
+            raise UsageError(f"{path} {claim}, not that file's context of a run of {n} contexts "
+                             f"(0-{n - 1}); delete it (its context is then run again)")
+        records[c] = rec
     return records
 
 

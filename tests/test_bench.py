@@ -666,6 +666,7 @@ def test_corrupt_json_in_out_or_merge_is_named(tmp_path):
     the file and what to do (a JSONDecodeError traceback before)."""
     out = tmp_path / "out"
     out.mkdir()
+    (out / "config.json").write_text(json.dumps({"quality_key": {}, "command": "bench.py"}))
     # a copy that stopped half-way
     (out / "results.json").write_text('{"config": {"speed_key": {"bud')
     with pytest.raises(UsageError,

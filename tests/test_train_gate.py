@@ -737,7 +737,8 @@ def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
               "teacher chunk fills the model": "fewer than --min-doc",
               "bad .jsonl line": "x.jsonl:2: not a JSON line",
               "corrupt .parquet": "not a readable .parquet file",
-              "damaged manifest": "manifest.json is unreadable",
+              # a manifest that is not train_gate.py's: the folder is not taken for one of its runs
+              "damaged manifest": "holds files that are not a train_gate.py run (manifest.json)",
               # the rule of generate.py's --context-file (cli.decode_text): trained on as text
               # before
               "random bytes .txt": "noise.txt holds NUL bytes: a binary file, not text",
