@@ -354,8 +354,39 @@ def _unique_keys(pairs):
     keys = [k for k, _ in pairs]
     twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
     if twice is not None:
-        raise ValueError(f"key {twice!r} given twice")
+        raise ValueError(f"key {twice!r} given twice; give each key once")
     return dict(pairs)
+
+
+# Python refuses to convert integers longer than this (sys.get_int_max_str_digits(), 3.11's
+# default): its error advises a setting of the interpreter, not a fix of the file
+MAX_INT_DIGITS = 4300
+
+
+def _json_int(digits):
+    """parse_int of json.loads: an integer Python can read, or a ValueError that says so."""
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(digits.lstrip('-'))} digits (at most "
+                         f"{MAX_INT_DIGITS} are read); no field holds such a number")
+    return int(digits)
+
+
+def json_line(line, where, error=None):
+    """One line of a JSON-lines file (--batch, --dataset) -> its value; a line that is not JSON, a
+    key given twice, an integer too long to read or nesting deeper than Python's parser recurses
+    (a RecursionError) -> `error` (default UsageError) naming `where`, in one line."""
+    error = error or UsageError
+    try:
+        return json.loads(line, object_pairs_hook=_unique_keys, parse_int=_json_int)
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON object a "
+                    "line") from None
+    except RecursionError:
+        raise error(f"{where}: JSON nested too deep to read (more than about "
+                    f"{sys.getrecursionlimit()} levels of lists or objects); one flat object a "
+                    "line") from None
+    except ValueError as e:  # _unique_keys, _json_int
+        raise error(f"{where}: {e}") from None
 
 
 def check_text(text, what):
@@ -391,13 +422,7 @@ def read_batch(path, budget, max_new_tokens):
         if not line.strip():
             continue  # blank lines (a trailing newline) are not requests
         where = f"--batch {path} line {n}"
-        try:
-            obj = json.loads(line, object_pairs_hook=_unique_keys)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON "
-                             "object a line") from None
-        except ValueError as e:  # _unique_keys
-            raise UsageError(f"{where}: {e}; give each key once") from None
+        obj = json_line(line, where)
         if not isinstance(obj, dict):
             raise UsageError(f"{where}: a JSON {type(obj).__name__}, not an object like "
                              '{"context": "...", "questions": ["..."]}')

@@ -114,10 +114,7 @@ def iter_files(spec, tokenizer):
         if kind == ".jsonl":
             for i, line in enumerate(text.split("\n")):
                 if line.strip():
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise UsageError(f"{f}:{i + 1}: not a JSON line ({e.msg})") from None
+                    obj = cli.json_line(line, f"{f}:{i + 1}")
                     text = obj.get("text") if isinstance(obj, dict) else None
                     if not isinstance(text, str):
                         raise UsageError(f"{f}:{i + 1}: a .jsonl line needs a \"text\" string "

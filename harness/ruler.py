@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import generate
-from cli import UsageError, _unique_keys, check_text, file_sha256, pyplot, save_figure
+from cli import UsageError, check_text, file_sha256, json_line, pyplot, save_figure
 from harness import kvpress_prompt
 from harness import quality as Q
 from harness.kvpress_prompt import KvpressFormat
@@ -84,16 +84,6 @@ def read_rows(path, flag="--dataset"):
             for where, r in items]
 
 
-def _json_row(line, where):
-    try:
-        return json.loads(line, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON object a "
-                           "line") from None
-    except ValueError as e:  # a key given twice; an integer of more than 4300 digits
-        raise DatasetError(f"{where}: {e}") from None
-
-
 def _kind(x):
     name = type(x).__name__
     return "null" if x is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
@@ -103,7 +93,7 @@ def check_row(r, where):
     """One row (a JSON line's text, or a parquet row's dict) -> the row in kvpress's layout, or a
     DatasetError naming `where` and the column at fault (its type, never its text)."""
     if isinstance(r, str):
-        r = _json_row(r, where)
+        r = json_line(r, where, DatasetError)
     if not isinstance(r, dict):
         raise DatasetError(f"{where}: a JSON {type(r).__name__}, not an object with the columns "
                            f"{', '.join(COLUMNS)}")

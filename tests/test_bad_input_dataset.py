@@ -75,6 +75,10 @@ def with_(**kw):
     ([with_(question="What is \ud800?")], "line 1: 'question' holds a lone surrogate"),
     (["{not json"], "line 1: not JSON"),
     (['{"context": "a", "context": "b"}'], "key 'context' given twice"),
+    # a RecursionError's traceback; Python's advice to raise sys.set_int_max_str_digits()
+    (["[" * 100_000 + "]" * 100_000], "line 1: JSON nested too deep to read"),
+    ([with_(context={"a": [[[[[["deep"]]]]]]})], "'context' must be a non-empty string"),
+    ([with_(max_new_tokens=0).replace(": 0", ": " + "9" * 5000)], "line 1: an integer of 5000 digits (at most 4300"),
     # accepted and scored wrong
     ([with_(max_new_tokens=-5)], "'max_new_tokens' must be an integer >= 1"),
     ([with_(max_new_tokens=2.9)], "'max_new_tokens' must be an integer >= 1"),

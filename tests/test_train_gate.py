@@ -735,7 +735,7 @@ def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
               "other run in --out": "holds features of a different run",
               "--out under a file": "is not a writable folder",
               "teacher chunk fills the model": "fewer than --min-doc",
-              "bad .jsonl line": "x.jsonl:2: not a JSON line",
+              "bad .jsonl line": "x.jsonl:2: not JSON",
               "corrupt .parquet": "not a readable .parquet file",
               "damaged manifest": "manifest.json is unreadable",
               # the rule of generate.py's --context-file (cli.decode_text): trained on as text
