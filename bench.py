@@ -87,7 +87,7 @@ def parse_args(argv=None):
                    help="comma list of " + ",".join(METHODS))
     p.add_argument("--budgets", type=cli.floats, default=list(BUDGETS),
                    help="fractions of the context kept")
-    p.add_argument("--extra-levels", type=lambda s: [x for x in s.split(",") if x],
+    p.add_argument("--extra-levels", type=cli.names,
                    default=["calibrated"], help="eviction levels run beside the paper's for "
                    "fastkvzip and kvzip (cache.LEVELS; '' = none)")
     p.add_argument("--lengths", type=cli.ints, default=[2048, 4096, 8192],
@@ -110,10 +110,10 @@ def parse_args(argv=None):
                    "RULER-4K file: Llama-3.1-8B tokens for every model, RULER's fixed haystack "
                    "steps; labelled RULER-4K) or model (the largest haystack that fits in the "
                    "model's own tokens; labelled 'RULER-4K (model-token sizing)')")
-    p.add_argument("--ruler-tasks", type=lambda s: [x for x in s.split(",") if x],
+    p.add_argument("--ruler-tasks", type=cli.names,
                    default=list(ruler_tasks.TASKS), help="--suite ruler: comma list of the tasks "
                    "generated (default all 11: " + ",".join(ruler_tasks.TASKS) + ")")
-    p.add_argument("--ruler-only", type=lambda s: [x for x in s.split(",") if x],
+    p.add_argument("--ruler-only", type=cli.names,
                    help="--suite ruler: comma list of tasks of --ruler-tasks whose contexts this run "
                    "runs; the experiment (its --out, its results) stays that of all --ruler-tasks, "
                    "the other tasks' contexts left to a later run, as --shard leaves its peers' "

@@ -189,8 +189,16 @@ def tree_sha256(files: list[Path], root: Path) -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
+# The comma lists of the scripts' flags (argparse types). Each value is kept once, in the order
+# given: a length, budget, task or method repeated would be run, and counted, twice.
+
+def names(s):
+    """A comma list of names (tasks, methods, levels); blanks dropped: '' = none."""
+    return list(dict.fromkeys(x for x in s.split(",") if x))
+
+
 def floats(s):
-    return [float(x) for x in s.split(",") if x]
+    return list(dict.fromkeys(float(x) for x in s.split(",") if x))
 
 
 def ints(s):
@@ -198,7 +206,7 @@ def ints(s):
     values = [int(x) for x in s.split(",") if x]
     if any(v < 0 for v in values) or (0 in values and values != [0]):
         raise argparse.ArgumentTypeError(f"{s!r}: token counts must be positive ('0' alone = none)")
-    return [v for v in values if v > 0]
+    return list(dict.fromkeys(v for v in values if v > 0))
 
 
 def pyplot():

@@ -228,3 +228,25 @@ def test_generated_ruler_without_the_offline_assets_is_one_line(tiny, tmp_path, 
     assert code == 2 and err.startswith("error: missing offline asset ") and \
         "python -m offline.fetch_assets" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_value_repeated_in_a_list_flag_runs_once():
+    """--lengths 1024,1024 generated every RULER sample twice and counted both; so would a
+    repeated speed length, batch size or GPU length, and layer_swap's budgets and combinations:
+    a comma list keeps each value once, in the order given (cli.ints, cli.floats, cli.names)."""
+    from harness import layer_swap
+    args = bench.parse_args(["--suite", "ruler", "--lengths", "1024,2048,1024", "--ruler-samples",
+                             "2", "--ruler-tasks", "vt,cwe,vt", "--ruler-only", "cwe,cwe",
+                             "--methods", "kvzip,kvzip", "--budgets", "0.5,0.50,0.5",
+                             "--speed-lengths", "256,256", "--batch-sizes", "2,4,2",
+                             "--gpu-lengths", "8192,8192"])
+    assert args.lengths == [1024, 2048] and args.ruler_tasks == ["vt", "cwe"]
+    assert args.ruler_only == ["cwe"] and args.methods == ["full", "kvzip"]
+    assert args.budgets == [0.5] and args.speed_lengths == [256] and args.batch_sizes == [2, 4]
+    assert args.gpu_lengths == [8192]
+    exp = bench.experiment(args)  # 2 lengths x 2 samples x 2 tasks: the run's contexts
+    assert len(exp.lengths) * exp.ruler_samples * len(exp.ruler_tasks) == 8
+    swap = layer_swap.parse_args(["--out", "x", "--budgets", "0.5,0.4,0.5", "--combos",
+                                  "TTG,ttg,GGG"])
+    assert swap.budgets == [0.5, 0.4] and swap.combos == ["TTG", "GGG"]
+    assert cli.names("a,,b,a") == ["a", "b"] and cli.ints("0") == []
