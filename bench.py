@@ -294,6 +294,11 @@ def check_args(p, args):
     if not args.no_quality and not args.merge and args.shard[0] >= n_contexts:  # it would run none
         p.error(f"--shard {args.shard[0]}/{args.shard[1]}: the run has {n_contexts} contexts "
                 f"({made}), shard {args.shard[0]} holds none; use at most {n_contexts} shards")
+    if args.ruler_only and not args.no_quality and not ruler.n_runs(
+            n_contexts, args.shard, args.ruler_tasks, set(args.ruler_only)):
+        p.error(f"--shard {args.shard[0]}/{args.shard[1]} holds no context of --ruler-only "
+                f"{','.join(args.ruler_only)} (of {n_contexts}: {made}, one task after another); "
+                "use fewer shards, or other tasks")
 
 
 def main(argv=None):

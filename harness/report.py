@@ -97,6 +97,12 @@ def markdown(results):
            + (f" ({len(cfg['merged_from'])} runs side by side, merged)."
               if cfg.get("merged_from") else "."), ""]
     out += quality.markdown(results)
+    return "\n".join(out + speed_markdown(results)) + "\n"
+
+
+def speed_markdown(results):
+    """The speed and memory sections of results.md (lines), of either suite."""
+    f, out = results["config"]["flags"], []
     mib = lambda x, ratio: f"{x / 2**20:.1f} MiB ({ratio:.0%})"
     for key, title in (("speed", "CPU"), ("gpu", "GPU, random weights in Qwen3-8B's shape")):
         if results.get(key):
@@ -123,7 +129,7 @@ def markdown(results):
                 out += peer_markdown(results)
     out += batch_markdown(results.get("batch_speed"), f.get("batch_length"), f.get("speed_decode"))
     out += ["", results.get("gpu_note", "")]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def ruler_markdown(results):
@@ -146,16 +152,18 @@ def ruler_markdown(results):
            "fed after the authors' system prompt (never evicted)")
     chat = {False: "no chat template, ", True: "chat template, "}.get(f.get("chat"), "")
     merged = f" ({len(cfg['merged_from'])} runs, merged)." if cfg.get("merged_from") else "."
+    what = (f"{results.get('n_contexts', 0)} finished contexts of {source}, {fed}; {chat}seed "
+            f"{f['seed']}. Each context is compressed before its question is seen "
+            "(query-agnostic), the question asked after it, the answer scored by kvpress's "
+            "string_match." if results["rows"] or not f.get("no_quality")
+            else "No quality section (--no-quality: speed and memory only).")
     out = [f"# Fast KVzip on {results.get('suite', 'RULER')} ({cfg['started']})", "",
            f"Model `{f['model']}`, gate `{shown(cfg['gate']['source'])}` (sha256 "
            f"{str(cfg['gate']['sha256'])[:12]}), commit {cfg['git_commit'][:10]}"
-           f"{' (dirty)' if cfg['git_dirty'] else ''}. {results.get('n_contexts', 0)} finished "
-           f"contexts of {source}, {fed}; {chat}seed {f['seed']}. Each context is compressed "
-           "before its question is seen (query-agnostic), the question asked after it, the answer "
-           "scored by "
-           f"kvpress's string_match. Run time {results.get('seconds', 0) / 60:.1f} min{merged}", ""]
+           f"{' (dirty)' if cfg['git_dirty'] else ''}. {what} Run time "
+           f"{results.get('seconds', 0) / 60:.1f} min{merged}", ""]
     out += ruler.markdown(results)
-    return "\n".join(out) + "\n"
+    return "\n".join(out + speed_markdown(results)) + "\n"
 
 
 def peer_markdown(results):

@@ -389,15 +389,9 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
     k_shard, n_shard = shard
     tasks = list(exp.ruler_tasks)
     assert only is None or not exp.dataset, "only: the tasks of a generated run"
-
-    def mine(c):  # context c is this run's: its shard's, of a task asked for (c % tasks: load_rows)
-        return c % n_shard == k_shard and (only is None or tasks[c % len(tasks)] in only)
-    # this run's contexts, counted and walked without a list: a generated run may be of any size;
-    # which are mine repeats every `period` contexts
-    period = math.lcm(n_shard, len(tasks) or 1)
-    n_todo = total // period * sum(map(mine, range(period))) + \
-        sum(map(mine, range(total - total % period, total))) - \
-        sum(1 for c in done if mine(c) and c < total)
+    mine = lambda c: runs(c, shard, tasks, only)
+    # this run's contexts, walked without a list: a generated run may be of any size
+    n_todo = n_runs(total, shard, tasks, only) - sum(1 for c in done if mine(c) and c < total)
     todo = (c for c in range(k_shard, total, n_shard) if mine(c) and c not in done)
     n_done, t_start = 0, time.perf_counter()
     n_layers = len(cfg.compressed_layers)
@@ -461,6 +455,21 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
               f"{(time.perf_counter() - t_start) / n_done * left / 60:.0f} min")
         if on_context:
             on_context(record)
+
+
+def runs(c, shard, tasks, only=None):
+    """Whether context c is a run's: its shard's (shard = (k, n): c % n == k), and, with `only` (a
+    set of task names; a generated run), of one of those tasks (c % len(tasks): load_rows)."""
+    return c % shard[1] == shard[0] and (only is None or tasks[c % len(tasks)] in only)
+
+
+def n_runs(total, shard, tasks, only=None):
+    """How many of contexts 0..total-1 are a run's (runs), counted without a list: a generated run
+    may be of any size, and which contexts are its repeats every lcm(n, len(tasks)) contexts."""
+    period = math.lcm(shard[1], len(tasks) or 1)
+    mine = lambda c: runs(c, shard, tasks, only)
+    return total // period * sum(map(mine, range(period))) + \
+        sum(map(mine, range(total - total % period, total)))
 
 
 def entry(res, kept, nbytes):
@@ -564,9 +573,10 @@ def label(r):
 
 def markdown(results):
     """The RULER sections of results.md (lines)."""
-    rows, tasks = results["rows"], results["tasks"]
-    if not rows:
+    rows = results["rows"]
+    if not rows:  # no context finished, or none run (--no-quality)
         return []
+    tasks = results["tasks"]
     get = lambda task, r0: next(r for r in rows if r["task"] == task and label(r) == label(r0)
                                 and r["budget"] == r0["budget"])
     fmt = lambda x, c: f"{x:.1f} [{c[0]:.1f}, {c[1]:.1f}]" if c else f"{x:.1f}"

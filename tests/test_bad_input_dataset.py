@@ -250,3 +250,32 @@ def test_a_value_repeated_in_a_list_flag_runs_once():
                                   "TTG,ttg,GGG"])
     assert swap.budgets == [0.5, 0.4] and swap.combos == ["TTG", "GGG"]
     assert cli.names("a,,b,a") == ["a", "b"] and cli.ints("0") == []
+
+
+def test_ruler_without_quality_contexts_writes_its_results(tiny, tmp_path, capsys):
+    """--suite ruler --no-quality ended in KeyError 'tasks' once the run was done (results.md of a
+    RULER run without contexts)."""
+    folder, gate_file = tiny
+    out = tmp_path / "out"
+    code = bench.main(["--model", str(folder), "--gate", str(gate_file), "--suite", "ruler",
+                       "--no-quality", "--no-gpu", "--out", str(out)])
+    assert code is None
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"] and results["rows"] == []
+    assert "No quality section" in (out / "results.md").read_text()
+
+
+def test_a_shard_without_a_context_of_ruler_only_is_refused(tmp_path, capsys, no_model):
+    """--shard 1/2 --ruler-only vt of one sample per task (vt's one context is 8, shard 0's) ran
+    nothing and ended in KeyError 'tasks'; refused before anything loads."""
+    code, err = run_cli(capsys, "--suite", "ruler", "--ruler-samples", "1", "--shard", "1/2",
+                        "--ruler-only", "vt", "--out", str(tmp_path / "out"))
+    last = err.strip().splitlines()[-1]  # argparse's usage, then the line
+    assert code == 2 and "--shard 1/2 holds no context of --ruler-only vt" in last, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    tasks = list(ruler.TASKS)
+    for shard, only, total in (((0, 2), {"vt"}, 11), ((1, 3), {"vt", "cwe"}, 11 * 7),
+                               ((2, 4), None, 11 * 5 + 3)):  # against a count of every context
+        assert ruler.n_runs(total, shard, tasks, only) == sum(
+            c % shard[1] == shard[0] and (only is None or tasks[c % 11] in only)
+            for c in range(total))
