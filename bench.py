@@ -212,6 +212,11 @@ def parse_args(argv=None):
     if args.dataset and "suite" in typed and args.suite != "ruler":
         p.error("--dataset reads kvpress's layout, scored by string_match: it runs as --suite "
                 "ruler")
+    # what makes generated samples; a --dataset's rows are its samples (as --ruler-only, refused)
+    ignored = [f for f in ("lengths", "ruler_tasks", "ruler_samples", "ruler_sizing") if f in typed]
+    if args.dataset and ignored:
+        p.error(f"--dataset {args.dataset}: its rows are the samples, run whole; leave out "
+                f"--{ignored[0].replace('_', '-')} (it sets generated RULER samples)")
     if args.dataset:
         args.suite = "ruler"
     if args.suite == "ruler":  # RULER-4K, as kvpress's leaderboard; no speed rows unless asked for

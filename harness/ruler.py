@@ -33,6 +33,8 @@ from harness import quality as Q
 from harness.kvpress_prompt import KvpressFormat
 from harness.ruler_tasks import (
     TASKS,
+    TooShort,
+    least_target,
     make_sample,
     make_samples,
     suite_name,
@@ -228,6 +230,10 @@ def sample_at(tok, lengths, n_per_task, seed, tasks, c, sizing="ruler"):
     i, t = divmod(c % per_length, len(tasks))
     try:
         return make_sample(tok, tasks[t], lengths[c // per_length], seed, i, sizing)
+    except TooShort as e:  # how many are enough: sample 0 is made at the least (as checked first)
+        least = least_target(tok, e.task, seed, sizing, e.need)
+        raise UsageError(f"--lengths: RULER {e.task}: {e.target} tokens are too few for its "
+                         f"smallest sample; use --lengths {least} or more") from None
     except ValueError as e:
         raise UsageError(f"--lengths: {e}") from None
 

@@ -371,17 +371,44 @@ def grow(draw, count, target, step, reserve, most=None):
     return size
 
 
+class TooShort(ValueError):
+    """A target too short for a task's smallest sample, which takes `need` tokens (the draw that
+    failed: another draw may take a few more or fewer, least_target)."""
+
+    def __init__(self, task, target, need):
+        super().__init__(f"RULER {task}: {target} tokens are too few for its smallest sample, "
+                         f"which takes {need}")
+        self.task, self.target, self.need = task, target, need
+
+
+def least_target(tok, task, seed, sizing, need):
+    """The least target, from a TooShort's `need` up, at which sample 0 of `task` is made (what a
+    run checks before it starts); up in steps of 1% of the target, as long as it fails."""
+    target = need
+    for _ in range(200):  # 1% steps: past 7x the estimate, which a draw never misses by
+        try:
+            make_sample(tok, task, target, seed, 0, sizing)
+            return target
+        except TooShort as e:
+            target = max(target + max(1, target // 100), e.need)
+    raise ValueError(f"RULER {task}: no target from {need} tokens fits its smallest sample")
+
+
 def shrink(draw, count, target, size, step, reserve, what):
     """RULER's per-sample loop: draw at `size`, and again a step smaller while the input with the
     reserved tokens is longer than the target -> (text, answer, tokens counted, size). RULER
-    retries the smallest size forever; here it is an error."""
+    retries the smallest size forever; here it is an error (TooShort for a task's sample)."""
     while True:
         text, answer = draw(size)
         length = count(text) + reserve
         if length <= target:
             return text, answer, length, size
-        if size <= step:
-            raise ValueError(f"RULER {what}: {target} tokens are too few for its smallest sample")
+        if size <= step and what in TASKS:
+            raise TooShort(what, target, length)
+        if size <= step:  # vt's example: its 500 tokens are RULER's, not a flag's
+            raise ValueError(f"RULER {what}: RULER's {target} tokens are too few for it in this "
+                             f"tokenizer's tokens (it takes {length} at its smallest); use "
+                             "--ruler-sizing ruler")
         size -= step
 
 
@@ -393,7 +420,7 @@ def vt_example(seed, tok=None):
     count = ruler_count if tok is None else lambda s: len(encode_text(tok, s))
     rng = random.Random(f"ruler vt example {seed}")
     draw = lambda n: vt(rng, n, example=True)
-    size = grow(lambda n: first_text("vt", *draw(n)), count, 500, 5, MAX_NEW["vt"])
+    size = max(5, grow(lambda n: first_text("vt", *draw(n)), count, 500, 5, MAX_NEW["vt"]))
     text, answer, _, _ = shrink(draw, count, 500, size, 5, MAX_NEW["vt"], "vt's example")
     return text + " " + " ".join(answer) + "\n\n"
 
@@ -415,8 +442,9 @@ def haystack_size(task, target, seed):
     most = len(cwe_words(seed)) if task == "cwe" else None
     size = grow(lambda n: first_text(task, *build(task, rng, seed, n, target)), ruler_count,
                 target, step, reserve, most)
-    if size < step:
-        raise ValueError(f"RULER {task}: {target} tokens are too few for its smallest sample")
+    if size < step:  # the smallest haystack's draw, with its answer, took more than the target
+        draw = build(task, random.Random(f"ruler {task} {seed} {target} least"), seed, step, target)
+        raise TooShort(task, target, ruler_count(first_text(task, *draw)) + reserve)
     return size
 
 
@@ -468,7 +496,7 @@ def model_sample(tok, task, target, seed, index):
     fits = lambda size: n_tokens(tok, row(size)) <= target
     lo = hi = 11 if task == "cwe" else 5  # the least haystack: cwe's 10 common words and one more
     if not fits(lo):
-        raise ValueError(f"RULER {task}: {target} tokens are too few for its smallest sample")
+        raise TooShort(task, target, n_tokens(tok, row(lo)))
     while fits(hi):
         lo, hi = hi, 2 * hi
         if hi > 10**7:

@@ -211,6 +211,40 @@ def test_length_too_short_for_a_task_before_out(tiny, tmp_path, capsys, no_model
                         "--out", str(tmp_path / "out"))
     assert code == 2 and "too few for its smallest sample" in err and \
         not (tmp_path / "out").exists()
+    # it said how many are too few, not how many are enough: the length it names makes vt's
+    # sample 0 (what a run checks before it starts), in RULER's sizing and the model's
+    import re
+    tok = load_tokenizer(folder)
+    for sizing, task in (("ruler", "vt"), ("ruler", "cwe"), ("model", "niah_single_1")):
+        code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--suite",
+                            "ruler", "--ruler-tasks", task, "--lengths", "200", "--ruler-sizing",
+                            sizing, "--out", str(tmp_path / "out"))
+        least = re.search(rf"RULER {task}: 200 tokens are too few for its smallest sample; use "
+                          r"--lengths (\d+) or more\n$", err)
+        assert code == 2 and least, err
+        row = ruler.sample_at(tok, [int(least[1])], 1, 0, [task], 0, sizing)
+        assert row["task"] == task and row["length"] <= int(least[1])
+    # vt's solved example is RULER's 500 tokens: the byte tokenizer's 500 bytes hold none (it was
+    # "Sample larger than population")
+    code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--suite",
+                        "ruler", "--ruler-tasks", "vt", "--ruler-sizing", "model", "--lengths",
+                        "1500", "--out", str(tmp_path / "out"))
+    assert code == 2 and "RULER vt's example: RULER's 500 tokens are too few" in err
+    assert "use --ruler-sizing ruler" in err
+    assert err.count("\n") == 1, err
+
+
+def test_generator_flags_with_a_dataset_are_refused(tmp_path, capsys, no_model):
+    """--dataset with --ruler-tasks ran every row and ignored the flag (--ruler-only is
+    refused); so did --lengths, --ruler-samples and --ruler-sizing."""
+    path = jsonl(tmp_path / "d.jsonl", json.dumps(GOOD))
+    for flag, value in (("--ruler-tasks", "vt"), ("--lengths", "1024"), ("--ruler-samples", "3"),
+                        ("--ruler-sizing", "model")):
+        code, err = run_cli(capsys, "--dataset", str(path), flag, value, "--out",
+                            str(tmp_path / "out"))
+        assert code == 2 and f"its rows are the samples, run whole; leave out {flag}" in \
+            err.strip().splitlines()[-1], err
+        assert not (tmp_path / "out").exists()
 
 
 def test_generated_ruler_without_the_offline_assets_is_one_line(tiny, tmp_path, capsys,
