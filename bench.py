@@ -365,6 +365,8 @@ def run(args):
     done = load_records(out, key)
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[],
                    complete=False)
+    if args.ruler_only:  # left to a later run (or out on purpose): named in results.md
+        results["tasks_left_out"] = [t for t in args.ruler_tasks if t not in args.ruler_only]
     gpu = torch.cuda.is_available() and not args.no_gpu
     previous = out / "results.json"
     # keep the speed rows of an earlier run of this folder if this one does not redo them
@@ -581,15 +583,18 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
         results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))
     # runs made with --no-quality (speed rows only) expect no context
     quality_runs = [c for c in configs if not (c.get("flags") or {}).get("no_quality")]
-    expected = len(key.get("lengths", [])) * key.get("contexts", 0)
-    if key.get("suite") == "ruler":
-        expected = ruler.n_contexts(key)
+    expected, n_done = len(key.get("lengths", [])) * key.get("contexts", 0), len(records)
+    if key.get("suite") == "ruler":  # the contexts of the tasks the runs meant (--ruler-only)
+        expected, n_done, left = ruler.planned(key, [c.get("flags") or {} for c in quality_runs],
+                                               records)
+        if left:
+            results["tasks_left_out"] = left
     expected = expected if quality_runs else 0
-    if len(records) < expected:
-        log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
+    if n_done < expected:
+        log(f"merge: {n_done} of {expected} contexts finished; the result is partial")
     if records:
         results.update(suite_results(list(records.values()), key, n_boot, seed, averaged))
-    results["complete"] = len(records) == expected
+    results["complete"] = n_done == expected
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)

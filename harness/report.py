@@ -152,6 +152,9 @@ def ruler_markdown(results):
            "fed after the authors' system prompt (never evicted)")
     chat = {False: "no chat template, ", True: "chat template, "}.get(f.get("chat"), "")
     merged = f" ({len(cfg['merged_from'])} runs, merged)." if cfg.get("merged_from") else "."
+    if results.get("tasks_left_out"):
+        merged += (f" Left out on purpose (--ruler-only): {', '.join(results['tasks_left_out'])}; "
+                   "their samples that finished before are in the tables.")
     what = (f"{results.get('n_contexts', 0)} finished contexts of {source}, {fed}; {chat}seed "
             f"{f['seed']}. Each context is compressed before its question is seen "
             "(query-agnostic), the question asked after it, the answer scored by kvpress's "

@@ -32,6 +32,7 @@ from harness import kvpress_prompt
 from harness import quality as Q
 from harness.kvpress_prompt import KvpressFormat
 from harness.ruler_tasks import (
+    FWE_BUDGET,
     TASKS,
     TooShort,
     least_target,
@@ -500,6 +501,8 @@ def run_key(exp, config):
     else:
         key.update(lengths=exp.lengths, ruler_samples=exp.ruler_samples,
                    ruler_tasks=list(exp.ruler_tasks), ruler_sizing=exp.ruler_sizing)
+        if exp.ruler_sizing == "ruler" and "fwe" in exp.ruler_tasks:  # not the older runs' fwe
+            key["fwe_budget"] = FWE_BUDGET
     return key
 
 
@@ -508,6 +511,23 @@ def n_contexts(key):
     if "dataset" in key:
         return key["dataset_contexts"]
     return len(key["lengths"]) * key["ruler_samples"] * len(key["ruler_tasks"])
+
+
+def planned(key, flags, done):
+    """What the runs of one experiment (`key`) meant to run, against what finished (`done`: context
+    numbers) -> (contexts meant, of those finished, the tasks left out). flags: each quality run's
+    (config.json's "flags"). When every run named tasks with --ruler-only, the tasks none named
+    were left out on purpose: their contexts are not meant (those that finished still count in the
+    tables); otherwise every context is."""
+    total = n_contexts(key)
+    only = [f.get("ruler_only") for f in flags]
+    if "dataset" in key or not only or not all(only):
+        return total, sum(1 for c in done if 0 <= c < total), []
+    tasks = key["ruler_tasks"]
+    chosen = {t for o in only for t in o}
+    meant = lambda c: 0 <= c < total and runs(c, (0, 1), tasks, chosen)
+    return (n_runs(total, (0, 1), tasks, chosen), sum(map(meant, done)),
+            [t for t in tasks if t not in chosen])
 
 
 # ---- 7. Results: per-task and average string_match with bootstrap intervals; results.md; plot --

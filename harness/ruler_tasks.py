@@ -12,8 +12,9 @@ Sizing. kvpress's RULER-4K file was generated once, in Llama-3.1-8B's tokens (it
 every model reads the same samples. The default sizing ("ruler") does the same: counted with
 Llama-3.1-8B's tokenizer (offline assets), the haystack grows by RULER's fixed steps (essay: 500
 words; noise or needle lines: 25; vt: 10 noise lines; cwe: 10 words; fwe: target // 32 coded words
-from target // 6) in one first draw per task and run, each sample then a step smaller while it is
-too long; the text counted, and what is reserved for the generation (fwe: nothing), are each
+from target // 6) in one first draw per task and run (fwe's from RULER's own first vocabulary,
+seed 42, whatever the run's: 2,218 coded words at 4K, as in kvpress's file), each sample then a
+step smaller while it is too long; the text counted, and what is reserved for the generation (fwe: nothing), are each
 script's. vt's solved example is made once per run, as RULER makes it. So a model reads about as
 many of its own tokens as its tokenizer makes of Llama's: more than the target for some (cwe's
 words cost Qwen3 about a third more). The other sizing ("model"; named "RULER-4K (model-token
@@ -269,6 +270,13 @@ def fwe_vocab(rng, seed, target, word_len=6):
     return vocab
 
 
+# RULER@e40fae1's seed (scripts/data/prepare.py: --random_seed 42, chunk 0), that of kvpress's files
+FWE_SEED = 42
+# what generated fwe samples' run keys record (harness/ruler.py run_key): runs made before fwe's
+# budget was RULER's drew it from the run's seed, and hold other fwe samples
+FWE_BUDGET = f"RULER's first draw, seed {FWE_SEED}"
+
+
 def fwe(vocab, seed, size, alpha=2.0):
     """Frequent words extraction (aggregation): `size` x k^-alpha / zeta(alpha) copies of the k-th
     coded word (Zipf, alpha 2), shuffled; the answer is the three most frequent after the noise."""
@@ -434,9 +442,12 @@ def haystack_size(task, target, seed):
     reserve += ruler_count(vt_example(seed)) if task == "vt" else 0
     rng = random.Random(f"ruler {task} {seed} {target} first draw")
     if task == "fwe":  # from target // 6 words up while the input is under the target; one back
-        vocab = fwe_vocab(rng, seed, target)
+        # from RULER's first vocabulary, whatever the samples' seed: its script draws it first
+        # from the global `random` seeded FWE_SEED, so kvpress's file holds 2,218 coded words
+        # at 4K in every sample (freq_words_extraction.py, sys_kwext)
+        vocab = fwe_vocab(random.Random(FWE_SEED), FWE_SEED, target)
         size = first
-        while ruler_count(fwe(vocab, seed, size)[0]) < target:
+        while ruler_count(fwe(vocab, FWE_SEED, size)[0]) < target:
             size += step
         return size - step
     most = len(cwe_words(seed)) if task == "cwe" else None
