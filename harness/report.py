@@ -128,8 +128,7 @@ def speed_markdown(results):
             if key == "speed" and results.get("speed_peer"):
                 out += peer_markdown(results)
     out += batch_markdown(results.get("batch_speed"), f.get("batch_length"), f.get("speed_decode"))
-    out += ["", results.get("gpu_note", "")]
-    return out
+    return out + (["", results["gpu_note"]] if results.get("gpu_note") else [])
 
 
 def ruler_markdown(results):

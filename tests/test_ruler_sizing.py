@@ -166,8 +166,8 @@ def test_fwe_budget_is_rulers_first_draw_whatever_the_seed(fresh):
     """RULER draws fwe's coded-word budget once, from the first vocabulary of its global `random`
     seeded 42 (RULER@e40fae1: scripts/data/synthetic/freq_words_extraction.py, sys_kwext), and
     every sample of kvpress's RULER-4K file holds that budget: 2,218 coded words. It was redrawn
-    from the run's seed (1,962 at seed 0). A run key records the budget, so that a folder of the
-    older fwe samples is never resumed or merged with the new ones."""
+    from the run's seed (2,090 at seed 0, 1,962 at 42). A run key records the budget, so that a
+    folder of the older fwe samples is never resumed or merged with the new ones."""
     assert {ruler_tasks.haystack_size("fwe", 4096, s) for s in (0, 3, 42)} == {2218}
     assert ruler_tasks.make_sample(None, "fwe", 4096, 0, 0)["haystack"] <= 2218
     exp = dict(methods=["full"], budgets=[1.0], extra_levels=[], lengths=[4096], contexts=1,
