@@ -3,6 +3,7 @@ exit code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says w
 to resume, outputs written atomically, one rule for
 what counts as text, and matplotlib for --plot."""
 import argparse
+import glob
 import hashlib
 import json
 import os
@@ -113,10 +114,34 @@ def _write_failure(e):
     return None
 
 
+def alive(pid):
+    """Whether process `pid` exists (another user's counts: os.kill is refused, not failed)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def dead_temporaries(folder, name="*"):
+    """atomic_path's temporaries in `folder` (those of the file `name`, or of any) whose writer
+    is gone: .NAME.tmpPID with no process PID, left by a writer killed mid-write (kill -9, a power
+    cut), which no `finally` removed. A live writer's is never listed."""
+    found = []
+    for p in Path(folder).glob(f".{glob.escape(name) if name != '*' else '*'}.tmp*"):
+        pid = p.name.rpartition(".tmp")[2]
+        if pid.isdigit() and not alive(int(pid)) and p.is_file():
+            found.append(p)
+    return found
+
+
 @contextmanager
 def atomic_path(path):
     """A temporary name beside `path` to write to; it replaces `path` when the block ends without
-    error (os.replace), so a killed run never leaves half a file, and is removed otherwise. A failed
+    error (os.replace), so a killed run never leaves half a file, and is removed otherwise (after
+    a kill -9, by the next write of `path`: dead_temporaries). A failed
     write (a full disk) is a WriteError naming `path`, and so is a `path` that is a device, a pipe
     or a socket: os.replace would put a regular file in its place (/dev/null, as root)."""
     path = Path(path)
@@ -128,6 +153,8 @@ def atomic_path(path):
                              or stat.S_ISSOCK(mode)):
         raise WriteError(f"cannot write {path}: a device, pipe or socket, not a regular file; "
                          "pass a file name")
+    for dead in dead_temporaries(path.parent, path.name):  # a killed write's (kill -9)
+        dead.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
