@@ -67,6 +67,25 @@ def shown(path):
         return str(path)
 
 
+# what Markdown would read as markup in a line of text or a table cell: escaped with a backslash
+MD_ESCAPE = set("\\`*[]<>|")
+
+
+def md(text):
+    """Text a user chose (a task or file name, a path) as Markdown shows it, literally, on one line:
+    markup characters escaped (a `|` would split a table cell), a line break or another control
+    character written as its escape (\\n: it would end the table row)."""
+    return "".join("\\" + c if c in MD_ESCAPE else c if c.isprintable()
+                   else c.encode("unicode_escape").decode("ascii") for c in str(text))
+
+
+def code(text):
+    """Text a user chose in a code span (`text`), or, when it holds what a code span cannot (a
+    backquote, a line break), escaped as plain text (md)."""
+    text = str(text)
+    return f"`{text}`" if text.isprintable() and "`" not in text and "|" not in text else md(text)
+
+
 def differing(a, b):
     return ", ".join(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
@@ -83,7 +102,7 @@ def markdown(results):
     g = cfg["gate"]
     tensors = f", tensors {g['tensors_sha256'][:12]}" if g.get("tensors_sha256") else ""
     out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
-           f"Model `{f['model']}`, gate `{shown(g['source'])}` "
+           f"Model {code(f['model'])}, gate {code(shown(g['source']))} "
            f"(sha256 {str(g['sha256'])[:12]}{tensors}), "
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
            + (f"{results['n_contexts']} {TEXT_NAMES[f.get('text', 'austen')]} contexts of "
@@ -137,7 +156,8 @@ def ruler_markdown(results):
     cfg = results["config"]
     f, key = cfg["flags"], cfg["quality_key"]
     if "dataset" in key:
-        source = (f"the {key['dataset_contexts']} contexts of `{key['dataset_name']}` (kvpress's "
+        source = (f"the {key['dataset_contexts']} contexts of {code(key['dataset_name'])} "
+                  "(kvpress's "
                   f"layout, sha256 {key['dataset'][:12]})")
     else:
         sizing = ("sized as RULER sizes kvpress's file, in Llama-3.1 tokens"
@@ -152,15 +172,16 @@ def ruler_markdown(results):
     chat = {False: "no chat template, ", True: "chat template, "}.get(f.get("chat"), "")
     merged = f" ({len(cfg['merged_from'])} runs, merged)." if cfg.get("merged_from") else "."
     if results.get("tasks_left_out"):
-        merged += (f" Left out on purpose (--ruler-only): {', '.join(results['tasks_left_out'])}; "
+        left = ", ".join(map(md, results["tasks_left_out"]))
+        merged += (f" Left out on purpose (--ruler-only): {left}; "
                    "their samples that finished before are in the tables.")
     what = (f"{results.get('n_contexts', 0)} finished contexts of {source}, {fed}; {chat}seed "
             f"{f['seed']}. Each context is compressed before its question is seen "
             "(query-agnostic), the question asked after it, the answer scored by kvpress's "
             "string_match." if results["rows"] or not f.get("no_quality")
             else "No quality section (--no-quality: speed and memory only).")
-    out = [f"# Fast KVzip on {results.get('suite', 'RULER')} ({cfg['started']})", "",
-           f"Model `{f['model']}`, gate `{shown(cfg['gate']['source'])}` (sha256 "
+    out = [f"# Fast KVzip on {md(results.get('suite', 'RULER'))} ({cfg['started']})", "",
+           f"Model {code(f['model'])}, gate {code(shown(cfg['gate']['source']))} (sha256 "
            f"{str(cfg['gate']['sha256'])[:12]}), commit {cfg['git_commit'][:10]}"
            f"{' (dirty)' if cfg['git_dirty'] else ''}. {what} Run time "
            f"{results.get('seconds', 0) / 60:.1f} min{merged}", ""]

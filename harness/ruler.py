@@ -31,6 +31,7 @@ from cli import UsageError, check_text, file_sha256, json_line, pyplot, save_fig
 from harness import kvpress_prompt
 from harness import quality as Q
 from harness.kvpress_prompt import KvpressFormat
+from harness.report import md
 from harness.ruler_tasks import (
     FWE_BUDGET,
     TASKS,
@@ -610,14 +611,14 @@ def markdown(results):
     averages = [r for r in rows if r["task"] == "average"]
     full = averages[0]
     capable = results.get("capable", [])
-    out = [f"## {results['suite']}: string_match (kvpress's score, 0-100)", "",
+    out = [f"## {md(results['suite'])}: string_match (kvpress's score, 0-100)", "",
            f"Full cache: {fmt(full['score'], full['ci'])}. Compression ratio = 1 − budget "
            "(kvpress's `compression_ratio`: the fraction of the context's KV pairs removed). "
            "Cells: the mean over tasks of each task's string_match [95% bootstrap interval over "
            "samples, by task]; relative = ÷ the full cache's. The tasks the full cache does at "
            "all (scores above 0): "
-           f"{', '.join(capable) or 'none'}; only those say anything about compression: their "
-           "average is the last column.", "",
+           f"{', '.join(map(md, capable)) or 'none'}; only those say anything about compression: "
+           "their average is the last column.", "",
            "| method | budget | compression ratio | average [95% CI] | relative | "
            f"average of the {len(capable)} tasks the full cache does [95% CI] |",
            "|---|---|---|---|---|---|"]
@@ -630,9 +631,9 @@ def markdown(results):
                    f"{fmt(r['score'], r['ci'])} | {rel} | {cap} |")
     n = {t: get(t, full)["n"] for t in tasks}
     out += ["", "## Per task (string_match, 0-100)", "",
-            "Samples per task: " + ", ".join(f"{t} {n[t]}" for t in tasks) + ". Cells: the "
+            "Samples per task: " + ", ".join(f"{md(t)} {n[t]}" for t in tasks) + ". Cells: the "
             "task's string_match [95% bootstrap interval over its samples].", "",
-            "| method | compression ratio | " + " | ".join(tasks) + " |",
+            "| method | compression ratio | " + " | ".join(map(md, tasks)) + " |",
             "|---|---|" + "---|" * len(tasks)]
     for r in averages:
         out.append(f"| {label(r)} | {r['compression_ratio']:g} | "

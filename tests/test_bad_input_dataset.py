@@ -313,3 +313,30 @@ def test_a_shard_without_a_context_of_ruler_only_is_refused(tmp_path, capsys, no
         assert ruler.n_runs(total, shard, tasks, only) == sum(
             c % shard[1] == shard[0] and (only is None or tasks[c % 11] in only)
             for c in range(total))
+
+
+def test_task_and_file_names_are_escaped_in_results_md(tiny, tmp_path):
+    """A task named "a|b<newline>c" was written raw into results.md: its `|` split the table's
+    header and its line break ended the row. What a user chose (task names, the file's name, the
+    model's path) is escaped for Markdown; each table still has one cell per column, reading back
+    as the name."""
+    import itertools
+    import re
+    folder, gate_file = tiny
+    odd = "a|b\nc `x` *y*"
+    path = jsonl(tmp_path / "d|`1`.jsonl", with_(task=odd), with_(task="plain"))
+    out = tmp_path / "out"
+    bench.main(["--model", str(folder), "--gate", str(gate_file), "--dataset", str(path),
+                "--methods", "full", "--bootstrap", "10", "--no-gpu", "--out", str(out)])
+    lines = (out / "results.md").read_text().splitlines()
+    # GFM: a cell ends at a bare |; a backslash escapes ASCII punctuation only
+    cells = lambda line: [re.sub(r"\\([!-/:-@[-`{-~])", r"\1", c).strip()
+                          for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+    starts = [i for i, line in enumerate(lines) if line.startswith("| method")]
+    tables = [[cells(line) for line in itertools.takewhile(lambda x: x.startswith("|"),
+                                                          lines[i:])] for i in starts]
+    assert tables and all(len({len(row) for row in t}) == 1 for t in tables), tables
+    per_task = next(t for t in tables if "compression ratio" == t[0][1])
+    assert per_task[0][2:] == [odd.replace("\n", "\\n"), "plain"]
+    assert lines[0].startswith("# Fast KVzip on d|`1`.jsonl, 2 tasks".replace("|", "\\|")
+                               .replace("`", "\\`"))
