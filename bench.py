@@ -487,7 +487,7 @@ def read_json(path, fix):
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; too deep
         raise UsageError(f"{path} is not valid JSON ({type(e).__name__}: "
                          f"{str(e)[:80]}); {fix}") from None
     if not isinstance(obj, dict):

@@ -674,7 +674,7 @@ def load_records(folder, key):
     for path in sorted((Path(folder) / "contexts").glob("context-*.json")):
         try:
             rec = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError:  # written atomically by us: damaged by something else
+        except (ValueError, RecursionError):  # written atomically by us: damaged by another
             raise UsageError(f"{path} is unreadable; delete it (its context is then "
                              "run again)") from None
         if not isinstance(rec, dict) or rec.get("key") != key:

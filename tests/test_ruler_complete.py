@@ -54,3 +54,20 @@ def test_a_ruler_only_run_is_complete_when_its_tasks_are_done(tmp_path):
     assert ruler.planned(KEY, [dict(ruler_only=["cwe"]), dict(ruler_only=["vt"])],
                          [0, 1, 2, 3, 9]) == (4, 4, [])  # two runs that chose both tasks
     assert ruler.planned(KEY, [dict(ruler_only=["vt"])], [0, 1, 3]) == (2, 1, ["cwe"])
+
+
+def test_json_nested_too_deep_in_a_run_folder_is_one_line(tmp_path):
+    """A run folder's JSON (a context record, results.json) nested 100,000 deep ended in a
+    RecursionError's traceback; it is damaged like any unreadable file: one line naming it."""
+    import pytest
+
+    from cli import UsageError
+    deep = "[" * 100_000 + "]" * 100_000
+    a = run_folder(tmp_path / "a", [0, 1], ["cwe"])
+    (tmp_path / "a" / "contexts" / "context-001.json").write_text(deep)
+    with pytest.raises(UsageError, match="context-001.json is unreadable; delete it"):
+        merged(tmp_path, a)
+    b = run_folder(tmp_path / "b", [0, 1], ["cwe"])
+    (tmp_path / "b" / "results.json").write_text(deep)
+    with pytest.raises(UsageError, match="results.json is not valid JSON .RecursionError"):
+        merged(tmp_path, b)
