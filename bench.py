@@ -531,9 +531,10 @@ def finish(results, out, plot):
     avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"]
            if r["task"] == "average"}
     low = min((b for _, b in avg), default=None)
-    log("relative at the lowest budget: " + ", ".join(f"{c}@{b:g} {v:.2f}"
-                                                      for (c, b), v in avg.items()
-                                                      if v is not None and b == low))
+    if avg:  # a run without quality contexts has none
+        log("relative at the lowest budget: " + ", ".join(f"{c}@{b:g} {v:.2f}"
+                                                          for (c, b), v in avg.items()
+                                                          if v is not None and b == low))
 
 
 def merge(folders, out, n_boot, seed, averaged, plot=False):
