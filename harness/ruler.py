@@ -233,9 +233,7 @@ def sample_at(tok, lengths, n_per_task, seed, tasks, c, sizing="ruler"):
     try:
         return make_sample(tok, tasks[t], lengths[c // per_length], seed, i, sizing)
     except TooShort as e:  # how many are enough: sample 0 is made at the least (as checked first)
-        least = least_target(tok, e.task, seed, sizing, e.need)
-        raise UsageError(f"--lengths: RULER {e.task}: {e.target} tokens are too few for its "
-                         f"smallest sample; use --lengths {least} or more") from None
+        raise too_short({e.task: least_target(tok, e.task, seed, sizing, e.need)}, e.target)
     except ValueError as e:
         raise UsageError(f"--lengths: {e}") from None
 
@@ -246,8 +244,26 @@ def check_generated(tok, fmt, lengths, tasks, seed, sizing, max_positions):
     not the model's), is refused in one line (UsageError) before --out is written; ~0.5 s per 4K
     length (model sizing: ~1.3 s)."""
     for n in lengths:
+        least = {}  # the tasks too long for n -> the least length that makes their sample 0
         for task in tasks:
-            fits(tok, fmt, sample_at(tok, [n], 1, seed, [task], 0, sizing), n, max_positions)
+            try:
+                row = make_sample(tok, task, n, seed, 0, sizing)  # sample_at's context 0
+            except TooShort as e:
+                least[task] = least_target(tok, task, seed, sizing, e.need)
+                continue
+            except ValueError as e:
+                raise UsageError(f"--lengths: {e}") from None
+            fits(tok, fmt, row, n, max_positions)
+        if least:
+            raise too_short(least, n)
+
+
+def too_short(least, n):
+    """The refusal of --lengths n, too short for the smallest samples of the tasks in `least`
+    (task -> the least length that makes its sample 0): one line saying how many are enough."""
+    its = "its smallest sample" if len(least) == 1 else "their smallest samples"
+    return UsageError(f"--lengths: RULER {', '.join(least)}: {n} tokens are too few for {its}; "
+                      f"use --lengths {max(least.values())} or more")
 
 
 def fits(tok, fmt, row, n, max_positions):

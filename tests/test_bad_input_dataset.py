@@ -224,6 +224,15 @@ def test_length_too_short_for_a_task_before_out(tiny, tmp_path, capsys, no_model
         assert code == 2 and least, err
         row = ruler.sample_at(tok, [int(least[1])], 1, 0, [task], 0, sizing)
         assert row["task"] == task and row["length"] <= int(least[1])
+    # several tasks too long: one length that makes every one
+    code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--suite",
+                        "ruler", "--ruler-tasks", "niah_single_1,vt,cwe", "--lengths", "300",
+                        "--out", str(tmp_path / "out"))
+    least = re.search(r"RULER niah_single_1, vt, cwe: 300 tokens are too few for their smallest "
+                      r"samples; use --lengths (\d+) or more\n$", err)
+    assert code == 2 and least, err
+    for task in ("niah_single_1", "vt", "cwe"):
+        assert ruler.sample_at(tok, [int(least[1])], 1, 0, [task], 0)["task"] == task
     # vt's solved example is RULER's 500 tokens: the byte tokenizer's 500 bytes hold none (it was
     # "Sample larger than population")
     code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--suite",
