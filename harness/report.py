@@ -15,7 +15,7 @@ import tokenizers
 import torch
 
 from cache import LEVELS
-from cli import file_sha256
+from cli import code, file_sha256, md
 from harness import quality
 from harness.speed import batch_markdown
 
@@ -65,25 +65,6 @@ def shown(path):
         return str(Path(path).resolve().relative_to(ROOT))
     except (ValueError, OSError, TypeError):
         return str(path)
-
-
-# what Markdown would read as markup in a line of text or a table cell: escaped with a backslash
-MD_ESCAPE = set("\\`*[]<>|")
-
-
-def md(text):
-    """Text a user chose (a task or file name, a path) as Markdown shows it, literally, on one line:
-    markup characters escaped (a `|` would split a table cell), a line break or another control
-    character written as its escape (\\n: it would end the table row)."""
-    return "".join("\\" + c if c in MD_ESCAPE else c if c.isprintable()
-                   else c.encode("unicode_escape").decode("ascii") for c in str(text))
-
-
-def code(text):
-    """Text a user chose in a code span (`text`), or, when it holds what a code span cannot (a
-    backquote, a line break), escaped as plain text (md)."""
-    text = str(text)
-    return f"`{text}`" if text.isprintable() and "`" not in text and "|" not in text else md(text)
 
 
 def differing(a, b):

@@ -27,11 +27,10 @@ import numpy as np
 import torch
 
 import generate
-from cli import UsageError, check_text, file_sha256, json_line, pyplot, save_figure
+from cli import UsageError, check_text, file_sha256, json_line, md, pyplot, save_figure
 from harness import kvpress_prompt
 from harness import quality as Q
 from harness.kvpress_prompt import KvpressFormat
-from harness.report import md
 from harness.ruler_tasks import (
     FWE_BUDGET,
     TASKS,

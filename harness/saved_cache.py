@@ -31,7 +31,6 @@ from commands.generate import build_inputs
 from formats.cache_file import load_cache, save_cache
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
-from harness.report import md
 from teacher import prompt_format
 
 QUESTION = "Who is the first person named in the text?"
@@ -98,7 +97,7 @@ def markdown(rows, args, load):
            "| prefill + 1st token s | load s | load + 1st token s | × faster | answers equal |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {md(r['model'])} | {r['context_tokens']} | {r['budget']:g} | "
+        out.append(f"| {cli.md(r['model'])} | {r['context_tokens']} | {r['budget']:g} | "
                    f"{mib(r['file_bytes'])} | "
                    f"{mib(r['kv_bytes_full'])} | {r['file_bytes'] / r['kv_bytes_full']:.2f} | "
                    f"{r['ttft_prefill_s']:.2f} | {r['load_s']:.2f} | {r['ttft_loaded_s']:.2f} | "
