@@ -89,7 +89,7 @@ def parse_args(argv=None):
                    help="comma list of " + ",".join(METHODS))
     p.add_argument("--budgets", type=cli.floats, default=list(BUDGETS),
                    help="fractions of the context kept")
-    p.add_argument("--extra-levels", type=lambda s: [x for x in s.split(",") if x],
+    p.add_argument("--extra-levels", type=cli.names,
                    default=["calibrated"], help="eviction levels run beside the paper's for "
                    "fastkvzip and kvzip (cache.LEVELS; '' = none)")
     p.add_argument("--lengths", type=cli.ints, default=[2048, 4096, 8192],
@@ -112,10 +112,10 @@ def parse_args(argv=None):
                    "RULER-4K file: Llama-3.1-8B tokens for every model, RULER's fixed haystack "
                    "steps; labelled RULER-4K) or model (the largest haystack that fits in the "
                    "model's own tokens; labelled 'RULER-4K (model-token sizing)')")
-    p.add_argument("--ruler-tasks", type=lambda s: [x for x in s.split(",") if x],
+    p.add_argument("--ruler-tasks", type=cli.names,
                    default=list(ruler_tasks.TASKS), help="--suite ruler: comma list of the tasks "
                    "generated (default all 11: " + ",".join(ruler_tasks.TASKS) + ")")
-    p.add_argument("--ruler-only", type=lambda s: [x for x in s.split(",") if x],
+    p.add_argument("--ruler-only", type=cli.names,
                    help="--suite ruler: comma list of tasks of --ruler-tasks whose contexts this run "
                    "runs; the experiment (its --out, its results) stays that of all --ruler-tasks, "
                    "the other tasks' contexts left to a later run, as --shard leaves its peers' "
@@ -214,6 +214,11 @@ def parse_args(argv=None):
     if args.dataset and "suite" in typed and args.suite != "ruler":
         p.error("--dataset reads kvpress's layout, scored by string_match: it runs as --suite "
                 "ruler")
+    # what makes generated samples; a --dataset's rows are its samples (as --ruler-only, refused)
+    ignored = [f for f in ("lengths", "ruler_tasks", "ruler_samples", "ruler_sizing") if f in typed]
+    if args.dataset and ignored:
+        p.error(f"--dataset {args.dataset}: its rows are the samples, run whole; leave out "
+                f"--{ignored[0].replace('_', '-')} (it sets generated RULER samples)")
     if args.dataset:
         args.suite = "ruler"
     if args.suite == "ruler":  # RULER-4K, as kvpress's leaderboard; no speed rows unless asked for
@@ -296,6 +301,11 @@ def check_args(p, args):
     if not args.no_quality and not args.merge and args.shard[0] >= n_contexts:  # it would run none
         p.error(f"--shard {args.shard[0]}/{args.shard[1]}: the run has {n_contexts} contexts "
                 f"({made}), shard {args.shard[0]} holds none; use at most {n_contexts} shards")
+    if args.ruler_only and not args.no_quality and not ruler.n_runs(
+            n_contexts, args.shard, args.ruler_tasks, set(args.ruler_only)):
+        p.error(f"--shard {args.shard[0]}/{args.shard[1]} holds no context of --ruler-only "
+                f"{','.join(args.ruler_only)} (of {n_contexts}: {made}, one task after another); "
+                "use fewer shards, or other tasks")
 
 
 def main(argv=None):
@@ -360,6 +370,8 @@ def run(args):
     done = load_records(out, key, n_contexts(key))
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[],
                    complete=False)
+    if args.ruler_only:  # left to a later run (or out on purpose): named in results.md
+        results["tasks_left_out"] = [t for t in args.ruler_tasks if t not in args.ruler_only]
     gpu = torch.cuda.is_available() and not args.no_gpu
     previous = out / "results.json"
     # keep the speed rows of an earlier run of this folder if this one does not redo them
@@ -480,7 +492,7 @@ def read_json(path, fix):
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; too deep
         raise UsageError(f"{path} is not valid JSON ({type(e).__name__}: "
                          f"{str(e)[:80]}); {fix}") from None
     if not isinstance(obj, dict):
@@ -572,9 +584,10 @@ def finish(results, out, plot):
     avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"]
            if r["task"] == "average"}
     low = min((b for _, b in avg), default=None)
-    log("relative at the lowest budget: " + ", ".join(f"{c}@{b:g} {v:.2f}"
-                                                      for (c, b), v in avg.items()
-                                                      if v is not None and b == low))
+    if avg:  # a run without quality contexts has none
+        log("relative at the lowest budget: " + ", ".join(f"{c}@{b:g} {v:.2f}"
+                                                          for (c, b), v in avg.items()
+                                                          if v is not None and b == low))
 
 
 def merge(folders, out, n_boot, seed, averaged, plot=False):
@@ -638,11 +651,18 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
                                                results.get("compressed_layers", []))
         # shards run side by side
         results["seconds"] = max(results.get("seconds", 0), old.get("seconds", 0))
-    if len(records) < expected:
-        log(f"merge: {len(records)} of {expected} contexts finished; the result is partial")
+    # the contexts the runs meant: every one, or for RULER those of the tasks --ruler-only chose
+    meant, n_done = expected, len(records)
+    if key.get("suite") == "ruler" and quality_runs:
+        meant, n_done, left = ruler.planned(key, [configs[i].get("flags") or {}
+                                                  for i in quality_runs], records)
+        if left:
+            results["tasks_left_out"] = left
+    if n_done < meant:
+        log(f"merge: {n_done} of {meant} contexts finished; the result is partial")
     if records:
         results.update(suite_results(list(records.values()), key, n_boot, seed, averaged))
-    results["complete"] = sorted(records) == list(range(expected))
+    results["complete"] = n_done == meant
     out = Path(out)
     created = cli.claim_folder(out, "--out", is_run, RUN, create=True)
     try:

@@ -4,6 +4,7 @@ to resume, outputs written atomically into output folders each program claims (o
 run at a time), one rule for what counts as text, and matplotlib for --plot."""
 import argparse
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -116,10 +117,34 @@ def _write_failure(e):
     return None
 
 
+def alive(pid):
+    """Whether process `pid` exists (another user's counts: os.kill is refused, not failed)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def dead_temporaries(folder, name="*"):
+    """atomic_path's temporaries in `folder` (those of the file `name`, or of any) whose writer
+    is gone: .NAME.tmpPID with no process PID, left by a writer killed mid-write (kill -9, a power
+    cut), which no `finally` removed. A live writer's is never listed."""
+    found = []
+    for p in Path(folder).glob(f".{glob.escape(name) if name != '*' else '*'}.tmp*"):
+        pid = p.name.rpartition(".tmp")[2]
+        if pid.isdigit() and not alive(int(pid)) and p.is_file():
+            found.append(p)
+    return found
+
+
 @contextmanager
 def atomic_path(path):
     """A temporary name beside `path` to write to; it replaces `path` when the block ends without
-    error (os.replace), so a killed run never leaves half a file, and is removed otherwise. A failed
+    error (os.replace), so a killed run never leaves half a file, and is removed otherwise (after
+    a kill -9, by the next write of `path`: dead_temporaries). A failed
     write (a full disk) is a WriteError naming `path`, and so is a `path` that is a device, a pipe
     or a socket: os.replace would put a regular file in its place (/dev/null, as root)."""
     path = Path(path)
@@ -131,6 +156,8 @@ def atomic_path(path):
                              or stat.S_ISSOCK(mode)):
         raise WriteError(f"cannot write {path}: a device, pipe or socket, not a regular file; "
                          "pass a file name")
+    for dead in dead_temporaries(path.parent, path.name):  # a killed write's (kill -9)
+        dead.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
@@ -270,8 +297,16 @@ def tree_sha256(files: list[Path], root: Path) -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
+# The comma lists of the scripts' flags (argparse types). Each value is kept once, in the order
+# given: a length, budget, task or method repeated would be run, and counted, twice.
+
+def names(s):
+    """A comma list of names (tasks, methods, levels); blanks dropped: '' = none."""
+    return list(dict.fromkeys(x for x in s.split(",") if x))
+
+
 def floats(s):
-    return [float(x) for x in s.split(",") if x]
+    return list(dict.fromkeys(float(x) for x in s.split(",") if x))
 
 
 def ints(s):
@@ -279,7 +314,7 @@ def ints(s):
     values = [int(x) for x in s.split(",") if x]
     if any(v < 0 for v in values) or (0 in values and values != [0]):
         raise argparse.ArgumentTypeError(f"{s!r}: token counts must be positive ('0' alone = none)")
-    return [v for v in values if v > 0]
+    return list(dict.fromkeys(v for v in values if v > 0))
 
 
 def pyplot():
@@ -435,8 +470,39 @@ def _unique_keys(pairs):
     keys = [k for k, _ in pairs]
     twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
     if twice is not None:
-        raise ValueError(f"key {twice!r} given twice")
+        raise ValueError(f"key {twice!r} given twice; give each key once")
     return dict(pairs)
+
+
+# Python refuses to convert integers longer than this (sys.get_int_max_str_digits(), 3.11's
+# default): its error advises a setting of the interpreter, not a fix of the file
+MAX_INT_DIGITS = 4300
+
+
+def _json_int(digits):
+    """parse_int of json.loads: an integer Python can read, or a ValueError that says so."""
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(digits.lstrip('-'))} digits (at most "
+                         f"{MAX_INT_DIGITS} are read); no field holds such a number")
+    return int(digits)
+
+
+def json_line(line, where, error=None):
+    """One line of a JSON-lines file (--batch, --dataset) -> its value; a line that is not JSON, a
+    key given twice, an integer too long to read or nesting deeper than Python's parser recurses
+    (a RecursionError) -> `error` (default UsageError) naming `where`, in one line."""
+    error = error or UsageError
+    try:
+        return json.loads(line, object_pairs_hook=_unique_keys, parse_int=_json_int)
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON object a "
+                    "line") from None
+    except RecursionError:
+        raise error(f"{where}: JSON nested too deep to read (more than about "
+                    f"{sys.getrecursionlimit()} levels of lists or objects); one flat object a "
+                    "line") from None
+    except ValueError as e:  # _unique_keys, _json_int
+        raise error(f"{where}: {e}") from None
 
 
 def check_text(text, what):
@@ -472,13 +538,7 @@ def read_batch(path, budget, max_new_tokens):
         if not line.strip():
             continue  # blank lines (a trailing newline) are not requests
         where = f"--batch {path} line {n}"
-        try:
-            obj = json.loads(line, object_pairs_hook=_unique_keys)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON "
-                             "object a line") from None
-        except ValueError as e:  # _unique_keys
-            raise UsageError(f"{where}: {e}; give each key once") from None
+        obj = json_line(line, where)
         if not isinstance(obj, dict):
             raise UsageError(f"{where}: a JSON {type(obj).__name__}, not an object like "
                              '{"context": "...", "questions": ["..."]}')
@@ -531,7 +591,26 @@ def read_batch(path, budget, max_new_tokens):
     return out
 
 
-# ---- what the commands print: the summary line, the retention map ------------------------------
+# ---- what the commands print: Markdown of a user's text, the summary line, the retention map ---
+
+# what Markdown would read as markup in a line of text or a table cell: escaped with a backslash
+MD_ESCAPE = set("\\`*[]<>|")
+
+
+def md(text):
+    """Text a user chose (a task or file name, a path) as Markdown shows it, literally, on one line:
+    markup characters escaped (a `|` would split a table cell), a line break or another control
+    character written as its escape (\\n: it would end the table row)."""
+    return "".join("\\" + c if c in MD_ESCAPE else c if c.isprintable()
+                   else c.encode("unicode_escape").decode("ascii") for c in str(text))
+
+
+def code(text):
+    """Text a user chose in a code span (`text`), or, when it holds what a code span cannot (a
+    backquote, a line break), escaped as plain text (md)."""
+    text = str(text)
+    return f"`{text}`" if text.isprintable() and "`" not in text and "|" not in text else md(text)
+
 
 def layer_list(layers):
     """[5, 11, 17] -> "5, 11, 17"; a long run of consecutive layers -> "0-29"."""

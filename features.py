@@ -114,10 +114,7 @@ def iter_files(spec, tokenizer):
         if kind == ".jsonl":
             for i, line in enumerate(text.split("\n")):
                 if line.strip():
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise UsageError(f"{f}:{i + 1}: not a JSON line ({e.msg})") from None
+                    obj = cli.json_line(line, f"{f}:{i + 1}")
                     text = obj.get("text") if isinstance(obj, dict) else None
                     if not isinstance(text, str):
                         raise UsageError(f"{f}:{i + 1}: a .jsonl line needs a \"text\" string "
@@ -321,9 +318,9 @@ def sweep_temporaries(out, docs, rank):
     outputs (safetensors' .tmpXXXXXX of a killed gate write, cli.atomic_path's .NAME.tmpPID). Says
     how much disk it freed."""
     found = [partial_dir(shard_path(out, i)) for i in docs]
-    if rank == 0 and Path(out).is_dir():
-        found += [p for p in Path(out).iterdir()
-                  if p.is_file() and (p.name.startswith(".tmp") or ".tmp" in p.suffix)]
+    if rank == 0 and Path(out).is_dir():  # safetensors' name no writer; atomic_path's, its PID
+        found += [p for p in Path(out).iterdir() if p.is_file() and p.name.startswith(".tmp")]
+        found += cli.dead_temporaries(out)
     found = [p for p in found if p.exists()]
     if not found:
         return

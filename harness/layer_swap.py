@@ -200,7 +200,7 @@ def parse_args(argv=None):
                    help="prefill chunk: a context must fit in one")
     p.add_argument("--window", type=int, default=4096,
                    help="recent tokens always kept (contexts shorter than a chunk: 2%%)")
-    p.add_argument("--combos", type=lambda s: s.upper().split(","),
+    p.add_argument("--combos", type=lambda s: cli.names(s.upper()),
                    help="only these combinations, e.g. TTT,GGG (default: all 2^L)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", required=True,

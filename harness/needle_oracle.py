@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from cli import UsageError, resolve_model
+from cli import UsageError, floats, names, resolve_model
 from formats.checkpoint import check_folder, load_checked
 from gate import Scorer
 from harness import quality as Q
@@ -175,13 +175,13 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=42, help="RULER samples' seed")
     p.add_argument("--out", required=True, help="folder: records.jsonl (resumable), summary.md")
     args = p.parse_args(argv)
-    args.tasks = [t for t in args.tasks.split(",") if t]
+    args.tasks = names(args.tasks)
     bad = [t for t in args.tasks if t not in ruler_tasks.NIAH]
     if bad:
         p.error(f"--tasks {','.join(bad)}: only NIAH tasks have needles "
                 f"({', '.join(ruler_tasks.NIAH)})")
-    args.methods = [m for m in args.methods.split(",") if m]
-    args.budgets = [round(1 - float(r), 6) for r in args.ratios.split(",")]
+    args.methods = names(args.methods)
+    args.budgets = list(dict.fromkeys(round(1 - r, 6) for r in floats(args.ratios)))
     folder = resolve_model(args.model)
     cfg, tok = check_folder(folder)
     fmt = kvpress_format(cfg, args.model, None, chat_template(folder))  # as bench.py's RULER

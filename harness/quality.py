@@ -678,7 +678,7 @@ def load_records(folder, key, n, fix="use a new --out, or the flags of the run t
         try:
             rec = json.loads(path.read_text(encoding="utf-8"))
         # written atomically by us: damaged by something else (cut short, or a folder put there)
-        except (ValueError, OSError):
+        except (ValueError, RecursionError, OSError):
             raise UsageError(f"{path} is unreadable{' (a folder)' if path.is_dir() else ''}; "
                              "delete it (its context is then run again)") from None
         if not isinstance(rec, dict) or rec.get("key") != key:

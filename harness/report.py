@@ -15,7 +15,7 @@ import tokenizers
 import torch
 
 from cache import LEVELS
-from cli import file_sha256
+from cli import code, file_sha256, md
 from harness import quality
 from harness.speed import batch_markdown
 
@@ -83,7 +83,7 @@ def markdown(results):
     g = cfg["gate"]
     tensors = f", tensors {g['tensors_sha256'][:12]}" if g.get("tensors_sha256") else ""
     out = [f"# Fast KVzip benchmark ({cfg['started']})", "",
-           f"Model `{f['model']}`, gate `{shown(g['source'])}` "
+           f"Model {code(f['model'])}, gate {code(shown(g['source']))} "
            f"(sha256 {str(g['sha256'])[:12]}{tensors}), "
            f"commit {cfg['git_commit'][:10]}{' (dirty)' if cfg['git_dirty'] else ''}. "
            + (f"{results['n_contexts']} {TEXT_NAMES[f.get('text', 'austen')]} contexts of "
@@ -97,6 +97,12 @@ def markdown(results):
            + (f" ({len(cfg['merged_from'])} runs side by side, merged)."
               if cfg.get("merged_from") else "."), ""]
     out += quality.markdown(results)
+    return "\n".join(out + speed_markdown(results)) + "\n"
+
+
+def speed_markdown(results):
+    """The speed and memory sections of results.md (lines), of either suite."""
+    f, out = results["config"]["flags"], []
     mib = lambda x, ratio: f"{x / 2**20:.1f} MiB ({ratio:.0%})"
     for key, title in (("speed", "CPU"), ("gpu", "GPU, random weights in Qwen3-8B's shape")):
         if results.get(key):
@@ -122,8 +128,7 @@ def markdown(results):
             if key == "speed" and results.get("speed_peer"):
                 out += peer_markdown(results)
     out += batch_markdown(results.get("batch_speed"), f.get("batch_length"), f.get("speed_decode"))
-    out += ["", results.get("gpu_note", "")]
-    return "\n".join(out) + "\n"
+    return out + (["", results["gpu_note"]] if results.get("gpu_note") else [])
 
 
 def ruler_markdown(results):
@@ -132,7 +137,8 @@ def ruler_markdown(results):
     cfg = results["config"]
     f, key = cfg["flags"], cfg["quality_key"]
     if "dataset" in key:
-        source = (f"the {key['dataset_contexts']} contexts of `{key['dataset_name']}` (kvpress's "
+        source = (f"the {key['dataset_contexts']} contexts of {code(key['dataset_name'])} "
+                  "(kvpress's "
                   f"layout, sha256 {key['dataset'][:12]})")
     else:
         sizing = ("sized as RULER sizes kvpress's file, in Llama-3.1 tokens"
@@ -146,16 +152,22 @@ def ruler_markdown(results):
            "fed after the authors' system prompt (never evicted)")
     chat = {False: "no chat template, ", True: "chat template, "}.get(f.get("chat"), "")
     merged = f" ({len(cfg['merged_from'])} runs, merged)." if cfg.get("merged_from") else "."
-    out = [f"# Fast KVzip on {results.get('suite', 'RULER')} ({cfg['started']})", "",
-           f"Model `{f['model']}`, gate `{shown(cfg['gate']['source'])}` (sha256 "
+    if results.get("tasks_left_out"):
+        left = ", ".join(map(md, results["tasks_left_out"]))
+        merged += (f" Left out on purpose (--ruler-only): {left}; "
+                   "their samples that finished before are in the tables.")
+    what = (f"{results.get('n_contexts', 0)} finished contexts of {source}, {fed}; {chat}seed "
+            f"{f['seed']}. Each context is compressed before its question is seen "
+            "(query-agnostic), the question asked after it, the answer scored by kvpress's "
+            "string_match." if results["rows"] or not f.get("no_quality")
+            else "No quality section (--no-quality: speed and memory only).")
+    out = [f"# Fast KVzip on {md(results.get('suite', 'RULER'))} ({cfg['started']})", "",
+           f"Model {code(f['model'])}, gate {code(shown(cfg['gate']['source']))} (sha256 "
            f"{str(cfg['gate']['sha256'])[:12]}), commit {cfg['git_commit'][:10]}"
-           f"{' (dirty)' if cfg['git_dirty'] else ''}. {results.get('n_contexts', 0)} finished "
-           f"contexts of {source}, {fed}; {chat}seed {f['seed']}. Each context is compressed "
-           "before its question is seen (query-agnostic), the question asked after it, the answer "
-           "scored by "
-           f"kvpress's string_match. Run time {results.get('seconds', 0) / 60:.1f} min{merged}", ""]
+           f"{' (dirty)' if cfg['git_dirty'] else ''}. {what} Run time "
+           f"{results.get('seconds', 0) / 60:.1f} min{merged}", ""]
     out += ruler.markdown(results)
-    return "\n".join(out) + "\n"
+    return "\n".join(out + speed_markdown(results)) + "\n"
 
 
 def peer_markdown(results):

@@ -27,12 +27,15 @@ import numpy as np
 import torch
 
 import generate
-from cli import UsageError, _unique_keys, check_text, file_sha256, pyplot, save_figure
+from cli import UsageError, check_text, file_sha256, json_line, md, pyplot, save_figure
 from harness import kvpress_prompt
 from harness import quality as Q
 from harness.kvpress_prompt import KvpressFormat
 from harness.ruler_tasks import (
+    FWE_BUDGET,
     TASKS,
+    TooShort,
+    least_target,
     make_sample,
     make_samples,
     suite_name,
@@ -84,16 +87,6 @@ def read_rows(path, flag="--dataset"):
             for where, r in items]
 
 
-def _json_row(line, where):
-    try:
-        return json.loads(line, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{where}: not JSON ({e.msg} at column {e.colno}); one JSON object a "
-                           "line") from None
-    except ValueError as e:  # a key given twice; an integer of more than 4300 digits
-        raise DatasetError(f"{where}: {e}") from None
-
-
 def _kind(x):
     name = type(x).__name__
     return "null" if x is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
@@ -103,7 +96,7 @@ def check_row(r, where):
     """One row (a JSON line's text, or a parquet row's dict) -> the row in kvpress's layout, or a
     DatasetError naming `where` and the column at fault (its type, never its text)."""
     if isinstance(r, str):
-        r = _json_row(r, where)
+        r = json_line(r, where, DatasetError)
     if not isinstance(r, dict):
         raise DatasetError(f"{where}: a JSON {type(r).__name__}, not an object with the columns "
                            f"{', '.join(COLUMNS)}")
@@ -238,6 +231,8 @@ def sample_at(tok, lengths, n_per_task, seed, tasks, c, sizing="ruler"):
     i, t = divmod(c % per_length, len(tasks))
     try:
         return make_sample(tok, tasks[t], lengths[c // per_length], seed, i, sizing)
+    except TooShort as e:  # how many are enough: sample 0 is made at the least (as checked first)
+        raise too_short({e.task: least_target(tok, e.task, seed, sizing, e.need)}, e.target)
     except ValueError as e:
         raise UsageError(f"--lengths: {e}") from None
 
@@ -248,8 +243,26 @@ def check_generated(tok, fmt, lengths, tasks, seed, sizing, max_positions):
     not the model's), is refused in one line (UsageError) before --out is written; ~0.5 s per 4K
     length (model sizing: ~1.3 s)."""
     for n in lengths:
+        least = {}  # the tasks too long for n -> the least length that makes their sample 0
         for task in tasks:
-            fits(tok, fmt, sample_at(tok, [n], 1, seed, [task], 0, sizing), n, max_positions)
+            try:
+                row = make_sample(tok, task, n, seed, 0, sizing)  # sample_at's context 0
+            except TooShort as e:
+                least[task] = least_target(tok, task, seed, sizing, e.need)
+                continue
+            except ValueError as e:
+                raise UsageError(f"--lengths: {e}") from None
+            fits(tok, fmt, row, n, max_positions)
+        if least:
+            raise too_short(least, n)
+
+
+def too_short(least, n):
+    """The refusal of --lengths n, too short for the smallest samples of the tasks in `least`
+    (task -> the least length that makes its sample 0): one line saying how many are enough."""
+    its = "its smallest sample" if len(least) == 1 else "their smallest samples"
+    return UsageError(f"--lengths: RULER {', '.join(least)}: {n} tokens are too few for {its}; "
+                      f"use --lengths {max(least.values())} or more")
 
 
 def fits(tok, fmt, row, n, max_positions):
@@ -399,15 +412,9 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
     k_shard, n_shard = shard
     tasks = list(exp.ruler_tasks)
     assert only is None or not exp.dataset, "only: the tasks of a generated run"
-
-    def mine(c):  # context c is this run's: its shard's, of a task asked for (c % tasks: load_rows)
-        return c % n_shard == k_shard and (only is None or tasks[c % len(tasks)] in only)
-    # this run's contexts, counted and walked without a list: a generated run may be of any size;
-    # which are mine repeats every `period` contexts
-    period = math.lcm(n_shard, len(tasks) or 1)
-    n_todo = total // period * sum(map(mine, range(period))) + \
-        sum(map(mine, range(total - total % period, total))) - \
-        sum(1 for c in done if mine(c) and c < total)
+    mine = lambda c: runs(c, shard, tasks, only)
+    # this run's contexts, walked without a list: a generated run may be of any size
+    n_todo = n_runs(total, shard, tasks, only) - sum(1 for c in done if mine(c) and c < total)
     todo = (c for c in range(k_shard, total, n_shard) if mine(c) and c not in done)
     n_done, t_start = 0, time.perf_counter()
     n_layers = len(cfg.compressed_layers)
@@ -473,6 +480,21 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
             on_context(record)
 
 
+def runs(c, shard, tasks, only=None):
+    """Whether context c is a run's: its shard's (shard = (k, n): c % n == k), and, with `only` (a
+    set of task names; a generated run), of one of those tasks (c % len(tasks): load_rows)."""
+    return c % shard[1] == shard[0] and (only is None or tasks[c % len(tasks)] in only)
+
+
+def n_runs(total, shard, tasks, only=None):
+    """How many of contexts 0..total-1 are a run's (runs), counted without a list: a generated run
+    may be of any size, and which contexts are its repeats every lcm(n, len(tasks)) contexts."""
+    period = math.lcm(shard[1], len(tasks) or 1)
+    mine = lambda c: runs(c, shard, tasks, only)
+    return total // period * sum(map(mine, range(period))) + \
+        sum(map(mine, range(total - total % period, total)))
+
+
 def entry(res, kept, nbytes):
     """One (config, budget) on one context: each question's string_match (0..1), kept fractions per
     compressed layer, KV bytes held once prefilled, decode (tokens, seconds; batched: see
@@ -495,6 +517,8 @@ def run_key(exp, config):
     else:
         key.update(lengths=exp.lengths, ruler_samples=exp.ruler_samples,
                    ruler_tasks=list(exp.ruler_tasks), ruler_sizing=exp.ruler_sizing)
+        if exp.ruler_sizing == "ruler" and "fwe" in exp.ruler_tasks:  # not the older runs' fwe
+            key["fwe_budget"] = FWE_BUDGET
     return key
 
 
@@ -503,6 +527,23 @@ def n_contexts(key):
     if "dataset" in key:
         return key["dataset_contexts"]
     return len(key["lengths"]) * key["ruler_samples"] * len(key["ruler_tasks"])
+
+
+def planned(key, flags, done):
+    """What the runs of one experiment (`key`) meant to run, against what finished (`done`: context
+    numbers) -> (contexts meant, of those finished, the tasks left out). flags: each quality run's
+    (config.json's "flags"). When every run named tasks with --ruler-only, the tasks none named
+    were left out on purpose: their contexts are not meant (those that finished still count in the
+    tables); otherwise every context is."""
+    total = n_contexts(key)
+    only = [f.get("ruler_only") for f in flags]
+    if "dataset" in key or not only or not all(only):
+        return total, sum(1 for c in done if 0 <= c < total), []
+    tasks = key["ruler_tasks"]
+    chosen = {t for o in only for t in o}
+    meant = lambda c: 0 <= c < total and runs(c, (0, 1), tasks, chosen)
+    return (n_runs(total, (0, 1), tasks, chosen), sum(map(meant, done)),
+            [t for t in tasks if t not in chosen])
 
 
 # ---- 7. Results: per-task and average string_match with bootstrap intervals; results.md; plot --
@@ -574,9 +615,10 @@ def label(r):
 
 def markdown(results):
     """The RULER sections of results.md (lines)."""
-    rows, tasks = results["rows"], results["tasks"]
-    if not rows:
+    rows = results["rows"]
+    if not rows:  # no context finished, or none run (--no-quality)
         return []
+    tasks = results["tasks"]
     get = lambda task, r0: next(r for r in rows if r["task"] == task and label(r) == label(r0)
                                 and r["budget"] == r0["budget"])
     fmt = lambda x, c: f"{x:.1f} [{c[0]:.1f}, {c[1]:.1f}]" if c else f"{x:.1f}"
@@ -584,14 +626,14 @@ def markdown(results):
     averages = [r for r in rows if r["task"] == "average"]
     full = averages[0]
     capable = results.get("capable", [])
-    out = [f"## {results['suite']}: string_match (kvpress's score, 0-100)", "",
+    out = [f"## {md(results['suite'])}: string_match (kvpress's score, 0-100)", "",
            f"Full cache: {fmt(full['score'], full['ci'])}. Compression ratio = 1 − budget "
            "(kvpress's `compression_ratio`: the fraction of the context's KV pairs removed). "
            "Cells: the mean over tasks of each task's string_match [95% bootstrap interval over "
            "samples, by task]; relative = ÷ the full cache's. The tasks the full cache does at "
            "all (scores above 0): "
-           f"{', '.join(capable) or 'none'}; only those say anything about compression: their "
-           "average is the last column.", "",
+           f"{', '.join(map(md, capable)) or 'none'}; only those say anything about compression: "
+           "their average is the last column.", "",
            "| method | budget | compression ratio | average [95% CI] | relative | "
            f"average of the {len(capable)} tasks the full cache does [95% CI] |",
            "|---|---|---|---|---|---|"]
@@ -604,9 +646,9 @@ def markdown(results):
                    f"{fmt(r['score'], r['ci'])} | {rel} | {cap} |")
     n = {t: get(t, full)["n"] for t in tasks}
     out += ["", "## Per task (string_match, 0-100)", "",
-            "Samples per task: " + ", ".join(f"{t} {n[t]}" for t in tasks) + ". Cells: the "
+            "Samples per task: " + ", ".join(f"{md(t)} {n[t]}" for t in tasks) + ". Cells: the "
             "task's string_match [95% bootstrap interval over its samples].", "",
-            "| method | compression ratio | " + " | ".join(tasks) + " |",
+            "| method | compression ratio | " + " | ".join(map(md, tasks)) + " |",
             "|---|---|" + "---|" * len(tasks)]
     for r in averages:
         out.append(f"| {label(r)} | {r['compression_ratio']:g} | "

@@ -12,8 +12,9 @@ Sizing. kvpress's RULER-4K file was generated once, in Llama-3.1-8B's tokens (it
 every model reads the same samples. The default sizing ("ruler") does the same: counted with
 Llama-3.1-8B's tokenizer (offline assets), the haystack grows by RULER's fixed steps (essay: 500
 words; noise or needle lines: 25; vt: 10 noise lines; cwe: 10 words; fwe: target // 32 coded words
-from target // 6) in one first draw per task and run, each sample then a step smaller while it is
-too long; the text counted, and what is reserved for the generation (fwe: nothing), are each
+from target // 6) in one first draw per task and run (fwe's from RULER's own first vocabulary,
+seed 42, whatever the run's: 2,218 coded words at 4K, as in kvpress's file), each sample then a
+step smaller while it is too long; the text counted, and what is reserved for the generation (fwe: nothing), are each
 script's. vt's solved example is made once per run, as RULER makes it. So a model reads about as
 many of its own tokens as its tokenizer makes of Llama's: more than the target for some (cwe's
 words cost Qwen3 about a third more). The other sizing ("model"; named "RULER-4K (model-token
@@ -269,6 +270,13 @@ def fwe_vocab(rng, seed, target, word_len=6):
     return vocab
 
 
+# RULER@e40fae1's seed (scripts/data/prepare.py: --random_seed 42, chunk 0), that of kvpress's files
+FWE_SEED = 42
+# what generated fwe samples' run keys record (harness/ruler.py run_key): runs made before fwe's
+# budget was RULER's drew it from the run's seed, and hold other fwe samples
+FWE_BUDGET = f"RULER's first draw, seed {FWE_SEED}"
+
+
 def fwe(vocab, seed, size, alpha=2.0):
     """Frequent words extraction (aggregation): `size` x k^-alpha / zeta(alpha) copies of the k-th
     coded word (Zipf, alpha 2), shuffled; the answer is the three most frequent after the noise."""
@@ -371,17 +379,44 @@ def grow(draw, count, target, step, reserve, most=None):
     return size
 
 
+class TooShort(ValueError):
+    """A target too short for a task's smallest sample, which takes `need` tokens (the draw that
+    failed: another draw may take a few more or fewer, least_target)."""
+
+    def __init__(self, task, target, need):
+        super().__init__(f"RULER {task}: {target} tokens are too few for its smallest sample, "
+                         f"which takes {need}")
+        self.task, self.target, self.need = task, target, need
+
+
+def least_target(tok, task, seed, sizing, need):
+    """The least target, from a TooShort's `need` up, at which sample 0 of `task` is made (what a
+    run checks before it starts); up in steps of 1% of the target, as long as it fails."""
+    target = need
+    for _ in range(200):  # 1% steps: past 7x the estimate, which a draw never misses by
+        try:
+            make_sample(tok, task, target, seed, 0, sizing)
+            return target
+        except TooShort as e:
+            target = max(target + max(1, target // 100), e.need)
+    raise ValueError(f"RULER {task}: no target from {need} tokens fits its smallest sample")
+
+
 def shrink(draw, count, target, size, step, reserve, what):
     """RULER's per-sample loop: draw at `size`, and again a step smaller while the input with the
     reserved tokens is longer than the target -> (text, answer, tokens counted, size). RULER
-    retries the smallest size forever; here it is an error."""
+    retries the smallest size forever; here it is an error (TooShort for a task's sample)."""
     while True:
         text, answer = draw(size)
         length = count(text) + reserve
         if length <= target:
             return text, answer, length, size
-        if size <= step:
-            raise ValueError(f"RULER {what}: {target} tokens are too few for its smallest sample")
+        if size <= step and what in TASKS:
+            raise TooShort(what, target, length)
+        if size <= step:  # vt's example: its 500 tokens are RULER's, not a flag's
+            raise ValueError(f"RULER {what}: RULER's {target} tokens are too few for it in this "
+                             f"tokenizer's tokens (it takes {length} at its smallest); use "
+                             "--ruler-sizing ruler")
         size -= step
 
 
@@ -393,7 +428,7 @@ def vt_example(seed, tok=None):
     count = ruler_count if tok is None else lambda s: len(encode_text(tok, s))
     rng = random.Random(f"ruler vt example {seed}")
     draw = lambda n: vt(rng, n, example=True)
-    size = grow(lambda n: first_text("vt", *draw(n)), count, 500, 5, MAX_NEW["vt"])
+    size = max(5, grow(lambda n: first_text("vt", *draw(n)), count, 500, 5, MAX_NEW["vt"]))
     text, answer, _, _ = shrink(draw, count, 500, size, 5, MAX_NEW["vt"], "vt's example")
     return text + " " + " ".join(answer) + "\n\n"
 
@@ -407,16 +442,20 @@ def haystack_size(task, target, seed):
     reserve += ruler_count(vt_example(seed)) if task == "vt" else 0
     rng = random.Random(f"ruler {task} {seed} {target} first draw")
     if task == "fwe":  # from target // 6 words up while the input is under the target; one back
-        vocab = fwe_vocab(rng, seed, target)
+        # from RULER's first vocabulary, whatever the samples' seed: its script draws it first
+        # from the global `random` seeded FWE_SEED, so kvpress's file holds 2,218 coded words
+        # at 4K in every sample (freq_words_extraction.py, sys_kwext)
+        vocab = fwe_vocab(random.Random(FWE_SEED), FWE_SEED, target)
         size = first
-        while ruler_count(fwe(vocab, seed, size)[0]) < target:
+        while ruler_count(fwe(vocab, FWE_SEED, size)[0]) < target:
             size += step
         return size - step
     most = len(cwe_words(seed)) if task == "cwe" else None
     size = grow(lambda n: first_text(task, *build(task, rng, seed, n, target)), ruler_count,
                 target, step, reserve, most)
-    if size < step:
-        raise ValueError(f"RULER {task}: {target} tokens are too few for its smallest sample")
+    if size < step:  # the smallest haystack's draw, with its answer, took more than the target
+        draw = build(task, random.Random(f"ruler {task} {seed} {target} least"), seed, step, target)
+        raise TooShort(task, target, ruler_count(first_text(task, *draw)) + reserve)
     return size
 
 
@@ -468,7 +507,7 @@ def model_sample(tok, task, target, seed, index):
     fits = lambda size: n_tokens(tok, row(size)) <= target
     lo = hi = 11 if task == "cwe" else 5  # the least haystack: cwe's 10 common words and one more
     if not fits(lo):
-        raise ValueError(f"RULER {task}: {target} tokens are too few for its smallest sample")
+        raise TooShort(task, target, n_tokens(tok, row(lo)))
     while fits(hi):
         lo, hi = hi, 2 * hi
         if hi > 10**7:

@@ -97,7 +97,7 @@ def markdown(rows, args, load):
            "| prefill + 1st token s | load s | load + 1st token s | × faster | answers equal |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['model']} | {r['context_tokens']} | {r['budget']:g} | "
+        out.append(f"| {cli.md(r['model'])} | {r['context_tokens']} | {r['budget']:g} | "
                    f"{mib(r['file_bytes'])} | "
                    f"{mib(r['kv_bytes_full'])} | {r['file_bytes'] / r['kv_bytes_full']:.2f} | "
                    f"{r['ttft_prefill_s']:.2f} | {r['load_s']:.2f} | {r['ttft_loaded_s']:.2f} | "
@@ -114,7 +114,7 @@ def markdown(rows, args, load):
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=lambda s: s.split(","), default=list(cli.OFFLINE_MODELS))
+    p.add_argument("--models", type=cli.names, default=list(cli.OFFLINE_MODELS))
     p.add_argument("--lengths", type=cli.ints, default=[2048, 8192], help="context tokens")
     p.add_argument("--budgets", type=cli.floats, default=[1.0, 0.3])
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (generate.py's)")

@@ -159,6 +159,35 @@ def test_a_cache_saved_here_is_replaced(capsys, tiny, tmp_path):
     assert os.listdir(tmp_path) == ["doc.kv"]
 
 
+def test_a_killed_writers_temporary_is_swept_by_the_next_save(capsys, tiny, tmp_path):
+    """--save-cache killed with -9 mid-write leaves .NAME.tmpPID beside the target, which no later
+    --save-cache to that name removed; now the next write of the name removes the temporaries of
+    writers that are gone (cli.dead_temporaries, which train_gate's sweep shares), never a live
+    writer's."""
+    import subprocess
+    import sys
+
+    import features
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        kv = tmp_path / "doc.kv"
+        names = [f".doc.kv.tmp{dead}", f".doc.kv.tmp{live.pid}", f".other.kv.tmp{dead}"]
+        for name in names:
+            (tmp_path / name).write_bytes(bytes(1000))
+        res = run_main(capsys, *tiny["flags"], "--context-file", str(tiny["doc"]),
+                       "--save-cache", str(kv), "--max-new-tokens", "0")
+        assert res[0] == 0, res[2]
+        assert sorted(os.listdir(tmp_path)) == sorted(["doc.kv"] + names[1:])
+        # train_gate's sweep of its --out: the dead writer's, not the live one's
+        (tmp_path / f".metrics.json.tmp{dead}").write_bytes(bytes(10))
+        features.sweep_temporaries(tmp_path, [], 0)
+        assert sorted(os.listdir(tmp_path)) == sorted(["doc.kv", names[1]])
+    finally:
+        live.kill(), live.wait()
+
+
 # -- a --save-cache that cannot be written: refused before anything loads -------------------------
 
 def test_save_cache_that_cannot_be_written_is_refused_before_the_model(capsys, tmp_path,

@@ -75,6 +75,10 @@ def with_(**kw):
     ([with_(question="What is \ud800?")], "line 1: 'question' holds a lone surrogate"),
     (["{not json"], "line 1: not JSON"),
     (['{"context": "a", "context": "b"}'], "key 'context' given twice"),
+    # a RecursionError's traceback; Python's advice to raise sys.set_int_max_str_digits()
+    (["[" * 100_000 + "]" * 100_000], "line 1: JSON nested too deep to read"),
+    ([with_(context={"a": [[[[[["deep"]]]]]]})], "'context' must be a non-empty string"),
+    ([with_(max_new_tokens=0).replace(": 0", ": " + "9" * 5000)], "line 1: an integer of 5000 digits (at most 4300"),
     # accepted and scored wrong
     ([with_(max_new_tokens=-5)], "'max_new_tokens' must be an integer >= 1"),
     ([with_(max_new_tokens=2.9)], "'max_new_tokens' must be an integer >= 1"),
@@ -207,6 +211,49 @@ def test_length_too_short_for_a_task_before_out(tiny, tmp_path, capsys, no_model
                         "--out", str(tmp_path / "out"))
     assert code == 2 and "too few for its smallest sample" in err and \
         not (tmp_path / "out").exists()
+    # it said how many are too few, not how many are enough: the length it names makes vt's
+    # sample 0 (what a run checks before it starts), in RULER's sizing and the model's
+    import re
+    tok = load_tokenizer(folder)
+    for sizing, task in (("ruler", "vt"), ("ruler", "cwe"), ("model", "niah_single_1")):
+        code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--suite",
+                            "ruler", "--ruler-tasks", task, "--lengths", "200", "--ruler-sizing",
+                            sizing, "--out", str(tmp_path / "out"))
+        least = re.search(rf"RULER {task}: 200 tokens are too few for its smallest sample; use "
+                          r"--lengths (\d+) or more\n$", err)
+        assert code == 2 and least, err
+        row = ruler.sample_at(tok, [int(least[1])], 1, 0, [task], 0, sizing)
+        assert row["task"] == task and row["length"] <= int(least[1])
+    # several tasks too long: one length that makes every one
+    code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--suite",
+                        "ruler", "--ruler-tasks", "niah_single_1,vt,cwe", "--lengths", "300",
+                        "--out", str(tmp_path / "out"))
+    least = re.search(r"RULER niah_single_1, vt, cwe: 300 tokens are too few for their smallest "
+                      r"samples; use --lengths (\d+) or more\n$", err)
+    assert code == 2 and least, err
+    for task in ("niah_single_1", "vt", "cwe"):
+        assert ruler.sample_at(tok, [int(least[1])], 1, 0, [task], 0)["task"] == task
+    # vt's solved example is RULER's 500 tokens: the byte tokenizer's 500 bytes hold none (it was
+    # "Sample larger than population")
+    code, err = run_cli(capsys, "--model", str(folder), "--gate", str(gate_file), "--suite",
+                        "ruler", "--ruler-tasks", "vt", "--ruler-sizing", "model", "--lengths",
+                        "1500", "--out", str(tmp_path / "out"))
+    assert code == 2 and "RULER vt's example: RULER's 500 tokens are too few" in err
+    assert "use --ruler-sizing ruler" in err
+    assert err.count("\n") == 1, err
+
+
+def test_generator_flags_with_a_dataset_are_refused(tmp_path, capsys, no_model):
+    """--dataset with --ruler-tasks ran every row and ignored the flag (--ruler-only is
+    refused); so did --lengths, --ruler-samples and --ruler-sizing."""
+    path = jsonl(tmp_path / "d.jsonl", json.dumps(GOOD))
+    for flag, value in (("--ruler-tasks", "vt"), ("--lengths", "1024"), ("--ruler-samples", "3"),
+                        ("--ruler-sizing", "model")):
+        code, err = run_cli(capsys, "--dataset", str(path), flag, value, "--out",
+                            str(tmp_path / "out"))
+        assert code == 2 and f"its rows are the samples, run whole; leave out {flag}" in \
+            err.strip().splitlines()[-1], err
+        assert not (tmp_path / "out").exists()
 
 
 def test_generated_ruler_without_the_offline_assets_is_one_line(tiny, tmp_path, capsys,
@@ -224,3 +271,81 @@ def test_generated_ruler_without_the_offline_assets_is_one_line(tiny, tmp_path, 
     assert code == 2 and err.startswith("error: missing offline asset ") and \
         "python -m offline.fetch_assets" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_value_repeated_in_a_list_flag_runs_once():
+    """--lengths 1024,1024 generated every RULER sample twice and counted both; so would a
+    repeated speed length, batch size or GPU length, and layer_swap's budgets and combinations:
+    a comma list keeps each value once, in the order given (cli.ints, cli.floats, cli.names)."""
+    from harness import layer_swap
+    args = bench.parse_args(["--suite", "ruler", "--lengths", "1024,2048,1024", "--ruler-samples",
+                             "2", "--ruler-tasks", "vt,cwe,vt", "--ruler-only", "cwe,cwe",
+                             "--methods", "kvzip,kvzip", "--budgets", "0.5,0.50,0.5",
+                             "--speed-lengths", "256,256", "--batch-sizes", "2,4,2",
+                             "--gpu-lengths", "8192,8192"])
+    assert args.lengths == [1024, 2048] and args.ruler_tasks == ["vt", "cwe"]
+    assert args.ruler_only == ["cwe"] and args.methods == ["full", "kvzip"]
+    assert args.budgets == [0.5] and args.speed_lengths == [256] and args.batch_sizes == [2, 4]
+    assert args.gpu_lengths == [8192]
+    exp = bench.experiment(args)  # 2 lengths x 2 samples x 2 tasks: the run's contexts
+    assert len(exp.lengths) * exp.ruler_samples * len(exp.ruler_tasks) == 8
+    swap = layer_swap.parse_args(["--out", "x", "--budgets", "0.5,0.4,0.5", "--combos",
+                                  "TTG,ttg,GGG"])
+    assert swap.budgets == [0.5, 0.4] and swap.combos == ["TTG", "GGG"]
+    assert cli.names("a,,b,a") == ["a", "b"] and cli.ints("0") == []
+
+
+def test_ruler_without_quality_contexts_writes_its_results(tiny, tmp_path, capsys):
+    """--suite ruler --no-quality ended in KeyError 'tasks' once the run was done (results.md of a
+    RULER run without contexts)."""
+    folder, gate_file = tiny
+    out = tmp_path / "out"
+    code = bench.main(["--model", str(folder), "--gate", str(gate_file), "--suite", "ruler",
+                       "--no-quality", "--no-gpu", "--out", str(out)])
+    assert code is None
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"] and results["rows"] == []
+    assert "No quality section" in (out / "results.md").read_text()
+
+
+def test_a_shard_without_a_context_of_ruler_only_is_refused(tmp_path, capsys, no_model):
+    """--shard 1/2 --ruler-only vt of one sample per task (vt's one context is 8, shard 0's) ran
+    nothing and ended in KeyError 'tasks'; refused before anything loads."""
+    code, err = run_cli(capsys, "--suite", "ruler", "--ruler-samples", "1", "--shard", "1/2",
+                        "--ruler-only", "vt", "--out", str(tmp_path / "out"))
+    last = err.strip().splitlines()[-1]  # argparse's usage, then the line
+    assert code == 2 and "--shard 1/2 holds no context of --ruler-only vt" in last, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    tasks = list(ruler.TASKS)
+    for shard, only, total in (((0, 2), {"vt"}, 11), ((1, 3), {"vt", "cwe"}, 11 * 7),
+                               ((2, 4), None, 11 * 5 + 3)):  # against a count of every context
+        assert ruler.n_runs(total, shard, tasks, only) == sum(
+            c % shard[1] == shard[0] and (only is None or tasks[c % 11] in only)
+            for c in range(total))
+
+
+def test_task_and_file_names_are_escaped_in_results_md(tiny, tmp_path):
+    """A task named "a|b<newline>c" was written raw into results.md: its `|` split the table's
+    header and its line break ended the row. What a user chose (task names, the file's name, the
+    model's path) is escaped for Markdown; each table still has one cell per column, reading back
+    as the name."""
+    import itertools
+    import re
+    folder, gate_file = tiny
+    odd = "a|b\nc `x` *y*"
+    path = jsonl(tmp_path / "d|`1`.jsonl", with_(task=odd), with_(task="plain"))
+    out = tmp_path / "out"
+    bench.main(["--model", str(folder), "--gate", str(gate_file), "--dataset", str(path),
+                "--methods", "full", "--bootstrap", "10", "--no-gpu", "--out", str(out)])
+    lines = (out / "results.md").read_text().splitlines()
+    # GFM: a cell ends at a bare |; a backslash escapes ASCII punctuation only
+    cells = lambda line: [re.sub(r"\\([!-/:-@[-`{-~])", r"\1", c).strip()
+                          for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+    starts = [i for i, line in enumerate(lines) if line.startswith("| method")]
+    tables = [[cells(line) for line in itertools.takewhile(lambda x: x.startswith("|"),
+                                                          lines[i:])] for i in starts]
+    assert tables and all(len({len(row) for row in t}) == 1 for t in tables), tables
+    per_task = next(t for t in tables if "compression ratio" == t[0][1])
+    assert per_task[0][2:] == [odd.replace("\n", "\\n"), "plain"]
+    assert lines[0].startswith("# Fast KVzip on d|`1`.jsonl, 2 tasks".replace("|", "\\|")
+                               .replace("`", "\\`"))

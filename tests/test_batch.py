@@ -326,6 +326,10 @@ def test_batch_cli_prints_what_each_request_gets_alone(capsys, tiny_cli, tmp_pat
     # a key given twice took the last; NUL, refused in --context-file, and lone surrogates (a
     # TypeError in tokenizers) were taken
     ('{"context": "x", "context": "y"}', ["line 2", "key 'context' given twice"]),
+    # a RecursionError's traceback; Python's advice to raise sys.set_int_max_str_digits()
+    ("[" * 100_000 + "]" * 100_000, ["line 2", "JSON nested too deep to read"]),
+    ('{"context": "x", "max_new_tokens": ' + "7" * 5000 + "}",
+     ["line 2", "an integer of 5000 digits (at most 4300"]),
     ('{"context": "a\\u0000b"}', ["line 2", "\"context\" holds a NUL character"]),
     ('{"context": "x", "questions": ["why\\u0000"]}', ["line 2", "a question holds a NUL"]),
     ('{"context": "x", "questions": ["\\ud800?"]}', ["line 2", "a question holds a lone"]),

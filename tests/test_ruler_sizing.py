@@ -160,3 +160,22 @@ def test_sizing_names_and_keys_the_run():
     assert bench.parse_args(["--suite", "ruler"]).ruler_sizing == "ruler"
     assert bench.experiment(bench.parse_args(["--suite", "ruler", "--ruler-sizing", "model"])) \
         .ruler_sizing == "model"
+
+
+def test_fwe_budget_is_rulers_first_draw_whatever_the_seed(fresh):
+    """RULER draws fwe's coded-word budget once, from the first vocabulary of its global `random`
+    seeded 42 (RULER@e40fae1: scripts/data/synthetic/freq_words_extraction.py, sys_kwext), and
+    every sample of kvpress's RULER-4K file holds that budget: 2,218 coded words. It was redrawn
+    from the run's seed (2,090 at seed 0, 1,962 at 42). A run key records the budget, so that a
+    folder of the older fwe samples is never resumed or merged with the new ones."""
+    assert {ruler_tasks.haystack_size("fwe", 4096, s) for s in (0, 3, 42)} == {2218}
+    assert ruler_tasks.make_sample(None, "fwe", 4096, 0, 0)["haystack"] <= 2218
+    exp = dict(methods=["full"], budgets=[1.0], extra_levels=[], lengths=[4096], contexts=1,
+               passkeys=0, kv_pairs=0, kv_questions=0, probe_tokens=0, continue_tokens=0,
+               chunk_size=512, window=0, seed=0, suite="ruler")
+    config = dict(model=dict(sha256="m"), gate=dict(sha256="g"))
+    key = lambda tasks, sizing="ruler": ruler.run_key(quality.Experiment(
+        **exp, ruler_tasks=tasks, ruler_sizing=sizing), config)
+    assert key(("vt", "fwe"))["fwe_budget"] == "RULER's first draw, seed 42"
+    # fwe's samples of the model's sizing, and runs without fwe, are what they were: resumable
+    assert "fwe_budget" not in key(("vt", "fwe"), "model") and "fwe_budget" not in key(("vt",))

@@ -735,7 +735,7 @@ def test_bad_input_is_one_line_and_exit_2(qwen, tmp_path, capsys, case):
               "other run in --out": "holds features of a different run",
               "--out under a file": "is not a writable folder",
               "teacher chunk fills the model": "fewer than --min-doc",
-              "bad .jsonl line": "x.jsonl:2: not a JSON line",
+              "bad .jsonl line": "x.jsonl:2: not JSON",
               "corrupt .parquet": "not a readable .parquet file",
               # a manifest that is not train_gate.py's: the folder is not taken for one of its runs
               "damaged manifest": "holds files that are not a train_gate.py run (manifest.json)",
