@@ -189,6 +189,9 @@ class Method:
     teacher: object = None  # kvzip: the teacher.KVzipTeacher that scores the context
     level: str = None  # eviction structure (cache.LEVELS); None: the scorer's own
     decode_tokens_per_head: int = None  # decode-time eviction (EvictingCache); None: keep all
+    # scorer -> the scorer to use: how a caller measures it from outside the method (the command
+    # line's gate_seconds: harness/timing.py); None: the scorer as made
+    wrap_scorer: object = None
 
 
 @dataclass(eq=False)
@@ -248,6 +251,8 @@ def setup(model, req, method=Method(), seed=0, index=0):
     cache = make_cache(name, model, n_protected, level=method.level,
                        decode_tokens_per_head=method.decode_tokens_per_head, seed=seed,
                        gates=method.gates)
+    if method.wrap_scorer is not None and getattr(cache, "scorer", None) is not None:
+        cache.scorer = method.wrap_scorer(cache.scorer)
     t0 = time.perf_counter()
     if name == "kvzip":
         logits = prefill_kvzip(model, method.teacher, cache, ids, n_protected, budget)

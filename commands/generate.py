@@ -52,6 +52,7 @@ from formats.cache_file import CacheFileError, check_cache_file, load_cache, rea
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from generate import METHODS, Method, Request, decode, make_cache, setup
+from harness.timing import time_scorer
 from kernels import ArgumentError
 from model import ModelError, compute_dtype, model_identity
 from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
@@ -367,6 +368,7 @@ def load_request(model, req, method=Method(), seed=0, index=0):
         scorer = make_cache(state["method"], model, state["n_protected"],
                             decode_tokens_per_head=state["decode_tokens_per_head"], seed=seed,
                             gates=method.gates).scorer
+        scorer = method.wrap_scorer(scorer) if method.wrap_scorer else scorer
     cache, info = load_cache(path, model, scorer)
     if "system" in req and (info["ids"][:info["n_protected"]] != req["system"]
                             or cache.n_seen != state["n_seen"]):  # read from one handle, now
@@ -454,7 +456,7 @@ def stats_of(r, source="prefill", cache_file=None, file_s=None):
                 decode_tokens_per_s=r.n_steps / r.decode_s if r.n_steps else None,
                 kv_bytes=r.kv_bytes, kv_bytes_full=full_cache_bytes(cache, n),
                 peak_kv_bytes=r.peak_kv_bytes,
-                gate_seconds=getattr(cache, "gate_seconds", 0.0),
+                gate_seconds=getattr(getattr(cache, "scorer", None), "seconds", 0.0),
                 kept_fraction=sum(per_layer) / len(per_layer) if per_layer else 1.0,
                 kept_fraction_per_layer=per_layer)
 
@@ -502,7 +504,8 @@ def run(args):
         reqs = [make_request(tok, fmt, context, questions, budget, args.max_new_tokens, n_pos,
                              method=args.method)]
     method = Method(args.method, level=args.level,
-                    decode_tokens_per_head=args.decode_tokens_per_head)
+                    decode_tokens_per_head=args.decode_tokens_per_head,
+                    wrap_scorer=lambda scorer: time_scorer(scorer, device))  # stats' gate_seconds
     prefills = [r for r in reqs if "cache_file" not in r]
     check_decode_tokens(args.decode_tokens_per_head, args.method, prefills, n_pos)
     evicting = any(args.decode_tokens_per_head is not None or r["budget"].ratio < 1

@@ -1,6 +1,6 @@
 """
 Fast KVzip's compressed prefill against our full prefill, in one process, in CPU seconds, with the
-share of the gate (EvictingCache._score) and the eviction (EvictingCache.evict) and a hash of every
+share of the gate (gate.GateScorer.score) and the eviction (EvictingCache.evict) and a hash of every
 kept set (positions kept per compressed layer and head) to compare two versions of the code.
 
     python benchmarks/prefill-overhead-cpu/prefill_parts.py --model smollm2-135m-gguf --lengths 2048,8192
@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, ".")
 import cache as C  # noqa: E402
+import gate  # noqa: E402
 import generate  # noqa: E402
 import model as M  # noqa: E402
 from cache import Budget  # noqa: E402
@@ -58,7 +59,7 @@ def timed(cls, name, key):
     setattr(cls, name, g)
 
 
-timed(C.EvictingCache, "_score", "gate_cpu_s")
+timed(gate.GateScorer, "score", "gate_cpu_s")
 timed(C.EvictingCache, "evict", "evict_cpu_s")
 
 
