@@ -140,6 +140,34 @@ def full_cache_bytes(cache, n_tokens):
     return total
 
 
+def check_ids(call, ids, vocab_size):
+    """Token ids the embedding holds: integers in [0, vocab_size) (else torch's "index out of
+    range in self" deep in the forward)."""
+    try:
+        t = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):  # text, ragged lists, None
+        t = None
+    if t is not None and t.numel() == 0:
+        raise ArgumentError(f"{call}: ids is empty; give the prompt's ids (system prompt ⊕ "
+                            f"context)")
+    if t is None or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
+        raise ArgumentError(f"{call}: ids must be a list of token ids (integers), got "
+                            f"{_show(ids)}")
+    outside = ((t < 0) | (t >= vocab_size)).nonzero()
+    if len(outside):
+        i = int(outside[0])
+        raise ArgumentError(f"{call}: id {int(t[i])} at position {i} is no token of the model "
+                            f"(its ids are 0 to {vocab_size - 1})")
+
+
+def _show(ids):
+    """A few ids of a list, for a message."""
+    ids = ids.tolist() if torch.is_tensor(ids) else ids
+    if not isinstance(ids, (list, tuple)) or len(ids) <= 6:
+        return repr(ids)[:60]
+    return f"[{', '.join(map(repr, ids[:3]))}, ... {ids[-1]!r}]"
+
+
 # -------------------------------------------------------------------------------------------------
 # Budget arithmetic (METHOD.md §6)
 

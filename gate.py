@@ -189,6 +189,12 @@ class Gates(nn.Module):
 #    random). KVzip's teacher, the other scorer, works on a whole context at once: teacher.py.
 # =================================================================================================
 
+# what scores a cache's KV pairs, by name (generate.make_cache makes each one's cache): the gate,
+# the KVzip teacher, the baselines below (rkv evicts at decode time only: R-KV compresses a
+# reasoning trace, METHOD.md §10), or nothing (full). Here, below the file formats that record it
+METHODS = ("fastkvzip", "kvzip", "snapkv", "rkv", "streaming", "random", "full")
+
+
 class Scorer:
     """score(l, hidden, q, k, pos) -> (H, T) float32, higher = more important, for the T new tokens
     of compressed layer l. hidden (T, D) is the attention input; q (T, Hq, d) and k (T, H, d) are
