@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from kernels import ArgumentError
 
@@ -181,6 +182,17 @@ class Gates(nn.Module):
         gates.q_norm, gates.k_norm = stack("q_norm.weight", f32), stack("k_norm.weight", f32)
         gates.k_base, gates.b = stack("k_base", f32, squeeze=True), stack("b", dtype, squeeze=True)
         return gates
+
+
+def load_gates(path, dtype=None, device=None):
+    """A gate file of ours (safetensors: the authors' per-layer tensors as layers.<i>.<key>) ->
+    Gates, as it is: formats/gate_file.py's load_gate checks a file (shapes, finite values, the
+    model it fits, scores that rank) and reads the authors' .pt too; resolve_gate finds a model's."""
+    layers = {}
+    for name, t in load_file(str(path)).items():
+        _, i, key = name.split(".", 2)  # layers.<i>.<key>
+        layers.setdefault(int(i), {})[key] = t
+    return Gates.from_layer_state_dicts([layers[i] for i in range(len(layers))], dtype, device)
 
 
 # =================================================================================================
