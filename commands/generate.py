@@ -324,7 +324,7 @@ def check_window(method, budget, n_context, where=""):
 
 
 def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions, where):
-    """load_request()'s request dict for a saved cache and the questions asked of it: refused with
+    """generate.resume's request dict for a saved cache and the questions asked of it: refused with
     one line when its system prompt is not this prompt format's (another --chat / --thinking: the
     questions would be asked in another format) or when the answers would not fit in the model."""
     qs = build_inputs(tok, fmt, "", questions)[2]
