@@ -423,14 +423,18 @@ def main(argv=None):
         model, seed, files = job.model, args.seed, {}  # files: where saved caches came from
         method = Method(args.method, job.gates, job.teacher, args.level,
                         args.decode_tokens_per_head, job.time_scorer)
+
+        def start(req, i):  # prefilled alone, or loaded from the file it was saved to
+            if "cache_file" not in req:
+                return setup(model, req, method, seed, i)
+            load = lambda scorer: command.load_saved(model, req, scorer, files, i)
+            return resume(model, req, method, seed, i, load)
+
         if args.save_cache is not None:  # prefill, save, then answer (if asked) from that cache
             requests = [setup(model, job.requests[0], method, seed)]
             files[0] = command.save(args, job, requests[0])
-        else:  # each made when decode() admits it: prefilled alone, or loaded from its file
-            requests = (resume(model, req, method, seed, i, lambda scorer: command.load_saved(
-                        model, req, scorer, files, i)) if "cache_file" in req
-                        else setup(model, req, method, seed, i)
-                        for i, req in enumerate(job.requests))
+        else:  # each made when decode() admits it
+            requests = (start(req, i) for i, req in enumerate(job.requests))
         events = decode(model, requests, job.batch_size, job.stop_ids, job.stop_ids,
                         args.temperature, args.top_p, job.ends_line)
         command.show(args, job, events, files)
