@@ -25,7 +25,6 @@ never a hidden hook. Saving a cache to a file and loading it back is formats/cac
 import copy
 import math
 import numbers
-import time
 from dataclasses import dataclass
 
 import torch
@@ -139,6 +138,34 @@ def full_cache_bytes(cache, n_tokens):
         else:
             total += n_tokens * kv.n_heads * 2 * kv.head_dim * kv.k.element_size()
     return total
+
+
+def check_ids(call, ids, vocab_size):
+    """Token ids the embedding holds: integers in [0, vocab_size) (else torch's "index out of
+    range in self" deep in the forward)."""
+    try:
+        t = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):  # text, ragged lists, None
+        t = None
+    if t is not None and t.numel() == 0:
+        raise ArgumentError(f"{call}: ids is empty; give the prompt's ids (system prompt ⊕ "
+                            f"context)")
+    if t is None or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
+        raise ArgumentError(f"{call}: ids must be a list of token ids (integers), got "
+                            f"{_show(ids)}")
+    outside = ((t < 0) | (t >= vocab_size)).nonzero()
+    if len(outside):
+        i = int(outside[0])
+        raise ArgumentError(f"{call}: id {int(t[i])} at position {i} is no token of the model "
+                            f"(its ids are 0 to {vocab_size - 1})")
+
+
+def _show(ids):
+    """A few ids of a list, for a message."""
+    ids = ids.tolist() if torch.is_tensor(ids) else ids
+    if not isinstance(ids, (list, tuple)) or len(ids) <= 6:
+        return repr(ids)[:60]
+    return f"[{', '.join(map(repr, ids[:3]))}, ... {ids[-1]!r}]"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -320,7 +347,6 @@ class EvictingCache(KVCache):
         # the last decode_window queries of each compressed layer, kept only for scorers that
         # rescore every held row from them at decode time (SnapKV, R-KV): the gate's path is bare
         self.queries = {}
-        self.gate_seconds = 0.0
 
     def attend(self, layer, q, k, v, hidden, scale, window=None):
         if layer not in self.index:
@@ -330,7 +356,7 @@ class EvictingCache(KVCache):
         if self.decoding:
             self.buffer_decoded(layer, hidden, q)
         elif self.scorer is not None:  # None: KVzip's scores arrive later, all at once
-            score = self._score(self.index[layer], hidden, q, k, pos)
+            score = self.scorer.score(self.index[layer], hidden, q, k, pos).float()  # (H, T)
             score[:, pos < self.n_protected] = math.inf  # the system prompt is never evicted
         kv = self.layers[layer]
         kv.append(k, v, pos, score)
@@ -369,9 +395,8 @@ class EvictingCache(KVCache):
         again), its position and its peak, and score every row of the compressed layers as attend()
         would have. The scores are either given, (L_c, H, n_context) for the context (KVzip's
         teacher, generate.prefill_kvzip), or computed now by this cache's scorer from the prefill's
-        attention inputs, inputs[layer] = (hidden, q, k, pos) (the benchmark's replay, timed as
-        gate_seconds). The system prompt scores +inf: never evicted. Then evict() as after any
-        prefill."""
+        attention inputs, inputs[layer] = (hidden, q, k, pos) (the benchmark's replay). The
+        system prompt scores +inf: never evicted. Then evict() as after any prefill."""
         assert self.n_seen == 0 and (scores is None) != (inputs is None), \
             "adopt: an empty cache; scores or inputs"
         self.prefilled_ids = full.prefilled_ids
@@ -386,21 +411,9 @@ class EvictingCache(KVCache):
                 score = torch.cat([system, scores[l]], dim=1)
             else:
                 hidden, q, k, pos = inputs[layer]
-                score = self._score(l, hidden, q, k, pos)  # (H, T)
+                score = self.scorer.score(l, hidden, q, k, pos).float()  # (H, T)
                 score[:, pos < self.n_protected] = math.inf
             kv.set_tail_scores(score)
-
-    def _score(self, l, hidden, q, k, pos):
-        cuda = self.device.type == "cuda"
-        # the layer's own work may still be queued on the GPU: the clock must not count it
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        score = self.scorer.score(l, hidden, q, k, pos).float()  # (H, T)
-        if cuda:
-            torch.cuda.synchronize()
-        self.gate_seconds += time.perf_counter() - t0
-        return score
 
     # -- prefill: evict a segment of the context (METHOD.md §6) --
     def evict(self, start, end, ratio, level=None):
@@ -465,7 +478,7 @@ class EvictingCache(KVCache):
             else:
                 t = hidden.shape[0]
                 pos = torch.arange(self.n_seen - t, self.n_seen, device=self.device)
-                kv.set_tail_scores(self._score(l, hidden, None, None, pos))
+                kv.set_tail_scores(self.scorer.score(l, hidden, None, None, pos).float())
         self._evict_to_budget()
 
     def _evict_to_budget(self):

@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 # =================================================================================================
 # 1. The gate
@@ -181,11 +182,28 @@ class Gates(nn.Module):
         return gates
 
 
+def load_gates(path, dtype=None, device=None):
+    """A gate file of ours (safetensors: the authors' per-layer tensors as layers.<i>.<key>) ->
+    Gates, as it is: formats/gate_file.py's load_gate checks a file (shapes, finite values, the
+    model it fits, scores that rank) and reads the authors' .pt too; resolve_gate finds a model's."""
+    layers = {}
+    for name, t in load_file(str(path)).items():
+        _, i, key = name.split(".", 2)  # layers.<i>.<key>
+        layers.setdefault(int(i), {})[key] = t
+    return Gates.from_layer_state_dicts([layers[i] for i in range(len(layers))], dtype, device)
+
+
 # =================================================================================================
 # 2. Scorers: the one interface the evicting cache calls to ask "how important is each new KV pair?"
 #    (`Scorer.score`): Fast KVzip's (the gate's output) and the baselines' (StreamingLLM, SnapKV,
 #    random). KVzip's teacher, the other scorer, works on a whole context at once: teacher.py.
 # =================================================================================================
+
+# what scores a cache's KV pairs, by name (generate.make_cache makes each one's cache): the gate,
+# the KVzip teacher, the baselines below (rkv evicts at decode time only: R-KV compresses a
+# reasoning trace, METHOD.md §10), or nothing (full). Here, below the file formats that record it
+METHODS = ("fastkvzip", "kvzip", "snapkv", "rkv", "streaming", "random", "full")
+
 
 class Scorer:
     """score(l, hidden, q, k, pos) -> (H, T) float32, higher = more important, for the T new tokens

@@ -18,13 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 import gate
-from cache import Batch, Budget, EvictingCache, KVCache
+from cache import Batch, Budget, EvictingCache, KVCache, check_ids
+from gate import METHODS
 from kernels import ArgumentError
 from model import ModelError
-
-# rkv evicts at decode time only (R-KV compresses a reasoning trace, METHOD.md §10)
-METHODS = ("fastkvzip", "kvzip", "snapkv", "rkv", "streaming", "random", "full")
-
 
 # -------------------------------------------------------------------------------------------------
 # sampling (small pure functions, as gpt-fast)
@@ -109,37 +106,9 @@ def check_prompt(cache, ids, n_protected, budget=Budget()):
                             f"{cache.n_protected}: make the cache with the system prompt's length")
 
 
-def check_ids(call, ids, vocab_size):
-    """Token ids the embedding holds: integers in [0, vocab_size) (else torch's "index out of
-    range in self" deep in the forward)."""
-    try:
-        t = torch.as_tensor(ids)
-    except (TypeError, ValueError, RuntimeError):  # text, ragged lists, None
-        t = None
-    if t is not None and t.numel() == 0:
-        raise ArgumentError(f"{call}: ids is empty; give the prompt's ids (system prompt ⊕ "
-                            f"context)")
-    if t is None or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
-        raise ArgumentError(f"{call}: ids must be a list of token ids (integers), got "
-                            f"{_show(ids)}")
-    outside = ((t < 0) | (t >= vocab_size)).nonzero()
-    if len(outside):
-        i = int(outside[0])
-        raise ArgumentError(f"{call}: id {int(t[i])} at position {i} is no token of the model "
-                            f"(its ids are 0 to {vocab_size - 1})")
-
-
 def _count(x):
     """An integer >= 0 (bool is not one)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
-
-
-def _show(ids):
-    """A few ids of a list, for a message."""
-    ids = ids.tolist() if torch.is_tensor(ids) else ids
-    if not isinstance(ids, (list, tuple)) or len(ids) <= 6:
-        return repr(ids)[:60]
-    return f"[{', '.join(map(repr, ids[:3]))}, ... {ids[-1]!r}]"
 
 
 def evict_once(cache, n_tokens, n_protected, budget):
@@ -184,11 +153,14 @@ def begin_answer(model, cache, question_ids, last_logits=None, max_new_tokens=No
 @dataclass
 class Method:
     """What scores and evicts the KV pairs of every request of a run (make_cache)."""
-    name: str = "fastkvzip"  # one of METHODS
+    name: str = "fastkvzip"  # one of gate.METHODS
     gates: object = None  # fastkvzip: the gate.Gates (formats.gate_file.resolve_gate loads them)
     teacher: object = None  # kvzip: the teacher.KVzipTeacher that scores the context
     level: str = None  # eviction structure (cache.LEVELS); None: the scorer's own
     decode_tokens_per_head: int = None  # decode-time eviction (EvictingCache); None: keep all
+    # scorer -> the scorer to use: how a caller measures it from outside the method (the command
+    # line's gate_seconds: harness/timing.py); None: the scorer as made
+    wrap_scorer: object = None
 
 
 @dataclass(eq=False)
@@ -248,6 +220,8 @@ def setup(model, req, method=Method(), seed=0, index=0):
     cache = make_cache(name, model, n_protected, level=method.level,
                        decode_tokens_per_head=method.decode_tokens_per_head, seed=seed,
                        gates=method.gates)
+    if method.wrap_scorer is not None and getattr(cache, "scorer", None) is not None:
+        cache.scorer = method.wrap_scorer(cache.scorer)
     t0 = time.perf_counter()
     if name == "kvzip":
         logits = prefill_kvzip(model, method.teacher, cache, ids, n_protected, budget)
@@ -257,6 +231,25 @@ def setup(model, req, method=Method(), seed=0, index=0):
                    torch.Generator().manual_seed(seed), index=index, ids=ids,
                    n_protected=n_protected, method=name, budget=budget.ratio,
                    prefill_s=time.perf_counter() - t0, kv_bytes=cache.nbytes,
+                   peak_kv_bytes=cache.peak_nbytes)
+
+
+def resume(model, req, method, seed, index, load):
+    """setup() for a request whose cache was saved: load(scorer) -> (cache, info) reads it
+    (formats.cache_file.load_cache, through the command line). The file decides what its prefill
+    did (method, budget, decode-time eviction); `method` only lends the scorer that goes on
+    evicting while decoding (the same gate; the file checks it is the scorer it had)."""
+    state, scorer = req["cache_state"], None
+    if state.get("decode_tokens_per_head") is not None:
+        scorer = make_cache(state["method"], model, state["n_protected"],
+                            decode_tokens_per_head=state["decode_tokens_per_head"], seed=seed,
+                            gates=method.gates).scorer
+        scorer = method.wrap_scorer(scorer) if method.wrap_scorer else scorer
+    cache, info = load(scorer)
+    return Request(cache, req["questions"], req["max_new_tokens"], info["last_logits"],
+                   torch.Generator().manual_seed(seed), index=index, ids=info["ids"],
+                   n_protected=info["n_protected"], method=info["method"] or "full",
+                   budget=info["budget"] or 1.0, prefill_s=None, kv_bytes=cache.nbytes,
                    peak_kv_bytes=cache.peak_nbytes)
 
 
@@ -417,6 +410,37 @@ def check_method(method, gates, decode_tokens_per_head):
                             "decoding; give decode_tokens_per_head=None")
 
 
-if __name__ == "__main__":  # the command line: commands/generate.py
-    from commands.generate import main
+# -------------------------------------------------------------------------------------------------
+# the program: python generate.py ... Its steps in order, here; the flags and their checks, the
+# requests, saved caches and the printing are the command line's (commands/generate.py), which
+# imports no program: this file is loaded once (as __main__) and imports never run back up.
+
+def main(argv=None):
+    from commands import generate as command  # the program's edge: its command line
+
+    def run(args):
+        job = command.prepare(args)  # flags checked, requests read, the gate and model loaded
+        model, seed, files = job.model, args.seed, {}  # files: where saved caches came from
+        method = Method(args.method, job.gates, job.teacher, args.level,
+                        args.decode_tokens_per_head, job.time_scorer)
+
+        def start(req, i):  # prefilled alone, or loaded from the file it was saved to
+            if "cache_file" not in req:
+                return setup(model, req, method, seed, i)
+            load = lambda scorer: command.load_saved(model, req, scorer, files, i)
+            return resume(model, req, method, seed, i, load)
+
+        if args.save_cache is not None:  # prefill, save, then answer (if asked) from that cache
+            requests = [setup(model, job.requests[0], method, seed)]
+            files[0] = command.save(args, job, requests[0])
+        else:  # each made when decode() admits it
+            requests = (start(req, i) for i, req in enumerate(job.requests))
+        events = decode(model, requests, job.batch_size, job.stop_ids, job.stop_ids,
+                        args.temperature, args.top_p, job.ends_line)
+        command.show(args, job, events, files)
+
+    return command.main(argv, run)
+
+
+if __name__ == "__main__":
     sys.exit(main())

@@ -1,44 +1,27 @@
 """
-Teach the gates: one command from raw text to a trained gate file (METHOD.md §4-5).
-
-Three steps, in the order commands/train_gate.py's run() calls them:
+Teach the gates (METHOD.md §4-5): from raw text to a trained gate, in three steps, in the order
+main() (at the end) runs them:
   1. data      pick documents (METHOD.md §5.1, features.py): 10K-30K-token documents plus
-               ~100K-token concatenations of the same documents, ~1M tokens in all; 5% of the
-               documents are held out whole for validation (--val-docs) and never enter a
-               concatenation.
-  2. features  for every document, prefill system prompt + context with a full cache, score every
-               context KV pair with the KVzip teacher (teacher.py, METHOD.md §4) and record the
-               attention-input hidden states of the compressed layers. One shard file per
-               document, written atomically under --out/features, so an interrupted run resumes
-               where it stopped (features.py).
-  3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft targets,
-               SGD momentum 0.9, lr 0.2 with the authors' piecewise schedule, 5,000 steps of 1,000
-               tokens (5 epochs of the recipe's 1M tokens), all layers batched through gate.Gates;
-               then the gate's agreement with its teacher on the held-out documents
-               (teacher.agreement). --recipe adam-logmse (Adam on the MSE of log scores; the bundled
-               SmolLM2 gate's) and one flag per field of the recipe plug in other losses, optimisers
-               and selections (Recipe, METHOD.md §13.14).
+               ~100K-token concatenations of the same documents, ~1M tokens in all, 5% of the
+               documents held out whole for validation.
+  2. features  prefill each document with a full cache, score every context KV pair with the
+               KVzip teacher (teacher.py, METHOD.md §4) and record the attention-input hidden
+               states of the compressed layers (features.py; resumable, over torchrun).
+  3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft
+               targets, SGD with momentum 0.9, lr 0.2 with the authors' piecewise schedule, all
+               layers batched through gate.Gates (train, train_layers); then the gate's agreement
+               with its teacher on the held-out documents (teacher.agreement). Other recipes
+               (Recipe, METHOD.md §13.13-13.14) plug their parts in from section 4.
+The flags and their checks, the output folder and what is written and printed are the command
+line's (commands/train_gate.py; python train_gate.py --help).
 
-Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors
-(formats.gate_file.save_gate, with a training summary in its metadata), metrics.json (per-layer train/validation
-loss and accuracy over steps, and the agreement), curves.png with --plot, and per-layer tables on
-stdout.
-
-Cost: METHOD.md §5.5 (the estimate for Qwen3-8B at the paper's ~1M tokens, and measured runs).
-
-Small CPU example (the offline Gemma 3 270M on the Python docs, a few minutes on 2 cores):
     python train_gate.py --data ~/.cache/fastkvzip/assets/pydoc --tokens 10000 --threads 1 \\
-        --min-doc-tokens 2000 --max-doc-tokens 6000 --long-doc-tokens 0 --steps 300
-Full size (the paper's recipe for Qwen3-8B; one GPU, or N GPUs for the feature step):
-    python train_gate.py --model qwen3-8b
-    torchrun --nproc_per_node 8 train_gate.py --model qwen3-8b
+        --min-doc-tokens 2000 --max-doc-tokens 6000 --long-doc-tokens 0 --steps 300   # CPU
+    python train_gate.py --model qwen3-8b   # the paper's recipe; torchrun for N GPUs
 """
-import datetime
 import math
-import os
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -53,14 +36,14 @@ MOMENTUM = 0.9  # SGD's (METHOD.md §5.4)
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
 RANK_WEIGHT = 1.0  # --loss rank's pairwise term beside BCE: weight 1, not tuned (METHOD.md §13.13)
 LOG_FLOOR = 1e-6   # logmse: scores below count as this (a teacher score is a max attention, > 0)
-MEMORY_SHARE = 0.5  # --layer-groups 0: each group's features in at most this share of the memory
 
 
 @dataclass(frozen=True)
 class Recipe:
     """How the gates are trained. Every field defaults to the paper's recipe (METHOD.md §5.3-5.4)
-    and names a part train_layers plugs in (LOSSES, OPTIMIZERS, SELECTIONS); RECIPES names the ones
-    train_gate.py offers (--recipe), each field can be overridden by its own flag."""
+    and names a part train_layers uses: the paper's inline, the others from section 4 (LOSSES,
+    OPTIMIZERS, SELECTIONS); RECIPES names the ones train_gate.py offers (--recipe), each field can
+    be overridden by its own flag."""
     optimizer: str = "sgd"     # "sgd": momentum 0.9 (the paper's); "adam": Adam (AdamW with decay)
     lr: float = 0.2            # base learning rate
     schedule: str = "step"     # "step": the authors' piecewise one; "cosine": 1% warm-up, cosine
@@ -78,21 +61,16 @@ RECIPES = {
 }
 
 
-# -------------------------------------------------------------------------------------------------
-# 1-2. data and features (features.py), the feature step over torchrun
+DEFAULT_LR = {"sgd": 0.2, "adam": 3e-3}  # another optimizer than the recipe's, without an lr
 
-def init_distributed():
-    """torchrun sets WORLD_SIZE/RANK. The processes only meet at a barrier after the feature step,
-    so the gloo backend serves CPU and GPU alike; the long timeout covers uneven document
-    lengths."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    import torch.distributed as dist
-    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return dist.get_rank(), world
+
+def make_recipe(name, given):
+    """RECIPES[name] with the fields that `given` ({field: value or None}) sets; another optimizer
+    than the recipe's, without an lr, takes its own DEFAULT_LR."""
+    recipe, given = RECIPES[name], dict(given)
+    if given["optimizer"] not in (None, recipe.optimizer) and given["lr"] is None:
+        given["lr"] = DEFAULT_LR[given["optimizer"]]
+    return replace(recipe, **{f: v for f, v in given.items() if v is not None})
 
 
 # -------------------------------------------------------------------------------------------------
@@ -159,19 +137,19 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
 def train_layers(gates, hidden, scores, train_idx, val_idx, segments, device, steps, B, seed, log,
                  recipe, t0):
     """train's loop for the layers of `gates`, their features hidden (L, N, D) and targets scores
-    (L, H, N) in memory -> metrics (per validation step, per layer). The paper's recipe: BCE, SGD
-    with momentum, the authors' schedule, the gates of the last step; Recipe names other parts."""
+    (L, H, N) in memory -> metrics (per validation step, per layer). The paper's step (METHOD.md
+    §5.3-5.4): BCE, SGD with momentum, the authors' learning-rate schedule, the gates of the last
+    step; another Recipe's loss, optimiser or selection comes from section 4 (other_parts)."""
     dtype = gates.dtype  # the gates train in the model's dtype (METHOD.md §5.4), not the stored one
     x_val, y_val = hidden[:, val_idx].to(dtype), scores[:, :, val_idx]
     params = list(gates.parameters())  # each (L, ...): layer l's parameters are row l of each
-    loss = LOSSES[recipe.loss](seed)
-    optimizer_step = OPTIMIZERS[recipe.optimizer](params, recipe.weight_decay)
-    select = SELECTIONS[recipe.select](params, steps)
-    n_train, L = len(train_idx), hidden.shape[0]
+    momentum = [None] * len(params)  # SGD's buffers
+    loss, optimizer_step, select = other_parts(recipe, params, seed, steps)  # None: the paper's
+    n_train = len(train_idx)
     n_split = n_train // B  # epoch-style sampling: a fresh permutation every n_split steps
     metrics = dict(step=[], train_loss=[], train_acc=[], val_loss=[], val_acc=[], val_spearman=[],
                    const_val_loss=constant_bce(y_val), floor_val_loss=floor_bce(y_val),
-                   **loss.metrics)
+                   **(loss.metrics if loss else {}))
     for i in range(steps):
         if i % n_split == 0:
             perm = torch.randperm(n_train)
@@ -179,28 +157,42 @@ def train_layers(gates, hidden, scores, train_idx, val_idx, segments, device, st
         x, y = hidden[:, idx].to(device, dtype), scores[:, :, idx].to(device)
         pred = gates(x)                  # (L, H, B): all layers in one batched call
         bce = bce_per_layer(pred, y)     # (L,)
-        total, terms = loss(pred, y, bce)  # the paper's: bce.sum()
+        # summed over layers: their parameters are disjoint, the batch is shared
+        total, terms = (bce.sum(), {}) if loss is None else loss(pred, y, bce)
         total.backward()
         lr = recipe.lr * lr_multiplier(i, steps, recipe.schedule)
-        optimizer_step(lr, i + 1)
+        if optimizer_step is None:
+            sgd_step(params, momentum, lr)
+        else:
+            optimizer_step(lr, i + 1)
         if i % EVAL_EVERY == 0 or i == steps - 1:
             # as the authors: this batch's loss (before its update), validation after the update
-            val_loss, val_acc, val_rho = evaluate(gates, x_val, y_val, segments, device)
-            metrics["step"].append(i)
-            metrics["train_loss"].append(bce.tolist())  # BCE, whatever the loss
-            for k, v in terms.items():
-                metrics.setdefault(k, []).append(v.tolist())
-            metrics["train_acc"].append(acc_per_layer(pred.detach(), y).tolist())
-            metrics["val_loss"].append(val_loss)
-            metrics["val_acc"].append(val_acc)
-            metrics["val_spearman"].append(val_rho)
-            select.see(i, val_rho)
-            log(f"step {i:5d}  lr {lr:.2g}  train BCE {sum(bce.tolist()) / L:.4f}  "
-                f"val BCE {sum(val_loss) / L:.4f}  val acc {100 * sum(val_acc) / L:.1f}%  "
-                f"val spearman {sum(val_rho) / L:.3f} (min {min(val_rho):.3f})  "
-                f"({time.perf_counter() - t0:.0f} s)")
-    select.finish(metrics)
+            val = evaluate(gates, x_val, y_val, segments, device)
+            record(metrics, i, lr, bce, terms, acc_per_layer(pred.detach(), y), val, log, t0)
+            if select is not None:
+                select.see(i, val[2])
+    if select is not None:
+        select.finish(metrics)
     return metrics
+
+
+def record(metrics, step, lr, bce, terms, train_acc, val, log, t0):
+    """A validation step's numbers per layer into metrics (the train loss is BCE whatever the
+    loss; terms: the other loss's own), and one line to log."""
+    val_loss, val_acc, val_rho = val
+    L = len(val_loss)
+    metrics["step"].append(step)
+    metrics["train_loss"].append(bce.tolist())
+    for k, v in terms.items():
+        metrics.setdefault(k, []).append(v.tolist())
+    metrics["train_acc"].append(train_acc.tolist())
+    metrics["val_loss"].append(val_loss)
+    metrics["val_acc"].append(val_acc)
+    metrics["val_spearman"].append(val_rho)
+    log(f"step {step:5d}  lr {lr:.2g}  train BCE {sum(bce.tolist()) / L:.4f}  "
+        f"val BCE {sum(val_loss) / L:.4f}  val acc {100 * sum(val_acc) / L:.1f}%  "
+        f"val spearman {sum(val_rho) / L:.3f} (min {min(val_rho):.3f})  "
+        f"({time.perf_counter() - t0:.0f} s)")
 
 
 def lr_multiplier(step, max_steps, schedule="step"):
@@ -229,20 +221,6 @@ def bce_per_layer(pred, target):
     return F.binary_cross_entropy(pred, target.to(pred.dtype), reduction="none").mean(-1).sum(-1)
 
 
-class Loss:
-    """The paper's loss (METHOD.md §5.3): BCE summed over layers (disjoint parameters, one shared
-    batch). A loss is made once per run from the seed; called on a batch's predictions, targets and
-    per-layer BCE, it returns the total to minimise and the per-layer terms to log beside BCE.
-    `metrics`: what it adds to the run's metrics."""
-    metrics = {}
-
-    def __init__(self, seed):
-        pass
-
-    def __call__(self, pred, y, bce):
-        return bce.sum(), {}
-
-
 @torch.no_grad()
 def sgd_step(params, momentum, lr):
     """torch.optim.SGD(momentum=0.9) exactly (no dampening, no Nesterov, no weight decay): the
@@ -254,25 +232,6 @@ def sgd_step(params, momentum, lr):
         momentum[j] = g.clone() if momentum[j] is None else momentum[j].mul_(MOMENTUM).add_(g)
         p.add_(momentum[j], alpha=-lr)
         p.grad = None
-
-
-def sgd(params, weight_decay):
-    """The paper's optimiser (METHOD.md §5.4): step(lr, t) runs sgd_step (no weight decay)."""
-    momentum = [None] * len(params)
-    return lambda lr, t: sgd_step(params, momentum, lr)
-
-
-class KeepLast:
-    """The paper's selection: the gates after the last step."""
-
-    def __init__(self, params, steps):
-        pass
-
-    def see(self, step, val_rho):
-        pass
-
-    def finish(self, metrics):
-        pass
 
 
 def acc_per_layer(pred, target):
@@ -330,13 +289,6 @@ def layer_groups(n_layers, groups):
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def auto_layer_groups(store, share=MEMORY_SHARE):
-    """The fewest layer groups whose features each fit in `share` of this machine's memory (train
-    caps it at one layer per group)."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return math.ceil(store.nbytes / (share * memory))
-
-
 def agreement_with_teacher(gates, store, manifest, docs, tokenizer, device):
     """teacher.agreement of the trained gates with their teacher, pooled over the held-out documents
     (None without any: --val-docs 0)."""
@@ -353,11 +305,24 @@ def agreement_with_teacher(gates, store, manifest, docs, tokenizer, device):
 
 # -------------------------------------------------------------------------------------------------
 # 4. the other recipes' parts (METHOD.md §13.13-13.14), each named in Recipe and plugged into
-#    train_layers: losses, optimisers, selections
+#    train_layers in place of the paper's: losses, optimisers, selections
 
-class RankLoss(Loss):
+def other_parts(recipe, params, seed, steps):
+    """(loss, optimiser step, selection) of a Recipe for train_layers, each None where it is the
+    paper's (bce, sgd, last)."""
+    loss = LOSSES[recipe.loss](seed) if recipe.loss != "bce" else None
+    step = (OPTIMIZERS[recipe.optimizer](params, recipe.weight_decay)
+            if recipe.optimizer != "sgd" else None)
+    select = SELECTIONS[recipe.select](params, steps) if recipe.select != "last" else None
+    return loss, step, select
+
+
+class RankLoss:
     """--loss rank: BCE + RANK_WEIGHT · rank_per_layer over B random token pairs of each batch,
-    drawn from a generator of their own: the batches are those of "bce"."""
+    drawn from a generator of their own: the batches are those of "bce". A loss is made once per
+    run from the seed; called on a batch's predictions, targets and per-layer BCE, it returns the
+    total to minimise and the per-layer terms to log beside BCE; `metrics`: what it adds to the
+    run's metrics."""
 
     def __init__(self, seed):
         self.pair_rng = torch.Generator().manual_seed(seed)
@@ -389,8 +354,12 @@ def rank_per_layer(pred, target, pairs):
     return (per_pair.sum(-1) / w.sum(-1).clamp_min(1e-12)).sum(-1)
 
 
-class LogMSELoss(Loss):
+class LogMSELoss:
     """--loss logmse: logmse_per_layer summed over layers, in place of BCE."""
+    metrics = {}
+
+    def __init__(self, seed):  # no randomness of its own
+        pass
 
     def __call__(self, pred, y, bce):
         logmse = logmse_per_layer(pred, y)
@@ -407,7 +376,7 @@ def logmse_per_layer(pred, target):
     return (lp - lt).square().mean(-1).sum(-1)
 
 
-LOSSES = {"bce": Loss, "rank": RankLoss, "logmse": LogMSELoss}
+LOSSES = {"rank": RankLoss, "logmse": LogMSELoss}
 
 
 def adam(params, weight_decay):
@@ -438,10 +407,10 @@ def adam_step(params, state, lr, t, weight_decay=0.0):
         p.grad = None
 
 
-OPTIMIZERS = {"sgd": sgd, "adam": adam}
+OPTIMIZERS = {"adam": adam}
 
 
-class KeepBestSpearman(KeepLast):
+class KeepBestSpearman:
     """--select spearman: per layer, the parameters of the validation step whose held-out Spearman
     with the teacher was best (layers share no parameters: each keeps its own step)."""
 
@@ -465,9 +434,44 @@ class KeepBestSpearman(KeepLast):
         metrics.update(selected_step=self.step, selected_val_spearman=self.rho)
 
 
-SELECTIONS = {"last": KeepLast, "spearman": KeepBestSpearman}
+SELECTIONS = {"spearman": KeepBestSpearman}
+# what each part of a Recipe may be named: the paper's, then the others (the flags' choices)
+PARTS = dict(optimizer=("sgd", *OPTIMIZERS), loss=("bce", *LOSSES), select=("last", *SELECTIONS))
 
 
-if __name__ == "__main__":  # the command line: commands/train_gate.py
-    from commands.train_gate import main
+# -------------------------------------------------------------------------------------------------
+# the program: python train_gate.py ... The three steps in order, here; the flags and their checks,
+# the output folder, torchrun and what is written and printed are the command line's
+# (commands/train_gate.py), which imports no program: this file is loaded once.
+
+def main(argv=None):
+    from commands import train_gate as command  # the program's edge: its command line
+
+    def run(args):
+        job = command.prepare(args)  # flags checked, the model's config, torchrun, --out checked
+        docs = command.pick_documents(args, job)  # 1. data, its manifest in --out
+        store = command.extract(args, job, docs)  # 2. features; None: --steps 0, or not rank 0
+        if store is None:
+            return
+        recipe = make_recipe(args.recipe, {f.name: getattr(args, f.name) for f in fields(Recipe)})
+        train_idx, val_idx = split(store)
+        command.check_split(args, store, len(train_idx), len(val_idx), VAL_EVERY)
+        groups = args.layer_groups or command.auto_layer_groups(store)  # train caps it
+        gates, metrics = train(store, job.cfg, job.device, args.steps, args.batch_tokens,
+                               args.seed, job.log, recipe, groups)  # 3. training
+        agreement = agreement_with_teacher(gates, store, job.manifest, docs, job.tokenizer,
+                                           job.device)
+        command.save(args, job, store, docs, gates, metrics, agreement, recipe_settings(recipe))
+
+    return command.main(argv, run, RECIPES, PARTS)
+
+
+def recipe_settings(recipe):
+    """The recipe and the constants it trained with, for the gate file's training summary."""
+    return {**asdict(recipe), **(dict(momentum=MOMENTUM) if recipe.optimizer == "sgd" else {}),
+            **(dict(rank_weight=RANK_WEIGHT) if recipe.loss == "rank" else {})}
+
+
+if __name__ == "__main__":
+    import sys
     sys.exit(main())

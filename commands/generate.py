@@ -31,9 +31,8 @@ import os
 import stat
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-import torch
 from safetensors import safe_open
 
 import cli
@@ -51,7 +50,8 @@ from cli import OFFLINE_DEFAULT, UsageError, parse_device, read_context, resolve
 from formats.cache_file import CacheFileError, check_cache_file, load_cache, read_header, save_cache
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
-from generate import METHODS, Method, Request, decode, make_cache, setup
+from gate import METHODS
+from harness.timing import time_scorer
 from kernels import ArgumentError
 from model import ModelError, compute_dtype, model_identity
 from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
@@ -324,7 +324,7 @@ def check_window(method, budget, n_context, where=""):
 
 
 def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions, where):
-    """load_request()'s request dict for a saved cache and the questions asked of it: refused with
+    """generate.resume's request dict for a saved cache and the questions asked of it: refused with
     one line when its system prompt is not this prompt format's (another --chat / --thinking: the
     questions would be asked in another format) or when the answers would not fit in the model."""
     qs = build_inputs(tok, fmt, "", questions)[2]
@@ -355,44 +355,21 @@ def at_line(where, path, e):
     return CacheFileError(f"{where} {path}: {message}")
 
 
-def load_request(model, req, method=Method(), seed=0, index=0):
-    """generate.setup() for a request whose cache was saved (formats.cache_file.save_cache): req
-    {"cache_file", "questions", "max_new_tokens"} -> (a generate.Request, the seconds the load
-    took); what file_request checked is checked again on what was loaded. The file
-    decides what its prefill did (method, budget, decode-time eviction); `method` only lends the
-    scorer that goes on evicting while decoding (the same gate)."""
-    path, state = req["cache_file"], req.get("cache_state") or {}
-    scorer = None
-    if state.get("decode_tokens_per_head") is not None:  # the file checks it is the scorer it had
-        scorer = make_cache(state["method"], model, state["n_protected"],
-                            decode_tokens_per_head=state["decode_tokens_per_head"], seed=seed,
-                            gates=method.gates).scorer
-    cache, info = load_cache(path, model, scorer)
-    if "system" in req and (info["ids"][:info["n_protected"]] != req["system"]
-                            or cache.n_seen != state["n_seen"]):  # read from one handle, now
-        raise CacheFileError(f"cache file {path} changed after it was checked (another system "
-                             "prompt or length): run again once it is written")
-    r = Request(cache, req["questions"], req["max_new_tokens"], info["last_logits"],
-                torch.Generator().manual_seed(seed), index=index, ids=info["ids"],
-                n_protected=info["n_protected"], method=info["method"] or "full",
-                budget=info["budget"] or 1.0, prefill_s=None, kv_bytes=cache.nbytes,
-                peak_kv_bytes=cache.peak_nbytes)
-    return r, info["load_seconds"]
-
-
-def start(model, reqs, method, seed, files):
-    """The Requests of a run, each made when the decode loop admits it: prefilled alone
-    (generate.setup), or loaded from its saved cache (files[index]: ("file", path, seconds))."""
-    for i, req in enumerate(reqs):
-        if "cache_file" not in req:
-            yield setup(model, req, method, seed, i)
-            continue
-        try:
-            r, secs = load_request(model, req, method, seed, i)
-        except CacheFileError as e:  # found as it loads (a checksum): named after its batch line
-            raise at_line(req.get("where"), req["cache_file"], e) from None
-        files[i] = ("file", str(req["cache_file"]), secs)
-        yield r
+def load_saved(model, req, scorer, files, index):
+    """The cache a request of a saved cache answers from (formats.cache_file.load_cache; scorer:
+    what goes on evicting while decoding, generate.resume) -> (cache, info); what file_request
+    checked is checked again on what was loaded; files[index]: where it came from (stats_of)."""
+    path, state = req["cache_file"], req["cache_state"]
+    try:
+        cache, info = load_cache(path, model, scorer)
+        if "system" in req and (info["ids"][:info["n_protected"]] != req["system"]
+                                or cache.n_seen != state["n_seen"]):  # read from one handle, now
+            raise CacheFileError(f"cache file {path} changed after it was checked (another "
+                                 "system prompt or length): run again once it is written")
+    except CacheFileError as e:  # found as it loads (a checksum): named after its batch line
+        raise at_line(req.get("where"), path, e) from None
+    files[index] = ("file", str(path), info["load_seconds"])
+    return cache, info
 
 
 def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, method="full",
@@ -454,14 +431,29 @@ def stats_of(r, source="prefill", cache_file=None, file_s=None):
                 decode_tokens_per_s=r.n_steps / r.decode_s if r.n_steps else None,
                 kv_bytes=r.kv_bytes, kv_bytes_full=full_cache_bytes(cache, n),
                 peak_kv_bytes=r.peak_kv_bytes,
-                gate_seconds=getattr(cache, "gate_seconds", 0.0),
+                gate_seconds=getattr(getattr(cache, "scorer", None), "seconds", 0.0),
                 kept_fraction=sum(per_layer) / len(per_layer) if per_layer else 1.0,
                 kept_fraction_per_layer=per_layer)
 
 
-def run(args):
-    """One request (--prompt, --context-file, or the shipped example), streamed as it is answered;
-    or --batch FILE, one JSON line per request on stdout, in order."""
+@dataclass
+class Job:
+    """What prepare() hands the program's steps (generate.main)."""
+    model: object
+    tok: object
+    requests: list  # generate.setup's dicts; a saved cache's: file_request's
+    gates: object  # fastkvzip's gate.Gates, when a request needs them
+    teacher: object  # kvzip's KVzipTeacher, when a request needs it
+    ends_line: object  # a base model's one-line answers (teacher.one_line), else None
+    stop_ids: list
+    batch_size: int  # requests decoded at once
+    time_scorer: object  # scorer -> the scorer, its seconds counted (harness/timing.py)
+
+
+def prepare(args):
+    """Everything before the first prefill (generate.main): the flags checked, the requests read
+    and checked (--prompt, --context-file, the shipped example, --batch FILE or --load-cache), the
+    gate and the model loaded -> a Job."""
     check_args(args)
     device = parse_device(args.device)
     budget = Budget(args.budget, args.chunk_size, args.window)
@@ -501,38 +493,43 @@ def run(args):
     else:
         reqs = [make_request(tok, fmt, context, questions, budget, args.max_new_tokens, n_pos,
                              method=args.method)]
-    method = Method(args.method, level=args.level,
-                    decode_tokens_per_head=args.decode_tokens_per_head)
     prefills = [r for r in reqs if "cache_file" not in r]
     check_decode_tokens(args.decode_tokens_per_head, args.method, prefills, n_pos)
     evicting = any(args.decode_tokens_per_head is not None or r["budget"].ratio < 1
                    for r in prefills)
     gated_files = any(r["cache_state"]["method"] == "fastkvzip" and r["cache_state"].get(
         "decode_tokens_per_head") is not None for r in reqs if "cache_file" in r)
+    gates = None
     if (args.method == "fastkvzip" and evicting) or gated_files or args.gate:  # --gate is checked
-        method.gates = resolve_gate(args.gate, cfg, args.model, device=device)
+        gates = resolve_gate(args.gate, cfg, args.model, device=device)
     model = load_checked(folder, device, dtype)
+    teacher = None
     if args.method == "kvzip" and evicting:
-        method.teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
+        teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
     # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own
     ends_line = None if fmt.postfix else one_line(tok)
-    files = {}  # request index -> stats_of's (source, cache_file, file_s): a saved cache
-    if args.save_cache is not None:  # prefill, save, then answer (if asked) from the same cache
-        with torch.no_grad():
-            r = setup(model, reqs[0], method, args.seed)
-        check_save_target(args.save_cache, args.context_file)  # again: the prefill took a while
-        t0 = time.perf_counter()
-        save_cache(args.save_cache, r.cache, model, r.ids, r.logits, r.n_protected, r.method,
-                   r.budget, budget.chunk_size, budget.window, prefill_seconds=r.prefill_s)
-        files[0] = ("prefill", args.save_cache, time.perf_counter() - t0)
-        requests = [r]
-    else:
-        requests = start(model, reqs, method, args.seed, files)
-    events = decode(model, requests, args.batch_size if args.batch else 1, cfg.eos_token_ids,
-                    cfg.eos_token_ids, args.temperature, args.top_p, ends_line)
+    return Job(model, tok, reqs, gates, teacher, ends_line, cfg.eos_token_ids,
+               args.batch_size if args.batch else 1,
+               lambda scorer: time_scorer(scorer, device))  # the stats' gate_seconds
+
+
+def save(args, job, r):
+    """--save-cache: the prefilled request's cache, written -> the stats' (source, file, seconds)."""
+    check_save_target(args.save_cache, args.context_file)  # again: the prefill took a while
+    t0 = time.perf_counter()
+    save_cache(args.save_cache, r.cache, job.model, r.ids, r.logits, r.n_protected, r.method,
+               r.budget, args.chunk_size, args.window, prefill_seconds=r.prefill_s)
+    return ("prefill", args.save_cache, time.perf_counter() - t0)
+
+
+def show(args, job, events, files):
+    """generate.decode's events, printed: each answer streamed as it is decoded, then a summary
+    line on stderr; or, with --json or --batch, one JSON line per request, in order. files: request
+    index -> stats_of's (source, cache_file, file_s), for a saved cache."""
+    tok = job.tok
     stream = args.batch is None and not args.json
     from tqdm import tqdm
-    bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr,
+    bar = tqdm(total=len(job.requests), desc="requests", unit="req", file=sys.stderr,
                disable=None if args.batch else True)  # None: off where stderr is no terminal
     done, printed, shown = {}, 0, 0
     for event, r in events:
@@ -569,5 +566,6 @@ def run(args):
     bar.close()
 
 
-def main(argv=None):
+def main(argv, run):
+    """run(args) (generate.main's steps) with the flags of argv; bad input as one line, exit 2."""
     return cli.main(run, parse_args(argv), ModelError, GateError, CacheFileError, ArgumentError)

@@ -1,11 +1,44 @@
 """
-The command line of `python train_gate.py`: its flags and their checks, the output folder (--out is
+python train_gate.py: teach the gates, from raw text to a trained gate file (METHOD.md §4-5), in
+three steps (train_gate.py's main runs them in order):
+  1. data      pick documents (METHOD.md §5.1, features.py): 10K-30K-token documents plus
+               ~100K-token concatenations of the same documents, ~1M tokens in all; 5% of the
+               documents are held out whole for validation (--val-docs) and never enter a
+               concatenation.
+  2. features  for every document, prefill system prompt + context with a full cache, score every
+               context KV pair with the KVzip teacher (teacher.py, METHOD.md §4) and record the
+               attention-input hidden states of the compressed layers. One shard file per
+               document, written atomically under --out/features, so an interrupted run resumes
+               where it stopped (features.py).
+  3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft targets,
+               SGD momentum 0.9, lr 0.2 with the authors' piecewise schedule, 5,000 steps of 1,000
+               tokens (5 epochs of the recipe's 1M tokens), all layers batched through gate.Gates;
+               then the gate's agreement with its teacher on the held-out documents
+               (teacher.agreement). --recipe adam-logmse (Adam on the MSE of log scores; the bundled
+               SmolLM2 gate's) and one flag per field of the recipe plug in other losses, optimisers
+               and selections (train_gate.Recipe, METHOD.md §13.14).
+
+Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors
+(formats.gate_file.save_gate, with a training summary in its metadata), metrics.json (per-layer
+train/validation loss and accuracy over steps, and the agreement), curves.png with --plot, and
+per-layer tables on stdout.
+
+Cost: METHOD.md §5.5 (the estimate for Qwen3-8B at the paper's ~1M tokens, and measured runs).
+
+Small CPU example (the offline Gemma 3 270M on the Python docs, a few minutes on 2 cores):
+    python train_gate.py --data ~/.cache/fastkvzip/assets/pydoc --tokens 10000 --threads 1 \\
+        --min-doc-tokens 2000 --max-doc-tokens 6000 --long-doc-tokens 0 --steps 300
+Full size (the paper's recipe for Qwen3-8B; one GPU, or N GPUs for the feature step):
+    python train_gate.py --model qwen3-8b
+    torchrun --nproc_per_node 8 train_gate.py --model qwen3-8b
+
+This file is the command line: the flags and their checks, torchrun, the output folder (--out is
 checked before hours of work go into it and created once the input is accepted; kept() says what a
-stopped run leaves), run() with the three steps of train_gate.py's docstring in the order they run,
-and what is printed and written beside the gate (the per-layer tables, curves.png). The training
-method is train_gate.py's, and its docstring is the --help text.
+stopped run leaves), and what is printed and written beside the gate (the per-layer tables,
+curves.png). The training method is train_gate.py's.
 """
 import argparse
+import datetime
 import errno
 import json
 import math
@@ -13,14 +46,13 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import cli
 import features
-import train_gate
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, pyplot, resolve_model, save_figure, write_json
 from features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents
 from formats.checkpoint import check_dtype, read_config, read_tokenizer
@@ -28,10 +60,9 @@ from formats.gate_file import authors_file_name, save_gate
 from kernels import ArgumentError
 from model import ModelError, compute_dtype
 from teacher import encode_prompt, prompt_format, uses_chat
-from train_gate import RECIPES, Recipe, agreement_with_teacher, auto_layer_groups, init_distributed, split, train
 
 DEFAULT_RECIPE = "paper"
-DEFAULT_LR = {"sgd": 0.2, "adam": 3e-3}  # an --optimizer other than the recipe's, without --lr
+MEMORY_SHARE = 0.5  # --layer-groups 0: each group's features in at most this share of the memory
 
 
 # -------------------------------------------------------------------------------------------------
@@ -89,7 +120,30 @@ def plot_curves(m, path):
 # -------------------------------------------------------------------------------------------------
 # main
 
-def run(args):
+@dataclass
+class Job:
+    """What prepare() found, for the steps of train_gate.main."""
+    rank: int
+    world: int  # torchrun's processes (1 without torchrun)
+    device: torch.device
+    model_name: str
+    out: str
+    dtype: torch.dtype
+    folder: Path
+    cfg: object
+    tokenizer: object
+    chat: bool
+    fmt: object
+    stored_dtype: torch.dtype
+    prefill_chunk: int
+    log: object  # the step log (off with --quiet)
+    manifest: dict = None  # pick_documents'
+    data_hash: str = None
+
+
+def prepare(args):
+    """Everything before the documents: threads, torchrun, the device, --out checked, the model's
+    config and tokenizer (rank 0 downloads or converts it first, alone)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = init_distributed()
@@ -111,69 +165,91 @@ def run(args):
     chat = uses_chat(cfg, args.chat)
     fmt = prompt_format(cfg, args.model, chat=chat)
     stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
-    system = encode_prompt(tokenizer, fmt.system)
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
+    return Job(rank, world, device, model_name, out, dtype, folder, cfg, tokenizer, chat, fmt,
+               stored_dtype, prefill_chunk, log)
+
+
+def pick_documents(args, job):
+    """Step 1: the documents (features.load_documents) and their manifest, checked against one
+    already in --out (a resumed run) and written there; only now is --out created."""
+    system = encode_prompt(job.tokenizer, job.fmt.system)
     # the longest repeat input: prompt (< 64 tokens with the previous chunk's last 8) + one chunk
-    max_context = cfg.max_position_embeddings - len(system) - args.teacher_chunk - 64
+    n_pos = job.cfg.max_position_embeddings
+    max_context = n_pos - len(system) - args.teacher_chunk - 64
     if max_context < args.min_doc_tokens:
-        raise UsageError(f"the model holds {cfg.max_position_embeddings} positions: with "
+        raise UsageError(f"the model holds {n_pos} positions: with "
                          f"--teacher-chunk {args.teacher_chunk} a document can have at most "
                          f"{max_context} context tokens, fewer than --min-doc-tokens "
                          f"{args.min_doc_tokens}; lower them")
     docs = load_documents(args.data, args.tokens, args.min_doc_tokens, args.max_doc_tokens,
-                          args.long_doc_tokens, args.val_docs, tokenizer, max_context)
-    data_hash = data_sha256(args.data)
-    if rank == 0:
-        features.note_bundled_corpus(model_name, data_hash)
-    manifest = features.make_manifest(model_name, cfg, dtype, docs, args.teacher_chunk,
-                                      args.teacher_softmax, chat, stored_dtype)
-    check_manifest(out, manifest)
-    make_out(out, rank)  # only now that the input is accepted: a refused run leaves no empty folder
-    if rank == 0:
-        write_json(Path(out) / "manifest.json", manifest, indent=1)
+                          args.long_doc_tokens, args.val_docs, job.tokenizer, max_context)
+    job.data_hash = data_sha256(args.data)
+    if job.rank == 0:
+        features.note_bundled_corpus(job.model_name, job.data_hash)
+    job.manifest = features.make_manifest(job.model_name, job.cfg, job.dtype, docs,
+                                          args.teacher_chunk, args.teacher_softmax, job.chat,
+                                          job.stored_dtype)
+    check_manifest(job.out, job.manifest)
+    make_out(job.out, job.rank)  # only now the input is accepted: a refused run leaves no folder
+    if job.rank == 0:
+        write_json(Path(job.out) / "manifest.json", job.manifest, indent=1)
         n_val = sum(split == "val" for _, _, split in docs)
         n_tok = sum(len(ids) for _, ids, _ in docs)
         print(f"{len(docs)} documents ({n_val} held out for validation), {n_tok} context tokens -> "
-              f"{out}/features", file=sys.stderr)
+              f"{job.out}/features", file=sys.stderr)
+    return docs
+
+
+def extract(args, job, docs):
+    """Step 2: every document's features (features.extract_features), each torchrun process its
+    share -> the FeatureStore to train on; None when there is no training here (--steps 0, or a
+    process other than rank 0)."""
+    import torch.distributed as dist
     t0 = time.perf_counter()
-    extract_features(out, folder, dtype, device, docs, fmt, tokenizer, args.teacher_chunk,
-                     prefill_chunk, args.teacher_softmax, stored_dtype, rank, world, args.quiet)
-    if world > 1:
+    extract_features(job.out, job.folder, job.dtype, job.device, docs, job.fmt, job.tokenizer,
+                     args.teacher_chunk, job.prefill_chunk, args.teacher_softmax, job.stored_dtype,
+                     job.rank, job.world, args.quiet)
+    if job.world > 1:
         dist.barrier()  # every rank's shards are written before rank 0 trains
         dist.destroy_process_group()
-        if rank != 0:
-            return
+        if job.rank != 0:
+            return None
     print(f"features ready ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if args.steps == 0:
-        return
-    store = FeatureStore(out, manifest)
-    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
-    recipe = make_recipe(args.recipe, {f.name: getattr(args, f.name) for f in fields(Recipe)})
-    groups = args.layer_groups or auto_layer_groups(store)  # train() caps it at the layers
-    train_idx, val_idx = split(store)
-    if len(train_idx) < args.batch_tokens:
-        raise UsageError(f"only {len(train_idx)} training tokens for --batch-tokens "
+        return None
+    return FeatureStore(job.out, job.manifest)
+
+
+def check_split(args, store, n_train, n_val, val_every):
+    """Enough training tokens for one batch, and at least one validation token."""
+    if n_train < args.batch_tokens:
+        raise UsageError(f"only {n_train} training tokens for --batch-tokens "
                          f"{args.batch_tokens}; add data (--tokens) or lower it")
-    if len(val_idx) == 0:
-        raise UsageError(f"only {store.n_tokens} tokens: need at least {train_gate.VAL_EVERY} for "
+    if n_val == 0:
+        raise UsageError(f"only {store.n_tokens} tokens: need at least {val_every} for "
                          f"one validation token; raise --tokens")
-    gates, metrics = train(store, cfg, device, args.steps, args.batch_tokens, args.seed, log,
-                           recipe, groups)
-    metrics["n_val_docs"] = sum(d["split"] == "val" for d in manifest["documents"])
-    metrics["agreement"] = agreement_with_teacher(gates, store, manifest, docs, tokenizer, device)
+
+
+def save(args, job, store, docs, gates, metrics, agreement, settings):
+    """Step 3's outputs: gate.safetensors (with a training summary: the recipe's settings and
+    what it trained on), the authors' layout with --export-pt, metrics.json, the per-layer tables,
+    curves.png with --plot, and one line."""
+    metrics["n_val_docs"] = sum(d["split"] == "val" for d in job.manifest["documents"])
+    metrics["agreement"] = agreement
     metrics["command"] = " ".join(sys.argv)
-    summary = dict(command=metrics["command"], data=args.data, data_sha256=data_hash,
+    summary = dict(command=metrics["command"], data=args.data, data_sha256=job.data_hash,
                    documents=len(docs), tokens=store.n_tokens, steps=args.steps,
                    batch_tokens=args.batch_tokens, seed=args.seed, recipe_name=args.recipe,
-                   **asdict(recipe),
-                   **(dict(momentum=train_gate.MOMENTUM) if recipe.optimizer == "sgd" else {}),
-                   **(dict(rank_weight=train_gate.RANK_WEIGHT) if recipe.loss == "rank" else {}),
-                   **({"selected_step": metrics["selected_step"]} if recipe.select == "spearman"
+                   **settings,
+                   **({"selected_step": metrics["selected_step"]} if "selected_step" in metrics
                       else {}),
                    val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
-                   const_val_loss=metrics["const_val_loss"], teacher=manifest["teacher"],
+                   const_val_loss=metrics["const_val_loss"], teacher=job.manifest["teacher"],
                    val_docs=metrics["n_val_docs"], agreement=metrics["agreement"])
+    out = job.out
     gate_path = Path(out) / "gate.safetensors"
-    save_gate(str(gate_path), gates, dict(model=model_name, layers=metrics["layers"],
+    save_gate(str(gate_path), gates, dict(model=job.model_name, layers=metrics["layers"],
                                           training=summary))
     if args.export_pt:  # the authors' layout, for their code and kvpress (METHOD.md §2)
         save_gate(str(Path(out) / authors_file_name(gates)), gates,
@@ -188,14 +264,25 @@ def run(args):
           f"(constant {sum(metrics['const_val_loss']) / L:.4f}); gate -> {gate_path}")
 
 
-def make_recipe(name, flags):
-    """RECIPES[name] with the fields that flags ({field: value or None}) set; another optimizer
-    than the recipe's, without an lr, takes its own DEFAULT_LR."""
-    recipe = RECIPES[name]
-    given = dict(flags)
-    if flags["optimizer"] not in (None, recipe.optimizer) and flags["lr"] is None:
-        given["lr"] = DEFAULT_LR[flags["optimizer"]]
-    return replace(recipe, **{f: v for f, v in given.items() if v is not None})
+def init_distributed():
+    """torchrun sets WORLD_SIZE/RANK -> (rank, world). The processes only meet at a barrier after
+    the feature step, so the gloo backend serves CPU and GPU alike; the long timeout covers uneven
+    document lengths."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return dist.get_rank(), world
+
+
+def auto_layer_groups(store, share=MEMORY_SHARE):
+    """--layer-groups 0: the fewest layer groups whose features each fit in `share` of this
+    machine's memory (train_gate.train caps it at one layer per group)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return math.ceil(store.nbytes / (share * memory))
 
 
 GATE_RUN = "a train_gate.py run"  # what --out must hold if it holds anything (cli.claim_folder)
@@ -267,8 +354,10 @@ def kept(out, steps):
             f"train (training itself restarts from step 0)")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=train_gate.__doc__,
+def parse_args(argv, recipes, parts):
+    """The flags of argv, checked; recipes: train_gate.RECIPES (--recipe), parts: what each part of
+    a recipe may be named (train_gate.PARTS: --optimizer, --loss, --select)."""
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=OFFLINE_DEFAULT, help="local folder, HF repo id, or alias "
                    f"(qwen3-8b, ...); default: {OFFLINE_DEFAULT}, Gemma 3 270M converted offline "
@@ -295,21 +384,21 @@ def parse_args(argv=None):
     p.add_argument("--batch-tokens", type=int, default=1000,
                    help="tokens per step, shared by all layers")
     p.add_argument("--seed", type=int, default=0, help="seed of the gate init and the batch order")
-    p.add_argument("--recipe", choices=sorted(RECIPES), default=DEFAULT_RECIPE, help="the training "
+    p.add_argument("--recipe", choices=sorted(recipes), default=DEFAULT_RECIPE, help="the training "
                    "recipe whose settings the next six flags default to: paper (default) = the "
                    "paper's (SGD momentum 0.9, lr 0.2, the authors' schedule, BCE, the last step; "
                    "METHOD.md §5.3-5.4); adam-logmse = Adam lr 3e-3 on the MSE of log scores, the "
                    "same schedule (METHOD.md §13.14)")
-    p.add_argument("--optimizer", choices=train_gate.OPTIMIZERS,
+    p.add_argument("--optimizer", choices=parts["optimizer"],
                    help="sgd (momentum 0.9) or adam (AdamW with --weight-decay)")
     p.add_argument("--lr", type=float, help="base learning rate")
     p.add_argument("--schedule", choices=("step", "cosine"), help="step: the authors' piecewise "
                    "schedule; cosine: 1%% warm-up, then cosine to 0")
     p.add_argument("--weight-decay", type=float, help="decoupled weight decay (adam only)")
-    p.add_argument("--loss", choices=train_gate.LOSSES, help="bce: the paper's (METHOD.md §5.3); "
+    p.add_argument("--loss", choices=parts["loss"], help="bce: the paper's (METHOD.md §5.3); "
                    "rank: BCE plus a pairwise ranking term within each layer and head (see "
                    "rank_per_layer); logmse: MSE of log scores, as KVzap (see logmse_per_layer)")
-    p.add_argument("--select", choices=train_gate.SELECTIONS, help="last: the gates after the "
+    p.add_argument("--select", choices=parts["select"], help="last: the gates after the "
                    "last step; spearman: per layer, the gates of the validation step (every 50) "
                    "with the best held-out rank correlation with the teacher")
     p.add_argument("--teacher-chunk", type=int, default=2000, help="context tokens scored per "
@@ -337,7 +426,7 @@ def parse_args(argv=None):
     p.add_argument("--layer-groups", type=int, default=0, help="train the layers in this many "
                    "groups one after another, each with its features read into memory (the gates "
                    "are the same); 0: as few as fit in "
-                   f"{train_gate.MEMORY_SHARE * 100:.0f}%% of this machine's memory")
+                   f"{MEMORY_SHARE * 100:.0f}%% of this machine's memory")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). "
                    "On small or shared CPUs 1 is often much faster: the gate's small ops pay for "
                    "every thread hand-off")
@@ -354,7 +443,7 @@ def parse_args(argv=None):
             p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
     if args.weight_decay is not None and not 0 <= args.weight_decay < 1:
         p.error(f"--weight-decay must be in [0, 1), got {args.weight_decay}")
-    if args.weight_decay and (args.optimizer or RECIPES[args.recipe].optimizer) == "sgd":
+    if args.weight_decay and (args.optimizer or recipes[args.recipe].optimizer) == "sgd":
         p.error("--weight-decay applies to --optimizer adam (the paper's SGD takes none)")
     if args.steps < 0 or args.long_doc_tokens < 0 or args.layer_groups < 0:
         p.error("--steps, --long-doc-tokens and --layer-groups must be >= 0")
@@ -371,7 +460,9 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(argv, run, recipes, parts):
+    """run(args) (train_gate.main's steps) with the flags of argv (parse_args); bad input as one
+    line, exit 2; a stopped run says what it kept."""
+    args = parse_args(argv, recipes, parts)
     cli.main(run, args, ModelError, ArgumentError,
              kept=lambda a: kept(names(a.model, a.out)[1], a.steps))

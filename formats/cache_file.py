@@ -23,11 +23,10 @@ import time
 
 import torch
 
-from cache import LEVELS, EvictingCache, KVCache, plan_prefill
+from cache import LEVELS, EvictingCache, KVCache, check_ids, plan_prefill
 from formats.gate_file import gate_sha256
 from formats.tensor_file import TORCH_DTYPES, read_tensors, tensor_bytes, write_safetensors
-from gate import Scorer
-from generate import METHODS, check_ids
+from gate import METHODS, Scorer
 from kernels import ArgumentError, RaggedKV, WindowKV, _ranges
 from model import Transformer
 

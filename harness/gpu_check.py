@@ -490,9 +490,12 @@ def prefill_once(S, model, gates, teacher, method, ids, chunk_size, window):
     """One prefill of ids with `method` on a fresh cache, as generate.py runs it -> a row."""
     import generate
     from cache import Budget, KVCache
+    from harness.timing import time_scorer
     dev, dtype = device_and_dtype(S)
     cache = KVCache(model.config, dtype, dev) if method == "full" else \
         generate.make_cache(method, model, 0, gates=gates)
+    if getattr(cache, "scorer", None) is not None:  # the gate's share
+        time_scorer(cache.scorer, dev)
     teacher.seconds = 0.0
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -507,7 +510,8 @@ def prefill_once(S, model, gates, teacher, method, ids, chunk_size, window):
         generate.prefill(model, cache, ids, 0, Budget(budget, chunk_size, window))
     sync(dev)
     s = time.perf_counter() - t0
-    score_s = teacher.seconds if method == "kvzip" else getattr(cache, "gate_seconds", 0.0)
+    scorer = teacher if method == "kvzip" else getattr(cache, "scorer", None)
+    score_s = getattr(scorer, "seconds", 0.0)
     return dict(context=len(ids), method=method, budget=budget, seconds=sig(s),
                 tok_s=sig(len(ids) / s), score_s=sig(score_s), score_share=sig(score_s / s),
                 kv_bytes=cache.nbytes,

@@ -17,6 +17,7 @@ import generate
 from cache import Batch, Budget, KVCache, full_cache_bytes
 from formats.gate_file import save_gate
 from harness.quality import DEFAULT_LEVEL, log, method_cache, model_info
+from harness.timing import time_scorer
 from model import ModelConfig, Transformer, load_tokenizer
 from teacher import KVzipTeacher, prompt_format
 
@@ -49,6 +50,8 @@ def timed_run(model, method, budget, ids, n_protected, teacher, s):
     cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
         model, method, DEFAULT_LEVEL[method], n_protected, s.model, s.gate, s.seed)
     teacher = TimedTeacher(teacher) if method == "kvzip" else None
+    if getattr(cache, "scorer", None) is not None:  # the gate's (or a baseline's) share
+        time_scorer(cache.scorer, device)
     sync(device)
     t0 = time.perf_counter()
     if method == "kvzip":  # full prefill, the teacher's repeat pass, one eviction (METHOD.md §6)
@@ -57,7 +60,7 @@ def timed_run(model, method, budget, ids, n_protected, teacher, s):
         score_s = teacher.seconds
     else:
         generate.prefill(model, cache, ids, n_protected, Budget(budget, s.chunk_size, s.window))
-        score_s = getattr(cache, "gate_seconds", 0.0)
+        score_s = getattr(getattr(cache, "scorer", None), "seconds", 0.0)
     sync(device)
     prefill_s = time.perf_counter() - t0
     kv_bytes, kept, peak = cache.nbytes, cache.kept_nbytes, cache.peak_nbytes

@@ -44,6 +44,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import struct
 import sys
 import time
@@ -636,10 +637,17 @@ def _progress(total: int, desc: str, say):
         return Quiet()
 
 
-if __name__ == "__main__":
-    import cli  # one-line errors, Ctrl-C and SIGTERM as the other scripts
+if __name__ == "__main__":  # not cli.main: cli imports this module (first-use conversion)
     if sys.argv[1:2] in (["-h"], ["--help"]):  # the usage lines that end the docstring
         command = "python -m offline.models"
         print("usage: " + command + __doc__.rsplit(command, 1)[1].rstrip())
         sys.exit(0)
-    cli.main(lambda argv: print(ensure_offline_model(*argv)), sys.argv[1:2], OfflineModelError)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleaned up as after Ctrl-C
+    try:
+        print(ensure_offline_model(*sys.argv[1:2]))
+    except OfflineModelError as e:  # one line, exit 2, as the other scripts
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt as e:  # the conversion's own note: what it kept, how to resume
+        print("\ninterrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)
+        sys.exit(130)

@@ -158,8 +158,8 @@ def no_access(folder, mode):
 
 
 def run_main(capsys, *argv):
-    """generate.py's main (commands/generate.py) with argv -> (exit code, stdout, stderr)."""
-    from commands.generate import main
+    """generate.py's main with argv -> (exit code, stdout, stderr)."""
+    from generate import main
     code = 0
     try:
         main(list(argv))

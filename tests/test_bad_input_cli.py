@@ -14,6 +14,7 @@ import pytest
 
 import cli
 import commands.generate as G
+import generate
 from tests.helpers import run_main
 from tests.test_saved_cache import tiny_setup
 
@@ -70,7 +71,7 @@ def _run(*argv):
     code = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            G.main(list(argv))
+            generate.main(list(argv))
         except SystemExit as e:
             code = e.code
     return code, out.getvalue(), err.getvalue()

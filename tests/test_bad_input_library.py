@@ -186,18 +186,16 @@ def test_the_commands_report_an_argument_error_in_one_line(capsys, monkeypatch):
     def refuse(args):
         raise ArgumentError("prefill: n_protected 50 must be an integer in [0, 30]")
 
-    monkeypatch.setattr(gen, "run", refuse)
     with pytest.raises(SystemExit) as e:
-        gen.main(["--model", "x", "--prompt", "hi"])
+        gen.main(["--model", "x", "--prompt", "hi"], refuse)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.strip().splitlines() == [
         "error: prefill: n_protected 50 must be an integer in [0, 30]"], err
     assert ArgumentError in bench.ERRORS
-    monkeypatch.setattr(tg, "run", refuse)
-    monkeypatch.setattr(tg, "parse_args", lambda argv: argv)
+    monkeypatch.setattr(tg, "parse_args", lambda argv, recipes, parts: argv)
     monkeypatch.setattr(tg, "kept", lambda *a: None)
     with pytest.raises(SystemExit) as e:
-        tg.main(object())
+        tg.main(object(), refuse, {}, {})
     assert e.value.code == 2 and "error: prefill: n_protected" in capsys.readouterr().err
 
 

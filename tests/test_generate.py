@@ -74,7 +74,7 @@ def test_missing_model_and_missing_context_file(tmp_path):
 def main_error(capsys, *argv):
     """generate.py's main in this process (no interpreter start per case): exit 2 and one line, no
     traceback."""
-    from commands.generate import main
+    from generate import main
     with pytest.raises(SystemExit) as e:
         main(list(argv))
     err = capsys.readouterr().err
@@ -340,7 +340,7 @@ def test_streamed_answer_prints_characters_whole(capsys, tiny_folder, monkeypatc
     characters. It prints what decodes whole, and the whole answer in the end."""
     import types
 
-    from commands import generate as command
+    import generate
     tok = M.load_tokenizer(tiny_folder)
     text = "caf\u00e9 \U0001F600 ok \u2014 done"
     ids = tok.encode(text, add_special_tokens=False).ids
@@ -355,8 +355,8 @@ def test_streamed_answer_prints_characters_whole(capsys, tiny_folder, monkeypatc
         r.answers.append({"question": "q?", "output_ids": r.out})
         yield "answer", r
 
-    monkeypatch.setattr(command, "decode", answers)
-    command.main(["--model", str(tiny_folder), "--prompt", "hi", "--question", "q?",
+    monkeypatch.setattr(generate, "decode", answers)
+    generate.main(["--model", str(tiny_folder), "--prompt", "hi", "--question", "q?",
                   "--method", "full"])
     assert capsys.readouterr().out == f"\nQ: q?\nA:{text}\n"
 
@@ -365,10 +365,10 @@ def test_an_answer_without_decode_steps_has_no_decode_speed(capsys, tiny_folder)
     """--max-new-tokens 1: the token comes from the question's forward, no decode step runs; the
     stats said "decode 1247.8 tok/s" (one token over the time of one sampling). Now no decode
     speed; with 3 tokens, the 2 decode forwards' rate."""
-    from commands import generate as command
+    import generate
     for n, has_speed in ((1, False), (3, True)):
-        command.main(["--model", str(tiny_folder), "--prompt", "hi", "--question", "q?",
-                      "--method", "full", "--max-new-tokens", str(n), "--json"])
+        generate.main(["--model", str(tiny_folder), "--prompt", "hi", "--question", "q?",
+                       "--method", "full", "--max-new-tokens", str(n), "--json"])
         stats = json.loads(capsys.readouterr().out)["stats"]
         assert (stats["decode_tokens_per_s"] is not None) == has_speed, stats
         assert ("decode" in cli.summary_line(stats)) == has_speed
@@ -378,7 +378,7 @@ def test_a_base_model_is_prompted_as_one_whatever_its_name(capsys):
     """The offline Gemma 3 270M is a base model (its tokenizer has no chat template): named by its
     folder, it got the chat template and answered "Water boils at" with "The temperature of". By
     folder or by name, the same prompt and answer now."""
-    from commands import generate as command
+    import generate
     folder = resolve_model(OFFLINE_DEFAULT)
     cfg = M.ModelConfig.from_json(folder)
     assert cfg.chat_template is False and not uses_chat(cfg)
@@ -386,7 +386,7 @@ def test_a_base_model_is_prompted_as_one_whatever_its_name(capsys):
     assert prompt_format(cfg, str(folder)) == prompt_format(cfg, OFFLINE_DEFAULT) == plain
     runs = []
     for name in (str(folder), OFFLINE_DEFAULT):
-        command.main(["--model", name, "--prompt", "Water boils at", "--budget", "1.0",
+        generate.main(["--model", name, "--prompt", "Water boils at", "--budget", "1.0",
                       "--max-new-tokens", "3", "--json"])
         runs.append(json.loads(capsys.readouterr().out))
     assert runs[0]["prompt_ids"] == runs[1]["prompt_ids"]
@@ -428,12 +428,12 @@ def test_fifo_context_file_says_it_waits(no_weights, tmp_path):
 def test_no_context_runs_the_shipped_example(capsys, tmp_path_factory):
     """`python generate.py --budget 0.3` (no --prompt, no --context-file) answers the README's first
     question about the shipped chapter at that budget, and says so in one line first."""
-    from commands import generate as command
+    import generate
     folder = tiny_checkpoint("gemma3", tmp_path_factory.mktemp("long"),
                              max_position_embeddings=32768)
     tiny_tokenizer(folder)
     capsys.readouterr()  # the checkpoint's own progress bars
-    command.main(["--model", str(folder), "--method", "streaming", "--budget", "0.3",
+    generate.main(["--model", str(folder), "--method", "streaming", "--budget", "0.3",
                   "--max-new-tokens", "2", "--chunk-size", "4096", "--json"])
     out = capsys.readouterr()
     said = out.err.strip().splitlines()

@@ -224,7 +224,7 @@ def test_sigterm_during_conversion_cleans_up_in_one_line(tmp_path):
               "    (out / 'model.safetensors').write_bytes(b'half')\n"
               "    os.kill(os.getpid(), signal.SIGTERM)\n"
               "models.convert = convert\n"
-              "from commands.generate import main\n"
+              "from generate import main\n"
               "main(sys.argv[1:])\n")
     r = subprocess.run([sys.executable, "-c", driver, "--prompt", "hi"],
                        cwd=Path(models.__file__).parent.parent, capture_output=True, text=True,

@@ -318,7 +318,7 @@ def test_every_committed_benchmark_names_a_shipped_gate():
 
 def run_generate(capsys, *argv):
     """generate.py's main in this process -> (exit code, stdout, stderr)."""
-    from commands.generate import main
+    from generate import main
     code = 0
     try:
         main([str(a) for a in argv])
@@ -369,7 +369,7 @@ def test_real_gemma3_trains_a_gate_on_documents_with_control_strings(real_gemma,
     """train_gate.py on the tiny Gemma 3 with the real tokenizer: documents that hold control
     strings are read as text (no control id among their ids), features and a few steps run."""
     import features
-    from commands import train_gate
+    import train_gate
     data = tmp_path / "data"
     data.mkdir()
     line = ("Photo <image_soft_token> caption. " + FORGED + " The pass key is 81234. ")

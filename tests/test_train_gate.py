@@ -60,7 +60,7 @@ def qwen(tmp_path_factory):
 
 
 def run_main(argv):
-    cmd.main([str(a) for a in argv])
+    TG.main([str(a) for a in argv])
 
 
 def shards(out):
@@ -90,8 +90,8 @@ def test_recipe_flags():
     its field; another --optimizer without --lr takes its own lr; weight decay is Adam's only."""
     base = ["--data", "d"]
     def recipe(*flags):
-        args = cmd.parse_args([*base, *flags])
-        return cmd.make_recipe(args.recipe,
+        args = cmd.parse_args([*base, *flags], TG.RECIPES, TG.PARTS)
+        return TG.make_recipe(args.recipe,
                                {f: getattr(args, f) for f in TG.Recipe.__dataclass_fields__})
     assert (recipe() == TG.Recipe() == TG.RECIPES["paper"]
             == TG.Recipe(optimizer="sgd", lr=0.2, loss="bce"))
@@ -99,8 +99,8 @@ def test_recipe_flags():
     assert recipe("--recipe", "adam-logmse", "--lr", "1e-3", "--select", "spearman") == TG.Recipe(
         optimizer="adam", lr=1e-3, loss="logmse", select="spearman")
     assert (recipe("--recipe", "adam-logmse", "--optimizer", "sgd")
-            == TG.Recipe(lr=cmd.DEFAULT_LR["sgd"], loss="logmse"))
-    assert recipe("--optimizer", "adam") == TG.Recipe(optimizer="adam", lr=cmd.DEFAULT_LR["adam"])
+            == TG.Recipe(lr=TG.DEFAULT_LR["sgd"], loss="logmse"))
+    assert recipe("--optimizer", "adam") == TG.Recipe(optimizer="adam", lr=TG.DEFAULT_LR["adam"])
     assert (recipe("--optimizer", "adam", "--weight-decay", "0.01", "--schedule", "cosine")
             == TG.Recipe(optimizer="adam", lr=3e-3, weight_decay=0.01, schedule="cosine"))
     assert recipe("--recipe", "adam-logmse", "--weight-decay", "0.01").weight_decay == 0.01
@@ -108,7 +108,7 @@ def test_recipe_flags():
                                             "--weight-decay", "0.1"],
                 ["--lr", "0"], ["--optimizer", "adam", "--weight-decay", "1"]):
         with pytest.raises(SystemExit) as e:
-            cmd.parse_args([*base, *bad])
+            cmd.parse_args([*base, *bad], TG.RECIPES, TG.PARTS)
         assert e.value.code == 2, bad
 
 
@@ -493,7 +493,7 @@ def run_with_save_file(save_file, args, out):
               "real = st.save_file\n"
               f"{save_file}"
               "st.save_file = save_file\n"
-              "from commands import train_gate\n"
+              "import train_gate\n"
               "train_gate.main(sys.argv[1:])\n")
     return subprocess.run([sys.executable, "-c", driver, *args, "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
@@ -572,7 +572,7 @@ def test_ctrl_c_in_training_says_what_is_kept(features_run, tmp_path, monkeypatc
     def interrupted_training(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cmd, "train", interrupted_training)
+    monkeypatch.setattr(TG, "train", interrupted_training)
     with pytest.raises(SystemExit) as e:
         run_main([*args, "--out", tmp_path / "out", "--steps", 10])
     err = capsys.readouterr().err

@@ -6,7 +6,7 @@ Fast KVzip 0.3; beside them transformers' padded cache for the same tokens (B x 
 sequence x every layer: an estimate, the measured one is in ../batch-cpu-quiet/). Works on the
 code before the reserved answer rows (no begin_answer(max_new_tokens): nothing reserved) and after.
 
-    python benchmarks/prefill-overhead-cpu/batch_bytes.py smollm2-135m-gguf
+    python -m benchmarks.prefill-overhead-cpu.batch_bytes smollm2-135m-gguf
 
 Run from the repository root; one JSON line per configuration.
 """
@@ -17,14 +17,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, ".")
-import generate  # noqa: E402
-import model as M  # noqa: E402
-from cache import Batch, Budget  # noqa: E402
-from cli import resolve_model  # noqa: E402
-from formats.gate_file import resolve_gate  # noqa: E402
-from harness.quality import load_docs  # noqa: E402
-from teacher import encode_prompt, prompt_format  # noqa: E402
+import generate
+import model as M
+from cache import Batch, Budget
+from cli import resolve_model
+from formats.gate_file import resolve_gate
+from harness.quality import load_docs
+from teacher import encode_prompt, prompt_format
 
 torch.set_num_threads(1)
 name, steps, length = sys.argv[1], 16, 512

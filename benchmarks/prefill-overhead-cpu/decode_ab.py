@@ -3,28 +3,26 @@ Decode at B = 1: our full cache, Fast KVzip 0.3 and transformers on the same con
 1 thread; each round times `--steps` greedy-free decode steps of each (fixed tokens), the order of
 the three reversed every other round; CPU milliseconds per step (time.process_time).
 
-    python benchmarks/prefill-overhead-cpu/decode_ab.py --model smollm2-135m-gguf --length 2048
+    python -m benchmarks.prefill-overhead-cpu.decode_ab --model smollm2-135m-gguf --length 2048
 
 Run from the repository root. Prints one JSON line: the medians and every round.
 """
 import argparse
 import collections
 import json
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, ".")
-import generate  # noqa: E402
-import model as M  # noqa: E402
-from cache import Budget, EvictingCache  # noqa: E402
-from cli import resolve_model  # noqa: E402
-from formats.gate_file import resolve_gate  # noqa: E402
-from harness.quality import load_docs  # noqa: E402
-from harness.speed import load_peer, peer_prefill  # noqa: E402
-from teacher import encode_prompt, prompt_format  # noqa: E402
+import generate
+import model as M
+from cache import Budget, EvictingCache
+from cli import resolve_model
+from formats.gate_file import resolve_gate
+from harness.quality import load_docs
+from harness.speed import load_peer, peer_prefill
+from teacher import encode_prompt, prompt_format
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="smollm2-135m-gguf")

@@ -1,9 +1,9 @@
 """
 Fast KVzip's compressed prefill against our full prefill, in one process, in CPU seconds, with the
-share of the gate (EvictingCache._score) and the eviction (EvictingCache.evict) and a hash of every
+share of the gate (gate.GateScorer.score) and the eviction (EvictingCache.evict) and a hash of every
 kept set (positions kept per compressed layer and head) to compare two versions of the code.
 
-    python benchmarks/prefill-overhead-cpu/prefill_parts.py --model smollm2-135m-gguf --lengths 2048,8192
+    python -m benchmarks.prefill-overhead-cpu.prefill_parts --model smollm2-135m-gguf --lengths 2048,8192
 
 Run from the repository root (it imports the working tree's modules). Timers wrap the methods for
 the run; CPU seconds (time.process_time) are this process's, what other jobs on a shared machine
@@ -12,21 +12,20 @@ disturb least. Rounds alternate the order full / fastkvzip.
 import argparse
 import hashlib
 import json
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, ".")
-import cache as C  # noqa: E402
-import generate  # noqa: E402
-import model as M  # noqa: E402
-from cache import Budget  # noqa: E402
-from cli import resolve_model  # noqa: E402
-from formats.gate_file import resolve_gate  # noqa: E402
-from harness.quality import load_docs  # noqa: E402
-from teacher import encode_prompt, prompt_format  # noqa: E402
+import cache as C
+import gate
+import generate
+import model as M
+from cache import Budget
+from cli import resolve_model
+from formats.gate_file import resolve_gate
+from harness.quality import load_docs
+from teacher import encode_prompt, prompt_format
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="smollm2-135m-gguf")
@@ -58,7 +57,7 @@ def timed(cls, name, key):
     setattr(cls, name, g)
 
 
-timed(C.EvictingCache, "_score", "gate_cpu_s")
+timed(gate.GateScorer, "score", "gate_cpu_s")
 timed(C.EvictingCache, "evict", "evict_cpu_s")
 
 
