@@ -70,11 +70,11 @@ class KVCache:
         """Bytes of the keys and values kept, all layers (no slack): what nbytes holds them in."""
         return sum(kv.kept_nbytes for kv in self.layers)
 
-    def reserve(self, n):
-        """Room for n more tokens in every layer (an answer's question and decoded tokens), so that
-        decoding copies nothing and holds no more than it will use."""
+    def reserve(self, n_question, n_answer=0):
+        """Room for an answer in every layer: its question's tokens and n_answer decoded ones, so
+        that decoding copies nothing and holds no more than it will use."""
         for kv in self.layers:
-            kv.reserve(n)
+            kv.reserve(n_question + n_answer)
             self._track_peak(kv)
 
     def _track_peak(self, kv):
@@ -202,6 +202,57 @@ def top_k_mask(scores, k):
     return keep.view(scores.shape)
 
 
+class DecodeBudgetError(ValueError):
+    """A decode-time budget too small for the scorer to choose anything."""
+
+
+def decode_protected(n_protected, window, sinks=4):
+    """Rows per head that decode-time eviction always keeps: the system prompt (or the first
+    `sinks` positions, the attention sinks, if longer) and the local window."""
+    return max(n_protected, sinks) + window
+
+
+def check_decode_budget(tokens_per_head, protected):
+    """Decode-time eviction always keeps `protected` rows per head (system prompt or first 4, and
+    the local window) inside the budget: a budget of no more leaves nothing to the scorer, and
+    every method would keep the same rows."""
+    if isinstance(tokens_per_head, bool) or not isinstance(tokens_per_head, numbers.Integral) \
+            or tokens_per_head <= protected:
+        raise DecodeBudgetError(
+            f"decode_tokens_per_head {tokens_per_head!r} leaves nothing to the scorer: the system "
+            f"prompt or first tokens and the local window ({protected} rows per head) are always "
+            f"kept; use at least {protected + 1}")
+
+
+def keep_within_budget(scores, budget, level):
+    """Decode-time eviction's rule: scores[l][h] (rows,) of every compressed layer and head ->
+    keep masks of the same shapes: the budget·H·L best rows over all ("global"; "calibrated"
+    divides each layer's scores by their finite mean first), budget·H per layer ("layer") or
+    budget per head ("head"). A group within its budget keeps everything; +inf rows are kept even
+    past it. Ties go to the earlier layer, head and position (top_k_mask)."""
+    if level == "calibrated":
+        scores = [[s / _finite_mean(layer) for s in layer] for layer in scores]
+    if level == "head":
+        groups = [[s] for layer in scores for s in layer]
+    elif level == "layer":
+        groups = scores
+    else:
+        groups = [[s for layer in scores for s in layer]]
+    keep = []
+    for group in groups:
+        flat = torch.cat(group)
+        k = max(budget * len(group), int(flat.isinf().sum()))
+        keep += list(top_k_mask(flat, k).split([s.numel() for s in group]))
+    it = iter(keep)
+    return [[next(it) for _ in layer] for layer in scores]
+
+
+def _finite_mean(layer):
+    finite = torch.cat(layer)
+    finite = finite[finite.isfinite()]
+    return finite.mean().clamp_min(1e-12) if finite.numel() else torch.tensor(1.0)
+
+
 # -------------------------------------------------------------------------------------------------
 
 # "global" is the paper's (METHOD.md §6 "pair"); "layer" and "head" are uniform ablations;
@@ -218,24 +269,35 @@ class EvictingCache(KVCache):
     layer l.
     n_protected: the first n_protected positions (the system prompt) are never evicted
     (METHOD.md §4.4).
-    decode_tokens_per_head: average kept tokens per compressed head during decoding (a count, not
-    a fraction; None = keep generated tokens).
+    decode_tokens_per_head: B, the average kept tokens per compressed head during decoding (a
+    count, not a fraction; None = keep generated tokens): B·L·H pairs over all compressed layers
+    with `level` "global", B·H per layer with "layer", B per head with "head" (METHOD.md §7).
+    decode_window: the last tokens decoding always keeps (default: the scorer's, 128 for the gate
+    and 8 for the baselines, as the authors run them).
     """
 
     def __init__(self, cfg, scorer, dtype=torch.float32, device="cpu", n_protected=0,
                  level="global", decode_tokens_per_head=None, decode_buffer=128,
-                 decode_window=128, decode_sinks=4):
+                 decode_window=None, decode_sinks=4):
         super().__init__(cfg, dtype, device)
         assert level in LEVELS, f"level must be one of {LEVELS}"
         self.scorer, self.level, self.n_protected = scorer, level, n_protected
         self.compressed = list(cfg.compressed_layers)
         # model layer -> gate index
         self.index = {layer: l for l, layer in enumerate(self.compressed)}
+        if decode_window is None:
+            decode_window = getattr(scorer, "decode_window", 128)
         self.decode_tokens_per_head, self.decode_buffer = decode_tokens_per_head, decode_buffer
         self.decode_window, self.decode_sinks = decode_window, decode_sinks
+        if decode_tokens_per_head is not None:
+            check_decode_budget(decode_tokens_per_head,
+                                decode_protected(n_protected, decode_window, decode_sinks))
         # True after prefill: new tokens are buffered, scored every 128 tokens
         self.decoding = False
         self.buffer = {layer: [] for layer in self.compressed}  # hidden states waiting to be scored
+        # the last decode_window queries of each compressed layer, kept only for scorers that
+        # rescore every held row from them at decode time (SnapKV, R-KV): the gate's path is bare
+        self.queries = {}
         self.gate_seconds = 0.0
 
     def attend(self, layer, q, k, v, hidden, scale, window=None):
@@ -244,7 +306,7 @@ class EvictingCache(KVCache):
         pos = self.positions(q.shape[0])
         score = None
         if self.decoding:
-            self.buffer_decoded(layer, hidden)
+            self.buffer_decoded(layer, hidden, q)
         elif self.scorer is not None:  # None: KVzip's scores arrive later, all at once
             score = self._score(self.index[layer], hidden, q, k, pos)
             score[:, pos < self.n_protected] = math.inf  # the system prompt is never evicted
@@ -253,11 +315,31 @@ class EvictingCache(KVCache):
         self._track_peak(kv)
         return kv.attend(q, scale, window)
 
-    def buffer_decoded(self, layer, hidden):
+    def buffer_decoded(self, layer, hidden, q):
         """A decoded token's attention input, scored later, 128 tokens at a time (METHOD.md §7);
-        its row scores +inf until then (not evictable)."""
-        if self.decode_tokens_per_head is not None and layer in self.index:
-            self.buffer[layer].append(hidden)
+        its row scores +inf until then (not evictable). q (T, Hq, d): its queries, kept (the last
+        decode_window) only for a scorer that rescores from them."""
+        if self.decode_tokens_per_head is None or layer not in self.index:
+            return
+        self.buffer[layer].append(hidden)
+        if getattr(self.scorer, "rescores", False):
+            old = self.queries.get(layer, q[:0])
+            self.queries[layer] = torch.cat([old, q])[-self.decode_window:]
+
+    def reserve(self, n_question, n_answer=0):
+        """KVCache.reserve; with decode-time eviction a compressed layer only needs room for what
+        arrives before the next eviction (the question and the rest of the 128-token buffer):
+        after it, every eviction leaves room for the next buffer (after_step), so the answer's
+        length never decides what is allocated."""
+        if self.decode_tokens_per_head is None:
+            return super().reserve(n_question, n_answer)
+        for i, kv in enumerate(self.layers):
+            n = n_answer
+            if i in self.index:  # the eviction comes after the decode step that fills the buffer
+                pending = sum(h.shape[0] for h in self.buffer[i]) + n_question
+                n = min(n_answer, max(1, self.decode_buffer - pending))
+            kv.reserve(n_question + n)
+            self._track_peak(kv)
 
     def adopt(self, full, scores=None, inputs=None, keep_full=False):
         """Continue from `full`, a cache that prefilled system prompt ⊕ context without evicting:
@@ -326,11 +408,11 @@ class EvictingCache(KVCache):
             layers[li].select_rows(mask)
             self._track_peak(layers[li])
 
-    def keep_rows(self, li, masks):
+    def keep_rows(self, li, masks, room=0):
         """Keep, in compressed layer li, the rows masks[h] (bool, one per row held) of each head h;
-        free the rest."""
+        free the rest (room: see RaggedKV.select_rows)."""
         kv = self.layers[self.compressed[li]]
-        kv.select(masks)
+        kv.select(masks, room)
         self._track_peak(kv)
 
     # -- decoding: score the buffer every 128 tokens, evict back to the budget (METHOD.md §7) --
@@ -338,48 +420,53 @@ class EvictingCache(KVCache):
         self.decoding = True
 
     def after_step(self):
-        """Call after every decode forward. Every `decode_buffer` buffered tokens the gate scores
-        them in one call; then, if the compressed layers hold more than decode_tokens_per_head·L·H
-        pairs, the least important are evicted, always keeping the last `decode_window` tokens and
-        the first 4."""
+        """Call after every decode forward. Every `decode_buffer` buffered tokens their scores are
+        computed in one call per layer (the gate on the buffer; SnapKV and R-KV rescore every held
+        row from the last queries); then each budget group of the level that holds more than its
+        budget keeps its best rows, always with the first 4 tokens, the system prompt and the last
+        `decode_window` tokens. Every compressed head is left room for the next buffer."""
         if self.decode_tokens_per_head is None:
             return
         first = self.compressed[0]
         if sum(h.shape[0] for h in self.buffer[first]) < self.decode_buffer:
             return
-        for layer in self.compressed:
+        for l, layer in enumerate(self.compressed):
             hidden = torch.cat(self.buffer[layer])
             self.buffer[layer] = []
-            t = hidden.shape[0]
-            score = self._score(self.index[layer], hidden, None, None,
-                                torch.arange(self.n_seen - t, self.n_seen, device=self.device))
-            self.layers[layer].set_tail_scores(score)
+            kv = self.layers[layer]
+            if getattr(self.scorer, "rescores", False):
+                H, d = kv.n_heads, kv.head_dim
+                q = self.queries[layer]
+                q = q.view(q.shape[0], H, -1, d)  # (w, H, G, d): query head h·G + g
+                for h in range(H):
+                    kv.head_score(h)[:] = self.scorer.rescore(l, kv.head_keys(h), q[:, h])
+            else:
+                t = hidden.shape[0]
+                pos = torch.arange(self.n_seen - t, self.n_seen, device=self.device)
+                kv.set_tail_scores(self._score(l, hidden, None, None, pos))
         self._evict_to_budget()
 
     def _evict_to_budget(self):
-        budget = self.decode_tokens_per_head * len(self.compressed) * self.cfg.num_key_value_heads
-        total = sum(int(self.layers[layer].n_rows) for layer in self.compressed)
-        if total <= budget:
-            return
-        recent, sinks = self.n_seen - self.decode_window, self.decode_sinks
-        scores, shapes = [], []
-        for layer in self.compressed:
-            kv = self.layers[layer]
+        """Keep the best rows of each budget group (all compressed heads, a layer or a head, as
+        `level` says) and leave room for the next buffer; a group within its budget is left as it
+        is. Protected rows count inside the budget (check_decode_budget keeps them below it)."""
+        kvs = [self.layers[layer] for layer in self.compressed]
+        first, recent = max(self.n_protected, self.decode_sinks), self.n_seen - self.decode_window
+        scores = []  # [layer][head] (rows,): +inf where the row is protected
+        for kv in kvs:
+            scores.append([])
             for h in range(kv.n_heads):
-                s = kv.head_score(h).clone()
                 p = kv.head_pos(h)
-                s[(p >= recent) | (p < sinks)] = math.inf  # local window and attention sinks stay
-                scores.append(s)
-                shapes.append(s.numel())
-        scores = torch.cat(scores)
-        # protected rows are kept even when they alone exceed the budget (the authors' ties-kept
-        # rule)
-        keep = top_k_mask(scores, max(int(budget), int(scores.isinf().sum()))).split(shapes)
-        i = 0
-        for li, layer in enumerate(self.compressed):
-            n_heads = self.layers[layer].n_heads
-            self.keep_rows(li, list(keep[i:i + n_heads]))
-            i += n_heads
+                s = kv.head_score(h).clone()
+                s[(p < first) | (p >= recent)] = math.inf
+                scores[-1].append(s)
+        keep = keep_within_budget(scores, self.decode_tokens_per_head, self.level)
+        for li, kv in enumerate(kvs):
+            if all(bool(k.all()) for k in keep[li]):
+                kv.reserve(self.decode_buffer)  # nothing evicted: room for the next buffer only
+                self._track_peak(kv)
+            else:
+                self.keep_rows(li, keep[li], room=self.decode_buffer)
 
     def checkpoint(self):
         state = super().checkpoint()
@@ -395,6 +482,7 @@ class EvictingCache(KVCache):
         else:
             super().rollback(state)
         self.buffer = {layer: [] for layer in self.compressed}
+        self.queries = {}
 
     # -- what was kept --
     def kept_fraction_per_layer(self, start, end):
@@ -530,7 +618,7 @@ class Batch:
         for b, m in enumerate(self.members):
             if isinstance(m, EvictingCache):
                 assert m.decoding, "a batch only decodes: prefill each member alone first"
-                m.buffer_decoded(layer, hidden[b:b + 1])
+                m.buffer_decoded(layer, hidden[b:b + 1], q[b:b + 1])
         kv = self.layers[layer]
         # (B*H, 1): every head of member b at its position
         pos = self.positions(B).repeat_interleave(H)[:, None]
@@ -595,8 +683,16 @@ class HeadSlice:
         rows = rows.reshape(-1).to(self.kv.device)
         self.kv.score[rows] = score.to(self.kv.device, torch.float32).reshape(-1)
 
-    def select(self, keep):
+    def head_keys(self, h):
+        return self.kv.head_keys(self.heads.start + h)
+
+    def select(self, keep, room=0):
         kv, heads = self.kv, self.heads
         masks = [torch.ones(int(n), dtype=torch.bool) for n in kv.lens]
         masks[heads] = keep
-        kv.select(masks)
+        kv.select(masks, room)
+
+    def reserve(self, n):
+        need = torch.zeros(self.kv.n_heads, dtype=torch.long)
+        need[self.heads] = n
+        self.kv.reserve(need)

@@ -195,8 +195,17 @@ class Scorer:
 
     `level` names the eviction structure the scorer is meant for, in cache.EvictingCache's terms:
     "global" = one threshold over all layers × heads (the authors' "pair"), "head" = per-head top-k
-    ("pair-head", uniform budget per head)."""
+    ("pair-head", uniform budget per head).
+
+    At decode time (METHOD.md §7) the cache always keeps the last `decode_window` tokens: 128 for
+    the gate, 8 for the baselines, as the authors run them
+    (Janghyun1230/FastKVzip:math/run_math.py, `args.window_size = 8` for every method but
+    fastkvzip). A scorer with `rescores` set scores every held row again at each decode-time
+    eviction from the last decode_window queries (`rescore`); the others score each new token
+    once."""
     level = "global"
+    decode_window = 8
+    rescores = False
 
     def __init__(self, n_kv_heads=None):
         self.n_kv_heads = n_kv_heads  # needed only by scorers that ignore q/k when q/k are None
@@ -217,6 +226,7 @@ class GateScorer(Scorer):
     §6): gate scores are comparable across layers and heads because they are trained to the same
     targets."""
     level = "global"
+    decode_window = 128  # the authors' local window for Fast KVzip at decode (METHOD.md §7)
 
     def __init__(self, gates):
         super().__init__(gates.n_kv_heads)
@@ -267,10 +277,11 @@ class SnapKVScorer(Scorer):
       1, pad 3);
     - as in the authors' code there is no causal mask inside the window (window queries see the
       whole chunk); the window tokens themselves get the head's maximum + 1 so they are always kept.
-    Meant for "head" (per-head top-k with k = int(n·r'), the authors' level for SnapKV). Prefill
-    only: it needs the chunk's queries, so it refuses the query-less decoding call.
+    Meant for "head" (per-head top-k with k = int(n·r'), the authors' level for SnapKV).
+    At decode time it rescores every held row (`rescore`, the authors' decode-time SnapKV).
     scale: the model's attention scale (default 1/√d; Gemma3 uses query_pre_attn_scalar^-1/2)."""
     level = "head"
+    rescores = True
 
     def __init__(self, scale=None, window=32, short_window=16, short_len=1000, n_sink=4, kernel=7):
         super().__init__()
@@ -304,3 +315,57 @@ class SnapKVScorer(Scorer):
         score = F.max_pool1d(attn.unsqueeze(0), self.kernel, stride=1, padding=self.kernel // 2)[0]
         score[:, T - w:] = score.amax(dim=-1, keepdim=True) + 1  # the observation window stays
         return score
+
+    @torch.no_grad()
+    def attention(self, keys, queries):
+        """Decode-time SnapKV (Janghyun1230/FastKVzip:math/method/compression/snapkv.py): keys
+        (n, d) one KV head's held rows in position order, queries (w, G, d) its group's last w
+        queries -> (n - w,) how much they attend to each row before the last w: logits maxed over
+        the group, fp32 softmax over those rows, mean over the queries, max_pool1d(7). No causal
+        mask, as the authors'."""
+        w, _, d = queries.shape
+        scale = self.scale if self.scale is not None else 1 / math.sqrt(d)
+        logits = torch.einsum("wgd,nd->gwn", queries.float(), keys.float()).amax(0) * scale
+        attn = torch.softmax(logits[:, :keys.shape[0] - w], dim=-1).mean(0)      # (n - w,)
+        return F.max_pool1d(attn[None], self.kernel, stride=1, padding=self.kernel // 2)[0]
+
+    def rescore(self, l, keys, queries):
+        """keys (n, d), queries (w, G, d) -> (n,): attention() for the rows before the last w, which
+        score +inf (the authors keep top (B - w) of the others and the last w)."""
+        w = queries.shape[0]
+        return torch.cat([self.attention(keys, queries), keys.new_full((w,), math.inf).float()])
+
+
+class RKVScorer(SnapKVScorer):
+    """R-KV at decode time, as the authors run it (Janghyun1230/FastKVzip:
+    math/method/compression/r1_kv.py with math/method/utils.py:cal_similarity; λ = 0.1, the
+    default of math/run_math.py): λ·(decode-time SnapKV attention) − (1 − λ)·redundancy, where a
+    row's redundancy is the softmax over rows of its mean cosine similarity to the other keys of
+    its head. Before the mean, each row's similarity to its most recent key with similarity > 0.5
+    is zeroed (that pair counts as one), and for a row with no such key its similarity to row 0
+    (the authors' index default). A decode-time method: prefill chunks get SnapKV's chunk scores
+    (R-KV compresses only the reasoning trace)."""
+    level = "head"
+
+    def __init__(self, scale=None, mix=0.1, threshold=0.5, **kwargs):
+        super().__init__(scale, **kwargs)
+        self.mix, self.threshold = mix, threshold
+
+    @torch.no_grad()
+    def redundancy(self, keys):
+        """keys (n, d) -> (n,) softmax over rows of their mean cosine similarity (cal_similarity)."""
+        k = keys.float()
+        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+        sim = k @ k.T                                                          # (n, n)
+        sim.fill_diagonal_(0.0)
+        n = sim.shape[0]
+        idx = torch.where(sim > self.threshold, torch.arange(n), torch.zeros((), dtype=torch.long))
+        sim[torch.arange(n), idx.amax(-1)] = 0  # each row's most recent similar key (else row 0)
+        return sim.mean(0).softmax(-1)
+
+    def rescore(self, l, keys, queries):
+        w = queries.shape[0]
+        n = keys.shape[0]
+        score = self.mix * self.attention(keys, queries) \
+            - (1 - self.mix) * self.redundancy(keys)[:n - w]
+        return torch.cat([score, keys.new_full((w,), math.inf).float()])

@@ -20,7 +20,8 @@ import gate
 from cache import Batch, Budget, EvictingCache, KVCache
 from model import ModelError
 
-METHODS = ("fastkvzip", "kvzip", "snapkv", "streaming", "random", "full")
+# rkv evicts at decode time only (R-KV compresses a reasoning trace, METHOD.md §10)
+METHODS = ("fastkvzip", "kvzip", "snapkv", "rkv", "streaming", "random", "full")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -124,11 +125,12 @@ def begin_answer(model, cache, question_ids, last_logits=None, max_new_tokens=No
     """Switch the cache to decoding, append the question -> the logits its answer starts from.
     max_new_tokens: the answer's length at most; its rows are reserved with the question's (the
     last token sampled is never fed back), so decoding neither copies the cache nor holds
-    spare rows beyond them."""
+    spare rows beyond them. With decode-time eviction only the rows up to the next eviction are
+    reserved: the budget, not the answer's length, bounds the memory."""
     if isinstance(cache, EvictingCache):
         cache.start_decoding()  # from here on new tokens are buffered and gated 128 at a time
     if max_new_tokens is not None:
-        cache.reserve(len(question_ids) + max(0, max_new_tokens - 1))
+        cache.reserve(len(question_ids), max(0, max_new_tokens - 1))
     if not question_ids:
         return last_logits
     return model(torch.tensor(question_ids, device=cache.device), cache, num_logits=1)[-1]
@@ -329,9 +331,9 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
     elif method == "streaming":
         scorer = gate.StreamingScorer(n_kv_heads=H)
     elif method == "snapkv":
-        if decode_tokens_per_head is not None:
-            raise ValueError("snapkv scores prefill chunks only: it cannot evict during decoding")
         scorer = gate.SnapKVScorer(scale=cfg.attn_scale)
+    elif method == "rkv":
+        scorer = gate.RKVScorer(scale=cfg.attn_scale)
     elif method == "random":
         scorer = gate.RandomScorer(seed, n_kv_heads=H)
     elif method == "kvzip":

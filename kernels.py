@@ -472,6 +472,10 @@ class RaggedKV:
         s = int(self.starts[h])
         return self.score[s:s + int(self.lens[h])]
 
+    def head_keys(self, h):
+        s = int(self.starts[h])
+        return self.k[s:s + int(self.lens[h])]
+
     def rows(self):
         """Flat row indices of every head's used rows, head after head (no slack rows)."""
         return _ranges(self.starts, self.lens).to(self.device)
@@ -493,8 +497,8 @@ class RaggedKV:
         self.lens, self.caps, self.starts = new_lens.clone(), new_caps.clone(), new_starts
 
     def reserve(self, n):
-        """Room for n more rows in every head (what an answer of n tokens needs), so that its
-        appends write into slack and copy nothing; a region already that large is left alone."""
+        """Room for n more rows in every head (n: an int, or (H,) per head), so that appends write
+        into slack and copy nothing; a region already that large is left alone."""
         need = self.lens + n
         if bool((need > self.caps).any()):
             self._relayout(self.rows(), self.lens, torch.maximum(self.caps, need))
@@ -617,19 +621,46 @@ class RaggedKV:
                            for h in range(H)])                      # (H, G, d)
         return out.view(1, H * qh.shape[1], d).to(q.dtype)
 
-    def select(self, keep):
+    def select(self, keep, room=0):
         """keep: list of H bool tensors (len_h,) -> keep those rows, freeing everything else."""
-        self.select_rows(torch.cat([kp.reshape(-1) for kp in keep]))
+        self.select_rows(torch.cat([kp.reshape(-1) for kp in keep]), room)
 
-    def select_rows(self, mask):
+    def select_rows(self, mask, room=0):
         """mask (n_rows,) bool over the used rows in rows()' order (head after head) -> keep those
-        rows, freeing everything else and the slack: one re-layout for all heads."""
+        rows, freeing everything else.
+
+        room 0 (prefill eviction, a rollback): every region shrinks to its kept rows, one
+        re-layout. room > 0 (decode-time eviction): a head that lost rows is left `room` free rows
+        for the next buffer of decoded tokens, the others keep their regions (at least that
+        room); if those regions fit the storage already held with at most 1/8 to spare, the kept
+        rows move down inside it and nothing is allocated, so that in steady state a decoding
+        cache is allocated once (the budget plus one buffer per head)."""
         mask = mask.to(self.device, torch.bool)
         assert mask.numel() == self.n_rows, "one mask entry per used row of every head"
         head = torch.repeat_interleave(torch.arange(self.n_heads), self.lens)  # each row's head
         new_lens = torch.zeros(self.n_heads, dtype=torch.long)
         new_lens.index_add_(0, head, mask.cpu().long())  # rows kept per head
-        self._relayout(self.rows()[mask], new_lens, new_lens)
+        src = self.rows()[mask]
+        if room == 0:
+            return self._relayout(src, new_lens, new_lens)
+        caps = torch.where(new_lens < self.lens, new_lens + room,
+                           torch.maximum(self.caps, new_lens + room))
+        need, held = int(caps.sum()), self.k.shape[0]
+        if not need <= held <= need + need // 8:
+            return self._relayout(src, new_lens, caps)
+        caps[-1] += held - need  # the spare rows join the last region: the regions tile k
+        starts = torch.cumsum(caps, 0) - caps
+        dst = _ranges(starts, new_lens).to(self.device)
+        moved = src != dst
+        if bool(moved.any()):
+            src, dst = src[moved], dst[moved]
+            # k[src] is gathered before k[dst] is written (a transient copy of the moved rows
+            # only), so regions that overlap their old place are safe
+            for x in (self.k, self.v, self.pos, self.score):
+                x[dst] = x[src]
+            self.transient = max(self.transient, 2 * src.numel() * self.head_dim
+                                 * self.k.element_size())
+        self.lens, self.caps, self.starts = new_lens, caps, starts
 
     def truncate(self, n):
         """Drop the last n rows of every head (e.g. remove a question's tokens)."""
@@ -729,6 +760,6 @@ class WindowKV(RaggedKV):
             self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, caps)
         self.ring = True
 
-    def select(self, keep):
+    def select(self, keep, room=0):
         raise NotImplementedError("a sliding-window layer keeps its last W tokens; nothing is "
                                   "evicted from it")

@@ -37,7 +37,16 @@ import torch
 from safetensors import safe_open
 
 import cli
-from cache import LEVELS, Budget, EvictingCache, full_cache_bytes
+import gate
+from cache import (
+    LEVELS,
+    Budget,
+    DecodeBudgetError,
+    EvictingCache,
+    check_decode_budget,
+    decode_protected,
+    full_cache_bytes,
+)
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, read_context, resolve_model, retention_map, summary_line
 from formats.cache_file import CacheFileError, check_cache_file, load_cache, read_header, save_cache
 from formats.checkpoint import check_folder, load_checked
@@ -164,10 +173,12 @@ def check_args(args):
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (the probability mass sampled from), got "
                          f"{args.top_p}")
-    if args.decode_tokens_per_head is not None and args.method in ("kvzip", "snapkv", "full"):
-        why = {"kvzip": "scores the context once", "snapkv": "scores prefill chunks only",
-               "full": "keeps every pair"}[args.method]
+    if args.decode_tokens_per_head is not None and args.method in ("kvzip", "full"):
+        why = {"kvzip": "scores the context once", "full": "keeps every pair"}[args.method]
         raise UsageError(f"--method {args.method} {why}; drop --decode-tokens-per-head")
+    if args.method == "rkv" and (args.decode_tokens_per_head is None or args.budget < 1):
+        raise UsageError("--method rkv evicts during decoding only (R-KV): give "
+                         "--decode-tokens-per-head N and --budget 1")
     if args.gate and args.method != "fastkvzip":
         raise UsageError(f"--gate is read by --method fastkvzip only, not by --method "
                          f"{args.method}; drop it")
@@ -193,6 +204,21 @@ def check_args(args):
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
           (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISFIFO, "a pipe (FIFO)"),
           (stat.S_ISSOCK, "a socket"))
+
+
+def check_decode_tokens(n, method, requests, max_positions):
+    """--decode-tokens-per-head against the model and the prompts, before the weights load."""
+    if n is None:
+        return
+    if n > max_positions:
+        raise UsageError(f"--decode-tokens-per-head {n} is above the model's maximum of "
+                         f"{max_positions} positions: it would never evict")
+    window = (gate.GateScorer if method == "fastkvzip" else gate.Scorer).decode_window
+    for r in requests:
+        try:
+            check_decode_budget(n, decode_protected(r["n_protected"], window))
+        except DecodeBudgetError as e:
+            raise UsageError(f"--decode-tokens-per-head {n}: {str(e).split(': ', 1)[1]}") from None
 
 
 def check_save_target(path, context_file=None):
@@ -476,6 +502,7 @@ def run(args):
     method = Method(args.method, level=args.level,
                     decode_tokens_per_head=args.decode_tokens_per_head)
     prefills = [r for r in reqs if "cache_file" not in r]
+    check_decode_tokens(args.decode_tokens_per_head, args.method, prefills, n_pos)
     evicting = any(args.decode_tokens_per_head is not None or r["budget"].ratio < 1
                    for r in prefills)
     gated_files = any(r["cache_state"]["method"] == "fastkvzip" and r["cache_state"].get(

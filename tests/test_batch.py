@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import gate
 import model as M
 from cache import Batch, Budget
 from cli import UsageError
@@ -110,10 +111,14 @@ def test_batch_answers_equal_alone(tiny, method, budget):
 @pytest.mark.parametrize("budget", [1.0, 0.3])
 @pytest.mark.parametrize("method", ["fastkvzip", "streaming", "random"])
 def test_batch_with_decode_time_eviction(tiny, method, budget):
-    """Decode-time eviction (every 128 tokens, back to 48 per head) runs on each member's own heads
-    of the shared storage: the same rows are evicted as alone. One request stops after 5 tokens."""
-    results = check_batch_equals_alone(tiny, method, budget, 48, [90, 130, 60], [140, 5, 135],
-                                       batch_size=3)
+    """Decode-time eviction (every 128 tokens, back to 20 tokens per head more than the system
+    prompt and the local window it always keeps) runs on each member's own heads of the shared
+    storage: the same rows are evicted as alone. One request stops after 5 tokens."""
+    model, tok, fmt, _ = tiny
+    system = len(tok.encode(fmt.system, add_special_tokens=False).ids)
+    window = (gate.GateScorer if method == "fastkvzip" else gate.Scorer).decode_window
+    results = check_batch_equals_alone(tiny, method, budget, system + window + 20, [90, 130, 60],
+                                       [140, 5, 135], batch_size=3)
     assert all(len(a["output_ids"]) == 140 for a in results[0])
 
 
