@@ -40,7 +40,7 @@ def kept_positions(cache):
             for i in cache.compressed]
 
 
-@pytest.mark.parametrize("method", ["fastkvzip", "streaming", "random"])
+@pytest.mark.parametrize("method", ["fastkvzip", "streaming", "random", "snapkv", "rkv"])
 def test_block_teacher_forcing_equals_token_by_token_decoding(tiny, method):
     """128 tokens per forward then after_step (the suite's teacher forcing) gives the logits and the
     kept rows of decode_one, token by token, with eviction happening at every buffer."""
