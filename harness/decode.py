@@ -11,7 +11,7 @@ Wikipedia, State of the Union addresses and the Python reference, offline/README
     recall   facts stated early in the stream (names with numbers, places with code words, in varied
              sentences) and asked again --decode-gaps tokens later in the same stream: accuracy of
              the answer tokens (argmax, teacher-forced), exact answers, and their NLL
-    generation  (the first --decode-generations documents) a greedy generation of
+    generation  (the last --decode-generations documents) a greedy generation of
              --decode-gen-tokens tokens (end of turn masked) after a prompt that states a fact,
              then the question about it: tokens until the first difference from the full cache's
              generation, and whether the answer is the same (and correct)
@@ -66,6 +66,7 @@ class DecodeExperiment:
     prompt_tokens: int
     generations: int        # documents that also run a free generation
     gen_tokens: int
+    gen_budgets: list       # the budgets the free generations run at (a CPU saving)
     seed: int
     chat: bool | None = None  # the free generation's prompt format
     device: str = "cpu"
@@ -296,7 +297,7 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
     for n_done, c in enumerate(todo, 1):
         stream, t0 = streams[c], time.perf_counter()
         rng = random.Random(exp.seed * 1000 + c)
-        gen = c < exp.generations
+        gen = c >= len(streams) - exp.generations  # the last documents: the others report sooner
         task = generation_task(tok, fmt_gen, stream, make_fact(rng, c)) if gen else None
         ref = teacher_force(model, decode_cache(model, "full", stream.n_protected, None, None, 0),
                             stream.ids, stream.n_prompt, stream.n_protected)
@@ -313,6 +314,7 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
             f"{time.perf_counter() - t0:.0f} s")
         for method in scored:
             for budget in exp.budgets:
+                t1 = time.perf_counter()
                 cache = decode_cache(model, method, stream.n_protected, budget, gates,
                                      exp.seed + c)
                 e = entries[f"{method}@{budget}"] = entry(
@@ -320,7 +322,7 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
                     ref, stream, budget)
                 e["kept_nbytes"], e["nbytes"] = cache.kept_nbytes, cache.nbytes
                 del cache
-                if gen:
+                if gen and budget in exp.gen_budgets:
                     cache = decode_cache(model, method, n_prot, budget, gates, exp.seed + c)
                     out, ans = free_generation(model, cache, prompt, n_prot, exp.gen_tokens,
                                                question, stops, banned)
@@ -329,10 +331,12 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
                     e["gen"] = dict(first_diff=same, same=ans == ref_gen["answer"],
                                     correct=value in tok.decode(ans))
                     del cache
+                log(f"decode doc {c + 1}: {method}@{budget} in {time.perf_counter() - t1:.0f} s")
         if "cut" in exp.methods:
             for budget in exp.budgets:
-                entries[f"cut@{budget}"] = cut_entry(ref, stream, budget, ref_gen,
-                                                     len(task[0]) if gen else 0)
+                entries[f"cut@{budget}"] = cut_entry(
+                    ref, stream, budget, ref_gen if budget in exp.gen_budgets else None,
+                    len(task[0]) if gen else 0)
         record = dict(context=c, doc=stream.doc, n_tokens=len(stream.ids),
                       seconds=time.perf_counter() - t0, entries=entries)
         if gen:

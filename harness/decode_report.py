@@ -339,6 +339,9 @@ def add_arguments(p):
                    help="documents that also run a free greedy generation (default: all)")
     g.add_argument("--decode-gen-tokens", type=int, default=decode.GEN_TOKENS,
                    help="tokens of each free generation")
+    g.add_argument("--decode-gen-budgets", type=cli.ints, default=None,
+                   help="the budgets the free generations run at (default: every "
+                   "--decode-budgets; each is --decode-gen-tokens decode steps per method)")
     g.add_argument("--decode-speed-budgets", type=cli.ints, default=[512, 1024],
                    help="the gate's budgets in the speed section ('0' = the full cache only)")
 
@@ -355,6 +358,11 @@ def check_args(p, args):
         p.error(f"--suite decode: --lengths takes one stream length, got {args.lengths}")
     if args.decode_generations is None:
         args.decode_generations = args.contexts
+    if args.decode_gen_budgets is None:
+        args.decode_gen_budgets = list(args.decode_budgets)
+    if not set(args.decode_gen_budgets) <= set(args.decode_budgets):
+        p.error(f"--decode-gen-budgets {','.join(map(str, args.decode_gen_budgets))}: each must "
+                f"be one of --decode-budgets ({','.join(map(str, args.decode_budgets))})")
     for flag, low in (("contexts", 1), ("decode_prompt", 1), ("decode_generations", 0),
                       ("decode_gen_tokens", 1), ("bootstrap", 1), ("threads", 0)):
         if getattr(args, flag) < low:
@@ -376,7 +384,8 @@ def experiment(args):
     return decode.DecodeExperiment(
         methods=args.methods, budgets=args.decode_budgets, contexts=args.contexts,
         length=args.lengths[0], gaps=args.decode_gaps, prompt_tokens=args.decode_prompt,
-        generations=args.decode_generations, gen_tokens=args.decode_gen_tokens, seed=args.seed,
+        generations=args.decode_generations, gen_tokens=args.decode_gen_tokens,
+        gen_budgets=args.decode_gen_budgets, seed=args.seed,
         chat=args.chat, device=args.device)
 
 

@@ -97,7 +97,7 @@ def test_streams_hold_their_facts_where_they_claim(smollm2_tok):
     tok = smollm2_tok
     exp = decode.DecodeExperiment(methods=["full"], budgets=[256], contexts=2, length=2000,
                                   gaps=[300, 900, 1500], prompt_tokens=64, generations=0,
-                                  gen_tokens=1, seed=3)
+                                  gen_tokens=1, gen_budgets=[], seed=3)
     streams = decode.make_streams(tok, PromptFormat("", ""), exp)  # plain text, no BOS
     assert len(streams) == 2 and streams[0].doc != streams[1].doc
     for s in streams:
@@ -176,6 +176,7 @@ def test_scorer_clock_times_the_scorer_and_changes_nothing(tiny):
     (["--lengths", "3000"], "too short for --decode-gaps"),
     (["--decode-gen-tokens", "0"], "--decode-gen-tokens must be >= 1"),
     (["--contexts", "2", "--shard", "3/4"], "shard 3 holds none"),
+    (["--decode-budgets", "256,512", "--decode-gen-budgets", "1024"], "one of --decode-budgets"),
 ])
 def test_bad_decode_flags_exit_2(capsys, flags, words):
     with pytest.raises(SystemExit) as e:
