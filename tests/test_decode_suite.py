@@ -193,3 +193,38 @@ def test_decode_defaults_and_explicit_flags():
     args = bench.parse_args(["--suite", "decode", "--methods", "fastkvzip", "--lengths", "1600",
                              "--decode-gaps", "512,1024", "--speed-lengths", "0"])
     assert args.methods == ["full", "fastkvzip"] and args.speed_lengths == []
+
+
+def test_speed_rows_and_the_peer_on_a_tiny_gemma3(tmp_path):
+    """The speed section end to end on a tiny Gemma3: a row per length for the full cache, the gate
+    and transformers' generate; the budget's KV stays flat while the full cache's grows; the
+    report's table and plot are written."""
+    pytest.importorskip("transformers")
+    from cli import pyplot as cli_pyplot
+    from harness.speed import load_peer
+    folder = tiny_checkpoint("gemma3", tmp_path / "tiny", max_position_embeddings=1024)
+    model = M.load_model(folder, "cpu", torch.float32)
+    cfg = model.config
+    prompt = [cfg.bos_token_id] + list(range(3, 40))
+    rows = decode_report.speed(model, load_peer(folder), prompt, 1, [300, 600, 900], [160],
+                               spread_gates(cfg), 0)
+    by = lambda m: [r for r in rows if r["method"] == m]
+    assert [r["length"] for r in by("full")] == [300, 600, 900] == [r["length"]
+                                                                  for r in by("transformers")]
+    gate_rows, full_rows = by("fastkvzip"), by("full")
+    assert [r["length"] for r in gate_rows] == [300, 600, 900]
+    assert all(r["ms_per_token"] > 0 for r in rows)
+    # the gate's cache is bounded by its budget (+ a buffer per head), the full cache's grows
+    H, row = cfg.num_key_value_heads, 2 * cfg.head_dim * 4  # fp32 keys and values
+    sliding = sum(t == "sliding_attention" for t in cfg.layer_types)
+    bound = ((160 + 128) * H * len(cfg.compressed_layers) + cfg.sliding_window * H * sliding) * row
+    assert all(r["kv_kept_bytes"] <= bound < full_rows[2]["kv_kept_bytes"] for r in gate_rows)
+    assert full_rows[0]["kv_kept_bytes"] < full_rows[1]["kv_kept_bytes"] < full_rows[2][
+        "kv_kept_bytes"]
+    assert all(0 < r["score_share"] < 1 for r in gate_rows)
+    assert by("transformers")[2]["kv_bytes"] > by("transformers")[0]["kv_bytes"]
+    res = dict(rows=[], decode_speed=rows)
+    md = "\n".join(decode_report.markdown(res))
+    assert md.count("| fastkvzip | 160 |") == 3 and "| transformers | – | 900 |" in md
+    decode_report.plot(res, tmp_path / "decode.png")
+    assert (tmp_path / "decode.png").exists() or cli_pyplot() is None  # matplotlib may be missing
