@@ -558,6 +558,8 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
         raise UsageError(f"{foreign[0]}/config.json is not a bench run's (it has no quality_key); "
                          f"leave that folder out of --merge")
     key = configs[0]["quality_key"]
+    if any(c["quality_key"].get("suite") == "decode" for c in configs):
+        return decode_report.merge(folders, configs, out, n_boot, seed, plot)
     records, results = {}, dict(config=dict(configs[0], merged_from=[str(f) for f in folders],
                                             commands=[c["command"] for c in configs]), rows=[])
     for f in folders:

@@ -471,6 +471,46 @@ def bench_run(args, root, folder, cfg, tok, gates):
     log(f"decode suite done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md")
 
 
+def merge(folders, configs, out, n_boot, seed, draw=False):
+    """bench.py --merge of decode runs (shards of one experiment, and runs with --no-quality whose
+    speed rows join them) -> one result in `out`."""
+    quality = [(f, c) for f, c in zip(folders, configs) if not c["flags"].get("no_quality")]
+    keys = [c["quality_key"] for _, c in quality] or [configs[0]["quality_key"]]
+    if any(c["quality_key"].get("suite") != "decode" for c in configs) or \
+            any(k != keys[0] for k in keys):
+        raise UsageError("--merge: these folders are not runs of one decode experiment (their "
+                         "suites, flags, model or gate differ); merge each experiment alone")
+    records, res = {}, dict(config=dict(quality[0][1] if quality else configs[0],
+                                        merged_from=[str(f) for f in folders]))
+    for f, _ in quality:
+        for c, rec in load_records(f, keys[0]).items():
+            records.setdefault(c, rec)
+    for f in folders:
+        old = f / "results.json"
+        prev = json.loads(old.read_text(encoding="utf-8")) if old.exists() else {}
+        if prev.get("decode_speed"):
+            if res.get("decode_speed"):
+                raise UsageError(f"--merge: {f} holds speed rows, and so does a folder before it; "
+                                 "give one run's speed rows")
+            res["decode_speed"] = prev["decode_speed"]
+        res["seconds"] = max(res.get("seconds", 0), prev.get("seconds", 0))
+    if records:
+        res.update(results(list(records.values()), n_boot, seed))
+    res["complete"] = not quality or len(records) == keys[0]["contexts"]
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another "
+                         f"--out") from None
+    write_text(out / "results.json", json.dumps(res, indent=1))
+    write_text(out / "results.md", "\n".join(header(res) + markdown(res)) + "\n")
+    write_text(out / "config.json", json.dumps(res["config"], indent=1))
+    if draw:
+        plot(res, out / "decode.png")
+    log(f"merged {len(records)} documents from {len(folders)} runs -> {out}/results.md")
+
+
 def header(res):
     """results.md's first lines: what ran."""
     cfg = res["config"]

@@ -228,3 +228,39 @@ def test_speed_rows_and_the_peer_on_a_tiny_gemma3(tmp_path):
     assert md.count("| fastkvzip | 160 |") == 3 and "| transformers | – | 900 |" in md
     decode_report.plot(res, tmp_path / "decode.png")
     assert (tmp_path / "decode.png").exists() or cli_pyplot() is None  # matplotlib may be missing
+
+
+def fake_run(folder, key, records=(), speed=None, no_quality=False):
+    import json
+    (folder / "contexts").mkdir(parents=True)
+    config = dict(flags=dict(model="m", no_quality=no_quality), quality_key=key, command="bench.py",
+                  started="t", gate=dict(source=None, sha256=None), git_commit="0" * 10,
+                  git_dirty=False)
+    (folder / "config.json").write_text(json.dumps(config))
+    for r in records:
+        (folder / "contexts" / f"context-{r['context']:03d}.json").write_text(
+            json.dumps({**r, "key": key}))
+    (folder / "results.json").write_text(json.dumps(dict(decode_speed=speed, seconds=5.0)))
+    return folder
+
+
+def test_merge_joins_shards_and_a_speed_run(tmp_path):
+    import json
+
+    from cli import UsageError
+    key = dict(suite="decode", contexts=3, length=2000, prompt_tokens=64, budgets=[256],
+               gaps=[512, 1024], generations=3, gen_tokens=100, seed=0)
+    recs = fake_records()
+    speed = [dict(method="full", budget=None, length=1024, ms_per_token=5.0, score_share=None,
+                  kv_bytes=10, kv_kept_bytes=10)]
+    a = fake_run(tmp_path / "a", key, [recs[0], recs[2]])
+    b = fake_run(tmp_path / "b", key, [recs[1]])
+    c = fake_run(tmp_path / "c", dict(key, contexts=1), speed=speed, no_quality=True)
+    bench.main(["--merge", f"{a},{b},{c}", "--out", str(tmp_path / "m")])
+    res = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert res["complete"] and res["n_contexts"] == 3 and res["decode_speed"] == speed
+    assert res["rows"] == json.loads(json.dumps(decode_report.results(recs, 2000, 0)["rows"]))
+    assert "| full | – | 1024 | 5.0 |" in (tmp_path / "m" / "results.md").read_text()
+    other = fake_run(tmp_path / "o", dict(key, seed=1), [recs[1]])
+    with pytest.raises(UsageError, match="not runs of one decode experiment"):
+        bench.main(["--merge", f"{a},{other}", "--out", str(tmp_path / "m2")])
