@@ -73,7 +73,7 @@ class DecodeExperiment:
     suite: str = "decode"
 
 
-# ---- 1. Streams: a document with facts stated early and asked for later ---------------------------
+# ---- 1. Streams: a document with facts stated early and asked for later --------------------------
 
 NUMBER_NOUNS = ("locker", "ticket", "account", "cabin", "permit", "badge")
 PLACES = ("north gate", "old mill", "boat house", "east tower", "wine cellar", "rose garden")
@@ -167,7 +167,7 @@ def make_streams(tok, fmt, exp):
                      f"gaps {exp.gaps}; ask fewer contexts or a shorter length")
 
 
-# ---- 2. The decode path: teacher-forced and free --------------------------------------------------
+# ---- 2. The decode path: teacher-forced and free -------------------------------------------------
 
 def decode_cache(model, method, n_protected, budget, gates, seed):
     """An empty cache as `generate.py --method M --decode-tokens-per-head B` makes it."""
@@ -261,9 +261,9 @@ def entry(nll, hit, ref, stream, budget):
     n0 = stream.n_prompt
     pos = torch.tensor([p for p in stream.doc_pos if p >= max(budget, n0)], dtype=torch.long) - n0
     out = dict(nll=[float(nll[pos].sum()), len(pos), float(ref[0][pos].sum())])
-    out["probes"] = [[gap, len(p), float(hit[[x - n0 for x in p]].sum()),
-                      float(nll[[x - n0 for x in p]].sum()), float(ref[0][[x - n0 for x in p]].sum())]
-                     for gap, p, _ in stream.probes]
+    at = lambda p: [x - n0 for x in p]  # answer positions -> indices of the forced tokens
+    out["probes"] = [[gap, len(p), float(hit[at(p)].sum()), float(nll[at(p)].sum()),
+                      float(ref[0][at(p)].sum())] for gap, p, _ in stream.probes]
     return out
 
 

@@ -198,7 +198,8 @@ def results(records, n_boot, seed):
             same = np.array([g["same"] for g in gens], float)
             correct = np.array([g["correct"] for g in gens], float)
             rows.append(dict(base, task="generation", n=len(gens),
-                             first_diff=float(np.median(first)), first_diff_mean=float(first.mean()),
+                             first_diff=float(np.median(first)),
+                             first_diff_mean=float(first.mean()),
                              first_diff_ci=ci(first[g_idx].mean(-1)), same=float(same.mean()),
                              same_ci=ci(same[g_idx].mean(-1)), correct=float(correct.mean()),
                              correct_ci=ci(correct[g_idx].mean(-1))))
@@ -207,7 +208,7 @@ def results(records, n_boot, seed):
                              if r.get("generation")])
 
 
-# ---- 3. results.md and decode.png -----------------------------------------------------------------
+# ---- 3. results.md and decode.png ----------------------------------------------------------------
 
 def fmt(x, c, f="{:.2f}"):
     if x is None:
@@ -317,7 +318,7 @@ def plot(results, path):
     save_figure(fig, path)
 
 
-# ---- 4. bench.py --suite decode: its flags, checks and run ----------------------------------------
+# ---- 4. bench.py --suite decode: its flags, checks and run ---------------------------------------
 
 # the flags bench.py shares with the other suites, and their defaults under --suite decode
 DEFAULTS = dict(methods=list(decode.METHODS), lengths=[decode.LENGTH],
