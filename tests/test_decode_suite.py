@@ -264,3 +264,20 @@ def test_merge_joins_shards_and_a_speed_run(tmp_path):
     other = fake_run(tmp_path / "o", dict(key, seed=1), [recs[1]])
     with pytest.raises(UsageError, match="not runs of one decode experiment"):
         bench.main(["--merge", f"{a},{other}", "--out", str(tmp_path / "m2")])
+
+
+def test_cut_scores_nothing_past_its_budget():
+    """The full cache stopped at B: probes answered before B are the full cache's, those past B are
+    wrong with no NLL, no NLL past B, and its generation stops B - prompt tokens in, unanswered."""
+    stream = decode.Stream(ids=list(range(1000)), n_prompt=10, n_protected=0,
+                           doc_pos=list(range(10, 1000)),
+                           probes=[(100, [300, 301], 200), (600, [800], 200)], doc="d")
+    nll, hit = torch.rand(990), torch.ones(990)
+    ref_gen = dict(out=list(range(700)), answer=[1, 2])
+    e = decode.cut_entry((nll, hit), stream, 512, ref_gen, 100)
+    full = decode.entry(nll, hit, (nll, hit), stream, 0)
+    assert e["nll"] is None
+    assert e["probes"][0] == full["probes"][0] == [100, 2, 2.0, pytest.approx(
+        float(nll[290] + nll[291])), pytest.approx(float(nll[290] + nll[291]))]
+    assert e["probes"][1][:4] == [600, 1, 0.0, None]
+    assert e["gen"] == dict(first_diff=412, same=False, correct=False, stopped=True)
