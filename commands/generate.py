@@ -218,7 +218,8 @@ def check_decode_tokens(n, method, requests, max_positions):
         try:
             check_decode_budget(n, decode_protected(r["n_protected"], window))
         except DecodeBudgetError as e:
-            raise UsageError(f"--decode-tokens-per-head {n}: {str(e).split(': ', 1)[1]}") from None
+            raise UsageError(str(e).replace("decode_tokens_per_head", "--decode-tokens-per-head",
+                                            1)) from None
 
 
 def check_save_target(path, context_file=None):

@@ -32,7 +32,7 @@ from kernels import RaggedKV, WindowKV, _ranges
 CACHE_FORMAT, CACHE_VERSION = "fastkvzip-kv-cache", 1
 # what scores an EvictingCache of each method (gate.py's scorers; kvzip: its teacher, once)
 SCORER_OF = {"fastkvzip": "GateScorer", "streaming": "StreamingScorer", "snapkv": "SnapKVScorer",
-             "random": "RandomScorer", "kvzip": None}
+             "rkv": "RKVScorer", "random": "RandomScorer", "kvzip": None}
 METHOD_OF = {scorer: method for method, scorer in SCORER_OF.items()}
 KV_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 MAX_HEADER = 100 << 20
@@ -139,6 +139,8 @@ def _saved(cache):
     for layer, hidden in cache.buffer.items():
         if hidden:
             tensors[f"buffer.{layer}"] = torch.cat(hidden)
+    for layer, q in cache.queries.items():  # a rescoring scorer's last queries (SnapKV, R-KV)
+        tensors[f"queries.{layer}"] = q
     generator = getattr(cache.scorer, "generator", None)
     if generator is not None:
         tensors["scorer.generator"] = generator.get_state()
@@ -338,11 +340,12 @@ def _check_state(state, header, bad):
         if spec["window"] is not None:
             want[f"layer.{i}.first"] = ("I64", 1)
     names = set(header) - {"__metadata__", "checksum"}
-    optional = {n for n in names if n.startswith("buffer.") and n[7:].isdigit()} if evicting \
-        else set()
+    optional = {n for n in names if n.split(".")[0] in ("buffer", "queries")
+                and n.split(".", 1)[1].isdigit()} if evicting else set()
     if evicting and state["scorer"] == "RandomScorer":
         optional |= {"scorer.generator"} & names
     want.update({n: (dtype, 2) for n in optional if n.startswith("buffer.")})
+    want.update({n: (dtype, 3) for n in optional if n.startswith("queries.")})
     want.update({n: ("U8", 1) for n in optional if n == "scorer.generator"})
     if names - set(want):
         raise bad(f"an unknown tensor {sorted(names - set(want))[0][:40]!r}")
@@ -532,6 +535,14 @@ def _restore(cache, tensors, state, path, corrupt):
             raise corrupt(f"layer {layer}'s decode buffer is not {cfg.hidden_size} finite values "
                           f"a row")
         cache.buffer[layer] = [hidden]
+    shape = (cfg.num_attention_heads, cfg.head_dim)
+    for layer in {int(n[8:]) for n in tensors if n.startswith("queries.")}:
+        q = tensors[f"queries.{layer}"]
+        if layer not in cache.compressed or tuple(q.shape[1:]) != shape \
+                or not 0 < q.shape[0] <= cache.decode_window or not bool(torch.isfinite(q).all()):
+            raise corrupt(f"its queries for layer {layer} are not a compressed layer's last "
+                          f"{cache.decode_window} of {shape} finite values")
+        cache.queries[layer] = q
     if "scorer.generator" in tensors and cache.scorer is not None:  # needed to go on scoring
         try:
             cache.scorer.generator.set_state(tensors["scorer.generator"].cpu())

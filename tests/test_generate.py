@@ -110,6 +110,12 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--method", "kvzip", "--decode-tokens-per-head", "100"],
      ["kvzip", "--decode-tokens-per-head"]),
     (["--method", "full", "--decode-tokens-per-head", "100"], ["full", "--decode-tokens-per-head"]),
+    # the system prompt (or the first 4 tokens) and the local window are always kept
+    (["--decode-tokens-per-head", "64"], ["--decode-tokens-per-head 64", "use at least"]),
+    (["--method", "streaming", "--decode-tokens-per-head", "8"], ["use at least"]),
+    (["--decode-tokens-per-head", str(10**9)], ["above the model's maximum"]),
+    (["--method", "rkv"], ["rkv", "--decode-tokens-per-head"]),
+    (["--method", "rkv", "--decode-tokens-per-head", "300", "--budget", "0.5"], ["--budget 1"]),
     (["--method", "snapkv", "--gate", "g.safetensors"], ["--gate", "snapkv"]),
     (["--device", "foo"], ["--device 'foo'"]),
     (["--context-file", "ctx.txt"], ["--prompt", "--context-file", "not both"]),

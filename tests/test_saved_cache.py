@@ -18,8 +18,9 @@ import torch
 
 import cache as C
 import cli
+import gate
 import model as M
-from cache import Batch, Budget
+from cache import Batch, Budget, decode_protected
 from commands.generate import build_inputs
 from formats import tensor_file
 from formats.cache_file import CacheFileError, load_cache, read_header, save_cache
@@ -30,7 +31,9 @@ from teacher import KVzipTeacher, prompt_format
 from tests.helpers import edit_config, run_main, tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-CHUNK, WINDOW, DECODE = 32, 8, 48  # two chunks of context; decode-time eviction back to 48 per head
+# two chunks of context; decode-time eviction back to 16 tokens per head beyond the system prompt and
+# the local window it always keeps (decode_budget)
+CHUNK, WINDOW, DECODE = 32, 8, 16
 N_CONTEXT, QUESTION = 70, [40, 41, 42, 43]
 
 
@@ -68,10 +71,19 @@ def prompt(t):
     return system + torch.randint(40, 200, (N_CONTEXT,), generator=g).tolist(), len(system)
 
 
+def decode_budget(method, n_protected, decode):
+    """DECODE as a decode_tokens_per_head: that many rows per head beyond the protected ones."""
+    if decode is None:
+        return None
+    window = (gate.GateScorer if method == "fastkvzip" else gate.Scorer).decode_window
+    return decode_protected(n_protected, window) + decode
+
+
 def prefilled(t, method, name, ids, n_protected, budget, decode):
     """make_cache, then the method's prefill (KVzip's with its teacher) -> (cache, the last logits)."""
     model, plan = t["model"], Budget(budget, CHUNK, WINDOW)
-    cache = make_cache(method, model, n_protected, decode_tokens_per_head=decode,
+    cache = make_cache(method, model, n_protected,
+                       decode_tokens_per_head=decode_budget(method, n_protected, decode),
                        gates=t["gates"])
     with torch.no_grad():
         if method == "kvzip":
@@ -108,13 +120,13 @@ def kept(cache):
 
 def scorer_for(t, method, decode):
     """The scorer generate.py would give load_cache: the one make_cache builds for the method."""
-    cache = make_cache(method, t["model"], 0, decode_tokens_per_head=decode,
+    cache = make_cache(method, t["model"], 0, decode_tokens_per_head=decode_budget(method, 0, decode),
                        gates=t["gates"])
     return getattr(cache, "scorer", None)  # a full cache has none
 
 
 CASES = [(m, b, d) for m in METHODS for b in (1.0, 0.3) for d in (None, DECODE)
-         if d is None or m in ("fastkvzip", "streaming", "random")]
+         if (d is None and m != "rkv") or (d is not None and m not in ("kvzip", "full"))]
 N_NEW = 140  # past 128 decoded tokens: decode-time eviction runs once
 
 
@@ -207,7 +219,8 @@ def test_another_process_answers_the_same(tiny, tmp_path):
         cache, ids, last = compressed(tiny, method, budget, decode)
         save_cache(tmp_path / f"{i}.kv", cache, tiny["model"], ids, last)  # what it is: derived
         want.append(greedy(tiny["model"], cache, last, N_NEW, QUESTION)[0])
-        cases.append(dict(file=str(tmp_path / f"{i}.kv"), method=method, decode=decode, n=N_NEW,
+        cases.append(dict(file=str(tmp_path / f"{i}.kv"), method=method,
+                          decode=decode_budget(method, 0, decode), n=N_NEW,
                           question=QUESTION))
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(dict(folder=str(tiny["folder"]), gate=str(tiny["gate_file"]),
@@ -311,8 +324,8 @@ def test_refuses_another_scorer_or_gate(saved):
     refused(path, t["model"], None, "evicts while decoding", "GateScorer")
     refused(path, t["model"], scorer_for(t, "random", DECODE), "GateScorer", "RandomScorer")
     other = Gates(1, t["model"].config.hidden_size, 2, 2)
-    made = make_cache("fastkvzip", t["model"], 0, decode_tokens_per_head=DECODE,
-                      gates=other)
+    made = make_cache("fastkvzip", t["model"], 0,
+                      decode_tokens_per_head=decode_budget("fastkvzip", 0, DECODE), gates=other)
     refused(path, t["model"], made.scorer, "another gate")
 
 
@@ -431,7 +444,7 @@ def one_line_error(code, err, *words):
 QUESTIONS = ["What is the code?", "Where does Emma live?"]
 
 
-@pytest.mark.parametrize("decode", [None, "40"])
+@pytest.mark.parametrize("decode", [None, "270"])
 def test_cli_answers_from_a_saved_cache_as_from_the_prefill(capsys, cli_model, tmp_path, decode):
     """--save-cache answers and saves in one run; --load-cache (no context, no prefill) answers the
     same questions with the same tokens; --json stats say where the cache came from and the time."""
