@@ -222,13 +222,15 @@ def markdown(results):
     get = lambda task, **kw: [r for r in rows if r["task"] == task
                               and all(r.get(k) == v for k, v in kw.items())]
     configs = list(dict.fromkeys((r["method"], r["budget"]) for r in rows))
+    gaps = sorted({r["gap"] for r in get("recall") if r["gap"] is not None}) or [0]
     if rows:
         out += ["## Long-text modelling and recall (teacher-forced decode steps)", "",
                 f"{results['n_contexts']} documents. nll: exp(NLL_full − NLL) over the document "
                 "tokens at positions ≥ the budget (1 = lossless, higher is better). recall: "
-                "accuracy of the answer tokens (argmax) of facts asked again 1K–6K tokens after "
-                "they were stated; exact = every token of the answer right; recall NLL ratio as "
-                "nll. [95% bootstrap interval over documents.] cut: the full cache stopped at the "
+                "accuracy of the answer tokens (argmax) of facts asked again "
+                f"{min(gaps)}–{max(gaps)} tokens after they were stated; exact = every token of "
+                "the answer right; recall NLL ratio as nll. [95% bootstrap interval over "
+                "documents.] cut: the full cache stopped at the "
                 "budget (it never reaches a token past it: n/a, or a wrong answer).", "",
                 "| method | budget | nll ratio | recall tokens | recall exact | recall NLL ratio |",
                 "|---|---|---|---|---|---|"]
@@ -239,7 +241,6 @@ def markdown(results):
                        f"{fmt(nll[0]['score'], nll[0]['ci']) if nll else '1 (reference)'} | "
                        f"{fmt(rec['score'], rec['ci'])} | {fmt(rec['exact'], rec['exact_ci'])} | "
                        f"{fmt(rec.get('nll_ratio'), rec.get('nll_ratio_ci'))} |")
-        gaps = sorted({r["gap"] for r in get("recall") if r["gap"] is not None})
         out += ["", "### Recall by distance (answer-token accuracy)", "",
                 "| method | budget | " + " | ".join(f"gap {g}" for g in gaps) + " |",
                 "|---|---|" + "---|" * len(gaps)]
