@@ -281,15 +281,16 @@ def markdown(results):
 
 
 def plot(results, path):
-    """Left: nll ratio and recall against the budget, one line per method; right: ms/token
-    against the generated length."""
+    """NLL ratio and recall against the budget, one line per method; with speed rows, ms/token and
+    the KV bytes allocated (solid) and kept (dashed) against the generated length."""
     plt = pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    rows = results.get("rows", [])
-    for ax, task, title in ((axes[0], "nll", "NLL ratio past the budget"),
-                            (axes[1], "recall", "recall (answer tokens)")):
+    rows, speed = results.get("rows", []), results.get("decode_speed") or []
+    fig, axes = plt.subplots(1, 4 if speed else 2, figsize=(19 if speed else 10, 4))
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    for ax, task, title in ((axes[0], "nll", "NLL ratio past the budget (1 = full)"),
+                            (axes[1], "recall", "recall: answer tokens right")):
         for m in dict.fromkeys(r["method"] for r in rows if r["budget"] is not None):
             rs = sorted((r for r in rows if r["task"] == task and r["method"] == m
                          and r.get("gap") is None and r["score"] is not None
@@ -305,16 +306,25 @@ def plot(results, path):
         ax.axhline(full[0]["score"] if full and task == "recall" else 1.0, color="grey", ls="--",
                    lw=1, label="full cache")
         ax.set(xscale="log", xlabel="decode budget (tokens per KV head)", title=title)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
         ax.legend(fontsize=7)
-    speed = results.get("decode_speed") or []
     for c in dict.fromkeys((r["method"], r["budget"]) for r in speed):
         rs = [r for r in speed if (r["method"], r["budget"]) == c]
-        axes[2].plot([r["length"] for r in rs], [r["ms_per_token"] for r in rs], marker="o",
-                     label=c[0] + (f"@{c[1]}" if c[1] else ""))
-    axes[2].set(xscale="log", xlabel="generated length (positions)", ylabel="ms per token",
-                title="decode speed")
-    if speed:
-        axes[2].legend(fontsize=7)
+        name, x = c[0] + (f"@{c[1]}" if c[1] else ""), [r["length"] for r in rs]
+        line = axes[2].plot(x, [r["ms_per_token"] for r in rs], marker="o", label=name)[0]
+        axes[3].plot(x, [(r["kv_bytes"] or 0) / 2**20 for r in rs], marker="o", label=name,
+                     color=line.get_color())
+        axes[3].plot(x, [(r["kv_kept_bytes"] or 0) / 2**20 for r in rs], ls="--",
+                     color=line.get_color())
+    for ax, ylabel, title in ((axes[2:3], "ms per token", "decode speed"),
+                              (axes[3:4], "KV MiB (dashed: kept)", "KV memory")):
+        for a in ax if speed else []:
+            lengths = sorted({r["length"] for r in speed})
+            a.set(xscale="log", xlabel="generated length (positions)", ylabel=ylabel, title=title)
+            a.set_xticks(lengths, [str(n) for n in lengths])
+            a.minorticks_off()
+            a.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path)
 
