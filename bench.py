@@ -29,6 +29,11 @@ system prompt instead); benchmarks/ruler-4k-cpu/README.md has the runs and the Q
     python bench.py --suite ruler --ruler-samples 2 --budgets 0.75,0.5,0.3,0.25,0.125 \
         --extra-levels ''
     python bench.py --dataset ruler-4096.parquet --model qwen3-8b --device cuda
+Decode-time eviction (--decode-tokens-per-head): long-text NLL, recall of the stream's own facts,
+free generations, and ms/token and KV bytes over a generation up to 8K positions
+(harness/decode.py; benchmarks/decode-cpu/README.md has the runs and the Qwen3-8B GPU command):
+    python bench.py --suite decode --model smollm2-135m-gguf --contexts 5 --lengths 4600 \
+        --decode-gaps 1024,2048,3072,4000 --decode-generations 2 --decode-gen-budgets 256,1024
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
 Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md,
