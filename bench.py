@@ -29,6 +29,11 @@ system prompt instead); benchmarks/ruler-4k-cpu/README.md has the runs and the Q
     python bench.py --suite ruler --ruler-samples 2 --budgets 0.75,0.5,0.3,0.25,0.125 \
         --extra-levels ''
     python bench.py --dataset ruler-4096.parquet --model qwen3-8b --device cuda
+Decode-time eviction (--decode-tokens-per-head): long-text NLL, recall of the stream's own facts,
+free generations, and ms/token and KV bytes over a generation up to 8K positions
+(harness/decode.py; benchmarks/decode-cpu/README.md has the runs and the Qwen3-8B GPU command):
+    python bench.py --suite decode --model smollm2-135m-gguf --contexts 5 --lengths 4600 \
+        --decode-gaps 1024,2048,3072,4000 --decode-generations 2 --decode-gen-budgets 256,1024
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
 Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md,
@@ -48,7 +53,7 @@ from cache import LEVELS
 from cli import OFFLINE_DEFAULT, UsageError, resolve_model, write_text
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
-from harness import quality, ruler, ruler_tasks
+from harness import decode_report, quality, ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
 from harness.report import differing, markdown, run_config, speed_keys
@@ -64,7 +69,9 @@ ROOT = Path(__file__).resolve().parent
 ERRORS = (ModelError, GateError, AssetsMissing, ArgumentError)
 METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
 BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
-SUITES = ("needle", "ruler")  # --suite: harness/quality.py's needle contexts, or harness/ruler.py
+# --suite: harness/quality.py's needle contexts, harness/ruler.py, or decode-time eviction
+# (harness/decode.py)
+SUITES = ("needle", "ruler", "decode")
 RULER_PROMPTS = ("kvpress", "harness")  # --ruler-prompt: harness/kvpress_prompt.py, or teacher's
 
 
@@ -100,7 +107,10 @@ def parse_args(argv=None):
                    help="the quality suite: needle (pass keys, JSON pairs and NLL probes in "
                    "Austen, harness/quality.py) or ruler (RULER's 11 offline tasks, scored as "
                    "kvpress scores them, harness/ruler.py; --lengths defaults to 4096, "
-                   "--speed-lengths to none)")
+                   "--speed-lengths to none) or decode (decode-time eviction over long streams: "
+                   "long-text NLL, recall of the stream's own facts, free generation, and decode "
+                   "speed and memory over a long generation, harness/decode.py; --methods, "
+                   "--lengths and --speed-lengths get its defaults)")
     p.add_argument("--dataset", help="a JSONL or parquet file in kvpress's dataset layout "
                    "(context, question, answer_prefix, answer(s), max_new_tokens, task), e.g. "
                    "kvpress's RULER-4K file: its rows are the samples, scored by string_match "
@@ -198,6 +208,7 @@ def parse_args(argv=None):
     p.add_argument("--merge", type=lambda s: [x for x in s.split(",") if x],
                    help="comma list of --out folders of one experiment's shards: merge them into "
                    "--out, run nothing")
+    decode_report.add_arguments(p)
     args, unset = p.parse_args(argv), object()
     # parsed again onto a namespace that already holds every flag, argparse sets only the flags
     # typed: those keep their value under --quick
@@ -225,6 +236,10 @@ def parse_args(argv=None):
         for k, v in (("lengths", [4096]), ("speed_lengths", [])):
             if k not in typed:
                 setattr(args, k, v)
+    if args.suite == "decode":  # its own methods, one stream length, speed up to 8K positions
+        for k, v in decode_report.DEFAULTS.items():
+            if k not in typed:
+                setattr(args, k, v)
     if args.quick:
         for k, v in QUICK.items():
             if k not in typed:
@@ -237,6 +252,8 @@ def parse_args(argv=None):
 
 def check_args(p, args):
     """Every flag on its own, before anything loads (p.error: exit 2)."""
+    if args.suite == "decode":
+        return decode_report.check_args(p, args)
     bad = [m for m in args.methods if m not in METHODS] + [lv for lv in args.extra_levels
                                                            if lv not in LEVELS]
     if bad:
@@ -350,6 +367,8 @@ def run(args):
     suite_fmt = kvpress_format(cfg, args.model, args.chat, chat_template(folder)) \
         if args.suite == "ruler" and args.ruler_prompt == "kvpress" else fmt
     gates = resolve_gate(args.gate, cfg, args.model)
+    if args.suite == "decode":
+        return decode_report.bench_run(args, ROOT, folder, cfg, tok, gates)
     check_lengths(args, cfg, tok, len(encode_prompt(tok, fmt.system)))
     if rows:
         check_dataset(args, cfg, tok, suite_fmt, rows)
@@ -622,6 +641,8 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
         if other != theirs:
             raise UsageError(f"{f} is a run of another experiment than {folders[first]} "
                              f"({differing(theirs, other)} differ); leave {f} out of --merge")
+    if key.get("suite") == "decode":  # its own records and tables (harness/decode_report.py)
+        return decode_report.merge(folders, configs, out, n_boot, seed, plot)
     expected = n_contexts(key, folders[first]) if quality_runs else 0
     records, results = {}, dict(config=dict(configs[first], merged_from=[str(f) for f in folders],
                                             commands=[c["command"] for c in configs]), rows=[])

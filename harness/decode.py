@@ -1,0 +1,354 @@
+"""
+The decode suite of bench.py (--suite decode): what decode-time eviction keeps and loses, measured
+through the path generation takes (METHOD.md §7): a short prompt prefilled, `begin_answer`, then
+every later token a decode step, buffered, scored every 128 tokens and evicted back to a budget of
+B tokens per KV head (`generate.py --decode-tokens-per-head B`).
+
+Per document (a held-out Austen chapter: never in a bundled gate's training corpus, which is
+Wikipedia, State of the Union addresses and the Python reference, offline/README.md), one stream:
+    nll      long-text modelling: the NLL of every document token at a position >= B, relative to
+             the full cache's on the same tokens (exp(NLL_full - NLL): 1 = lossless)
+    recall   facts stated early in the stream (names with numbers, places with code words, in varied
+             sentences) and asked again --decode-gaps tokens later in the same stream: accuracy of
+             the answer tokens (argmax, teacher-forced), exact answers, and their NLL
+    generation  (the last --decode-generations documents) a greedy generation of
+             --decode-gen-tokens tokens (end of turn masked) after a prompt that states a fact,
+             then the question about it: tokens until the first difference from the full cache's
+             generation, and whether the answer is the same (and correct)
+Teacher forcing feeds the stream 128 tokens per forward, aligned with the decode buffer, then calls
+cache.after_step(): tests/test_decode_suite.py proves it gives the logits and kept rows of
+token-by-token decoding (generate.decode_one).
+
+"cut" is the authors' "early stopping" baseline (Janghyun1230/FastKVzip:math/run.sh, a full cache
+limited to max_length = the budget): generation stops once the sequence holds B tokens, so it never
+predicts a token past B. Here: no NLL (n/a), a recall probe answered past B counts as wrong, a
+generation's first difference is where it stops, its final answer is never given. Nothing is run
+for it: what it scores before B is the full cache's.
+
+Speed and memory (speed(): one long greedy generation per configuration, ms per decoded token and
+the KV bytes held at each point of --speed-lengths, beside transformers' generate) and the report
+(tables, intervals, plots) are in harness/decode_report.py.
+"""
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+import generate
+from cache import EvictingCache
+from formats.gate_file import resolve_gate
+from harness.quality import OWNERS, answer_stops, load_docs, log, model_info
+from teacher import encode_prompt, encode_text, prompt_format, question_ids
+
+# "cut" is no cache of its own: the full cache stopped at B tokens (module docstring)
+METHODS = ("full", "fastkvzip", "streaming", "random", "snapkv", "rkv", "cut")
+BUDGETS = (256, 512, 1024, 2048)  # tokens per KV head
+GAPS = (1024, 2048, 4096, 6000)  # recall: tokens between a fact and its question
+LENGTH = 6600  # stream tokens: the facts (~300), the longest gap, room for sentence ends
+PROMPT = 64  # document tokens prefilled before decoding starts ("a short prompt")
+GEN_TOKENS = 2048
+ANSWER_TOKENS = 12  # the final answer: a value and its full stop fit easily
+FACT_START = 32  # the first fact this many tokens after the prompt, the others FACT_STEP apart
+FACT_STEP = 64
+SENTENCE_WAIT = 200  # a fact or probe waits at most this many tokens for a sentence end
+
+
+@dataclass
+class DecodeExperiment:
+    """What makes two runs' documents the same experiment (bench.py --suite decode's flags): runs
+    are resumed or merged only if these, the model and the gate are equal."""
+    methods: list           # "full" first
+    budgets: list           # decode tokens per KV head
+    contexts: int           # documents
+    length: int             # stream tokens per document
+    gaps: list              # recall distances
+    prompt_tokens: int
+    generations: int        # documents that also run a free generation
+    gen_tokens: int
+    gen_budgets: list       # the budgets the free generations run at (a CPU saving)
+    seed: int
+    chat: bool | None = None  # the free generation's prompt format
+    device: str = "cpu"
+    suite: str = "decode"
+
+
+# ---- 1. Streams: a document with facts stated early and asked for later --------------------------
+
+NUMBER_NOUNS = ("locker", "ticket", "account", "cabin", "permit", "badge")
+PLACES = ("north gate", "old mill", "boat house", "east tower", "wine cellar", "rose garden")
+WORDS = ("marigold", "tangerine", "obsidian", "lantern", "juniper", "saffron", "harbour",
+         "thimble", "walnut", "cobalt", "meadow", "falcon")
+# how a fact is stated, and how it is asked again later: the same subject phrase, other sentences
+INTROS = (" By the way, {s} is {v}.", " It was written down that {s} is {v}.",
+          " Everyone was told that {s} is {v}.", " Note this well: {s} is {v}.")
+PROBES = (" As was said long before, {s} is", " To recall it once more, {s} is",
+          " Nobody had forgotten that {s} is", " It was still true that {s} is")
+
+
+@dataclass
+class Fact:
+    subject: str  # "Colonel Brandt's locker number", "the code word for the north gate"
+    value: str    # "48213", "juniper"
+
+
+def make_fact(rng, i):
+    """Fact i: even ones a name with a number, odd ones a place with a code word."""
+    if i % 2 == 0:
+        who, noun = OWNERS[(i // 2) % len(OWNERS)], rng.choice(NUMBER_NOUNS)
+        return Fact(f"{who}'s {noun} number", "".join(rng.choice("123456789") for _ in range(5)))
+    return Fact(f"the code word for the {PLACES[(i // 2) % len(PLACES)]}", rng.choice(WORDS))
+
+
+@dataclass
+class Stream:
+    ids: list        # prompt ⊕ document with facts and probes
+    n_prompt: int    # prefilled; every later token is a decode step
+    n_protected: int  # the BOS text (never evicted)
+    doc_pos: list    # positions of document tokens (the nll task's)
+    probes: list     # [(gap, [answer positions], where the fact's statement ended)]
+    doc: str
+
+
+def make_stream(tok, name, doc, start, length, gaps, n_prompt, rng):
+    """A stream of `length` tokens: start (the BOS text) ⊕ the document, with one fact per gap
+    stated early (FACT_START, then every FACT_STEP tokens, at the next sentence end) and asked again
+    `gap` tokens after its statement, again at a sentence end; None if the document ends first."""
+    facts = [make_fact(rng, i) for i in range(len(gaps))]
+    enc = lambda text: encode_text(tok, text)
+    ids, doc_pos, probes, stated = list(start), [], [], {}
+    # events: (stream position to wait for, kind, fact index)
+    todo = [(len(start) + n_prompt + FACT_START + FACT_STEP * i, "intro", i)
+            for i in range(len(facts))]
+    waited = 0
+    for t in doc:
+        if len(ids) >= length:
+            break
+        due = min(todo) if todo else None
+        if due and len(ids) >= due[0] and len(ids) >= len(start) + n_prompt:
+            sentence = tok.decode(ids[-1:]).rstrip().endswith((".", "!", "?", '"'))
+            waited += 1
+            if sentence or waited > SENTENCE_WAIT:
+                todo.remove(due)
+                waited = 0
+                _, kind, i = due
+                f = facts[i]
+                if kind == "intro":
+                    ids += enc(rng.choice(INTROS).format(s=f.subject, v=f.value))
+                    stated[i] = len(ids)
+                    todo.append((len(ids) + gaps[i], "probe", i))
+                else:
+                    ids += enc(rng.choice(PROBES).format(s=f.subject))
+                    answer = enc(" " + f.value)
+                    probes.append((gaps[i], list(range(len(ids), len(ids) + len(answer))),
+                                   stated[i]))
+                    ids += answer + enc(".")
+        doc_pos.append(len(ids))
+        ids.append(t)
+    if todo or len(ids) < length or max(p[-1] for _, p, _ in probes) >= length:
+        return None
+    return Stream(ids[:length], len(start) + n_prompt, len(start),
+                  [p for p in doc_pos if p < length], sorted(probes), name)
+
+
+def make_streams(tok, fmt, exp):
+    """exp.contexts streams, each from another Austen chapter long enough (shuffled by seed)."""
+    docs = load_docs(tok, "austen")
+    random.Random(exp.seed).shuffle(docs)
+    start = encode_prompt(tok, fmt.system)
+    rng, out = random.Random(exp.seed), []
+    for name, doc in docs:
+        s = make_stream(tok, name, doc, start, exp.length, exp.gaps, exp.prompt_tokens, rng)
+        if s is not None:
+            out.append(s)
+        if len(out) == exp.contexts:
+            return out
+    raise ValueError(f"only {len(out)} Austen chapters hold a stream of {exp.length} tokens with "
+                     f"gaps {exp.gaps}; ask fewer contexts or a shorter length")
+
+
+# ---- 2. The decode path: teacher-forced and free -------------------------------------------------
+
+def decode_cache(model, method, n_protected, budget, gates, seed):
+    """An empty cache as `generate.py --method M --decode-tokens-per-head B` makes it."""
+    if method == "full":
+        return generate.make_cache("full", model, n_protected)
+    return generate.make_cache(method, model, n_protected, gates=gates,
+                               decode_tokens_per_head=budget, seed=seed)
+
+
+@torch.no_grad()
+def teacher_force(model, cache, ids, n_prompt, n_protected, block=True):
+    """Prefill ids[:n_prompt], begin_answer, then feed the rest as decode steps -> (nll, hit): for
+    every position p >= n_prompt, -log P(ids[p] | ids[:p]) and whether ids[p] was the argmax
+    (float32 tensors of len(ids) - n_prompt). block: 128 tokens (the decode buffer) per forward,
+    then cache.after_step() (the same logits and kept rows as token by token: the test); else
+    generate.decode_one for each token."""
+    logits = generate.prefill(model, cache, ids[:n_prompt], n_protected)
+    logits = generate.begin_answer(model, cache, [], logits, max_new_tokens=len(ids) - n_prompt)
+    nll, hit = [], []
+
+    def score(logits, targets):  # (T, vocab), (T,)
+        logp = torch.log_softmax(logits.float(), -1)
+        nll.append(-logp.gather(1, targets[:, None])[:, 0].cpu())
+        hit.append((logits.argmax(-1) == targets).float().cpu())
+
+    score(logits[None], torch.tensor(ids[n_prompt:n_prompt + 1], device=logits.device))
+    step = getattr(cache, "decode_buffer", 128) if block else 1
+    evicting = isinstance(cache, EvictingCache)
+    for i in range(n_prompt, len(ids) - 1, step):
+        chunk = ids[i:min(i + step, len(ids) - 1)]
+        if block:
+            out = model(torch.tensor(chunk, device=cache.device), cache)  # (T, vocab)
+            if evicting:  # the buffer is full exactly at a block's end: gate it, evict
+                cache.after_step()
+        else:
+            out = generate.decode_one(model, cache, chunk[0])[None]
+        score(out, torch.tensor(ids[i + 1:i + 1 + len(chunk)], device=out.device))
+    return torch.cat(nll), torch.cat(hit)
+
+
+def masked_argmax(logits, banned):
+    """Greedy, but never a token of `banned` (end of turn: the generation must go on)."""
+    logits = logits.clone()
+    logits[list(banned)] = -float("inf")
+    return int(logits.argmax())
+
+
+@torch.no_grad()
+def free_generation(model, cache, prompt, n_protected, n_tokens, question, stops, banned):
+    """Greedy generation through the decode path: prompt prefilled, n_tokens generated (banned ids
+    masked), the question's ids fed as decode steps, then a greedy answer of at most
+    ANSWER_TOKENS, ending at a stop id -> (generated ids, answer ids)."""
+    logits = generate.prefill(model, cache, prompt, n_protected)
+    logits = generate.begin_answer(model, cache, [], logits,
+                                   max_new_tokens=n_tokens + len(question) + ANSWER_TOKENS)
+    out = []
+    for _ in range(n_tokens):
+        out.append(masked_argmax(logits, banned))
+        logits = generate.decode_one(model, cache, out[-1])
+    for t in question:
+        logits = generate.decode_one(model, cache, t)
+    answer = []
+    while len(answer) < ANSWER_TOKENS:
+        t = int(logits.argmax())
+        if t in stops:
+            break
+        answer.append(t)
+        logits = generate.decode_one(model, cache, t)
+    return out, answer
+
+
+def generation_task(tok, fmt, stream, fact, n_excerpt=160):
+    """The free generation of a stream's document: the chat (or plain) prompt holds the start of
+    the chapter and a fact, and asks for a long continuation -> (prompt ids, n_protected, question
+    ids, the expected value)."""
+    excerpt = tok.decode(stream.ids[stream.n_protected:stream.n_protected + n_excerpt])
+    text = (f"Here is the beginning of a story:\n\n{excerpt}\n\nRemember this: {fact.subject} is "
+            f"{fact.value}. Now continue the story at length.")
+    system = encode_prompt(tok, fmt.system)
+    prompt = system + encode_text(tok, text) + encode_prompt(tok, fmt.postfix)
+    question = question_ids(tok, fmt, f"What is {fact.subject}?", f"{fact.subject} is")
+    return prompt, len(system), question, fact.value
+
+
+# ---- 3. One document: every configuration --------------------------------------------------------
+
+def entry(nll, hit, ref, stream, budget):
+    """One (method, budget) on one stream: the nll task's [NLL sum, tokens, the full cache's sum]
+    over document tokens at positions >= budget; per probe [gap, tokens, argmax hits, NLL sum,
+    the full cache's NLL sum]."""
+    n0 = stream.n_prompt
+    pos = torch.tensor([p for p in stream.doc_pos if p >= max(budget, n0)], dtype=torch.long) - n0
+    out = dict(nll=[float(nll[pos].sum()), len(pos), float(ref[0][pos].sum())])
+    at = lambda p: [x - n0 for x in p]  # answer positions -> indices of the forced tokens
+    out["probes"] = [[gap, len(p), float(hit[at(p)].sum()), float(nll[at(p)].sum()),
+                      float(ref[0][at(p)].sum())] for gap, p, _ in stream.probes]
+    return out
+
+
+def cut_entry(ref, stream, budget, ref_gen, gen_prompt_len):
+    """The full cache stopped at `budget` tokens (module docstring): nothing past it."""
+    full = entry(ref[0], ref[1], ref, stream, 0)
+    probes = [pr if max(p) < budget else [pr[0], pr[1], 0.0, None, pr[4]]
+              for pr, (_, p, _) in zip(full["probes"], stream.probes)]
+    out = dict(nll=None, probes=probes)
+    if ref_gen is not None:  # it stops after budget - prompt tokens, before the answer
+        out["gen"] = dict(first_diff=max(0, min(budget - gen_prompt_len, len(ref_gen["out"]))),
+                          same=False, correct=False, stopped=True)
+    return out
+
+
+def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None):
+    """Every configuration of exp on every document of this shard (contexts c with c % n == k) but
+    those in `done`; on_context(record) after each."""
+    cfg, _, device = model_info(model)
+    fmt_plain = prompt_format(cfg, model_name, chat=False)
+    fmt_gen = prompt_format(cfg, model_name, chat=exp.chat)
+    gates = (resolve_gate(gate_file, cfg, model_name, device=device)
+             if "fastkvzip" in exp.methods else None)
+    streams = make_streams(tok, fmt_plain, exp)
+    stops = answer_stops(cfg, tok)
+    banned = set(cfg.eos_token_ids)
+    scored = [m for m in exp.methods if m not in ("full", "cut")]
+    k_shard, n_shard = shard
+    todo = [c for c in range(len(streams)) if c % n_shard == k_shard and c not in done]
+    t_start = time.perf_counter()
+    for n_done, c in enumerate(todo, 1):
+        stream, t0 = streams[c], time.perf_counter()
+        rng = random.Random(exp.seed * 1000 + c)
+        gen = c >= len(streams) - exp.generations  # the last documents: the others report sooner
+        task = generation_task(tok, fmt_gen, stream, make_fact(rng, c)) if gen else None
+        ref = teacher_force(model, decode_cache(model, "full", stream.n_protected, None, None, 0),
+                            stream.ids, stream.n_prompt, stream.n_protected)
+        entries = {"full": entry(*ref, ref, stream, 0)}
+        ref_gen = None
+        if gen:
+            prompt, n_prot, question, value = task
+            out, ans = free_generation(model, decode_cache(model, "full", n_prot, None, None, 0),
+                                       prompt, n_prot, exp.gen_tokens, question, stops, banned)
+            ref_gen = dict(out=out, answer=ans)
+            entries["full"]["gen"] = dict(first_diff=len(out), same=True,
+                                          correct=value in tok.decode(ans))
+        log(f"decode doc {c + 1}/{len(streams)} ({stream.doc}): full cache done in "
+            f"{time.perf_counter() - t0:.0f} s")
+        for method in scored:
+            for budget in exp.budgets:
+                t1 = time.perf_counter()
+                cache = decode_cache(model, method, stream.n_protected, budget, gates,
+                                     exp.seed + c)
+                e = entries[f"{method}@{budget}"] = entry(
+                    *teacher_force(model, cache, stream.ids, stream.n_prompt, stream.n_protected),
+                    ref, stream, budget)
+                e["kept_nbytes"], e["nbytes"] = cache.kept_nbytes, cache.nbytes
+                del cache
+                if gen and budget in exp.gen_budgets:
+                    cache = decode_cache(model, method, n_prot, budget, gates, exp.seed + c)
+                    out, ans = free_generation(model, cache, prompt, n_prot, exp.gen_tokens,
+                                               question, stops, banned)
+                    same = next((i for i, (a, b) in enumerate(zip(out, ref_gen["out"]))
+                                 if a != b), len(out))
+                    e["gen"] = dict(first_diff=same, same=ans == ref_gen["answer"],
+                                    correct=value in tok.decode(ans))
+                    del cache
+                log(f"decode doc {c + 1}: {method}@{budget} in {time.perf_counter() - t1:.0f} s")
+        if "cut" in exp.methods:
+            for budget in exp.budgets:
+                entries[f"cut@{budget}"] = cut_entry(
+                    ref, stream, budget, ref_gen if budget in exp.gen_budgets else None,
+                    len(task[0]) if gen else 0)
+        record = dict(context=c, doc=stream.doc, n_tokens=len(stream.ids),
+                      seconds=time.perf_counter() - t0, entries=entries)
+        if gen:
+            record["generation"] = dict(expected=value, full_answer=tok.decode(ref_gen["answer"]),
+                                        full_text=tok.decode(ref_gen["out"][:200]))
+        left = len(todo) - n_done
+        log(f"decode doc {c + 1}/{len(streams)}: done in {record['seconds'] / 60:.1f} min; {left} "
+            f"left, eta {(time.perf_counter() - t_start) / n_done * left / 60:.0f} min")
+        if on_context:
+            on_context(record)
+
+
+def run_key(exp, config):
+    """What makes two runs' documents the same experiment (resume, merge)."""
+    return dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])

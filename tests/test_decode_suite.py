@@ -1,0 +1,283 @@
+"""The decode suite (bench.py --suite decode, harness/decode.py): block-wise teacher forcing equals
+token-by-token decoding, the streams hold what they claim, the summary's arithmetic, the flags."""
+import math
+
+import pytest
+import torch
+
+import bench
+import generate
+import model as M
+from gate import Gates
+from harness import decode, decode_report
+from tests.helpers import tiny_checkpoint
+
+# tokens per KV head: above the 4 sinks + 128-token window (else no score is ever used), far below
+# the streams, so that the scorer chooses at every 128-token eviction
+BUDGET = 192
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def tiny(request, tmp_path_factory):
+    # 1,024 positions: streams of several 128-token decode buffers
+    folder = tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param),
+                             max_position_embeddings=1024)
+    return M.load_model(folder, "cpu", torch.float32)
+
+
+def spread_gates(cfg):
+    torch.manual_seed(0)
+    gates = Gates(len(cfg.compressed_layers), cfg.hidden_size, cfg.num_key_value_heads,
+                  cfg.group_size)
+    with torch.no_grad():  # away from the all-zero init: spread-out scores, no ties
+        gates.b.normal_()
+        gates.k_base.normal_()
+    return gates
+
+
+def kept_positions(cache):
+    return [[cache.layers[i].head_pos(h).tolist() for h in range(cache.layers[i].n_heads)]
+            for i in cache.compressed]
+
+
+@pytest.mark.parametrize("method", ["fastkvzip", "streaming", "random", "snapkv", "rkv"])
+def test_block_teacher_forcing_equals_token_by_token_decoding(tiny, method):
+    """128 tokens per forward then after_step (the suite's teacher forcing) gives the logits and the
+    kept rows of decode_one, token by token, with eviction happening at every buffer."""
+    cfg = tiny.config
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, cfg.vocab_size, (1000,), generator=g).tolist()
+    gates = spread_gates(cfg)
+    runs = {}
+    for block in (True, False):
+        cache = decode.decode_cache(tiny, method, 2, BUDGET, gates, seed=5)
+        nll, hit = decode.teacher_force(tiny, cache, ids, 40, 2, block=block)
+        runs[block] = nll, hit, kept_positions(cache), cache.n_seen
+    (nb, hb, kb, sb), (nt, ht, kt, st) = runs[True], runs[False]
+    assert sb == st == len(ids) - 1  # every token but the last was fed
+    assert kb == kt, "the kept rows differ"
+    torch.testing.assert_close(nb, nt, atol=1e-4, rtol=1e-4)
+    assert torch.equal(hb, ht)
+    # eviction happened, and chose: at most the budget plus one buffer per head, and rows outside
+    # the sinks and the last window were dropped
+    assert sum(len(h) for layer in kb for h in layer) <= (BUDGET + 128) * len(kb) * len(kb[0])
+    middle = [p for layer in kb for h in layer for p in h if 4 <= p < sb - 128]
+    assert 0 < len(middle) < (sb - 132) * len(kb) * len(kb[0])
+
+
+def test_teacher_forcing_matches_a_plain_forward(tiny):
+    """The full cache's teacher-forced NLL is the NLL of one forward over the whole sequence."""
+    cfg = tiny.config
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, cfg.vocab_size, (300,), generator=g).tolist()
+    nll, hit = decode.teacher_force(tiny, decode.decode_cache(tiny, "full", 0, None, None, 0),
+                                    ids, 10, 0)
+    with torch.no_grad():
+        logits = tiny(torch.tensor(ids), generate.make_cache("full", tiny, 0))
+    logp = torch.log_softmax(logits, -1)
+    want = -logp[torch.arange(9, len(ids) - 1), torch.tensor(ids[10:])]
+    torch.testing.assert_close(nll, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(hit, (logits[9:-1].argmax(-1) == torch.tensor(ids[10:])).float())
+
+
+# ------------------------------------------------------------------------- streams and summaries
+
+@pytest.fixture(scope="module")
+def smollm2_tok():
+    from cli import resolve_model
+    from tests.assets import require_asset
+    require_asset("austen_parts")
+    return M.load_tokenizer(resolve_model("smollm2-135m-gguf"))
+
+
+def test_streams_hold_their_facts_where_they_claim(smollm2_tok):
+    """Every probe's answer tokens spell the value its fact stated, at least `gap` tokens after the
+    statement; the nll task's positions are document tokens, in order, none inside a fact."""
+    from teacher import PromptFormat
+    tok = smollm2_tok
+    exp = decode.DecodeExperiment(methods=["full"], budgets=[256], contexts=2, length=2000,
+                                  gaps=[300, 900, 1500], prompt_tokens=64, generations=0,
+                                  gen_tokens=1, gen_budgets=[], seed=3)
+    streams = decode.make_streams(tok, PromptFormat("", ""), exp)  # plain text, no BOS
+    assert len(streams) == 2 and streams[0].doc != streams[1].doc
+    for s in streams:
+        assert len(s.ids) == 2000 and s.n_prompt == s.n_protected + 64
+        assert sorted(g for g, _, _ in s.probes) == [300, 900, 1500]
+        for gap, pos, stated in s.probes:
+            value = tok.decode([s.ids[p] for p in pos]).strip()
+            # the statement ends with the value and a full stop; the question comes gap later
+            assert tok.decode(s.ids[stated - 8:stated]).endswith(f" is {value}.")
+            assert pos[0] - stated >= gap
+            assert tok.decode(s.ids[pos[0] - 4:pos[0]]).endswith(" is")
+        inside = {p for _, pos, _ in s.probes for p in pos}
+        assert not inside & set(s.doc_pos) and s.doc_pos == sorted(s.doc_pos)
+
+
+def fake_records():
+    """Three documents: the gate at 256 loses NLL and one answer; cut stops at 256."""
+    recs = []
+    for c, (s_m, s_f, n) in enumerate([(30.0, 20.0, 10), (50.0, 45.0, 20), (12.0, 12.0, 6)]):
+        full_probes = [[512, 2, 2.0, 1.0, 1.0], [1024, 3, 3.0, 2.0, 2.0]]
+        gate_probes = [[512, 2, 2.0, 1.5, 1.0], [1024, 3, float(c != 0), 6.0, 2.0]]
+        recs.append(dict(context=c, doc=f"d{c}", n_tokens=2000, seconds=1.0, entries={
+            "full": dict(nll=[s_f, n, s_f], probes=full_probes,
+                         gen=dict(first_diff=100, same=True, correct=c == 1)),
+            "fastkvzip@256": dict(nll=[s_m, n, s_f], probes=gate_probes, kept_nbytes=10,
+                                  gen=dict(first_diff=10 * (c + 1), same=c == 2, correct=False)),
+            "cut@256": dict(nll=None, probes=[[512, 2, 0.0, None, 1.0], [1024, 3, 0.0, None, 2.0]],
+                            gen=dict(first_diff=200, same=False, correct=False, stopped=True))}))
+    return recs
+
+
+def test_summary_is_ratios_of_sums_with_intervals_over_documents():
+    res = decode_report.results(fake_records(), n_boot=500, seed=0)
+    row = lambda task, m, **kw: next(r for r in res["rows"] if r["task"] == task
+                                     and r["method"] == m
+                                     and all(r.get(k) == v for k, v in kw.items()))
+    nll = row("nll", "fastkvzip")
+    assert nll["budget"] == 256 and nll["n"] == 36
+    assert math.isclose(nll["score"], math.exp((77 - 92) / 36))  # exp(NLL_full - NLL)
+    assert nll["ci"][0] <= nll["score"] <= nll["ci"][1] <= 1  # 1: document 2 alone
+    assert row("nll", "cut")["score"] is None  # it never scores a token past its budget
+    rec = row("recall", "fastkvzip", gap=None)
+    assert math.isclose(rec["score"], (2 + 0 + 2 + 1 + 2 + 1) / 15)  # answer tokens right
+    assert math.isclose(rec["exact"], 3 / 6)  # answers with every token right: the gap-512 ones
+    assert math.isclose(row("recall", "fastkvzip", gap=512)["score"], 1.0)
+    assert math.isclose(rec["nll_ratio"], math.exp((9 - 22.5) / 15))
+    assert row("recall", "cut", gap=None)["score"] == 0 and "nll" not in row("recall", "cut")
+    assert row("recall", "full", gap=None)["score"] == 1.0
+    gen = row("generation", "fastkvzip")
+    assert gen["first_diff"] == 20 and math.isclose(gen["same"], 1 / 3) and gen["n"] == 3
+    assert row("generation", "full")["correct"] == pytest.approx(1 / 3)
+    md = "\n".join(decode_report.markdown(res))
+    assert "| fastkvzip | 256 |" in md and "| cut | 256 | n/a |" in md
+
+
+def test_scorer_clock_times_the_scorer_and_changes_nothing(tiny):
+    """The harness's own timer around the scorer: its seconds grow with every scoring call, and
+    the cache keeps the rows and gives the logits it gives untimed."""
+    cfg = tiny.config
+    ids = torch.randint(3, cfg.vocab_size, (500,), generator=torch.Generator().manual_seed(3))
+    gates, out = spread_gates(cfg), []
+    for timed in (False, True):
+        cache = decode.decode_cache(tiny, "fastkvzip", 0, BUDGET, gates, 0)
+        clock = decode_report.ScorerClock(cache.scorer, cache.device) if timed else None
+        nll, _ = decode.teacher_force(tiny, cache, ids.tolist(), 20, 0)
+        out.append((nll, kept_positions(cache)))
+    assert clock.seconds > 0
+    assert out[0][1] == out[1][1] and torch.equal(out[0][0], out[1][0])
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--decode-budgets", "0"], "--decode-budgets is empty"),
+    (["--decode-budgets", "-5"], "token counts must be positive"),
+    (["--methods", "full,kvzip"], "unknown method ['kvzip']"),
+    (["--lengths", "2000,3000"], "takes one stream length"),
+    (["--lengths", "3000"], "too short for --decode-gaps"),
+    (["--decode-gen-tokens", "0"], "--decode-gen-tokens must be >= 1"),
+    (["--contexts", "2", "--shard", "3/4"], "shard 3 holds none"),
+    (["--decode-budgets", "256,512", "--decode-gen-budgets", "1024"], "one of --decode-budgets"),
+])
+def test_bad_decode_flags_exit_2(capsys, flags, words):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--suite", "decode", *flags])
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_decode_defaults_and_explicit_flags():
+    args = bench.parse_args(["--suite", "decode"])
+    assert args.methods == list(decode.METHODS) and args.lengths == [decode.LENGTH]
+    assert args.speed_lengths == [1024, 2048, 4096, 8192] and args.decode_budgets == [256, 512,
+                                                                                      1024, 2048]
+    assert args.decode_generations == args.contexts
+    args = bench.parse_args(["--suite", "decode", "--methods", "fastkvzip", "--lengths", "1600",
+                             "--decode-gaps", "512,1024", "--speed-lengths", "0"])
+    assert args.methods == ["full", "fastkvzip"] and args.speed_lengths == []
+
+
+def test_speed_rows_and_the_peer_on_a_tiny_gemma3(tmp_path):
+    """The speed section end to end on a tiny Gemma3: a row per length for the full cache, the gate
+    and transformers' generate; the budget's KV stays flat while the full cache's grows; the
+    report's table and plot are written."""
+    pytest.importorskip("transformers")
+    from cli import pyplot as cli_pyplot
+    from harness.speed import load_peer
+    folder = tiny_checkpoint("gemma3", tmp_path / "tiny", max_position_embeddings=1024)
+    model = M.load_model(folder, "cpu", torch.float32)
+    cfg = model.config
+    prompt = [cfg.bos_token_id] + list(range(3, 40))
+    rows = decode_report.speed(model, load_peer(folder), prompt, 1, [300, 600, 900], [160],
+                               spread_gates(cfg), 0)
+    by = lambda m: [r for r in rows if r["method"] == m]
+    assert [r["length"] for r in by("full")] == [300, 600, 900] == [r["length"]
+                                                                  for r in by("transformers")]
+    gate_rows, full_rows = by("fastkvzip"), by("full")
+    assert [r["length"] for r in gate_rows] == [300, 600, 900]
+    assert all(r["ms_per_token"] > 0 for r in rows)
+    # the gate's cache is bounded by its budget (+ a buffer per head), the full cache's grows
+    H, row = cfg.num_key_value_heads, 2 * cfg.head_dim * 4  # fp32 keys and values
+    sliding = sum(t == "sliding_attention" for t in cfg.layer_types)
+    bound = ((160 + 128) * H * len(cfg.compressed_layers) + cfg.sliding_window * H * sliding) * row
+    assert all(r["kv_kept_bytes"] <= bound < full_rows[2]["kv_kept_bytes"] for r in gate_rows)
+    assert full_rows[0]["kv_kept_bytes"] < full_rows[1]["kv_kept_bytes"] < full_rows[2][
+        "kv_kept_bytes"]
+    assert all(0 < r["score_share"] < 1 for r in gate_rows)
+    assert by("transformers")[2]["kv_bytes"] > by("transformers")[0]["kv_bytes"]
+    res = dict(rows=[], decode_speed=rows)
+    md = "\n".join(decode_report.markdown(res))
+    assert md.count("| fastkvzip | 160 |") == 3 and "| transformers | – | 900 |" in md
+    decode_report.plot(res, tmp_path / "decode.png")
+    assert (tmp_path / "decode.png").exists() or cli_pyplot() is None  # matplotlib may be missing
+
+
+def fake_run(folder, key, records=(), speed=None, no_quality=False):
+    import json
+    (folder / "contexts").mkdir(parents=True)
+    config = dict(flags=dict(model="m", no_quality=no_quality), quality_key=key, command="bench.py",
+                  started="t", gate=dict(source=None, sha256=None), git_commit="0" * 10,
+                  git_dirty=False)
+    (folder / "config.json").write_text(json.dumps(config))
+    for r in records:
+        (folder / "contexts" / f"context-{r['context']:03d}.json").write_text(
+            json.dumps({**r, "key": key}))
+    (folder / "results.json").write_text(json.dumps(dict(decode_speed=speed, seconds=5.0)))
+    return folder
+
+
+def test_merge_joins_shards_and_a_speed_run(tmp_path):
+    import json
+
+    from cli import UsageError
+    key = dict(suite="decode", contexts=3, length=2000, prompt_tokens=64, budgets=[256],
+               gaps=[512, 1024], generations=3, gen_tokens=100, seed=0)
+    recs = fake_records()
+    speed = [dict(method="full", budget=None, length=1024, ms_per_token=5.0, score_share=None,
+                  kv_bytes=10, kv_kept_bytes=10)]
+    a = fake_run(tmp_path / "a", key, [recs[0], recs[2]])
+    b = fake_run(tmp_path / "b", key, [recs[1]])
+    c = fake_run(tmp_path / "c", dict(key, contexts=1), speed=speed, no_quality=True)
+    bench.main(["--merge", f"{a},{b},{c}", "--out", str(tmp_path / "m")])
+    res = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert res["complete"] and res["n_contexts"] == 3 and res["decode_speed"] == speed
+    assert res["rows"] == json.loads(json.dumps(decode_report.results(recs, 2000, 0)["rows"]))
+    assert "| full | – | 1024 | 5.0 |" in (tmp_path / "m" / "results.md").read_text()
+    other = fake_run(tmp_path / "o", dict(key, seed=1), [recs[1]])
+    with pytest.raises(UsageError, match="not runs of one decode experiment"):
+        bench.main(["--merge", f"{a},{other}", "--out", str(tmp_path / "m2")])
+
+
+def test_cut_scores_nothing_past_its_budget():
+    """The full cache stopped at B: probes answered before B are the full cache's, those past B are
+    wrong with no NLL, no NLL past B, and its generation stops B - prompt tokens in, unanswered."""
+    stream = decode.Stream(ids=list(range(1000)), n_prompt=10, n_protected=0,
+                           doc_pos=list(range(10, 1000)),
+                           probes=[(100, [300, 301], 200), (600, [800], 200)], doc="d")
+    nll, hit = torch.rand(990), torch.ones(990)
+    ref_gen = dict(out=list(range(700)), answer=[1, 2])
+    e = decode.cut_entry((nll, hit), stream, 512, ref_gen, 100)
+    full = decode.entry(nll, hit, (nll, hit), stream, 0)
+    assert e["nll"] is None
+    assert e["probes"][0] == full["probes"][0] == [100, 2, 2.0, pytest.approx(
+        float(nll[290] + nll[291])), pytest.approx(float(nll[290] + nll[291]))]
+    assert e["probes"][1][:4] == [600, 1, 0.0, None]
+    assert e["gen"] == dict(first_diff=412, same=False, correct=False, stopped=True)
