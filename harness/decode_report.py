@@ -66,8 +66,9 @@ def timed_generation(model, method, budget, prompt, n_protected, lengths, gates,
     scorer = getattr(cache, "scorer", None)
     clock = ScorerClock(scorer, device) if scorer is not None else None
     logits = generate.prefill(model, cache, prompt, n_protected)
+    # the answer's tokens: all those fed until max(lengths) positions, and the one sampled last
     logits = generate.begin_answer(model, cache, [], logits,
-                                   max_new_tokens=max(lengths) - len(prompt))
+                                   max_new_tokens=max(lengths) - len(prompt) + 1)
     steps, scored, rows = [], [], []
     while cache.n_seen < max(lengths):
         token = int(logits.argmax())
