@@ -84,7 +84,8 @@ def timed_generation(model, method, budget, prompt, n_protected, lengths, gates,
             w = slice(-min(WINDOW, len(steps)), None)
             rows.append(dict(method=method, budget=budget, length=cache.n_seen,
                              ms_per_token=1000 * float(np.mean(steps[w])),
-                             score_share=float(np.sum(scored[w]) / np.sum(steps[w])),
+                             score_share=(float(np.sum(scored[w]) / np.sum(steps[w]))
+                                          if clock else None),  # the full cache scores nothing
                              kv_bytes=cache.nbytes, kv_kept_bytes=cache.kept_nbytes))
             log(f"decode speed {method}@{budget}: {cache.n_seen} positions, "
                 f"{rows[-1]['ms_per_token']:.1f} ms/token, KV {cache.nbytes / 2**20:.1f} MiB "

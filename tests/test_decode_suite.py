@@ -224,6 +224,7 @@ def test_speed_rows_and_the_peer_on_a_tiny_gemma3(tmp_path):
     assert full_rows[0]["kv_kept_bytes"] < full_rows[1]["kv_kept_bytes"] < full_rows[2][
         "kv_kept_bytes"]
     assert all(0 < r["score_share"] < 1 for r in gate_rows)
+    assert all(r["score_share"] is None for r in full_rows)
     assert by("transformers")[2]["kv_bytes"] > by("transformers")[0]["kv_bytes"]
     res = dict(rows=[], decode_speed=rows)
     md = "\n".join(decode_report.markdown(res))
