@@ -221,8 +221,9 @@ def free_generation(model, cache, prompt, n_protected, n_tokens, question, stops
     masked), the question's ids fed as decode steps, then a greedy answer of at most
     ANSWER_TOKENS, ending at a stop id -> (generated ids, answer ids)."""
     logits = generate.prefill(model, cache, prompt, n_protected)
+    # fed: the generation, the question, the answer but its last token (never fed back)
     logits = generate.begin_answer(model, cache, [], logits,
-                                   max_new_tokens=n_tokens + len(question) + ANSWER_TOKENS)
+                                   max_new_tokens=n_tokens + len(question) + ANSWER_TOKENS + 1)
     out = []
     for _ in range(n_tokens):
         out.append(masked_argmax(logits, banned))

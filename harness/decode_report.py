@@ -66,8 +66,9 @@ def timed_generation(model, method, budget, prompt, n_protected, lengths, gates,
     scorer = getattr(cache, "scorer", None)
     clock = ScorerClock(scorer, device) if scorer is not None else None
     logits = generate.prefill(model, cache, prompt, n_protected)
+    # the answer's tokens: all those fed until max(lengths) positions, and the one sampled last
     logits = generate.begin_answer(model, cache, [], logits,
-                                   max_new_tokens=max(lengths) - len(prompt))
+                                   max_new_tokens=max(lengths) - len(prompt) + 1)
     steps, scored, rows = [], [], []
     while cache.n_seen < max(lengths):
         token = int(logits.argmax())
@@ -83,7 +84,8 @@ def timed_generation(model, method, budget, prompt, n_protected, lengths, gates,
             w = slice(-min(WINDOW, len(steps)), None)
             rows.append(dict(method=method, budget=budget, length=cache.n_seen,
                              ms_per_token=1000 * float(np.mean(steps[w])),
-                             score_share=float(np.sum(scored[w]) / np.sum(steps[w])),
+                             score_share=(float(np.sum(scored[w]) / np.sum(steps[w]))
+                                          if clock else None),  # the full cache scores nothing
                              kv_bytes=cache.nbytes, kv_kept_bytes=cache.kept_nbytes))
             log(f"decode speed {method}@{budget}: {cache.n_seen} positions, "
                 f"{rows[-1]['ms_per_token']:.1f} ms/token, KV {cache.nbytes / 2**20:.1f} MiB "

@@ -219,9 +219,12 @@ def test_speed_rows_and_the_peer_on_a_tiny_gemma3(tmp_path):
     sliding = sum(t == "sliding_attention" for t in cfg.layer_types)
     bound = ((160 + 128) * H * len(cfg.compressed_layers) + cfg.sliding_window * H * sliding) * row
     assert all(r["kv_kept_bytes"] <= bound < full_rows[2]["kv_kept_bytes"] for r in gate_rows)
+    # the full cache reserves its whole answer at begin_answer: nothing regrows on the way
+    assert full_rows[0]["kv_bytes"] == full_rows[2]["kv_bytes"]
     assert full_rows[0]["kv_kept_bytes"] < full_rows[1]["kv_kept_bytes"] < full_rows[2][
         "kv_kept_bytes"]
     assert all(0 < r["score_share"] < 1 for r in gate_rows)
+    assert all(r["score_share"] is None for r in full_rows)
     assert by("transformers")[2]["kv_bytes"] > by("transformers")[0]["kv_bytes"]
     res = dict(rows=[], decode_speed=rows)
     md = "\n".join(decode_report.markdown(res))
