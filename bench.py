@@ -368,7 +368,7 @@ def run(args):
         if args.suite == "ruler" and args.ruler_prompt == "kvpress" else fmt
     gates = resolve_gate(args.gate, cfg, args.model)
     if args.suite == "decode":
-        return decode_report.bench_run(args, ROOT, folder, cfg, tok, gates)
+        return decode_report.bench_run(args, ROOT, folder, cfg, tok, gates, claim)
     check_lengths(args, cfg, tok, len(encode_prompt(tok, fmt.system)))
     if rows:
         check_dataset(args, cfg, tok, suite_fmt, rows)
@@ -522,6 +522,11 @@ def read_json(path, fix):
 RUN = "a bench.py run"  # what --out must hold if it holds anything (claim_folder)
 
 
+def claim(out):
+    """--out made and held for this run (cli.claim_folder) -> the folder it created, if any."""
+    return cli.claim_folder(out, "--out", is_run, RUN, create=True)
+
+
 def not_a_run(config):
     """Why a config.json's content is not one bench.py wrote (a run's, or a merge's), or None."""
     if not isinstance(config, dict):
@@ -642,7 +647,7 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
             raise UsageError(f"{f} is a run of another experiment than {folders[first]} "
                              f"({differing(theirs, other)} differ); leave {f} out of --merge")
     if key.get("suite") == "decode":  # its own records and tables (harness/decode_report.py)
-        return decode_report.merge(folders, configs, out, n_boot, seed, plot)
+        return decode_report.merge(folders, configs, out, n_boot, seed, claim, plot)
     expected = n_contexts(key, folders[first]) if quality_runs else 0
     records, results = {}, dict(config=dict(configs[first], merged_from=[str(f) for f in folders],
                                             commands=[c["command"] for c in configs]), rows=[])

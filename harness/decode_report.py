@@ -26,36 +26,13 @@ from harness.decode import decode_cache
 from harness.quality import ci, load_docs, load_records, log, model_info
 from harness.report import run_config, shown
 from harness.speed import load_peer
+from harness.timing import time_scorer
 from teacher import encode_prompt, prompt_format
 
 WINDOW = 256  # decode steps averaged at each length: two 128-token eviction cycles
 
 
 # ---- 1. Speed and memory over a long generation --------------------------------------------------
-
-class ScorerClock:
-    """Wraps every public method of a cache's scorer with a timer: the seconds the scorer takes,
-    whatever the cache calls (on a GPU each call is synchronised first and last)."""
-
-    def __init__(self, scorer, device):
-        self.seconds = 0.0
-        for name in [n for n in dir(scorer) if not n.startswith("_")]:
-            method = getattr(scorer, name)
-            if callable(method) and not isinstance(method, (type, torch.nn.Module)):
-                setattr(scorer, name, self.timed(method, device))
-
-    def timed(self, method, device):
-        def call(*a, **kw):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = method(*a, **kw)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            self.seconds += time.perf_counter() - t0
-            return out
-        return call
-
 
 @torch.no_grad()
 def timed_generation(model, method, budget, prompt, n_protected, lengths, gates, seed):
@@ -64,7 +41,7 @@ def timed_generation(model, method, budget, prompt, n_protected, lengths, gates,
     _, _, device = model_info(model)
     cache = decode_cache(model, method, n_protected, budget, gates, seed)
     scorer = getattr(cache, "scorer", None)
-    clock = ScorerClock(scorer, device) if scorer is not None else None
+    clock = time_scorer(scorer, device) if scorer is not None else None
     logits = generate.prefill(model, cache, prompt, n_protected)
     # the answer's tokens: all those fed until max(lengths) positions, and the one sampled last
     logits = generate.begin_answer(model, cache, [], logits,
@@ -416,18 +393,15 @@ def check_fit(args, cfg):
                              "sequences")
 
 
-def bench_run(args, root, folder, cfg, tok, gates):
+def bench_run(args, root, folder, cfg, tok, gates, claim):
     """bench.py --suite decode after its cheap checks: the quality documents (resumable: each
     finished document is kept in --out/contexts/ at once), then the speed section; results.json,
-    results.md and (--plot) decode.png in --out (default root/results/<timestamp>)."""
+    results.md and (--plot) decode.png in --out (default root/results/<timestamp>), which
+    claim(path) makes and holds for the run (bench.py's: a folder of other files is refused)."""
     t_start = time.perf_counter()
     check_fit(args, cfg)
     out = Path(args.out or Path(root) / "results" / time.strftime("%Y%m%d-%H%M%S"))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another "
-                         f"--out") from None
+    claim(out)
     args.out_dir = str(out)  # what an interrupted run keeps (bench.kept)
     exp = experiment(args)
     config = run_config(vars(args), folder, gates)
@@ -435,7 +409,7 @@ def bench_run(args, root, folder, cfg, tok, gates):
     config["speed_key"] = dict(lengths=args.speed_lengths, budgets=args.decode_speed_budgets,
                                model=config["model"]["sha256"], gate=config["gate"]["sha256"],
                                threads=args.threads, device=args.device)
-    done = load_records(out, key)
+    done = load_records(out, key, key["contexts"])
     write_text(out / "config.json", json.dumps(config, indent=1))
     device = torch.device(args.device)
     model = load_checked(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -485,7 +459,7 @@ def bench_run(args, root, folder, cfg, tok, gates):
     log(f"decode suite done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md")
 
 
-def merge(folders, configs, out, n_boot, seed, draw=False):
+def merge(folders, configs, out, n_boot, seed, claim, draw=False):
     """bench.py --merge of decode runs (shards of one experiment, and runs with --no-quality whose
     speed rows join them) -> one result in `out`."""
     quality = [(f, c) for f, c in zip(folders, configs) if not c["flags"].get("no_quality")]
@@ -497,11 +471,18 @@ def merge(folders, configs, out, n_boot, seed, draw=False):
     records, res = {}, dict(config=dict(quality[0][1] if quality else configs[0],
                                         merged_from=[str(f) for f in folders]))
     for f, _ in quality:
-        for c, rec in load_records(f, keys[0]).items():
+        for c, rec in load_records(f, keys[0], keys[0]["contexts"],
+                                   f"leave {f} out of --merge").items():
             records.setdefault(c, rec)
     for f in folders:
         old = f / "results.json"
-        prev = json.loads(old.read_text(encoding="utf-8")) if old.exists() else {}
+        try:
+            prev = json.loads(old.read_text(encoding="utf-8")) if old.exists() else {}
+        except (OSError, ValueError, RecursionError):
+            raise UsageError(f"{old} is unreadable; delete it (its speed rows are lost), or leave "
+                             f"{f} out of --merge") from None
+        if not isinstance(prev, dict):
+            raise UsageError(f"{old} is not a bench result; leave {f} out of --merge")
         if prev.get("decode_speed"):
             if res.get("decode_speed"):
                 raise UsageError(f"--merge: {f} holds speed rows, and so does a folder before it; "
@@ -512,14 +493,14 @@ def merge(folders, configs, out, n_boot, seed, draw=False):
         res.update(results(list(records.values()), n_boot, seed))
     res["complete"] = not quality or len(records) == keys[0]["contexts"]
     out = Path(out)
+    created = claim(out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot create the folder ({e.strerror or e}); pass another "
-                         f"--out") from None
-    write_text(out / "results.json", json.dumps(res, indent=1))
-    write_text(out / "results.md", "\n".join(header(res) + markdown(res)) + "\n")
-    write_text(out / "config.json", json.dumps(res["config"], indent=1))
+        write_text(out / "results.json", json.dumps(res, indent=1))
+        write_text(out / "results.md", "\n".join(header(res) + markdown(res)) + "\n")
+        write_text(out / "config.json", json.dumps(res["config"], indent=1))
+    except cli.WriteError:  # a full disk: a folder made for this merge is not left empty
+        cli.drop_folder(out, created)
+        raise
     if draw:
         plot(res, out / "decode.png")
     log(f"merged {len(records)} documents from {len(folders)} runs -> {out}/results.md")

@@ -10,6 +10,7 @@ import generate
 import model as M
 from gate import Gates
 from harness import decode, decode_report
+from harness.timing import time_scorer
 from tests.helpers import tiny_checkpoint
 
 # tokens per KV head: above the 4 sinks + 128-token window (else no score is ever used), far below
@@ -153,15 +154,16 @@ def test_summary_is_ratios_of_sums_with_intervals_over_documents():
     assert "| fastkvzip | 256 |" in md and "| cut | 256 | n/a |" in md
 
 
-def test_scorer_clock_times_the_scorer_and_changes_nothing(tiny):
+@pytest.mark.parametrize("method", ["fastkvzip", "rkv"])
+def test_scorer_clock_times_the_scorer_and_changes_nothing(tiny, method):
     """The harness's own timer around the scorer: its seconds grow with every scoring call, and
     the cache keeps the rows and gives the logits it gives untimed."""
     cfg = tiny.config
     ids = torch.randint(3, cfg.vocab_size, (500,), generator=torch.Generator().manual_seed(3))
     gates, out = spread_gates(cfg), []
     for timed in (False, True):
-        cache = decode.decode_cache(tiny, "fastkvzip", 0, BUDGET, gates, 0)
-        clock = decode_report.ScorerClock(cache.scorer, cache.device) if timed else None
+        cache = decode.decode_cache(tiny, method, 0, BUDGET, gates, 0)
+        clock = time_scorer(cache.scorer, cache.device) if timed else None
         nll, _ = decode.teacher_force(tiny, cache, ids.tolist(), 20, 0)
         out.append((nll, kept_positions(cache)))
     assert clock.seconds > 0
@@ -265,7 +267,7 @@ def test_merge_joins_shards_and_a_speed_run(tmp_path):
     assert res["rows"] == json.loads(json.dumps(decode_report.results(recs, 2000, 0)["rows"]))
     assert "| full | – | 1024 | 5.0 |" in (tmp_path / "m" / "results.md").read_text()
     other = fake_run(tmp_path / "o", dict(key, seed=1), [recs[1]])
-    with pytest.raises(UsageError, match="not runs of one decode experiment"):
+    with pytest.raises(UsageError, match="another experiment .* leave .* out of --merge"):
         bench.main(["--merge", f"{a},{other}", "--out", str(tmp_path / "m2")])
 
 
