@@ -55,7 +55,7 @@ from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from harness import decode_report, quality, ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
-from harness.quality import label, load_docs, load_records, log, quality_key, quality_results
+from harness.quality import label, load_docs, load_records, log, quality_key, quality_results, write_record
 from harness.report import differing, markdown, run_config, speed_keys
 from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
 from kernels import ArgumentError
@@ -421,10 +421,8 @@ def run(args):
             results.update(suite_results(records, key, args.bootstrap, args.seed, args.average))
         write_results(out, results)
 
-    def finished(record):  # each context is kept the moment it ends: a killed run loses at most one
-        (out / "contexts").mkdir(exist_ok=True)
-        write_text(out / "contexts" / f"context-{record['context']:03d}.json",
-                   json.dumps({**record, "key": key}))
+    def finished(record):
+        write_record(out, key, record)
         records.append(record)
         save()
     log(f"model {folder}, gate {gates.meta.get('source')}; writing {out}"

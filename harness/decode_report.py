@@ -23,7 +23,7 @@ from cli import UsageError, pyplot, save_figure, write_text
 from formats.checkpoint import load_checked
 from harness import decode
 from harness.decode import decode_cache
-from harness.quality import ci, load_docs, load_records, log, model_info
+from harness.quality import ci, load_docs, load_records, log, model_info, write_record
 from harness.report import run_config, shown
 from harness.speed import load_peer
 from harness.timing import time_scorer
@@ -422,8 +422,9 @@ def bench_run(args, root, folder, cfg, tok, gates, claim):
     records, res = list(done.values()), dict(config=config, complete=False)
     old = out / "results.json"
     if old.exists() and not args.speed_lengths:  # keep an earlier run's speed rows
-        prev = json.loads(old.read_text(encoding="utf-8"))
-        if prev.get("decode_speed") and prev["config"].get("speed_key") == config["speed_key"]:
+        prev = previous(old, "delete it (its speed rows are lost)")
+        if prev.get("decode_speed") and (prev.get("config") or {}).get("speed_key") == \
+                config["speed_key"]:
             res["decode_speed"] = prev["decode_speed"]
 
     def save():
@@ -434,9 +435,7 @@ def bench_run(args, root, folder, cfg, tok, gates, claim):
         write_text(out / "results.md", "\n".join(header(res) + markdown(res)) + "\n")
 
     def finished(record):
-        (out / "contexts").mkdir(exist_ok=True)
-        write_text(out / "contexts" / f"context-{record['context']:03d}.json",
-                   json.dumps({**record, "key": key}))
+        write_record(out, key, record)
         records.append(record)
         save()
     log(f"decode suite: model {folder}, gate {gates.meta.get('source')}; writing {out}"
@@ -459,6 +458,17 @@ def bench_run(args, root, folder, cfg, tok, gates, claim):
     log(f"decode suite done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md")
 
 
+def previous(path, fix):
+    """A run folder's results.json, or one line saying it is damaged and what to do (fix)."""
+    try:
+        prev = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        raise UsageError(f"{path} is unreadable; {fix}") from None
+    if not isinstance(prev, dict) or not isinstance(prev.get("decode_speed") or [], list):
+        raise UsageError(f"{path} is not a decode result; {fix}")
+    return prev
+
+
 def merge(folders, configs, out, n_boot, seed, claim, draw=False):
     """bench.py --merge of decode runs (shards of one experiment, and runs with --no-quality whose
     speed rows join them) -> one result in `out`."""
@@ -476,13 +486,7 @@ def merge(folders, configs, out, n_boot, seed, claim, draw=False):
             records.setdefault(c, rec)
     for f in folders:
         old = f / "results.json"
-        try:
-            prev = json.loads(old.read_text(encoding="utf-8")) if old.exists() else {}
-        except (OSError, ValueError, RecursionError):
-            raise UsageError(f"{old} is unreadable; delete it (its speed rows are lost), or leave "
-                             f"{f} out of --merge") from None
-        if not isinstance(prev, dict):
-            raise UsageError(f"{old} is not a bench result; leave {f} out of --merge")
+        prev = previous(old, f"leave {f} out of --merge") if old.exists() else {}
         if prev.get("decode_speed"):
             if res.get("decode_speed"):
                 raise UsageError(f"--merge: {f} holds speed rows, and so does a folder before it; "

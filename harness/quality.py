@@ -41,7 +41,7 @@ import torch
 
 import generate
 from cache import Budget, EvictingCache
-from cli import UsageError, pyplot, save_figure
+from cli import UsageError, pyplot, save_figure, write_text
 from formats.gate_file import resolve_gate
 from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
 from teacher import (
@@ -667,6 +667,14 @@ def quality_key(exp, config):
     key = dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])
     del key["ruler_prompt"]  # how RULER rows are fed: no part of these contexts (ruler.run_key)
     return key
+
+
+def write_record(folder, key, record):
+    """A finished context kept the moment it ends (a killed run loses at most one): what
+    load_records reads back."""
+    (Path(folder) / "contexts").mkdir(exist_ok=True)
+    write_text(Path(folder) / "contexts" / f"context-{record['context']:03d}.json",
+               json.dumps({**record, "key": key}))
 
 
 def load_records(folder, key, n, fix="use a new --out, or the flags of the run that wrote it"):

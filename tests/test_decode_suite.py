@@ -1,6 +1,7 @@
 """The decode suite (bench.py --suite decode, harness/decode.py): block-wise teacher forcing equals
 token-by-token decoding, the streams hold what they claim, the summary's arithmetic, the flags."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,6 +270,10 @@ def test_merge_joins_shards_and_a_speed_run(tmp_path):
     other = fake_run(tmp_path / "o", dict(key, seed=1), [recs[1]])
     with pytest.raises(UsageError, match="another experiment .* leave .* out of --merge"):
         bench.main(["--merge", f"{a},{other}", "--out", str(tmp_path / "m2")])
+    (Path(a) / "results.json").write_text("{")  # damaged: one line, no traceback
+    with pytest.raises(UsageError, match="results.json is unreadable; leave .* out of --merge"):
+        bench.main(["--merge", f"{a},{b}", "--out", str(tmp_path / "m3")])
+    assert not (tmp_path / "m3").exists()
 
 
 def test_cut_scores_nothing_past_its_budget():

@@ -4,25 +4,7 @@ imports its command line (commands/) in its main; the command line never imports
 so `python generate.py` loads generate.py once, as __main__.
 
 Read from the source with `ast`: nothing is imported."""
-import ast
-
-from tests.test_layout import modules
-
-
-def every_import(path, known):
-    """The project modules `path` imports anywhere in the file."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            subs = [f"{node.module}.{a.name}" for a in node.names
-                    if f"{node.module}.{a.name}" in known]
-            names = subs or [node.module]  # `from pkg import module` imports the module
-        else:
-            continue
-        found |= {n for n in names if n in known}
-    return found
+from tests.test_layout import imports, modules
 
 
 def find_cycle(graph):
@@ -52,6 +34,6 @@ def test_find_cycle_finds_one():
 
 def test_no_import_cycle_counting_main_blocks_and_functions():
     known = modules()
-    graph = {name: every_import(path, known) for name, path in known.items()}
+    graph = {name: imports(path, known, main_blocks=True) for name, path in known.items()}
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)

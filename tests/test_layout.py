@@ -50,10 +50,12 @@ def _nodes(tree):
         todo.extend(c for c in ast.iter_child_nodes(node) if not _is_main_block(c))
 
 
-def imports(path, known):
-    """The project modules `path` imports, anywhere in the file but its `__main__` block."""
+def imports(path, known, main_blocks=False):
+    """The project modules `path` imports, anywhere in the file but its `__main__` block (with
+    main_blocks: there too)."""
     found = set()
-    for node in _nodes(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree) if main_blocks else _nodes(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
