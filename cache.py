@@ -140,6 +140,11 @@ def full_cache_bytes(cache, n_tokens):
     return total
 
 
+def is_count(x, low=0):
+    """An integer >= low (bool is not one): what the checks of a caller's counts accept."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= low
+
+
 def check_ids(call, ids, vocab_size):
     """Token ids the embedding holds: integers in [0, vocab_size) (else torch's "index out of
     range in self" deep in the forward)."""
@@ -193,7 +198,7 @@ class Budget:
             raise ArgumentError(f"Budget: ratio must be a number in (0, 1], got {r!r}")
         for name, low in (("chunk_size", 1), ("window", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            if not is_count(value, low):
                 raise ArgumentError(f"Budget: {name} must be an integer >= {low}, got {value!r}")
 
     def plan(self, n_context):
@@ -292,11 +297,10 @@ LEVELS = ("global", "layer", "head", "calibrated")
 def check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head):
     """What an EvictingCache is built from, else an ArgumentError: a level, a system prompt length,
     a decode budget, and a gate shaped for this model (another model's fails later in a matmul)."""
-    count = lambda x, low: isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= low
     if level not in LEVELS:
         raise ArgumentError(f"EvictingCache: level {level!r} is not one of {LEVELS}")
-    if not count(n_protected, 0) or not (decode_tokens_per_head is None
-                                         or count(decode_tokens_per_head, 1)):
+    if not is_count(n_protected) or not (decode_tokens_per_head is None
+                                         or is_count(decode_tokens_per_head, 1)):
         raise ArgumentError(f"EvictingCache: n_protected must be an integer >= 0 and "
                             f"decode_tokens_per_head None or an integer >= 1, got {n_protected!r} "
                             f"and {decode_tokens_per_head!r}")
@@ -466,8 +470,7 @@ class EvictingCache(KVCache):
         if sum(h.shape[0] for h in self.buffer[first]) < self.decode_buffer:
             return
         for l, layer in enumerate(self.compressed):
-            hidden = torch.cat(self.buffer[layer])
-            self.buffer[layer] = []
+            hidden, self.buffer[layer] = self.buffer[layer], []
             kv = self.layers[layer]
             if getattr(self.scorer, "rescores", False):
                 H, d = kv.n_heads, kv.head_dim
@@ -476,6 +479,7 @@ class EvictingCache(KVCache):
                 for h in range(H):
                     kv.head_score(h)[:] = self.scorer.rescore(l, kv.head_keys(h), q[:, h])
             else:
+                hidden = torch.cat(hidden)
                 t = hidden.shape[0]
                 pos = torch.arange(self.n_seen - t, self.n_seen, device=self.device)
                 kv.set_tail_scores(self.scorer.score(l, hidden, None, None, pos).float())

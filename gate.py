@@ -353,10 +353,14 @@ class SnapKVScorer(Scorer):
         return F.max_pool1d(attn[None], self.kernel, stride=1, padding=self.kernel // 2)[0]
 
     def rescore(self, l, keys, queries):
-        """keys (n, d), queries (w, G, d) -> (n,): attention() for the rows before the last w, which
+        """keys (n, d), queries (w, G, d) -> (n,): held() for the rows before the last w, which
         score +inf (the authors keep top (B - w) of the others and the last w)."""
         w = queries.shape[0]
-        return torch.cat([self.attention(keys, queries), keys.new_full((w,), math.inf).float()])
+        return torch.cat([self.held(keys, queries), keys.new_full((w,), math.inf).float()])
+
+    def held(self, keys, queries):
+        """SnapKV's decode-time score of the rows before the last w: attention()."""
+        return self.attention(keys, queries)
 
 
 class RKVScorer(SnapKVScorer):
@@ -386,9 +390,8 @@ class RKVScorer(SnapKVScorer):
         sim[torch.arange(n), idx.amax(-1)] = 0  # each row's most recent similar key (else row 0)
         return sim.mean(0).softmax(-1)
 
-    def rescore(self, l, keys, queries):
-        w = queries.shape[0]
-        n = keys.shape[0]
-        score = self.mix * self.attention(keys, queries) \
+    def held(self, keys, queries):
+        """R-KV's score of the rows before the last w (rescore pads the last w with +inf)."""
+        n, w = keys.shape[0], queries.shape[0]
+        return self.mix * self.attention(keys, queries) \
             - (1 - self.mix) * self.redundancy(keys)[:n - w]
-        return torch.cat([score, keys.new_full((w,), math.inf).float()])

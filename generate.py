@@ -10,7 +10,6 @@ cache (cache.Batch), one forward of one token each per step.
 Read first: prefill, then decode. `python generate.py ...` keeps its command line (flags, requests,
 batch files, saved caches, printing) in commands/generate.py.
 """
-import numbers
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 import gate
-from cache import Batch, Budget, EvictingCache, KVCache, check_ids
+from cache import Batch, Budget, EvictingCache, KVCache, check_ids, is_count
 from gate import METHODS
 from kernels import ArgumentError
 from model import ModelError
@@ -98,17 +97,12 @@ def check_prompt(cache, ids, n_protected, budget=Budget()):
         raise ArgumentError("prefill: the cache already holds a prompt; make a new one "
                             "(generate.make_cache) for each prefill")
     check_ids("prefill", ids, cache.cfg.vocab_size)
-    if not _count(n_protected) or n_protected > len(ids):
+    if not is_count(n_protected) or n_protected > len(ids):
         raise ArgumentError(f"prefill: n_protected {n_protected!r} must be an integer in [0, "
                             f"{len(ids)}] (the system prompt's ids)")
     if getattr(cache, "n_protected", n_protected) != n_protected:
         raise ArgumentError(f"prefill: n_protected {n_protected}, but the cache protects "
                             f"{cache.n_protected}: make the cache with the system prompt's length")
-
-
-def _count(x):
-    """An integer >= 0 (bool is not one)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
 
 
 def evict_once(cache, n_tokens, n_protected, budget):
@@ -359,7 +353,7 @@ def check_answer(cache, question_ids, max_new_tokens, last_logits):
                             f"values) to continue the context")
     if not empty:
         check_ids("answer", question_ids, vocab)
-    if not _count(max_new_tokens):
+    if not is_count(max_new_tokens):
         raise ArgumentError(f"answer: max_new_tokens must be an integer >= 0, got "
                             f"{max_new_tokens!r}")
 
