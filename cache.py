@@ -120,7 +120,7 @@ class KVCache:
                 extra = kv.lens - state["lens"][i]
                 assert bool((extra == extra[0]).all()) and int(extra[0]) >= 0, \
                     "rollback: heads diverged"
-                kv.truncate(int(extra[0]))
+                kv.drop_last(int(extra[0]))
                 self._track_peak(kv)
         self.n_seen = state["n_seen"]
 
@@ -444,14 +444,13 @@ class EvictingCache(KVCache):
         for li, m in enumerate(in_seg):
             mask = ~m  # rows outside the segment stay; inside it, what select_segment keeps
             mask[m] = keep[li].reshape(-1)
-            layers[li].select_rows(mask)
-            self._track_peak(layers[li])
+            self.keep_in_layer(li, mask)
 
-    def keep_rows(self, li, masks, room=0):
-        """Keep, in compressed layer li, the rows masks[h] (bool, one per row held) of each head h;
-        free the rest (room: see RaggedKV.select_rows)."""
+    def keep_in_layer(self, li, mask, room=0):
+        """Keep, in compressed layer li, the rows `mask` marks (RaggedKV.keep_rows: one entry per
+        used row, head after head), free the rest, and count the peak."""
         kv = self.layers[self.compressed[li]]
-        kv.select(masks, room)
+        kv.keep_rows(mask, room)
         self._track_peak(kv)
 
     # -- decoding: score the buffer every 128 tokens, evict back to the budget (METHOD.md §7) --
@@ -505,7 +504,7 @@ class EvictingCache(KVCache):
                 kv.reserve(self.decode_buffer)  # nothing evicted: room for the next buffer only
                 self._track_peak(kv)
             else:
-                self.keep_rows(li, keep[li], room=self.decode_buffer)
+                self.keep_in_layer(li, torch.cat(keep[li]), room=self.decode_buffer)
 
     def checkpoint(self):
         state = super().checkpoint()
@@ -683,7 +682,7 @@ class Batch:
 
 class HeadSlice:
     """Member `cache`'s heads of a Batch's layer `layer`, seen as a RaggedKV of H heads: what an
-    EvictingCache reads and changes during decoding (scores, positions, select) lands on those
+    EvictingCache reads and changes during decoding (scores, positions, keep_rows) lands on those
     rows."""
 
     def __init__(self, batch, cache, layer):
@@ -717,19 +716,19 @@ class HeadSlice:
         return self.kv.head_score(self.heads.start + h)
 
     def set_tail_scores(self, score):
-        H, t = score.shape
-        rows = (self.starts + self.lens - t)[:, None] + torch.arange(t)  # (H, t)
-        rows = rows.reshape(-1).to(self.kv.device)
-        self.kv.score[rows] = score.to(self.kv.device, torch.float32).reshape(-1)
+        self.kv.set_tail_scores(score, self.heads.start)
 
     def head_keys(self, h):
         return self.kv.head_keys(self.heads.start + h)
 
-    def select(self, keep, room=0):
-        kv, heads = self.kv, self.heads
-        masks = [torch.ones(int(n), dtype=torch.bool) for n in kv.lens]
-        masks[heads] = keep
-        kv.select(masks, room)
+    def keep_rows(self, mask, room=0):
+        """mask over this member's used rows, head after head; the other members keep all."""
+        kv = self.kv
+        assert mask.numel() == self.n_rows, "one mask entry per used row of the member's heads"
+        everything = torch.ones(kv.n_rows, dtype=torch.bool, device=mask.device)
+        first = int(kv.lens[:self.heads.start].sum())  # the member's rows follow the heads before
+        everything[first:first + mask.numel()] = mask
+        kv.keep_rows(everything, room)
 
     def reserve(self, n):
         need = torch.zeros(self.kv.n_heads, dtype=torch.long)

@@ -15,8 +15,9 @@ This file holds, top to bottom:
   the Triton kernel    FlashAttention-style forward: online softmax in fp32, the G query heads of
                        a KV head packed into the rows of one tile (each key block is read once for
                        all of them), keys split across programs for decode (flash-decoding).
-  RaggedKV             one layer's storage: per-head regions with slack, append / select / attend
-                       (one new token on the torch path: per head softmax(q k^T) v, no masks).
+  RaggedKV             one layer's storage: per-head regions with slack; append, keep_rows and
+                       attend (one new token on the torch path: per head softmax(q k^T) v, no
+                       masks).
   WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1)).
 The micro-benchmarks are harness/kernel_bench.py (python -m harness.kernel_bench).
 
@@ -37,7 +38,7 @@ The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's 
 Swapping in for flash-attn: varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True,
 window=W) equals flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
 causal=True, window_size=(W - 1, 0)); window=None is window_size=(-1, -1). seqused_k exists only in
-FlashAttention-3; with flash-attn 2 pass a RaggedKV right after select() (no slack: cu_seqlens_k
+FlashAttention-3; with flash-attn 2 pass a RaggedKV right after keep_rows() (no slack: cu_seqlens_k
 exact).
 """
 import copy
@@ -453,7 +454,7 @@ def _head_pos(pos, H):
 
 
 def _ranges(starts, lens):
-    """Concatenation of arange(s, s + l) for each (s, l): the flat row indices of every head's
+    """Concatenation of arange(s, s + n) for each (s, n): the flat row indices of every head's
     rows."""
     total = int(lens.sum())
     if total == 0:
@@ -469,7 +470,7 @@ class RaggedKV:
     Each region has capacity caps[h] >= lens[h]; the rows between are slack, so appending a decode
     token writes H rows and copies nothing. reserve(n) makes room for what an answer will append;
     a single-token append that finds no room re-lays every region out with headroom (half the
-    length, at most MAX_SLACK rows per head); a chunk is allocated exactly. select / truncate
+    length, at most MAX_SLACK rows per head); a chunk is allocated exactly. keep_rows / drop_last
     compact to exactly the kept rows: eviction frees memory, and nbytes reports what is held. Row
     companions pos (absolute position, int64) and score (importance, float32, +inf = never evict)
     live in flat tensors aligned with k's rows and move with them.
@@ -662,11 +663,7 @@ class RaggedKV:
                            for h in range(H)])                      # (H, G, d)
         return out.view(1, H * qh.shape[1], d).to(q.dtype)
 
-    def select(self, keep, room=0):
-        """keep: list of H bool tensors (len_h,) -> keep those rows, freeing everything else."""
-        self.select_rows(torch.cat([kp.reshape(-1) for kp in keep]), room)
-
-    def select_rows(self, mask, room=0):
+    def keep_rows(self, mask, room=0):
         """mask (n_rows,) bool over the used rows in rows()' order (head after head) -> keep those
         rows, freeing the rest. room 0: every region shrinks to its rows (one re-layout). room > 0
         (decoding): a head that lost rows gets `room` free rows for the next buffer, the others keep
@@ -695,14 +692,16 @@ class RaggedKV:
         self.transient = max(self.transient, 2 * len(src) * self.head_dim * self.k.element_size())
         self.lens, self.caps, self.starts = new_lens, caps, starts
 
-    def truncate(self, n):
-        """Drop the last n rows of every head (e.g. remove a question's tokens)."""
-        self.select([torch.arange(int(l)) < int(l) - n for l in self.lens])
+    def drop_last(self, n):
+        """Drop the last n rows of every head (a question's tokens, after its answer)."""
+        self.keep_rows(torch.cat([torch.arange(int(m)) < int(m) - n for m in self.lens]))
 
-    def set_tail_scores(self, score):
-        """score (H, t): overwrite the scores of the last t rows of each head."""
+    def set_tail_scores(self, score, h0=0):
+        """score (H', t): overwrite the scores of the last t rows of heads h0 .. h0 + H' - 1 (all
+        heads by default; a batch member's own heads: HeadSlice)."""
         H, t = score.shape
-        rows = (self.starts + self.lens - t)[:, None] + torch.arange(t)  # (H, t)
+        ends = (self.starts + self.lens)[h0:h0 + H]
+        rows = (ends - t)[:, None] + torch.arange(t)  # (H', t)
         rows = rows.reshape(-1).to(self.device)
         self.score[rows] = score.to(self.device, torch.float32).reshape(-1)
 
@@ -718,7 +717,7 @@ class WindowKV(RaggedKV):
     RaggedKV layout instead, the window's rows in position order followed by the chunk's, and
     `wrap()` turns it back into a ring of the last W rows (one copy of W rows per chunk). Until the
     ring is full it grows like a RaggedKV (slack), so a short context holds only its own tokens.
-    Nothing is evicted from a window layer: select (and truncate) raise. pos / score rows are in
+    Nothing is evicted from a window layer: keep_rows (and drop_last) raise. pos / score rows are in
     ring order.
     """
 
@@ -793,6 +792,6 @@ class WindowKV(RaggedKV):
             self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, caps)
         self.ring = True
 
-    def select(self, keep, room=0):
+    def keep_rows(self, mask, room=0):
         raise NotImplementedError("a sliding-window layer keeps its last W tokens; nothing is "
                                   "evicted from it")

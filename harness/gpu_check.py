@@ -304,7 +304,7 @@ def ragged_cache(lens, d, dtype, dev, seed=0):
     kv = RaggedKV(H, d, dtype, dev)
     kv.append(torch.randn(n, H, d, generator=g, device=dev).to(dtype),
               torch.randn(n, H, d, generator=g, device=dev).to(dtype), torch.arange(n))
-    kv.select([torch.arange(n) >= n - l for l in lens])
+    kv.keep_rows(torch.cat([torch.arange(n) >= n - m for m in lens]))
     return kv
 
 

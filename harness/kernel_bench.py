@@ -40,7 +40,7 @@ def _ragged_cache(lens, d, dtype, device):
     kv.append(torch.randn(n, H, d, dtype=dtype, device=device),
               torch.randn(n, H, d, dtype=dtype, device=device), torch.arange(n))
     # keep each head's last lens[h] rows, no slack
-    kv.select([torch.arange(n) >= n - l for l in lens])
+    kv.keep_rows(torch.cat([torch.arange(n) >= n - m for m in lens]))
     return kv
 
 

@@ -61,8 +61,8 @@ def swap_cache(full, n_protected, scores, keep, combo):
     cache.adopt(full, scores=torch.stack([scores[s][l] for l, s in enumerate(combo)]),
                 keep_full=True)
     system = torch.ones(n_protected, dtype=torch.bool)
-    for l, s in enumerate(combo):
-        cache.keep_rows(l, [torch.cat([system, k]) for k in keep[s][l]])  # rows = system ⊕ context
+    for li, s in enumerate(combo):  # rows = system ⊕ context, head after head
+        cache.keep_in_layer(li, torch.cat([torch.cat([system, k]) for k in keep[s][li]]))
     return cache
 
 

@@ -204,7 +204,8 @@ def test_ragged_layout_of_a_batch_against_the_reference():
     for n in (5, 40, 17):
         kv = RaggedKV(H, d, torch.float32, "cpu")
         kv.append(torch.randn(n, H, d), torch.randn(n, H, d), torch.arange(n))
-        kv.select([torch.rand(n) < 0.6 for _ in range(H)])  # evicted: every head its own length
+        # evicted: every head its own length
+        kv.keep_rows(torch.cat([torch.rand(n) < 0.6 for _ in range(H)]))
         # slack after a decode token
         kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([n]))
         seqs.append(kv)

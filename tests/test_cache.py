@@ -349,7 +349,7 @@ class PerHeadEvictCache(EvictingCache):
                 mask = ~m
                 mask[m] = keep[li, h]
                 masks.append(mask)
-            self.keep_rows(li, masks)
+            self.keep_in_layer(li, torch.cat(masks))
 
 
 @pytest.mark.parametrize("level", ["global", "layer", "head", "calibrated"])

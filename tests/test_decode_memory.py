@@ -88,8 +88,8 @@ class ExactCache(EvictingCache):
     def reserve(self, n_question, n_answer=0):
         C.KVCache.reserve(self, n_question, n_answer)
 
-    def keep_rows(self, li, masks, room=0):
-        super().keep_rows(li, masks, 0)
+    def keep_in_layer(self, li, mask, room=0):
+        super().keep_in_layer(li, mask, 0)
 
 
 @pytest.mark.parametrize("method, level", [("fastkvzip", "global"), ("random", "head"),

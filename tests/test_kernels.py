@@ -160,7 +160,7 @@ def test_ragged_append_attend_matches_dense_causal():
     assert torch.isinf(kv.head_score(0)).all()
 
 
-def test_ragged_select_window_and_companions():
+def test_ragged_keep_rows_window_and_companions():
     H, G, d, T = 3, 2, 16, 20
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(T, H, d, generator=g), torch.randn(T, H, d, generator=g)
@@ -168,11 +168,11 @@ def test_ragged_select_window_and_companions():
     kv = RaggedKV(H, d, torch.float32, "cpu")
     kv.append(k, v, torch.arange(100, 100 + T), score)
     keep = [score[h] > 0.5 for h in range(H)]
-    kv.select(keep)
+    kv.keep_rows(torch.cat(keep))
     for h in range(H):
         assert torch.equal(kv.head_pos(h), torch.arange(100, 100 + T)[keep[h]])
         assert torch.equal(kv.head_score(h), score[h][keep[h]])
-    assert kv.nbytes == kv.n_rows * 2 * d * 4, "select must free the evicted rows and the slack"
+    assert kv.nbytes == kv.n_rows * 2 * d * 4, "keep_rows must free the evicted rows and the slack"
     # attention over the kept rows equals dense attention over the same rows, head by head
     q = torch.randn(1, H * G, d, generator=g)
     out = kv.attend(q, 0.3)
@@ -183,10 +183,10 @@ def test_ragged_select_window_and_companions():
     kv.set_tail_scores(torch.zeros(H, 2))
     assert all((kv.head_score(h)[-2:] == 0).all() for h in range(H))
     lens = kv.lens.clone()
-    kv.truncate(1)
+    kv.drop_last(1)
     assert torch.equal(kv.lens, lens - 1) and kv.nbytes == kv.n_rows * 2 * d * 4
     # the last 3 rows of every head
-    kv.select([torch.arange(int(n)) >= int(n) - 3 for n in kv.lens])
+    kv.keep_rows(torch.cat([torch.arange(int(n)) >= int(n) - 3 for n in kv.lens]))
     assert kv.lens.tolist() == [3] * H and kv.nbytes == kv.n_rows * 2 * d * 4
     assert torch.equal(kv.head_pos(0), torch.arange(100, 100 + T)[keep[0]][-4:-1])
 
@@ -201,8 +201,8 @@ def test_one_token_path_matches_reference(G):
     kv = RaggedKV(H, d, torch.float32, "cpu")
     kv.append(torch.randn(60, H, d, generator=g), torch.randn(60, H, d, generator=g),
               torch.arange(60))
-    kv.select([torch.rand(60, generator=g) > 0.3, torch.zeros(60, dtype=torch.bool),
-               torch.rand(60, generator=g) > 0.8])
+    kv.keep_rows(torch.cat([torch.rand(60, generator=g) > 0.3, torch.zeros(60, dtype=torch.bool),
+                            torch.rand(60, generator=g) > 0.8]))
     kv.append(torch.randn(1, H, d, generator=g), torch.randn(1, H, d, generator=g),
               torch.tensor([60]))  # slack now
     kv.lens[1] = 0  # head 1 keeps nothing at all
@@ -296,7 +296,7 @@ def test_window_ring_matches_dense_window(backend):
     assert_close(torch.cat(outs), sdpa_dense(q, k, v, 0.25, True, W), 1e-5,
                  name=f"window ring ({backend})")
     with pytest.raises(NotImplementedError):
-        kv.select([torch.ones(int(n), dtype=torch.bool) for n in kv.lens])
+        kv.keep_rows(torch.ones(kv.n_rows, dtype=torch.bool))
     # a context shorter than the window holds only itself
     short = WindowKV(H, d, 512, torch.float32, "cpu")
     short.append(torch.randn(100, H, d), torch.randn(100, H, d), torch.arange(100))
@@ -374,7 +374,7 @@ def test_ragged_attend_triton_backend_and_env(monkeypatch):
     H, G, d = 2, 4, 64
     kv = RaggedKV(H, d, torch.float32, "cpu")
     kv.append(torch.randn(40, H, d), torch.randn(40, H, d), torch.arange(40))
-    kv.select([torch.rand(40) > 0.3, torch.rand(40) > 0.7])
+    kv.keep_rows(torch.cat([torch.rand(40) > 0.3, torch.rand(40) > 0.7]))
     kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.arange(40, 41))  # slack now
     kv.append(torch.randn(2, H, d), torch.randn(2, H, d), torch.arange(41, 43))  # into it
     q = torch.randn(3, H * G, d)
@@ -422,7 +422,8 @@ def test_triton_gpu_batched_layout(dtype):
         kv = RaggedKV(H, d, dtype, dev)
         kv.append(torch.randn(n, H, d, device=dev).to(dtype),
                   torch.randn(n, H, d, device=dev).to(dtype), torch.arange(n))
-        kv.select([torch.rand(n) < share for share in torch.rand(H)])  # every head its own length
+        # every head its own length
+        kv.keep_rows(torch.cat([torch.rand(n) < share for share in torch.rand(H)]))
         kv.append(torch.randn(1, H, d, device=dev).to(dtype),
                   torch.randn(1, H, d, device=dev).to(dtype), torch.tensor([n]))
         seqs.append(kv)

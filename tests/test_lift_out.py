@@ -21,7 +21,7 @@ torch.manual_seed(0)
 H, G, d, t = 2, 2, 16, 3
 kv = RaggedKV(H, d, torch.float32, "cpu")
 kv.append(torch.randn(9, H, d), torch.randn(9, H, d), torch.arange(9))
-kv.select([torch.arange(9) >= 3, torch.arange(9) % 2 == 0])  # heads of 6 and 5 rows
+kv.keep_rows(torch.cat([torch.arange(9) >= 3, torch.arange(9) % 2 == 0]))  # heads: 6, 5 rows
 kv.append(torch.randn(1, H, d), torch.randn(1, H, d), torch.arange(9, 10))  # decode: slack
 kv.append(torch.randn(t - 1, H, d), torch.randn(t - 1, H, d), torch.arange(10, 12))  # into it
 q = torch.randn(t, H * G, d)
