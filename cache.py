@@ -393,16 +393,16 @@ class EvictingCache(KVCache):
             kv.reserve(n_question + n)
             self._track_peak(kv)
 
-    def adopt(self, full, scores=None, inputs=None, keep_full=False):
+    def take_over_prefill(self, full, scores=None, inputs=None, keep_full=False):
         """Continue from `full`, a cache that prefilled system prompt ⊕ context without evicting:
-        take over its KV in every layer (deep copies if keep_full, so that full can be adopted
-        again), its position and its peak, and score every row of the compressed layers as attend()
-        would have. The scores are either given, (L_c, H, n_context) for the context (KVzip's
+        take over its KV in every layer (deep copies if keep_full, so that full can be taken over
+        again), its position and its peak, and score every row of the compressed layers as
+        attend() would have. The scores are either given, (L_c, H, n_context) for the context (KVzip's
         teacher, generate.prefill_kvzip), or computed now by this cache's scorer from the prefill's
         attention inputs, inputs[layer] = (hidden, q, k, pos) (the benchmark's replay). The
         system prompt scores +inf: never evicted. Then evict() as after any prefill."""
         assert self.n_seen == 0 and (scores is None) != (inputs is None), \
-            "adopt: an empty cache; scores or inputs"
+            "take_over_prefill: an empty cache; scores or inputs"
         self.prefilled_ids = full.prefilled_ids
         self.layers = [copy.deepcopy(kv) for kv in full.layers] if keep_full else full.layers
         self.n_seen, self.peak_nbytes = full.n_seen, full.peak_nbytes
@@ -551,7 +551,7 @@ def select_segment(scores, ratio, level="global", others=None):
     with exactly ⌊ratio·n⌋ pairs kept over all layers and heads ("global", "calibrated"), per layer
     ("layer") or per head ("head"). others (L,): context pairs each layer holds outside the segment
     (None: none); a layer that would be left with no context pair at all gets its best pair back
-    (_move_one)."""
+    (_refill_empty_layer)."""
     L, H, s = scores.shape  # (compressed layers, heads, segment length)
     if level == "global":
         keep = top_k_mask(scores, int(ratio * L * H * s))
@@ -568,11 +568,11 @@ def select_segment(scores, ratio, level="global", others=None):
         others = torch.zeros(L, dtype=torch.long, device=scores.device)
     for li in range(L):
         if others[li] == 0 and not keep[li].any():
-            keep = _move_one(scores, keep, li, others)
+            keep = _refill_empty_layer(scores, keep, li, others)
     return keep
 
 
-def _move_one(scores, keep, li, others):
+def _refill_empty_layer(scores, keep, li, others):
     """Never let a whole layer lose every context token without being asked: give layer li its best
     pair of the segment in place of the weakest pair kept in a layer that holds at least two (the
     total stays the same; with fewer kept pairs than layers some layer must stay empty)."""

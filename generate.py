@@ -81,7 +81,7 @@ def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget()):
     full.prefilled_ids = torch.tensor(list(ids), dtype=torch.long)
     last = model(torch.tensor(ids[-1:], device=full.device), full, num_logits=1)[-1]
     scores = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context)
-    cache.adopt(full, scores=scores)
+    cache.take_over_prefill(full, scores=scores)
     evict_once(cache, len(ids), n_protected, budget)
     return last
 

@@ -54,12 +54,12 @@ def capture(model, sample, teacher, scorer, chunk_size):
 
 
 def swap_cache(full, n_protected, scores, keep, combo):
-    """An evicting cache holding full's KV, in compressed layer l only the context pairs that scorer
-    combo[l] ("T" or "G") keeps: keep[s] (L, H, n_context) from teacher.kept_by_rule. The system
-    prompt and the layers that are not compressed stay whole, as in every evicting cache."""
+    """An evicting cache holding full's KV, in compressed layer li only the context pairs that
+    scorer combo[li] ("T" or "G") keeps: keep[s] (L, H, n_context) from teacher.kept_by_rule. The
+    system prompt and the layers that are not compressed stay whole, as in every evicting cache."""
     cache = EvictingCache(full.cfg, None, full.dtype, full.device, n_protected=n_protected)
-    cache.adopt(full, scores=torch.stack([scores[s][l] for l, s in enumerate(combo)]),
-                keep_full=True)
+    chosen = torch.stack([scores[s][li] for li, s in enumerate(combo)])
+    cache.take_over_prefill(full, scores=chosen, keep_full=True)
     system = torch.ones(n_protected, dtype=torch.bool)
     for li, s in enumerate(combo):  # rows = system ⊕ context, head after head
         cache.keep_in_layer(li, torch.cat([torch.cat([system, k]) for k in keep[s][li]]))

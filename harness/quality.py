@@ -239,9 +239,9 @@ class CaptureCache(TeacherCache):
 
 class Replay:
     """Stands in for the model inside generate.prefill. Its one forward installs a copy of the
-    captured full prefill into the evicting cache (EvictingCache.adopt: every layer's KV, scored by
-    the cache's own scorer from the captured inputs, exactly as attend would have) and returns the
-    last logits; generate.prefill then evicts as usual."""
+    captured full prefill into the evicting cache (EvictingCache.take_over_prefill: every layer's
+    KV, scored by the cache's own scorer from the captured inputs, exactly as attend would have)
+    and returns the last logits; generate.prefill then evicts as usual."""
 
     def __init__(self, full, logits):
         self.full, self.logits = full, logits
@@ -249,7 +249,7 @@ class Replay:
     def __call__(self, chunk, cache, num_logits=None):
         assert chunk.shape[0] == self.full.n_seen and cache.n_seen == 0, \
             "Replay covers a prompt prefilled in one chunk (context < --chunk-size)"
-        cache.adopt(self.full, inputs=self.full.captured, keep_full=True)
+        cache.take_over_prefill(self.full, inputs=self.full.captured, keep_full=True)
         return self.logits
 
 
@@ -310,7 +310,7 @@ def prefill_from_capture(model, full, logits, cache, method, sample, budget, chu
     one eviction, either way."""
     ids, p = sample.ids, sample.n_protected
     if method == "kvzip":  # cache.scorer holds the teacher's precomputed scores (Precomputed)
-        cache.adopt(full, inputs=full.captured, keep_full=True)
+        cache.take_over_prefill(full, inputs=full.captured, keep_full=True)
         generate.evict_once(cache, len(ids), p, Budget(budget, chunk_size, window))
     elif len(ids) <= chunk_size:
         # evicts as the real path

@@ -293,8 +293,8 @@ class InputsCache(KVCache):
 
 
 @pytest.mark.parametrize("given", [False, True])
-def test_adopting_a_full_prefill_equals_prefilling_the_evicting_cache(tiny, given):
-    """Oracle: the evicting cache that prefilled itself. Adopting a full cache of the same prompt,
+def test_taking_over_a_full_prefill_equals_prefilling_the_evicting_cache(tiny, given):
+    """Oracle: the evicting cache that prefilled itself. Taking over a full cache of the same prompt,
     scored by the cache's scorer from the prefill's inputs or with the scores given for the context,
     then evicting, keeps the same positions, keys and values; with keep_full the full cache stays as
     it was."""
@@ -312,9 +312,9 @@ def test_adopting_a_full_prefill_equals_prefilling_the_evicting_cache(tiny, give
         scores = torch.stack([torch.stack([oracle.layers[i].head_score(h)[n_protected:]
                                            for h in range(kv.n_heads)])
                               for i, kv in ((i, oracle.layers[i]) for i in oracle.compressed)])
-        cache.adopt(full, scores=scores, keep_full=True)
+        cache.take_over_prefill(full, scores=scores, keep_full=True)
     else:
-        cache.adopt(full, inputs=full.inputs, keep_full=True)
+        cache.take_over_prefill(full, inputs=full.inputs, keep_full=True)
     assert cache.n_seen == oracle.n_seen and cache.peak_nbytes == full.peak_nbytes
     for c in (cache, oracle):
         c.evict(n_protected, len(ids) - 2, 0.3)
