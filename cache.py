@@ -42,7 +42,21 @@ def new_layers(cfg, n_heads, dtype, device):
             for i in range(cfg.num_hidden_layers)]
 
 
-class KVCache:
+class HeldBytes:
+    """The bytes that the `layers` of a cache, or of a batch, hold."""
+
+    @property
+    def nbytes(self):
+        """Bytes of keys and values actually allocated, all layers (slack included)."""
+        return sum(kv.nbytes for kv in self.layers)
+
+    @property
+    def kept_nbytes(self):
+        """Bytes of the keys and values kept, all layers (no slack): what nbytes holds them in."""
+        return sum(kv.kept_nbytes for kv in self.layers)
+
+
+class KVCache(HeldBytes):
     """Full KV cache for one sequence (batch 1). A sliding-window layer keeps its last W tokens in
     a ring (WindowKV), unless it is a compressed layer: those (all of Qwen3's, whose released
     checkpoints never slide) hold their context until it is evicted, and the window mask limits
@@ -58,16 +72,6 @@ class KVCache:
         # the ids this cache prefilled (a CPU int64 tensor; generate.prefill sets it): what a saved
         # cache records as its prompt (formats/cache_file.save_cache checks the ids it is given)
         self.prefilled_ids = None
-
-    @property
-    def nbytes(self):
-        """Bytes of keys and values actually allocated, all layers (slack included)."""
-        return sum(kv.nbytes for kv in self.layers)
-
-    @property
-    def kept_nbytes(self):
-        """Bytes of the keys and values kept, all layers (no slack): what nbytes holds them in."""
-        return sum(kv.kept_nbytes for kv in self.layers)
 
     def reserve(self, n_question, n_answer=0):
         """Room for an answer in every layer: its question's tokens and n_answer decoded ones, so
@@ -212,9 +216,8 @@ def plan_prefill(n_context, ratio, chunk_size, window):
 
     METHOD.md §6: contexts shorter than one chunk keep their last 2% instead of the window (the
     authors compare with 16000 = their chunk size; we compare with --chunk-size); if the budget is
-    smaller than the window, only (a shorter) window survives."""
-    if not 0 < ratio <= 1:
-        raise ValueError(f"budget must be in (0, 1], got {ratio}")
+    smaller than the window, only (a shorter) window survives. ratio lies in (0, 1]: Budget checks
+    it."""
     if n_context < chunk_size:
         window = int(0.02 * n_context)
     window = min(window, n_context)
@@ -590,7 +593,7 @@ def _refill_empty_layer(scores, keep, li, others):
 # -------------------------------------------------------------------------------------------------
 # Many sequences at once: a batch is more KV heads (METHOD.md §8)
 
-class Batch:
+class Batch(HeldBytes):
     """B sequences decoding together, one token each per forward.
 
     Every layer's storage is ONE RaggedKV (a WindowKV ring in sliding layers) holding the KV heads
@@ -611,14 +614,6 @@ class Batch:
         self.layers = new_layers(cfg, 0, dtype, self.device)
         self.members = []
         self.peak_nbytes = 0
-
-    @property
-    def nbytes(self):
-        return sum(kv.nbytes for kv in self.layers)
-
-    @property
-    def kept_nbytes(self):
-        return sum(kv.kept_nbytes for kv in self.layers)
 
     def _track_peak(self):
         transient = max(kv.transient for kv in self.layers)

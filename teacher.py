@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache import KVCache, plan_prefill, select_segment
+from cache import Budget, KVCache, select_segment
 from model import ModelConfig, ModelError
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."  # METHOD.md §4.2
@@ -198,7 +198,7 @@ def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
     shorter than a chunk) in every head, and of the rest exactly ⌊r'·L·H·s⌋ pairs, r' chosen so that
     a fraction `ratio` of the context is kept in all."""
     L, H, n = scores.shape
-    plan = plan_prefill(n, ratio, chunk_size, window)
+    plan = Budget(ratio, chunk_size, window).plan(n)
     keep = torch.ones(L, H, n, dtype=torch.bool, device=scores.device)
     # the window: no layer goes empty
     others = torch.full((L,), plan.window * H, device=scores.device)

@@ -137,6 +137,15 @@ def test_budget_values_are_checked():
             Budget(**kw)
 
 
+def test_the_teachers_kept_sets_check_the_ratio_as_budget_does():
+    """teacher.kept_by_rule plans with Budget, so that a ratio outside (0, 1] is refused in the
+    one place that checks it (plan_prefill itself does not)."""
+    from teacher import kept_by_rule
+    for ratio in (0.0, 1.5):
+        with pytest.raises(ArgumentError, match="Budget: ratio must be a number in"):
+            kept_by_rule(torch.rand(2, 2, 50), ratio, chunk_size=64, window=8)
+
+
 def test_prefill_checks_n_protected_and_save_checks_the_ids(saved, tmp_path):
     t, _ = saved
     model, ids = t["model"], list(range(40, 80))
