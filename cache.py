@@ -21,6 +21,9 @@ The model only ever calls `cache.positions(T)` (the new tokens' absolute positio
 same three calls for B sequences decoding together, one token each, every layer's KV heads of all
 of them in one RaggedKV. Eviction itself is an explicit call in the generation loop (generate.py),
 never a hidden hook. Saving a cache to a file and loading it back is formats/cache_file.py's.
+
+In the method's modules `layer` is a model layer's index and `li` an index among the compressed
+layers (layer = cfg.compressed_layers[li]; the gate's and the teacher's layer axis).
 """
 import copy
 import math
@@ -36,10 +39,10 @@ def new_layers(cfg, n_heads, dtype, device):
     """Empty storage for every layer: a ring (WindowKV) in sliding-window layers that are not
     compressed."""
     d, compressed = cfg.head_dim, set(cfg.compressed_layers)
-    return [WindowKV(n_heads, d, cfg.window(i), dtype, device)
-            if cfg.window(i) is not None and i not in compressed
+    return [WindowKV(n_heads, d, cfg.window(layer), dtype, device)
+            if cfg.window(layer) is not None and layer not in compressed
             else RaggedKV(n_heads, d, dtype, device)
-            for i in range(cfg.num_hidden_layers)]
+            for layer in range(cfg.num_hidden_layers)]
 
 
 class HeldBytes:
@@ -111,17 +114,17 @@ class KVCache(HeldBytes):
         """State to roll back to after answering a question. Window layers overwrite old rows as
         new tokens arrive, so they are copied (W rows each); other layers only need their
         lengths."""
-        sliding = {i: copy.deepcopy(kv) for i, kv in enumerate(self.layers)
-                   if self._is_sliding(i)}
+        sliding = {layer: copy.deepcopy(kv) for layer, kv in enumerate(self.layers)
+                   if self._is_sliding(layer)}
         lens = [kv.lens.clone() for kv in self.layers]
         return dict(n_seen=self.n_seen, lens=lens, sliding=sliding)
 
     def rollback(self, state):
-        for i, kv in enumerate(self.layers):
-            if i in state["sliding"]:
-                self.layers[i] = copy.deepcopy(state["sliding"][i])
+        for layer, kv in enumerate(self.layers):
+            if layer in state["sliding"]:
+                self.layers[layer] = copy.deepcopy(state["sliding"][layer])
             else:
-                extra = kv.lens - state["lens"][i]
+                extra = kv.lens - state["lens"][layer]
                 assert bool((extra == extra[0]).all()) and int(extra[0]) >= 0, \
                     "rollback: heads diverged"
                 kv.drop_last(int(extra[0]))
@@ -136,8 +139,8 @@ def full_cache_bytes(cache, n_tokens):
     """What a full cache would hold after prefilling n_tokens: every token in every full-attention
     layer, and the same rolling window as ours in sliding layers."""
     total = 0
-    for i, kv in enumerate(cache.layers):
-        if cache._is_sliding(i):
+    for layer, kv in enumerate(cache.layers):
+        if cache._is_sliding(layer):
             total += kv.nbytes
         else:
             total += n_tokens * kv.n_heads * 2 * kv.head_dim * kv.k.element_size()
@@ -260,30 +263,30 @@ def check_decode_budget(tokens_per_head, protected):
 
 
 def keep_within_budget(scores, budget, level):
-    """Decode-time eviction's rule: scores[l][h] (rows,) of every compressed layer and head ->
+    """Decode-time eviction's rule: scores[li][h] (rows,) of every compressed layer and head ->
     keep masks of the same shapes: the budget·H·L best rows over all ("global"; "calibrated"
     divides each layer's scores by their finite mean first), budget·H per layer ("layer") or
     budget per head ("head"). A group within its budget keeps everything; +inf rows are kept even
     past it. Ties go to the earlier layer, head and position (top_k_mask)."""
     if level == "calibrated":
-        scores = [[s / _finite_mean(layer) for s in layer] for layer in scores]
+        scores = [[s / _finite_mean(per_head) for s in per_head] for per_head in scores]
     if level == "head":
-        groups = [[s] for layer in scores for s in layer]
+        groups = [[s] for per_head in scores for s in per_head]
     elif level == "layer":
         groups = scores
     else:
-        groups = [[s for layer in scores for s in layer]]
+        groups = [[s for per_head in scores for s in per_head]]
     keep = []
     for group in groups:
         flat = torch.cat(group)
         k = max(budget * len(group), int(flat.isinf().sum()))
         keep += list(top_k_mask(flat, k).split([s.numel() for s in group]))
     it = iter(keep)
-    return [[next(it) for _ in layer] for layer in scores]
+    return [[next(it) for _ in per_head] for per_head in scores]
 
 
-def _finite_mean(layer):
-    finite = torch.cat(layer)
+def _finite_mean(per_head):
+    finite = torch.cat(per_head)
     finite = finite[finite.isfinite()]
     return finite.mean().clamp_min(1e-12) if finite.numel() else torch.tensor(1.0)
 
@@ -321,8 +324,8 @@ def check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head):
 class EvictingCache(KVCache):
     """A KV cache whose compressed layers score every new KV pair and evict on request.
 
-    scorer: gate.Scorer, called as scorer.score(l, hidden, q, k, pos) -> (H, T) for compressed
-    layer l.
+    scorer: gate.Scorer, called as scorer.score(li, hidden, q, k, pos) -> (H, T) for compressed
+    layer li.
     n_protected: the first n_protected positions (the system prompt) are never evicted
     (METHOD.md §4.4).
     decode_tokens_per_head: B, the average kept tokens per compressed head during decoding (a
@@ -340,7 +343,7 @@ class EvictingCache(KVCache):
         self.scorer, self.level, self.n_protected = scorer, level, n_protected
         self.compressed = list(cfg.compressed_layers)
         # model layer -> gate index
-        self.index = {layer: l for l, layer in enumerate(self.compressed)}
+        self.index = {layer: li for li, layer in enumerate(self.compressed)}
         if decode_window is None:
             decode_window = getattr(scorer, "decode_window", 128)
         self.decode_tokens_per_head, self.decode_buffer = decode_tokens_per_head, decode_buffer
@@ -388,10 +391,11 @@ class EvictingCache(KVCache):
         length never decides what is allocated."""
         if self.decode_tokens_per_head is None:
             return super().reserve(n_question, n_answer)
-        for i, kv in enumerate(self.layers):
+        for layer, kv in enumerate(self.layers):
             n = n_answer
-            if i in self.index:  # the eviction comes after the decode step that fills the buffer
-                pending = sum(h.shape[0] for h in self.buffer[i]) + n_question
+            # the eviction comes after the decode step that fills the buffer
+            if layer in self.index:
+                pending = sum(h.shape[0] for h in self.buffer[layer]) + n_question
                 n = min(n_answer, max(1, self.decode_buffer - pending))
             kv.reserve(n_question + n)
             self._track_peak(kv)
@@ -400,25 +404,25 @@ class EvictingCache(KVCache):
         """Continue from `full`, a cache that prefilled system prompt ⊕ context without evicting:
         take over its KV in every layer (deep copies if keep_full, so that full can be taken over
         again), its position and its peak, and score every row of the compressed layers as
-        attend() would have. The scores are either given, (L_c, H, n_context) for the context (KVzip's
-        teacher, generate.prefill_kvzip), or computed now by this cache's scorer from the prefill's
-        attention inputs, inputs[layer] = (hidden, q, k, pos) (the benchmark's replay). The
-        system prompt scores +inf: never evicted. Then evict() as after any prefill."""
+        attend() would have. The scores are either given, (L_c, H, n_context) for the context
+        (KVzip's teacher, generate.prefill_kvzip), or computed now by this cache's scorer from the
+        prefill's attention inputs, inputs[layer] = (hidden, q, k, pos) (the benchmark's replay).
+        The system prompt scores +inf: never evicted. Then evict() as after any prefill."""
         assert self.n_seen == 0 and (scores is None) != (inputs is None), \
             "take_over_prefill: an empty cache; scores or inputs"
         self.prefilled_ids = full.prefilled_ids
         self.layers = [copy.deepcopy(kv) for kv in full.layers] if keep_full else full.layers
         self.n_seen, self.peak_nbytes = full.n_seen, full.peak_nbytes
-        for l, layer in enumerate(self.compressed):
+        for li, layer in enumerate(self.compressed):
             kv = self.layers[layer]
             if inputs is None:
                 system = torch.full((kv.n_heads, self.n_protected), math.inf,
-                                    device=scores[l].device)
+                                    device=scores[li].device)
                 # the cache holds exactly system ⊕ context
-                score = torch.cat([system, scores[l]], dim=1)
+                score = torch.cat([system, scores[li]], dim=1)
             else:
                 hidden, q, k, pos = inputs[layer]
-                score = self.scorer.score(l, hidden, q, k, pos).float()  # (H, T)
+                score = self.scorer.score(li, hidden, q, k, pos).float()  # (H, T)
                 score[:, pos < self.n_protected] = math.inf
             kv.set_tail_scores(score)
 
@@ -432,7 +436,7 @@ class EvictingCache(KVCache):
         if end <= start:
             return
         level = level or self.level
-        layers = [self.layers[i] for i in self.compressed]
+        layers = [self.layers[layer] for layer in self.compressed]
         # per layer, every head's used rows at once, head after head (RaggedKV.rows)
         rows = [kv.rows() for kv in layers]
         pos = [kv.pos[r] for kv, r in zip(layers, rows)]
@@ -471,7 +475,7 @@ class EvictingCache(KVCache):
         first = self.compressed[0]
         if sum(h.shape[0] for h in self.buffer[first]) < self.decode_buffer:
             return
-        for l, layer in enumerate(self.compressed):
+        for li, layer in enumerate(self.compressed):
             hidden, self.buffer[layer] = self.buffer[layer], []
             kv = self.layers[layer]
             if getattr(self.scorer, "rescores", False):
@@ -479,12 +483,12 @@ class EvictingCache(KVCache):
                 q = self.queries[layer]
                 q = q.view(q.shape[0], H, -1, d)  # (w, H, G, d): query head h·G + g
                 for h in range(H):
-                    kv.head_score(h)[:] = self.scorer.rescore(l, kv.head_keys(h), q[:, h])
+                    kv.head_score(h)[:] = self.scorer.rescore(li, kv.head_keys(h), q[:, h])
             else:
                 hidden = torch.cat(hidden)
                 t = hidden.shape[0]
                 pos = torch.arange(self.n_seen - t, self.n_seen, device=self.device)
-                kv.set_tail_scores(self.scorer.score(l, hidden, None, None, pos).float())
+                kv.set_tail_scores(self.scorer.score(li, hidden, None, None, pos).float())
         self._evict_to_budget()
 
     def _evict_to_budget(self):
@@ -537,7 +541,7 @@ class EvictingCache(KVCache):
 
     def retention(self, start, end):
         """(compressed layers, heads) fraction of the context [start, end) kept by each head."""
-        layers = [self.layers[i] for i in self.compressed]
+        layers = [self.layers[layer] for layer in self.compressed]
         return torch.tensor([[float(held_in(kv, h, start, end).sum()) / max(1, end - start)
                               for h in range(kv.n_heads)] for kv in layers])
 
@@ -625,10 +629,10 @@ class Batch(HeldBytes):
         """Add a cache that has just run a forward alone (its last logits are the member's next
         sample)."""
         assert cache.n_seen > 0 and cache not in self.members, "join: a prefilled cache, once"
-        for i, kv in enumerate(cache.layers):
-            self.layers[i].extend(kv)
+        for layer, kv in enumerate(cache.layers):
+            self.layers[layer].extend(kv)
         self.members.append(cache)
-        cache.layers = [HeadSlice(self, cache, i) for i in range(len(self.layers))]
+        cache.layers = [HeadSlice(self, cache, layer) for layer in range(len(self.layers))]
         self._track_peak()
 
     def leave(self, cache):

@@ -78,7 +78,7 @@ class Gates(nn.Module):
 
     Per layer this is exactly the authors' `Weight` module (METHOD.md §1.2): q_proj (with bias) and
     k_proj (no bias) in `dtype` (the LLM's dtype: bf16 for released gates), q_norm/k_norm weights
-    and the S sink keys k_base in fp32, the per-group bias b in `dtype`. Index l is the position in
+    and the S sink keys k_base in fp32, the per-group bias b in `dtype`. Index li is the position in
     cfg.compressed_layers (Qwen3: every layer; Gemma3: the global layers only, §9).
     The bias b is added once, as in every inference path of the authors (their training script adds
     it twice, §1.5): a gate trained here computes at inference exactly the function that was
@@ -111,10 +111,10 @@ class Gates(nn.Module):
         modules (q_proj weight, q_proj bias, k_proj weight), so a seeded init draws the same numbers
         (§1.2)."""
         bound = 1 / math.sqrt(self.hidden)  # kaiming_uniform(a=√5) on fan_in D gives U(−1/√D, 1/√D)
-        for l in range(self.n_layers):
-            nn.init.kaiming_uniform_(self.q_weight[l], a=math.sqrt(5))
-            nn.init.uniform_(self.q_bias[l], -bound, bound)
-            nn.init.kaiming_uniform_(self.k_weight[l], a=math.sqrt(5))
+        for li in range(self.n_layers):
+            nn.init.kaiming_uniform_(self.q_weight[li], a=math.sqrt(5))
+            nn.init.uniform_(self.q_bias[li], -bound, bound)
+            nn.init.kaiming_uniform_(self.k_weight[li], a=math.sqrt(5))
         self.q_norm.fill_(1.0), self.k_norm.fill_(1.0), self.k_base.zero_(), self.b.zero_()
 
     @property
@@ -137,23 +137,23 @@ class Gates(nn.Module):
             f"expected hidden (L={self.n_layers}, N, D), got {tuple(hidden.shape)}"
         return sink_gate(hidden, *self._params())
 
-    def score_layer(self, l, hidden):
-        """Inference form: hidden (N, D) of compressed layer l -> scores (H, N)."""
+    def score_layer(self, li, hidden):
+        """Inference form: hidden (N, D) of compressed layer li -> scores (H, N)."""
         assert hidden.dim() == 2, f"expected hidden (N, D) for one layer, got {tuple(hidden.shape)}"
-        params = self._params(slice(l, l + 1))  # views, no copy
+        params = self._params(slice(li, li + 1))  # views, no copy
         return sink_gate(hidden.unsqueeze(0), *params)[0]
 
     # -- per-layer state dicts in the authors' key names and shapes (§1.2): both file formats --
-    def layer_state_dict(self, l):
-        """Layer l as the authors' `Weight` state dict."""
+    def layer_state_dict(self, li):
+        """Layer li as the authors' `Weight` state dict."""
         return {
-            "q_proj.weight": self.q_weight[l].detach(),
-            "q_proj.bias": self.q_bias[l].detach(),
-            "k_proj.weight": self.k_weight[l].detach(),
-            "q_norm.weight": self.q_norm[l].detach(),
-            "k_norm.weight": self.k_norm[l].detach(),
-            "k_base": self.k_base[l].detach().unsqueeze(1),                    # (H, 1, S, D')
-            "b": self.b[l].detach().unsqueeze(1),                              # (H, 1, G)
+            "q_proj.weight": self.q_weight[li].detach(),
+            "q_proj.bias": self.q_bias[li].detach(),
+            "k_proj.weight": self.k_weight[li].detach(),
+            "q_norm.weight": self.q_norm[li].detach(),
+            "k_norm.weight": self.k_norm[li].detach(),
+            "k_base": self.k_base[li].detach().unsqueeze(1),                    # (H, 1, S, D')
+            "b": self.b[li].detach().unsqueeze(1),                              # (H, 1, G)
         }
 
     @classmethod
@@ -188,9 +188,9 @@ def load_gates(path, dtype=None, device=None):
     model it fits, scores that rank) and reads the authors' .pt too; resolve_gate finds a model's."""
     layers = {}
     for name, t in load_file(str(path)).items():
-        _, i, key = name.split(".", 2)  # layers.<i>.<key>
-        layers.setdefault(int(i), {})[key] = t
-    return Gates.from_layer_state_dicts([layers[i] for i in range(len(layers))], dtype, device)
+        _, li, key = name.split(".", 2)  # layers.<i>.<key>
+        layers.setdefault(int(li), {})[key] = t
+    return Gates.from_layer_state_dicts([layers[li] for li in range(len(layers))], dtype, device)
 
 
 # =================================================================================================
@@ -206,8 +206,8 @@ METHODS = ("fastkvzip", "kvzip", "snapkv", "rkv", "streaming", "random", "full")
 
 
 class Scorer:
-    """score(l, hidden, q, k, pos) -> (H, T) float32, higher = more important, for the T new tokens
-    of compressed layer l. hidden (T, D) is the attention input; q (T, Hq, d) and k (T, H, d) are
+    """score(li, hidden, q, k, pos) -> (H, T) float32, higher = more important, for the T new tokens
+    of compressed layer li. hidden (T, D) is the attention input; q (T, Hq, d) and k (T, H, d) are
     post-RoPE; pos (T,) absolute positions. During decoding the cache scores its buffered hidden
     states without q/k (q = k = None); scorers that need them say so.
 
@@ -235,7 +235,7 @@ class Scorer:
                                              "when k is None")
         return self.n_kv_heads
 
-    def score(self, l, hidden, q, k, pos):
+    def score(self, li, hidden, q, k, pos):
         raise NotImplementedError
 
 
@@ -256,8 +256,8 @@ class GateScorer(Scorer):
         self.gates = gates
 
     @torch.no_grad()
-    def score(self, l, hidden, q, k, pos):
-        return self.gates.score_layer(l, hidden)  # (H, T) fp32
+    def score(self, li, hidden, q, k, pos):
+        return self.gates.score_layer(li, hidden)  # (H, T) fp32
 
 
 class StreamingScorer(Scorer):
@@ -267,7 +267,7 @@ class StreamingScorer(Scorer):
     (§10). fp32 holds positions exactly up to 2^24 tokens."""
     level = "head"
 
-    def score(self, l, hidden, q, k, pos):
+    def score(self, li, hidden, q, k, pos):
         return pos.to(torch.float32).unsqueeze(0).expand(self._heads(k), -1).contiguous()
 
 
@@ -279,7 +279,7 @@ class RandomScorer(Scorer):
         super().__init__(n_kv_heads)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def score(self, l, hidden, q, k, pos):
+    def score(self, li, hidden, q, k, pos):
         s = torch.rand(self._heads(k), pos.shape[0], generator=self.generator)
         return s.to(pos.device)
 
@@ -314,17 +314,17 @@ class SnapKVScorer(Scorer):
         self.sink_keys = {}  # compressed layer -> first n_sink keys of the sequence (n_sink, H, d)
 
     @torch.no_grad()
-    def score(self, l, hidden, q, k, pos):
+    def score(self, li, hidden, q, k, pos):
         assert q is not None and k is not None, \
             "SnapKVScorer scores prefill chunks from their queries; it has no decoding form here"
         T, Hq, d = q.shape
         H = k.shape[1]
         G = Hq // H
         if int(pos[0]) == 0:  # a new sequence: remember its first keys, no sink keys for this chunk
-            self.sink_keys[l] = k[:self.n_sink].clone()
+            self.sink_keys[li] = k[:self.n_sink].clone()
             sinks = k[:0]
         else:
-            sinks = self.sink_keys.get(l, k[:0])
+            sinks = self.sink_keys.get(li, k[:0])
         keys = torch.cat([sinks, k]).float()                              # (n_s + T, H, d)
         w = self.window if int(pos[-1]) + 1 >= self.short_len else self.short_window
         w = min(w, T)
@@ -352,7 +352,7 @@ class SnapKVScorer(Scorer):
         attn = torch.softmax(logits[:, :keys.shape[0] - w], dim=-1).mean(0)      # (n - w,)
         return F.max_pool1d(attn[None], self.kernel, stride=1, padding=self.kernel // 2)[0]
 
-    def rescore(self, l, keys, queries):
+    def rescore(self, li, keys, queries):
         """keys (n, d), queries (w, G, d) -> (n,): held() for the rows before the last w, which
         score +inf (the authors keep top (B - w) of the others and the last w)."""
         w = queries.shape[0]

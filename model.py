@@ -143,7 +143,7 @@ class ModelConfig:
         """Layers whose KV is scored and evicted: every layer; Gemma3's global layers only
         (METHOD.md §9)."""
         if self.arch == "gemma3":
-            return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+            return [layer for layer, t in enumerate(self.layer_types) if t == "full_attention"]
         return list(range(self.num_hidden_layers))
 
     @property
@@ -186,12 +186,12 @@ class ModelConfig:
         if arch == "gemma3":
             window = d["sliding_window"]
             pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
-            derived = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                       for i in range(n_layers)]
+            derived = ["full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
+                       for layer in range(n_layers)]
         else:  # Qwen3/Qwen2 slide only with use_sliding_window (never in released checkpoints)
             window = d["sliding_window"] if d.get("use_sliding_window") else None
-            derived = ["sliding_attention" if window and i >= d["max_window_layers"]
-                       else "full_attention" for i in range(n_layers)]
+            derived = ["sliding_attention" if window and layer >= d["max_window_layers"]
+                       else "full_attention" for layer in range(n_layers)]
         layer_types = list(d.get("layer_types") or derived)
         assert len(layer_types) == n_layers, "one layer type per layer"
 
@@ -461,7 +461,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
         self.rotary = nn.ModuleDict({t: Rotary(cfg.rope[t], cfg.head_dim)
                                      for t in sorted(set(cfg.layer_types))})
@@ -498,8 +498,8 @@ class Transformer(nn.Module):
             x = x * torch.tensor(cfg.hidden_size ** 0.5).to(emb.dtype)
         # layer type -> (cos, sin), each (T, d)
         rope = {t: r(pos, x.dtype) for t, r in self.model.rotary.items()}
-        for i, block in enumerate(self.model.layers):
-            x = block(x, rope[cfg.layer_types[i]], cache)  # (T, D)
+        for layer, block in enumerate(self.model.layers):
+            x = block(x, rope[cfg.layer_types[layer]], cache)  # (T, D)
         cache.advance(T)
         if num_logits is not None:  # a 16K-token prefill must not build (16K, vocab) logits
             x = x[T - num_logits:]  # (n, D); n = 0 gives no logits at all

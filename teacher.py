@@ -62,7 +62,7 @@ class TeacherCache(KVCache):
     def __init__(self, cfg, dtype=torch.float32, device="cpu", softmax_dtype=torch.float32):
         super().__init__(cfg, dtype, device)
         # model layer -> row of the output
-        self.index = {layer: l for l, layer in enumerate(cfg.compressed_layers)}
+        self.index = {layer: li for li, layer in enumerate(cfg.compressed_layers)}
         self.softmax_dtype = softmax_dtype  # None = the cache (model) dtype, as the authors
         self.capture_from = None
         self.captured = [[] for _ in self.index]
@@ -72,15 +72,15 @@ class TeacherCache(KVCache):
     def attend(self, layer, q, k, v, hidden, scale, window=None):
         # the model's own attention, unchanged
         out = super().attend(layer, q, k, v, hidden, scale, window)
-        l = self.index.get(layer)
-        if l is None:
+        li = self.index.get(layer)
+        if li is None:
             return out
         if self.capture_from is not None:
             first = max(0, self.capture_from - self.n_seen)  # skip the system prompt's tokens
             if first < hidden.shape[0]:
-                self.captured[l].append(hidden[first:].to("cpu", copy=True))
+                self.captured[li].append(hidden[first:].to("cpu", copy=True))
         if self.span is not None:
-            self.scores[l].append(self.kvzip_scores(layer, q))
+            self.scores[li].append(self.kvzip_scores(layer, q))
         return out
 
     def kvzip_scores(self, layer, q):
@@ -253,18 +253,19 @@ def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
     keeps. None where a denominator is zero."""
     ratio = lambda a, b: a / b if b else None
     L = len(per_context[0]["spearman"])
-    out = dict(spearman=[sum(c["spearman"][l] for c in per_context) / len(per_context)
-                         for l in range(L)])
+    out = dict(spearman=[sum(c["spearman"][li] for c in per_context) / len(per_context)
+                         for li in range(L)])
     for r in budgets:
-        tot = {k: [sum(c[f"{r:g}"][k][l] for c in per_context) for l in range(L)]
+        tot = {k: [sum(c[f"{r:g}"][k][li] for c in per_context) for li in range(L)]
                for k in per_context[0][f"{r:g}"]}
-        out[f"overlap@{r}"] = [ratio(tot["both"][l], tot["teacher"][l]) for l in range(L)]
-        out[f"chance@{r}"] = [ratio(tot["student"][l], tot["segment"][l]) for l in range(L)]
-        out[f"kept_teacher@{r}"] = [ratio(tot["teacher"][l], tot["segment"][l]) for l in range(L)]
-        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][l], tot["digits"][l])
-                                      for l in range(L)]
-        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][l], tot["digits"][l])
-                                      for l in range(L)]
+        out[f"overlap@{r}"] = [ratio(tot["both"][li], tot["teacher"][li]) for li in range(L)]
+        out[f"chance@{r}"] = [ratio(tot["student"][li], tot["segment"][li]) for li in range(L)]
+        out[f"kept_teacher@{r}"] = [ratio(tot["teacher"][li], tot["segment"][li])
+                                    for li in range(L)]
+        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][li], tot["digits"][li])
+                                      for li in range(L)]
+        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][li], tot["digits"][li])
+                                      for li in range(L)]
     return out
 
 
