@@ -142,7 +142,7 @@ def train_layers(gates, hidden, scores, train_idx, val_idx, segments, device, st
     step; another Recipe's loss, optimiser or selection comes from section 4 (other_parts)."""
     dtype = gates.dtype  # the gates train in the model's dtype (METHOD.md §5.4), not the stored one
     x_val, y_val = hidden[:, val_idx].to(dtype), scores[:, :, val_idx]
-    params = list(gates.parameters())  # each (L, ...): layer l's parameters are row l of each
+    params = list(gates.parameters())  # each (L, ...): row li is compressed layer li
     momentum = [None] * len(params)  # SGD's buffers
     loss, optimizer_step, select = other_parts(recipe, params, seed, steps)  # None: the paper's
     n_train = len(train_idx)
@@ -256,8 +256,8 @@ def evaluate(gates, x, y, segments, device, block=8192):
             acc += acc_per_layer(pred, yb).double().cpu() * w
             preds.append(pred.float().cpu())
     pred = torch.cat(preds, dim=-1)
-    rho = [sum(spearman(pred[l, :, a:b].flatten().double(), y[l, :, a:b].flatten().double())
-               for a, b in segments) / len(segments) for l in range(x.shape[0])]
+    rho = [sum(spearman(pred[li, :, a:b].flatten().double(), y[li, :, a:b].flatten().double())
+               for a, b in segments) / len(segments) for li in range(x.shape[0])]
     return loss.tolist(), acc.tolist(), rho
 
 
@@ -421,11 +421,11 @@ class KeepBestSpearman:
 
     @torch.no_grad()
     def see(self, step, val_rho):
-        for l, rho in enumerate(val_rho):
-            if rho > self.rho[l]:
-                self.rho[l], self.step[l] = rho, step
+        for li, rho in enumerate(val_rho):
+            if rho > self.rho[li]:
+                self.rho[li], self.step[li] = rho, step
                 for b, p in zip(self.best, self.params):
-                    b[l] = p[l]
+                    b[li] = p[li]
 
     @torch.no_grad()
     def finish(self, metrics):
