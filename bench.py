@@ -61,7 +61,8 @@ from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, loa
 from kernels import ArgumentError
 from model import ModelError, chat_template
 from offline.fetch_assets import AssetsMissing
-from teacher import KVzipTeacher, encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
+from teacher import KVzipTeacher
 
 ROOT = Path(__file__).resolve().parent
 # reported in one line (exit 2): bad --model / --gate, the offline assets RULER's generator

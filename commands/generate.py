@@ -54,7 +54,8 @@ from gate import METHODS
 from harness.timing import time_scorer
 from kernels import ArgumentError
 from model import ModelError, compute_dtype, model_identity
-from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
+from prompts import encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
+from teacher import KVzipTeacher
 
 # -------------------------------------------------------------------------------------------------
 # flags
@@ -444,7 +445,7 @@ class Job:
     requests: list  # generate.setup's dicts; a saved cache's: file_request's
     gates: object  # fastkvzip's gate.Gates, when a request needs them
     teacher: object  # kvzip's KVzipTeacher, when a request needs it
-    ends_line: object  # a base model's one-line answers (teacher.one_line), else None
+    ends_line: object  # a base model's one-line answers (prompts.one_line), else None
     stop_ids: list
     batch_size: int  # requests decoded at once
     time_scorer: object  # scorer -> the scorer, its seconds counted (harness/timing.py)

@@ -59,7 +59,7 @@ from formats.checkpoint import check_dtype, read_config, read_tokenizer
 from formats.gate_file import authors_file_name, save_gate
 from kernels import ArgumentError
 from model import ModelError, compute_dtype
-from teacher import encode_prompt, prompt_format, uses_chat
+from prompts import encode_prompt, prompt_format, uses_chat
 
 DEFAULT_RECIPE = "paper"
 MEMORY_SHARE = 0.5  # --layer-groups 0: each group's features in at most this share of the memory

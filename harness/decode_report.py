@@ -27,7 +27,7 @@ from harness.quality import ci, load_docs, load_records, log, model_info, write_
 from harness.report import run_config, shown
 from harness.speed import load_peer
 from harness.timing import time_scorer
-from teacher import encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
 
 WINDOW = 256  # decode steps averaged at each length: two 128-token eviction cycles
 

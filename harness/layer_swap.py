@@ -37,7 +37,8 @@ from formats.gate_file import GateError, resolve_gate
 from gate import GateScorer
 from harness import quality
 from model import ModelError
-from teacher import KVzipTeacher, agreement, digit_tokens, kept_by_rule, pool_agreement, prompt_format
+from prompts import prompt_format
+from teacher import KVzipTeacher, agreement, digit_tokens, kept_by_rule, pool_agreement
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
 

@@ -37,7 +37,8 @@ from harness import quality as Q
 from harness import ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
 from model import chat_template
-from teacher import KVzipTeacher, encode_text
+from prompts import encode_text
+from teacher import KVzipTeacher
 
 VARIANTS = ("scored", "oracle", "layer")
 

@@ -29,7 +29,7 @@ from formats.checkpoint import load_checked, read_tokenizer
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
-from teacher import encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
 
 
 def main():

@@ -31,7 +31,7 @@ from commands.generate import build_inputs
 from formats.cache_file import load_cache, save_cache
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
-from teacher import prompt_format
+from prompts import prompt_format
 
 QUESTION = "Who is the first person named in the text?"
 

@@ -20,7 +20,8 @@ from cli import OFFLINE_DEFAULT, UsageError, resolve_model
 from formats import gate_file
 from harness import quality, report, speed
 from offline import fetch_assets
-from teacher import KVzipTeacher, prompt_format
+from prompts import prompt_format
+from teacher import KVzipTeacher
 from tests.assets import require_asset
 from tests.helpers import QWEN3_TINY, assert_close
 

@@ -17,7 +17,7 @@ from cli import OFFLINE_DEFAULT, OFFLINE_MODELS, resolve_model
 from formats.gate_file import save_gate
 from gate import Gates, GateScorer, RandomScorer
 from generate import answer, prefill
-from teacher import PromptFormat, encode_text, prompt_format, uses_chat
+from prompts import PromptFormat, encode_text, prompt_format, uses_chat
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

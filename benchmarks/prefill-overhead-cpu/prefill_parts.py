@@ -25,7 +25,7 @@ from cache import Budget
 from cli import resolve_model
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
-from teacher import encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="smollm2-135m-gguf")
