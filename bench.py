@@ -50,7 +50,7 @@ import torch
 
 import cli
 from cache import LEVELS
-from cli import OFFLINE_DEFAULT, UsageError, resolve_model, write_text
+from cli import UsageError, resolve_model, write_text
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from harness import decode_report, quality, ruler, ruler_tasks
@@ -61,7 +61,8 @@ from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, loa
 from kernels import ArgumentError
 from model import ModelError, chat_template
 from offline.fetch_assets import AssetsMissing
-from teacher import KVzipTeacher, encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
+from teacher import KVzipTeacher
 
 ROOT = Path(__file__).resolve().parent
 # reported in one line (exit 2): bad --model / --gate, the offline assets RULER's generator
@@ -83,14 +84,13 @@ QUICK = dict(lengths=[512], contexts=2, budgets=[0.5, 0.2], speed_lengths=[256],
              bootstrap=200, extra_levels=[], gpu_lengths=[8192])
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_flags(p):
+    """What every run sets: the model, the methods and budgets compared, the run's folder."""
     p.add_argument("--quick", action="store_true",
                    help="smoke run (< 3 min on 2 CPU cores): 2 contexts of 512 tokens, 2 questions "
                    "each, budgets 0.5 and 0.2, every method at its own level; speed at 256 tokens "
                    "(flags given explicitly win over these)")
-    p.add_argument("--model", default=OFFLINE_DEFAULT, help="model folder, repo id or alias")
+    cli.add_model(p)
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
                    help="comma list of " + ",".join(METHODS))
@@ -99,107 +99,9 @@ def parse_args(argv=None):
     p.add_argument("--extra-levels", type=cli.names,
                    default=["calibrated"], help="eviction levels run beside the paper's for "
                    "fastkvzip and kvzip (cache.LEVELS; '' = none)")
-    p.add_argument("--lengths", type=cli.ints, default=[2048, 4096, 8192],
-                   help="context lengths in tokens (quality)")
-    p.add_argument("--contexts", type=int, default=6,
-                   help="contexts per length (each from another document)")
-    p.add_argument("--suite", choices=SUITES, default="needle",
-                   help="the quality suite: needle (pass keys, JSON pairs and NLL probes in "
-                   "Austen, harness/quality.py) or ruler (RULER's 11 offline tasks, scored as "
-                   "kvpress scores them, harness/ruler.py; --lengths defaults to 4096, "
-                   "--speed-lengths to none) or decode (decode-time eviction over long streams: "
-                   "long-text NLL, recall of the stream's own facts, free generation, and decode "
-                   "speed and memory over a long generation, harness/decode.py; --methods, "
-                   "--lengths and --speed-lengths get its defaults)")
-    p.add_argument("--dataset", help="a JSONL or parquet file in kvpress's dataset layout "
-                   "(context, question, answer_prefix, answer(s), max_new_tokens, task), e.g. "
-                   "kvpress's RULER-4K file: its rows are the samples, scored by string_match "
-                   "(implies --suite ruler)")
-    p.add_argument("--ruler-samples", type=int, default=5,
-                   help="--suite ruler: samples generated per task")
-    p.add_argument("--ruler-sizing", choices=ruler_tasks.SIZINGS, default="ruler",
-                   help="--suite ruler: how samples fill --lengths: ruler (as RULER sized kvpress's "
-                   "RULER-4K file: Llama-3.1-8B tokens for every model, RULER's fixed haystack "
-                   "steps; labelled RULER-4K) or model (the largest haystack that fits in the "
-                   "model's own tokens; labelled 'RULER-4K (model-token sizing)')")
-    p.add_argument("--ruler-tasks", type=cli.names,
-                   default=list(ruler_tasks.TASKS), help="--suite ruler: comma list of the tasks "
-                   "generated (default all 11: " + ",".join(ruler_tasks.TASKS) + ")")
-    p.add_argument("--ruler-only", type=cli.names,
-                   help="--suite ruler: comma list of tasks of --ruler-tasks whose contexts this run "
-                   "runs; the experiment (its --out, its results) stays that of all --ruler-tasks, "
-                   "the other tasks' contexts left to a later run, as --shard leaves its peers' "
-                   "(e.g. the tasks a full cache does at all, when CPU hours are short)")
-    p.add_argument("--ruler-prompt", choices=RULER_PROMPTS, default="kvpress",
-                   help="how RULER rows (generated or --dataset) are fed: kvpress (the default: "
-                   "as kvpress's pipeline, one user turn of the model's chat template holding the "
-                   "context, template tokens compressed with it, the first 4 tokens kept) or "
-                   "harness (the authors' system prompt and task sentence before the context, "
-                   "never evicted, as --suite needle)")
-    p.add_argument("--answer-batch", action=argparse.BooleanOptionalAction, default=True,
-                   help="--suite ruler: answer all the caches of a context in one batched decode "
-                   "(default); --no-answer-batch: one cache after another, as answered alone "
-                   "(the same greedy answers, one method cache alive at a time)")
-    p.add_argument("--text", choices=quality.TEXTS, default="austen",
-                   help="the documents the quality contexts are cut from: austen (the novels, by "
-                   "chapters) or prose (held-out documents of the gates' training corpus: "
-                   "Wikipedia, State of the Union addresses, the Python library reference)")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="contexts and questions in the model's chat template, as generate.py "
-                   "--chat (default: on, except for a base model, whose tokenizer has no "
-                   "template); --no-chat: plain text, as a base model reads it")
-    p.add_argument("--passkeys", type=int, default=quality.NEEDLES["passkeys"],
-                   help="pass keys hidden per context, at stratified depths")
-    p.add_argument("--kv-pairs", type=int, default=quality.NEEDLES["kv_pairs"],
-                   help="key-value pairs in each context's JSON block")
-    p.add_argument("--kv-questions", type=int, default=quality.NEEDLES["kv_questions"],
-                   help="of those, how many are asked")
-    p.add_argument("--probe-tokens", type=int, default=quality.NEEDLES["probe_tokens"],
-                   help="tokens scored by each NLL probe")
-    p.add_argument("--continue-tokens", type=int, default=quality.NEEDLES["continue_tokens"],
-                   help="greedy tokens of free continuation (agreement only)")
-    p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk; a longer quality "
-                   "context runs the real chunked prefill (KVzip: not chunked)")
-    p.add_argument("--window", type=int, default=4096,
-                   help="recent tokens always kept (short contexts: 2%%)")
-    p.add_argument("--speed-lengths", type=cli.ints, default=[2048, 8192, 16384],
-                   help="CPU speed contexts ('0' = none)")
-    p.add_argument("--speed-budget", type=float, default=0.3,
-                   help="budget of the speed runs (paper Fig. 1b: 30%%)")
-    p.add_argument("--speed-chunk", type=int, default=2048, help="prefill chunk of the CPU speed "
-                   "runs: the " "paper's 16K chunk over 170K contexts, scaled to 16K contexts")
-    p.add_argument("--speed-window", type=int, default=512,
-                   help="local window of the CPU speed runs (scaled 4096)")
-    p.add_argument("--speed-decode", type=int, default=32, help="tokens decoded per speed run")
-    p.add_argument("--speed-repeats", type=int, default=2,
-                   help="runs of full, transformers and fastkvzip at --speed-budget per length, "
-                   "taken in turn; their rows hold medians")
-    p.add_argument("--no-peer", action="store_true", help="CPU speed: skip transformers (the peer "
-                   "column; it " "runs whenever transformers is installed)")
-    p.add_argument("--batch-sizes", type=cli.ints, default=[], help="CPU batched decoding: "
-                   "requests decoded at " "once, e.g. 1,4,8 ('0' = none, the default)")
-    p.add_argument("--batch-length", type=int, default=1024,
-                   help="batched decoding: the longest context (the others 75-100%% of it)")
-    p.add_argument("--batch-repeats", type=int, default=1, help="batched decoding: rounds of every "
-                   "configuration, taken in turn; the tables show medians")
-    p.add_argument("--gpu-lengths", type=cli.ints, default=[8192, 32768, 131072],
-                   help="GPU speed contexts")
-    p.add_argument("--no-quality", action="store_true", help="skip the quality section")
-    p.add_argument("--no-gpu", action="store_true",
-                   help="skip the GPU section even when CUDA is available")
-    p.add_argument("--average", type=lambda s: s.split(","), default=list(quality.AVERAGED),
-                   help="tasks in the relative-performance average (default: all four, as the "
-                   "paper's Figure 10); a summary choice: --merge can recompute it from "
-                   "finished runs")
-    p.add_argument("--bootstrap", type=int, default=2000,
-                   help="bootstrap resamples for the intervals")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed for contexts, needles, random scores, bootstrap")
-    p.add_argument("--device", default="cpu", help="where the quality suite runs: cpu (fp32) or "
-                   "cuda (bf16), e.g. --suite ruler --model qwen3-8b --device cuda")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (0 = torch's default). 1: on the 2-core CPU, 2 threads "
-                   "made the whole run 5x slower (small decode ops, other load)")
+    cli.add_seed(p, "contexts, needles, random scores, bootstrap")
+    cli.add_threads(p, zero=True, note="1: on the 2-core CPU, 2 threads made the whole run 5x "
+                    "slower (small decode ops, other load)")
     p.add_argument("--out", help="output folder (default results/<timestamp>/)")
     p.add_argument("--plot", action="store_true", help="also draw relative.png (needs matplotlib)")
     p.add_argument("--shard", default="0/1",
@@ -208,7 +110,132 @@ def parse_args(argv=None):
     p.add_argument("--merge", type=lambda s: [x for x in s.split(",") if x],
                    help="comma list of --out folders of one experiment's shards: merge them into "
                    "--out, run nothing")
-    decode_report.add_arguments(p)
+
+
+def quality_flags(p):
+    """The quality suites' contexts, how they are prefilled and evicted, and their intervals."""
+    g = p.add_argument_group("quality (every --suite)")
+    g.add_argument("--suite", choices=SUITES, default="needle",
+                   help="the quality suite: needle (pass keys, JSON pairs and NLL probes in "
+                   "Austen, harness/quality.py) or ruler (RULER's 11 offline tasks, scored as "
+                   "kvpress scores them, harness/ruler.py; --lengths defaults to 4096, "
+                   "--speed-lengths to none) or decode (decode-time eviction over long streams: "
+                   "long-text NLL, recall of the stream's own facts, free generation, and decode "
+                   "speed and memory over a long generation, harness/decode.py; --methods, "
+                   "--lengths and --speed-lengths get its defaults)")
+    g.add_argument("--lengths", type=cli.ints, default=[2048, 4096, 8192],
+                   help="context lengths in tokens (quality)")
+    g.add_argument("--contexts", type=int, default=6,
+                   help="contexts per length (each from another document)")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="contexts and questions in the model's chat template, as generate.py "
+                   "--chat (default: on, except for a base model, whose tokenizer has no "
+                   "template); --no-chat: plain text, as a base model reads it")
+    g.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk; a longer quality "
+                   "context runs the real chunked prefill (KVzip: not chunked)")
+    g.add_argument("--window", type=int, default=4096,
+                   help="recent tokens always kept (short contexts: 2%%)")
+    g.add_argument("--device", default="cpu", help="where the quality suite runs: cpu (fp32) or "
+                   "cuda (bf16), e.g. --suite ruler --model qwen3-8b --device cuda")
+    g.add_argument("--bootstrap", type=int, default=2000,
+                   help="bootstrap resamples for the intervals")
+    g.add_argument("--no-quality", action="store_true", help="skip the quality section")
+
+
+def needle_flags(p):
+    """--suite needle: what each context hides and asks."""
+    g = p.add_argument_group("--suite needle (harness/quality.py)")
+    g.add_argument("--text", choices=quality.TEXTS, default="austen",
+                   help="the documents the quality contexts are cut from: austen (the novels, by "
+                   "chapters) or prose (held-out documents of the gates' training corpus: "
+                   "Wikipedia, State of the Union addresses, the Python library reference)")
+    g.add_argument("--passkeys", type=int, default=quality.NEEDLES["passkeys"],
+                   help="pass keys hidden per context, at stratified depths")
+    g.add_argument("--kv-pairs", type=int, default=quality.NEEDLES["kv_pairs"],
+                   help="key-value pairs in each context's JSON block")
+    g.add_argument("--kv-questions", type=int, default=quality.NEEDLES["kv_questions"],
+                   help="of those, how many are asked")
+    g.add_argument("--probe-tokens", type=int, default=quality.NEEDLES["probe_tokens"],
+                   help="tokens scored by each NLL probe")
+    g.add_argument("--continue-tokens", type=int, default=quality.NEEDLES["continue_tokens"],
+                   help="greedy tokens of free continuation (agreement only)")
+    g.add_argument("--average", type=lambda s: s.split(","), default=list(quality.AVERAGED),
+                   help="tasks in the relative-performance average (default: all four, as the "
+                   "paper's Figure 10); a summary choice: --merge can recompute it from "
+                   "finished runs")
+
+
+def ruler_flags(p):
+    """--suite ruler: RULER's samples, generated or a --dataset's rows, and how they are fed."""
+    g = p.add_argument_group("--suite ruler (harness/ruler.py)")
+    g.add_argument("--dataset", help="a JSONL or parquet file in kvpress's dataset layout "
+                   "(context, question, answer_prefix, answer(s), max_new_tokens, task), e.g. "
+                   "kvpress's RULER-4K file: its rows are the samples, scored by string_match "
+                   "(implies --suite ruler)")
+    g.add_argument("--ruler-samples", type=int, default=5,
+                   help="--suite ruler: samples generated per task")
+    g.add_argument("--ruler-sizing", choices=ruler_tasks.SIZINGS, default="ruler",
+                   help="--suite ruler: how samples fill --lengths: ruler (as RULER sized kvpress's "
+                   "RULER-4K file: Llama-3.1-8B tokens for every model, RULER's fixed haystack "
+                   "steps; labelled RULER-4K) or model (the largest haystack that fits in the "
+                   "model's own tokens; labelled 'RULER-4K (model-token sizing)')")
+    g.add_argument("--ruler-tasks", type=cli.names,
+                   default=list(ruler_tasks.TASKS), help="--suite ruler: comma list of the tasks "
+                   "generated (default all 11: " + ",".join(ruler_tasks.TASKS) + ")")
+    g.add_argument("--ruler-only", type=cli.names,
+                   help="--suite ruler: comma list of tasks of --ruler-tasks whose contexts this run "
+                   "runs; the experiment (its --out, its results) stays that of all --ruler-tasks, "
+                   "the other tasks' contexts left to a later run, as --shard leaves its peers' "
+                   "(e.g. the tasks a full cache does at all, when CPU hours are short)")
+    g.add_argument("--ruler-prompt", choices=RULER_PROMPTS, default="kvpress",
+                   help="how RULER rows (generated or --dataset) are fed: kvpress (the default: "
+                   "as kvpress's pipeline, one user turn of the model's chat template holding the "
+                   "context, template tokens compressed with it, the first 4 tokens kept) or "
+                   "harness (the authors' system prompt and task sentence before the context, "
+                   "never evicted, as --suite needle)")
+    g.add_argument("--answer-batch", action=argparse.BooleanOptionalAction, default=True,
+                   help="--suite ruler: answer all the caches of a context in one batched decode "
+                   "(default); --no-answer-batch: one cache after another, as answered alone "
+                   "(the same greedy answers, one method cache alive at a time)")
+
+
+def speed_flags(p):
+    """The speed section: CPU prefill and decode, batched decoding, the GPU."""
+    g = p.add_argument_group("speed (harness/speed.py)")
+    g.add_argument("--speed-lengths", type=cli.ints, default=[2048, 8192, 16384],
+                   help="CPU speed contexts ('0' = none)")
+    g.add_argument("--speed-budget", type=float, default=0.3,
+                   help="budget of the speed runs (paper Fig. 1b: 30%%)")
+    g.add_argument("--speed-chunk", type=int, default=2048, help="prefill chunk of the CPU speed "
+                   "runs: the " "paper's 16K chunk over 170K contexts, scaled to 16K contexts")
+    g.add_argument("--speed-window", type=int, default=512,
+                   help="local window of the CPU speed runs (scaled 4096)")
+    g.add_argument("--speed-decode", type=int, default=32, help="tokens decoded per speed run")
+    g.add_argument("--speed-repeats", type=int, default=2,
+                   help="runs of full, transformers and fastkvzip at --speed-budget per length, "
+                   "taken in turn; their rows hold medians")
+    g.add_argument("--no-peer", action="store_true", help="CPU speed: skip transformers (the peer "
+                   "column; it " "runs whenever transformers is installed)")
+    g.add_argument("--batch-sizes", type=cli.ints, default=[], help="CPU batched decoding: "
+                   "requests decoded at " "once, e.g. 1,4,8 ('0' = none, the default)")
+    g.add_argument("--batch-length", type=int, default=1024,
+                   help="batched decoding: the longest context (the others 75-100%% of it)")
+    g.add_argument("--batch-repeats", type=int, default=1, help="batched decoding: rounds of every "
+                   "configuration, taken in turn; the tables show medians")
+    g.add_argument("--gpu-lengths", type=cli.ints, default=[8192, 32768, 131072],
+                   help="GPU speed contexts")
+    g.add_argument("--no-gpu", action="store_true",
+                   help="skip the GPU section even when CUDA is available")
+
+
+def parse_args(argv=None):
+    """The flags, one group per suite (as --help lists them); then the defaults of --quick and of
+    the suite for the flags not typed; each flag checked."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add in (common_flags, quality_flags, needle_flags, ruler_flags, decode_report.add_arguments,
+                speed_flags):
+        add(p)
     args, unset = p.parse_args(argv), object()
     # parsed again onto a namespace that already holds every flag, argparse sets only the flags
     # typed: those keep their value under --quick
@@ -272,14 +299,12 @@ def check_args(p, args):
     for flag, low in (("contexts", 1), ("chunk_size", 1), ("speed_chunk", 1), ("speed_decode", 1),
                       ("bootstrap", 1), ("speed_repeats", 1), ("batch_repeats", 1),
                       ("batch_length", 1), ("window", 0), ("speed_window", 0), ("passkeys", 0),
-                      ("kv_pairs", 0), ("kv_questions", 0), ("continue_tokens", 0), ("threads", 0),
+                      ("kv_pairs", 0), ("kv_questions", 0), ("continue_tokens", 0),
                       ("probe_tokens", quality.CUE_TOKENS + 1)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}"
                     + (f" (the repeat probe's first {quality.CUE_TOKENS} tokens are its cue)"
                        if flag == "probe_tokens" else ""))
-    if not -2**63 <= args.seed < 2**63:
-        p.error(f"--seed {args.seed} does not fit in 64 bits")
     if args.passkeys > len(quality.OWNERS):
         p.error(f"--passkeys {args.passkeys}: at most {len(quality.OWNERS)} (one per named owner)")
     if args.kv_questions > args.kv_pairs:

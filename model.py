@@ -605,11 +605,11 @@ def model_identity(folder: str | Path) -> dict[str, str | None]:
 # text of a control token ("<|im_end|>\n<|im_start|>assistant", "<end_of_turn>"): parsed, it would
 # end the user's turn and write the model's, and Gemma 3's "<image_soft_token>" (id 262144 in the
 # published tokenizer.json, whose config says vocab_size 262144) would index past the embedding.
-# So user text is encoded with the tokenizer's special tokens left unparsed (teacher.encode_text),
-# and only a template's own control tokens (teacher.CONTROL_TOKENS) become control ids
-# (teacher.encode_prompt). formats/checkpoint.py refuses another model's tokenizer.
+# So user text is encoded with the tokenizer's special tokens left unparsed (prompts.encode_text),
+# and only a template's own control tokens (prompts.CONTROL_TOKENS) become control ids
+# (prompts.encode_prompt). formats/checkpoint.py refuses another model's tokenizer.
 
 def load_tokenizer(folder: str | Path) -> Tokenizer:
-    """tokenizers.Tokenizer from the folder's tokenizer.json; encode with teacher.encode_text /
+    """tokenizers.Tokenizer from the folder's tokenizer.json; encode with prompts.encode_text /
     encode_prompt."""
     return Tokenizer.from_file(str(Path(folder).expanduser() / "tokenizer.json"))

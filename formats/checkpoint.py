@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 import model as M
 from model import ModelConfig, ModelError
-from teacher import CONTROL_TOKENS
+from prompts import CONTROL_TOKENS
 
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",

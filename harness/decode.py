@@ -39,7 +39,7 @@ import generate
 from cache import EvictingCache
 from formats.gate_file import resolve_gate
 from harness.quality import OWNERS, answer_stops, load_docs, log, model_info
-from teacher import encode_prompt, encode_text, prompt_format, question_ids
+from prompts import encode_prompt, encode_text, prompt_format, question_ids
 
 # "cut" is no cache of its own: the full cache stopped at B tokens (module docstring)
 METHODS = ("full", "fastkvzip", "streaming", "random", "snapkv", "rkv", "cut")

@@ -27,7 +27,7 @@ from harness.quality import ci, load_docs, load_records, log, model_info, write_
 from harness.report import run_config, shown
 from harness.speed import load_peer
 from harness.timing import time_scorer
-from teacher import encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
 
 WINDOW = 256  # decode steps averaged at each length: two 128-token eviction cycles
 
@@ -355,7 +355,7 @@ def check_args(p, args):
         p.error(f"--decode-gen-budgets {','.join(map(str, args.decode_gen_budgets))}: each must "
                 f"be one of --decode-budgets ({','.join(map(str, args.decode_budgets))})")
     for flag, low in (("contexts", 1), ("decode_prompt", 1), ("decode_generations", 0),
-                      ("decode_gen_tokens", 1), ("bootstrap", 1), ("threads", 0)):
+                      ("decode_gen_tokens", 1), ("bootstrap", 1)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
     need = args.decode_prompt + decode.FACT_START + decode.FACT_STEP * len(args.decode_gaps) \

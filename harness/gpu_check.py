@@ -523,7 +523,8 @@ def part_prefill(S, run, res):
     """Full, Fast KVzip and KVzip at 0.3 on 32K then 128K tokens, chunks of 16,000 and a window of
     4,096 (the authors' settings, METHOD.md §6); gpu_peak_bytes: the prefill's peak above the
     weights."""
-    from teacher import KVzipTeacher, prompt_format
+    from prompts import prompt_format
+    from teacher import KVzipTeacher
     model, gates = random_model(S)
     dev, _ = device_and_dtype(S)
     fmt = prompt_format(model.config, "qwen3-8b")

@@ -21,13 +21,13 @@ There is no jinja at run time: each layout below is what the model's template wr
 turn, checked against transformers' apply_chat_template on the real templates
 (tests/test_ruler_prompt.py). One difference is kept on purpose: kvpress's tokenizer call turns the
 text of a control token inside the context ("<|im_end|>") into the control id; here user text stays
-text (teacher.encode_text).
+text (prompts.encode_text).
 """
 import re
 from dataclasses import dataclass
 
 from model import ModelConfig
-from teacher import PromptFormat, encode_prompt, uses_chat
+from prompts import PromptFormat, encode_prompt, uses_chat
 
 N_SINK = 4  # kvpress's FastKVzipPress and KVzipPress keep the first 4 tokens: attention sinks
 
@@ -60,11 +60,11 @@ def default_system(template: str) -> str | None:
 
 def kvpress_format(cfg: ModelConfig, name: str, chat: bool | None = None,
                    template: str | None = None) -> KvpressFormat:
-    """kvpress's layout for this model. chat: as teacher.uses_chat (--chat / --no-chat; a base
+    """kvpress's layout for this model. chat: as prompts.uses_chat (--chat / --no-chat; a base
     model has no template). template: the tokenizer's chat template text (model.chat_template),
     read for what templates of one layout do differently (a default system turn, Qwen3's
     enable_thinking, Llama 3.0's missing system turn); None or "": judged by `name` as
-    teacher.prompt_format judges it."""
+    prompts.prompt_format judges it."""
     if not uses_chat(cfg, chat):
         return KvpressFormat(BOS_TEXT.get(cfg.chat_format, ""), "\n")
     if cfg.chat_format == "gemma":  # {{ bos_token }}; a system turn only when one is given

@@ -31,13 +31,14 @@ import torch
 
 import cli
 from cache import EvictingCache
-from cli import OFFLINE_DEFAULT, UsageError, file_sha256, resolve_model
+from cli import UsageError, file_sha256, resolve_model
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from gate import GateScorer
 from harness import quality
 from model import ModelError
-from teacher import KVzipTeacher, agreement, digit_tokens, kept_by_rule, pool_agreement, prompt_format
+from prompts import prompt_format
+from teacher import KVzipTeacher, agreement, digit_tokens, kept_by_rule, pool_agreement
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
 
@@ -187,22 +188,21 @@ def run(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=OFFLINE_DEFAULT, help="model folder, repo id or alias")
+    cli.add_model(p)
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--length", type=int, default=4096, help="context length in tokens")
     p.add_argument("--contexts", type=int, default=3,
                    help="contexts (each from another Austen part)")
     p.add_argument("--budgets", type=cli.floats, default=[0.5],
                    help="fractions of the context kept, e.g. 0.5,0.4")
-    p.add_argument("--seed", type=int, default=0,
-                   help="the benchmark's seed for contexts and needles")
+    cli.add_seed(p, "the benchmark's contexts and needles")
     p.add_argument("--chunk-size", type=int, default=16384,
                    help="prefill chunk: a context must fit in one")
     p.add_argument("--window", type=int, default=4096,
                    help="recent tokens always kept (contexts shorter than a chunk: 2%%)")
     p.add_argument("--combos", type=lambda s: cli.names(s.upper()),
                    help="only these combinations, e.g. TTT,GGG (default: all 2^L)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    cli.add_threads(p)
     p.add_argument("--out", required=True,
                    help="folder for contexts/, layer_swap.json and layer_swap.md")
     return p.parse_args(argv)

@@ -30,14 +30,15 @@ from pathlib import Path
 
 import torch
 
-from cli import UsageError, floats, names, resolve_model
+from cli import UsageError, add_model, add_seed, floats, names, resolve_model
 from formats.checkpoint import check_folder, load_checked
 from gate import Scorer
 from harness import quality as Q
 from harness import ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
 from model import chat_template
-from teacher import KVzipTeacher, encode_text
+from prompts import encode_text
+from teacher import KVzipTeacher
 
 VARIANTS = ("scored", "oracle", "layer")
 
@@ -161,7 +162,7 @@ def summary(records, methods, budgets):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gemma3-270m-gguf", help="model alias or folder")
+    add_model(p)
     p.add_argument("--gate", default=None, help="gate file (default: the model's bundled gate)")
     p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1",
                    help="comma list of RULER NIAH tasks")
@@ -172,7 +173,7 @@ def main(argv=None):
                    help="compression ratios (1 - budget), comma list")
     p.add_argument("--chunk-size", type=int, default=16384, help="prefill chunk (tokens)")
     p.add_argument("--window", type=int, default=4096, help="local window cap (METHOD.md §6)")
-    p.add_argument("--seed", type=int, default=42, help="RULER samples' seed")
+    add_seed(p, "the RULER samples", default=42)
     p.add_argument("--out", required=True, help="folder: records.jsonl (resumable), summary.md")
     args = p.parse_args(argv)
     args.tasks = names(args.tasks)

@@ -22,12 +22,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import generate
 from cache import Budget, EvictingCache
-from cli import OFFLINE_DEFAULT, resolve_model
+from cli import add_model, add_threads, resolve_model
 from formats.checkpoint import load_checked, read_tokenizer
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
-from teacher import encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
 
 
 def prefill_ours(model, method, budget, ids, n_protected, args):
@@ -72,18 +72,18 @@ def profile_decode(name, step, logits, kv_bytes, weight_bytes, head_ms, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=OFFLINE_DEFAULT)
+    add_model(p)
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--budget", type=float, default=0.3)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--threads", type=int, default=2)
+    add_threads(p, default=2)
     p.add_argument("--rows", type=int, default=12)
     args = p.parse_args()
-    if (not 0 < args.budget <= 1 or min(args.length, args.steps, args.chunk, args.threads) < 1
+    if (not 0 < args.budget <= 1 or min(args.length, args.steps, args.chunk) < 1
         or args.window < 0):
-        p.error("--budget must be in (0, 1]; --length, --steps, --chunk and --threads >= 1; "
+        p.error("--budget must be in (0, 1]; --length, --steps and --chunk >= 1; "
                 "--window >= 0")
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model)

@@ -24,18 +24,18 @@ from torch.profiler import ProfilerActivity, profile
 import cli
 import generate
 from cache import Budget
-from cli import OFFLINE_DEFAULT, resolve_model
+from cli import resolve_model
 from formats.checkpoint import load_checked, read_tokenizer
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
-from teacher import encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=OFFLINE_DEFAULT, help="an offline model or a model folder")
+    cli.add_model(p)
     p.add_argument("--lengths", type=cli.ints, default=[2048], help="context lengths in tokens")
     p.add_argument("--budget", type=float, default=0.3, help="Fast KVzip's budget")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each, taken in turn")
@@ -43,13 +43,13 @@ def main():
                    help="prefill chunk (bench.py's --speed-chunk)")
     p.add_argument("--window", type=int, default=512,
                    help="local window (bench.py's --speed-window)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    cli.add_threads(p, default=2)
     p.add_argument("--rows", type=int, default=12, help="operators shown per profile")
     p.add_argument("--no-profile", action="store_true", help="timings only")
     args = p.parse_args()
-    if (not 0 < args.budget <= 1 or min(min(args.lengths), args.repeats, args.chunk, args.threads)
-        < 1 or args.window < 0):
-        p.error("--budget must be in (0, 1]; --lengths, --repeats, --chunk and --threads >= 1; "
+    if (not 0 < args.budget <= 1 or min(min(args.lengths), args.repeats, args.chunk) < 1
+        or args.window < 0):
+        p.error("--budget must be in (0, 1]; --lengths, --repeats and --chunk >= 1; "
                 "--window >= 0")
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model)

@@ -44,16 +44,8 @@ from cache import Budget, EvictingCache
 from cli import UsageError, pyplot, save_figure, write_text
 from formats.gate_file import resolve_gate
 from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
-from teacher import (
-    KVzipTeacher,
-    TeacherCache,
-    agreement,
-    digit_tokens,
-    encode_prompt,
-    encode_text,
-    pool_agreement,
-    question_ids,
-)
+from prompts import encode_prompt, encode_text, question_ids
+from teacher import KVzipTeacher, TeacherCache, agreement, digit_tokens, pool_agreement
 
 AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
 TASKS = AVERAGED + ("agreement",)

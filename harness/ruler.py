@@ -12,7 +12,7 @@ strings a prediction must contain; kvpress's RULER files name it `answer`, other
 file splits RULER's text (ruler_tasks.to_row). A row is fed as kvpress's pipeline feeds it
 (harness/kvpress_prompt.py: the context in one user turn of the chat template, compressed with
 the template's opening, only 4 sink tokens protected; each question after it, then the model's
-turn, then the answer prefix), or, as an option, in the harness's layout (teacher.prompt_format:
+turn, then the answer prefix), or, as an option, in the harness's layout (prompts.prompt_format:
 the authors' system prompt, never evicted, before the context). Files in that layout (JSONL or
 parquet, e.g. kvpress's own RULER-4K file) are read as they are (read_dataset) and fed the same
 way, so a local copy of the leaderboard's file gives its exact samples and prompts.
@@ -40,7 +40,8 @@ from harness.ruler_tasks import (
     make_samples,
     suite_name,
 )
-from teacher import KVzipTeacher, encode_prompt, encode_text
+from prompts import encode_prompt, encode_text
+from teacher import KVzipTeacher
 
 COLUMNS = ("context", "question", "answer_prefix", "answer", "max_new_tokens", "task")
 
@@ -279,7 +280,7 @@ def contexts(tok, fmt, exp, max_positions):
     as it is made (a file's rows were checked before the run: check_fit)."""
     assert isinstance(fmt, KvpressFormat) == (exp.ruler_prompt == "kvpress"), \
         "fmt must be the prompt exp.ruler_prompt names (kvpress_prompt.kvpress_format, or " \
-        "teacher.prompt_format for the harness's)"
+        "prompts.prompt_format for the harness's)"
     if exp.dataset:
         samples = to_samples(tok, fmt, read_dataset(exp.dataset))
         return len(samples), samples.__getitem__
@@ -295,7 +296,7 @@ def contexts(tok, fmt, exp, max_positions):
 def context_ids(tok, fmt, context):
     """A context as it is fed -> (ids, n_protected). kvpress's prompt (fmt a KvpressFormat): the
     template's opening and the context, compressed as a whole but for the presses' sink tokens;
-    the harness's (a teacher.PromptFormat): the authors' system prompt, never evicted, then the
+    the harness's (a prompts.PromptFormat): the authors' system prompt, never evicted, then the
     context."""
     if isinstance(fmt, KvpressFormat):
         ids = kvpress_prompt.context_ids(tok, fmt, context)

@@ -48,7 +48,7 @@ import string
 import uuid
 from pathlib import Path
 
-from teacher import encode_text
+from prompts import encode_text
 
 # RULER's task list (scripts/synthetic.yaml) less the two QA tasks (not offline: see above)
 NIAH = dict(  # name -> (haystack, key type, value type, keys, values per key, queried keys)

@@ -31,7 +31,7 @@ from commands.generate import build_inputs
 from formats.cache_file import load_cache, save_cache
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
-from teacher import prompt_format
+from prompts import prompt_format
 
 QUESTION = "Who is the first person named in the text?"
 
@@ -121,12 +121,12 @@ def main():
     p.add_argument("--window", type=int, default=4096, help="local window (generate.py's default)")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy answer tokens compared")
     p.add_argument("--repeats", type=int, default=3, help="loads of each file (median)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    cli.add_threads(p)
     p.add_argument("--out", default="benchmarks/saved-cache-cpu", help="results.json/.md go here")
     args = p.parse_args()
-    counts = min(args.lengths), args.new_tokens, args.repeats, args.threads, args.chunk_size
+    counts = min(args.lengths), args.new_tokens, args.repeats, args.chunk_size
     if min(counts) < 1 or not all(0 < b <= 1 for b in args.budgets):
-        p.error("--lengths, --new-tokens, --repeats, --threads, --chunk-size >= 1; "
+        p.error("--lengths, --new-tokens, --repeats, --chunk-size >= 1; "
                 "budgets in (0, 1]")
     torch.set_num_threads(args.threads)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -19,7 +19,8 @@ from formats.gate_file import save_gate
 from harness.quality import DEFAULT_LEVEL, log, method_cache, model_info
 from harness.timing import time_scorer
 from model import ModelConfig, Transformer, load_tokenizer
-from teacher import KVzipTeacher, prompt_format
+from prompts import prompt_format
+from teacher import KVzipTeacher
 
 # ---- 1. Speed and memory through the real path (generate.prefill and answer on fresh caches) -----
 

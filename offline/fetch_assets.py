@@ -28,7 +28,6 @@ seconds); MANIFEST.txt is rewritten whenever it does not describe the files on d
 
     python -m offline.fetch_assets                # build what is missing (first run about a minute)
     python -m offline.fetch_assets --force austen # rebuild one part
-    python offline/fetch_assets.py                # the same, run by its path
 
 Tests and benchmarks import this file for the paths: `assets_dir()`, `asset_path(...)`,
 `text_docs(corpus)` and `tokenizer_file(name)` (tests/assets.py's `require_asset(...)` wraps them).
@@ -49,8 +48,11 @@ import zipfile
 import zlib
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:  # run by its path: the project's modules are above
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# run by its path, the project's modules (cli) are not importable: say how to run it, in one line
+if __name__ == "__main__" and not __package__:
+    print("error: offline/fetch_assets.py is a module of the project: run `python -m "
+          "offline.fetch_assets` from the project's folder", file=sys.stderr)
+    sys.exit(2)
 
 from cli import UsageError, file_sha256, no_file_in_the_way, tree_sha256
 from cli import main as cli_main

@@ -143,14 +143,15 @@ def test_a_read_only_folder_is_a_one_line_error(tmp_path, monkeypatch, capsys, f
 
 
 def test_run_by_its_path_from_another_folder(tmp_path):
-    """`python offline/fetch_assets.py` (not -m) from elsewhere: it finds the project's modules (it
-    was ModuleNotFoundError: cli) and reports a bad --out in one line."""
+    """`python offline/fetch_assets.py` (not -m) from elsewhere: the project's modules are not on
+    the path, and no committed file edits the import path; one line says how to run it (it was
+    ModuleNotFoundError: cli), and nothing is touched."""
     f = tmp_path / "f"
     f.write_text("mine")
     r = subprocess.run([sys.executable, str(REPO / "offline" / "fetch_assets.py"), "--out", str(f)],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    one_line_error(r.returncode, r.stderr, f"--out {f} is a file, not a folder")
+    one_line_error(r.returncode, r.stderr, "python -m offline.fetch_assets", "project's folder")
     assert f.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["f"]
 
 

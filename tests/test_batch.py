@@ -14,7 +14,8 @@ from cli import UsageError
 from gate import Gates
 from generate import METHODS, Method, answer, generate_batch, make_cache, prefill, prefill_kvzip
 from kernels import RaggedKV, WindowKV
-from teacher import KVzipTeacher, PromptFormat, prompt_format
+from prompts import PromptFormat, prompt_format
+from teacher import KVzipTeacher
 from tests.helpers import assert_close, run_main, tiny_checkpoint, tiny_tokenizer
 
 CHUNK, WINDOW = 64, 16

@@ -20,7 +20,8 @@ from cli import OFFLINE_DEFAULT, UsageError, resolve_model
 from formats import gate_file
 from harness import quality, report, speed
 from offline import fetch_assets
-from teacher import KVzipTeacher, prompt_format
+from prompts import prompt_format
+from teacher import KVzipTeacher
 from tests.assets import require_asset
 from tests.helpers import QWEN3_TINY, assert_close
 
@@ -570,7 +571,7 @@ def test_quick_keeps_explicit_flags_and_checks_them(capsys):
 @pytest.mark.parametrize("flags,words", [
     (["--probe-tokens", "5"], "--probe-tokens must be >= 17"),
     (["--kv-questions", "9"], "--kv-questions 9"), (["--passkeys", "13"], "at most 12"),
-    (["--threads", "-1"], "--threads must be >= 0"), (["--budgets", ""], "--budgets (none)"),
+    (["--threads", "-1"], "--threads: must be >= 0"), (["--budgets", ""], "--budgets (none)"),
     (["--contexts", "0"], "--contexts must be >= 1"), (["--chunk-size", "0"],
                                                        "--chunk-size must be >= 1"),
     (["--window", "-5"], "--window must be >= 0"), (["--speed-budget", "0"], "--speed-budget 0.0"),

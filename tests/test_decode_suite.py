@@ -95,7 +95,7 @@ def smollm2_tok():
 def test_streams_hold_their_facts_where_they_claim(smollm2_tok):
     """Every probe's answer tokens spell the value its fact stated, at least `gap` tokens after the
     statement; the nll task's positions are document tokens, in order, none inside a fact."""
-    from teacher import PromptFormat
+    from prompts import PromptFormat
     tok = smollm2_tok
     exp = decode.DecodeExperiment(methods=["full"], budgets=[256], contexts=2, length=2000,
                                   gaps=[300, 900, 1500], prompt_tokens=64, generations=0,

@@ -17,7 +17,7 @@ from cli import OFFLINE_DEFAULT, OFFLINE_MODELS, resolve_model
 from formats.gate_file import save_gate
 from gate import Gates, GateScorer, RandomScorer
 from generate import answer, prefill
-from teacher import PromptFormat, encode_text, prompt_format, uses_chat
+from prompts import PromptFormat, encode_text, prompt_format, uses_chat
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +106,6 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--top-p", "0"], ["--top-p", "(0, 1]"]),
     (["--top-p", "2"], ["--top-p", "2"]),
     (["--budget", "nan"], ["--budget"]),
-    (["--seed", str(2**70)], ["--seed", "64 bits"]),
     (["--method", "kvzip", "--decode-tokens-per-head", "100"],
      ["kvzip", "--decode-tokens-per-head"]),
     (["--method", "full", "--decode-tokens-per-head", "100"], ["full", "--decode-tokens-per-head"]),
@@ -132,6 +131,16 @@ def test_bad_flags_fail_before_the_weights_load(capsys, no_weights, flags, words
     for w in words:
         assert w in line, line
 
+
+def test_a_seed_past_64_bits_is_refused_by_its_flag(capsys, no_weights):
+    """--seed is cli.add_seed's, as in every program: argparse refuses it (exit 2, its usage and
+    one error line), before the weights load."""
+    from generate import main
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(no_weights), "--prompt", "hi", "--seed", str(2**70)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].endswith(f"--seed: {2**70} does not fit in 64 bits"), err
 
 def test_device_without_cuda(capsys, no_weights):
     if torch.cuda.is_available():

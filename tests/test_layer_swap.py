@@ -10,7 +10,8 @@ import model as M
 from formats.gate_file import load_gate, save_gate
 from gate import GateScorer
 from harness import layer_swap, quality
-from teacher import KVzipTeacher, kept_by_rule, prompt_format
+from prompts import prompt_format
+from teacher import KVzipTeacher, kept_by_rule
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 from tests.test_bench import same_cache
 

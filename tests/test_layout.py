@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WINGS = ("harness", "offline", "formats", "commands")
 # the method: what a forker reads (README's "read in this order" walks it)
-METHOD = ("model", "kernels", "cache", "gate", "teacher", "generate", "train_gate")
+METHOD = ("model", "kernels", "cache", "gate", "prompts", "teacher", "generate", "train_gate")
 # the modules that lift out of the project with only what they import (tests/test_lift_out.py)
 LIFT_OUT = {"kernels": set(), "gate": set(), "cache": {"kernels"}}
 # the one import from a top-level module into a wing: cli.resolve_model converts an offline model
@@ -89,7 +89,8 @@ def lines_of(name):
 
 def test_top_level_is_the_method_and_its_programs():
     top = sorted(p.name for p in ROOT.glob("*.py"))
-    assert len(top) <= 10, top
+    # eight method modules (METHOD) and three edges: cli.py, bench.py, features.py
+    assert len(top) <= 11, top
     lines = {p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in ROOT.glob("*.py")}
     assert max(lines.values()) < 800, lines
     for wing in WINGS:
@@ -98,7 +99,7 @@ def test_top_level_is_the_method_and_its_programs():
 
 def test_the_method_modules_hold_the_method():
     """Together under 4,000 lines, each under 800; checks are short asserts or moved to the
-    edges (formats/, commands/, cli.py): at most 64 `raise` in the seven (130 before the move)."""
+    edges (formats/, commands/, cli.py): at most 64 `raise` in the eight (130 before the move)."""
     lines = {m: lines_of(m) for m in METHOD}
     assert sum(map(len, lines.values())) < 4000, {m: len(x) for m, x in lines.items()}
     assert max(map(len, lines.values())) < 800, {m: len(x) for m, x in lines.items()}

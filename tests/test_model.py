@@ -15,7 +15,7 @@ import model as M
 from cache import KVCache
 from cli import _HUB_FILES, ALIASES, OFFLINE_DEFAULT, parse_device, resolve_model
 from formats.checkpoint import check_config, load_checked, read_config, read_tokenizer
-from teacher import PromptFormat, encode_prompt, prompt_format, question_ids, uses_chat
+from prompts import PromptFormat, encode_prompt, prompt_format, question_ids, uses_chat
 from tests.helpers import assert_close, edit_config, hf_model, tiny_checkpoint
 
 VOCAB = 384  # helpers.QWEN3_TINY / GEMMA3_TINY

@@ -9,7 +9,7 @@ import torch
 from gate import StreamingScorer
 from harness import needle_oracle as O
 from harness import ruler_tasks
-from teacher import encode_text
+from prompts import encode_text
 from tests.assets import require_asset
 
 

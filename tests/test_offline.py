@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from offline import models
 from offline.fetch_assets import text_docs
-from teacher import prompt_format
+from prompts import prompt_format
 from tests.assets import require_asset
 from tests.helpers import assert_close, hf_model
 

@@ -24,7 +24,7 @@ def test_the_example_is_short_and_uses_the_method_modules_only():
     assert len(lines) <= 13, lines
     modules = set(re.findall(r"^(?:from|import) (\w+)", code, flags=re.M))
     # the method's modules and the edge that resolves a model name; no file-format wing
-    assert modules <= {"torch", "cache", "cli", "gate", "generate", "model", "teacher"}, modules
+    assert modules <= {"torch", "cache", "cli", "gate", "generate", "model", "prompts"}, modules
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ from generate import make_cache
 from harness import quality as Q
 from harness import ruler
 from harness.kvpress_prompt import kvpress_format
-from teacher import KVzipTeacher, prompt_format
+from prompts import prompt_format
+from teacher import KVzipTeacher
 from tests.helpers import tiny_checkpoint, tiny_tokenizer
 
 CHUNK, WINDOW = 1024, 16  # one prefill chunk: every cache is the captured prefill, replayed

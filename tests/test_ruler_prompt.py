@@ -11,7 +11,7 @@ from cli import UsageError
 from harness import ruler, ruler_tasks
 from harness.kvpress_prompt import N_SINK, KvpressFormat, kvpress_format
 from model import ModelConfig, chat_template, load_tokenizer
-from teacher import prompt_format
+from prompts import prompt_format
 from tests.assets import require_asset
 
 # a context with leading whitespace (Gemma's template trims it) and the text of control tokens,

@@ -27,7 +27,8 @@ from formats.cache_file import CacheFileError, load_cache, read_header, save_cac
 from formats.gate_file import gate_sha256, resolve_gate, save_gate
 from gate import Gates
 from generate import METHODS, begin_answer, decode_one, make_cache, prefill, prefill_kvzip, sample
-from teacher import KVzipTeacher, prompt_format
+from prompts import prompt_format
+from teacher import KVzipTeacher
 from tests.helpers import edit_config, run_main, tiny_checkpoint, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ from helpers import assert_close, tiny_checkpoint, tiny_tokenizer
 
 import model as M
 from cache import KVCache
-from teacher import PREV_TOKENS, REPEAT_FIRST, REPEAT_NEXT, KVzipTeacher, prompt_format
+from prompts import prompt_format
+from teacher import PREV_TOKENS, REPEAT_FIRST, REPEAT_NEXT, KVzipTeacher
 
 
 def tiny_model_folder(root, arch, seed=0):

@@ -20,7 +20,7 @@ import model as M
 from cli import resolve_model
 from formats.checkpoint import read_config, read_tokenizer
 from formats.gate_file import gate_sha256, load_gate, save_gate
-from teacher import CONTROL_TOKENS, encode_prompt, encode_text, prompt_format, question_ids
+from prompts import CONTROL_TOKENS, encode_prompt, encode_text, prompt_format, question_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 GEMMA_CFG = dict(model_type="gemma3_text", vocab_size=262144, hidden_size=64, intermediate_size=128,
@@ -209,12 +209,12 @@ def test_control_strings_in_user_text_make_no_control_ids():
                 [i for i in question_ids(tok, fmt, "What?") if i in control_ids], (name, fmt)
 
 
-def test_ids_are_made_in_teacher_py_only():
-    """Where ids are made decides what reaches the embedding: outside teacher.py (encode_text,
+def test_ids_are_made_in_prompts_py_only():
+    """Where ids are made decides what reaches the embedding: outside prompts.py (encode_text,
     encode_prompt) no program or harness module calls the tokenizer's own encode (it parses special
     tokens in any text)."""
     for path in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("harness/*.py")):
-        if path.name != "teacher.py":
+        if path.name != "prompts.py":
             assert "add_special_tokens=" not in path.read_text(encoding="utf-8"), path
 
 

@@ -23,7 +23,7 @@ from cache import Batch, Budget
 from cli import resolve_model
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
-from teacher import encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
 
 torch.set_num_threads(1)
 name, steps, length = sys.argv[1], 16, 512

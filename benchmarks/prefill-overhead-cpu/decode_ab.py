@@ -18,18 +18,18 @@ import torch
 import generate
 import model as M
 from cache import Budget, EvictingCache
-from cli import resolve_model
+from cli import add_model, add_threads, resolve_model
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
 from harness.speed import load_peer, peer_prefill
-from teacher import encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
 
 p = argparse.ArgumentParser()
-p.add_argument("--model", default="smollm2-135m-gguf")
+add_model(p, default="smollm2-135m-gguf")
 p.add_argument("--length", type=int, default=2048)
 p.add_argument("--steps", type=int, default=16)
 p.add_argument("--rounds", type=int, default=5)
-p.add_argument("--threads", type=int, default=1)
+add_threads(p)
 a = p.parse_args()
 torch.set_num_threads(a.threads)
 folder = resolve_model(a.model)

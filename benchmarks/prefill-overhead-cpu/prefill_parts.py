@@ -22,16 +22,16 @@ import gate
 import generate
 import model as M
 from cache import Budget
-from cli import resolve_model
+from cli import add_model, add_threads, resolve_model
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
-from teacher import encode_prompt, prompt_format
+from prompts import encode_prompt, prompt_format
 
 p = argparse.ArgumentParser()
-p.add_argument("--model", default="smollm2-135m-gguf")
+add_model(p, default="smollm2-135m-gguf")
 p.add_argument("--lengths", default="2048,8192")
 p.add_argument("--repeats", type=int, default=1)
-p.add_argument("--threads", type=int, default=1)
+add_threads(p)
 p.add_argument("--budget", type=float, default=0.3)
 p.add_argument("--chunk", type=int, default=2048)
 p.add_argument("--window", type=int, default=512)
