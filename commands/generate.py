@@ -291,9 +291,9 @@ def build_inputs(tok, fmt, context, questions=None):
 
 def make_request(tok, fmt, context, questions, budget, max_new_tokens, max_positions, where="",
                  flag="--max-new-tokens", method="full"):
-    """generate.prefill_request's request dict for one context and its questions, refused with one line when
-    context + question + answer would not fit in the model's positions, or when the window would
-    leave `method` nothing to choose (check_window)."""
+    """generate.prefill_request's request dict for one context and its questions, refused with
+    one line when context + question + answer would not fit in the model's positions, or when the
+    window would leave `method` nothing to choose (check_window)."""
     ids, n_protected, qs = build_inputs(tok, fmt, context, questions)
     longest = len(ids) + max(len(q) for _, q in qs) + max_new_tokens
     if longest > max_positions:
@@ -325,9 +325,10 @@ def check_window(method, budget, n_context, where=""):
 
 
 def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions, where):
-    """generate.load_request's request dict for a saved cache and the questions asked of it: refused with
-    one line when its system prompt is not this prompt format's (another --chat / --thinking: the
-    questions would be asked in another format) or when the answers would not fit in the model."""
+    """generate.load_request's request dict for a saved cache and the questions asked of it:
+    refused with one line when its system prompt is not this prompt format's (another --chat /
+    --thinking: the questions would be asked in another format) or when the answers would not fit
+    in the model."""
     qs = build_inputs(tok, fmt, "", questions)[2]
     with safe_open(str(path), framework="pt") as f:  # the prompt ids: a small tensor of the file
         system = f.get_tensor("ids")[:state["n_protected"]].tolist()
@@ -376,10 +377,10 @@ def load_saved(model, req, scorer, loaded, index):
 
 def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, method="full",
                   from_file=None):
-    """--batch FILE -> generate.prefill_request's requests (cli.read_batch reads and checks the file). budget (a
-    cache.Budget) and max_new_tokens: the flags, the defaults; method: what will score the KV pairs
-    (check_window). from_file(path, questions, max_new_tokens, where): the request of a "cache_file"
-    line (a saved cache, checked against the model)."""
+    """--batch FILE -> generate.prefill_request's requests (cli.read_batch reads and checks the
+    file). budget (a cache.Budget) and max_new_tokens: the flags, the defaults; method: what will
+    score the KV pairs (check_window). from_file(path, questions, max_new_tokens, where): the
+    request of a "cache_file" line (a saved cache, checked against the model)."""
     reqs = []
     for where, r in cli.read_batch(path, budget.ratio, max_new_tokens):
         if r["cache_file"]:
