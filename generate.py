@@ -268,7 +268,7 @@ def stop_rule(stop_ids=(), answer_stop_ids=None, ends_line=None):
 
 def decode_step(model, batch, active):
     """One forward of every answering request's last token (the rows of a cache.Batch, or a lone
-    request's own cache) -> each request's next logits."""
+    request's own cache): each request's logits are then its next token's."""
     tokens = [r.out[-1] for r in active]
     if batch is None:
         logits = decode_one(model, active[0].cache, tokens[0])[None]
@@ -314,28 +314,29 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
     emb = model.model.embed_tokens.weight
     batch = Batch(model.config, emb.dtype, emb.device) if batch_size > 1 else None
     stops = stop_rule(stop_ids, answer_stop_ids, ends_line)
-    requests, active, ended = iter(requests), [], []
+    # between: requests not answering, just admitted or whose answer just ended
+    requests, active, between = iter(requests), [], []
     while True:
-        ended += islice(requests, batch_size - len(active) - len(ended))  # admitted: prefilled
-        if not active and not ended:
+        between += islice(requests, batch_size - len(active) - len(between))  # admitted
+        if not active and not between:
             return
-        for r in ended:  # their next question, alone, then into the batch
+        for r in between:  # their next question, alone, then into the batch
             yield from between_answers(model, r)
             if r.out is not None:
                 if batch:
                     batch.join(r.cache)
                 active.append(r)
-        ended = []
+        between = []
         for r in active:  # every answering request samples its next token: appended, or it stops
             token = next_token(r.logits, r.cache.dtype, len(r.out), temperature, top_p, r.generator)
             if stops(r, token):
-                ended.append(r)
+                between.append(r)
                 continue
             r.out.append(token)
             yield "token", r
             if len(r.out) == r.max_new_tokens:
-                ended.append(r)
-        for r in ended:  # those whose answer ended leave the batch
+                between.append(r)
+        for r in between:  # those whose answer ended leave the batch
             if batch:
                 batch.leave(r.cache)
             active.remove(r)

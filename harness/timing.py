@@ -47,7 +47,8 @@ class TokenClock:
         """The next token is an answer's first (it comes from the question's forward)."""
         self.last = None
 
-    def token(self):
+    def token(self, _=None):
+        """A token arrived (generate.answer's on_token passes it; its value is not needed)."""
         now = time.perf_counter()
         if self.last is not None:
             self.seconds += now - self.last

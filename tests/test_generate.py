@@ -387,6 +387,24 @@ def test_an_answer_without_decode_steps_has_no_decode_speed(capsys, tiny_folder)
         assert ("decode" in cli.summary_line(stats)) == has_speed
 
 
+def test_token_clock_times_each_answer_from_its_first_token(monkeypatch):
+    """Decode speed measured from outside the method (harness.timing.TokenClock): per answer, the
+    seconds from its first token to its last, over its tokens after the first; the time before an
+    answer's first token (its question's forward) is not counted."""
+    import types
+
+    from harness import timing
+    now = iter([10.0, 10.5, 11.5, 20.0, 20.25])  # the clock at each token: 3, then 2 tokens
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: next(now)))
+    clock = timing.TokenClock()
+    assert clock.tokens_per_s is None
+    for token in (7, 8, 9):
+        clock.token(token)
+    clock.new_answer()
+    clock.token(), clock.token()
+    assert clock.steps == 3 and clock.seconds == 1.75 and clock.tokens_per_s == 3 / 1.75
+
+
 def test_a_base_model_is_prompted_as_one_whatever_its_name(capsys):
     """The offline Gemma 3 270M is a base model (its tokenizer has no chat template): named by its
     folder, it got the chat template and answered "Water boils at" with "The temperature of". By
