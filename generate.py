@@ -7,12 +7,13 @@ by one from the same compressed cache, each rolled back afterwards (METHOD.md §
 setting). Many requests decode together: each is prefilled alone, then their rows join one ragged
 cache (cache.Batch), one forward of one token each per step.
 
-Read first: prefill, then decode. `python generate.py ...` keeps its command line (flags, requests,
-batch files, saved caches, printing) in commands/generate.py.
+Read first: prefill, then answer (one question), then decode (many requests). `python generate.py
+...` keeps its command line (flags, requests, batch files, saved caches, printing, the time each
+step took) in commands/generate.py.
 """
 import sys
-import time
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
@@ -142,12 +143,42 @@ def begin_answer(model, cache, question_ids, last_logits=None, max_new_tokens=No
 
 
 # -------------------------------------------------------------------------------------------------
-# requests: one setup (cache + prefill), one decode loop for a lone request and for a batch
+# answering: one question from one cache, then many requests decoding together
+
+def next_token(logits, dtype, n_out, temperature=0.0, top_p=1.0, generator=None):
+    """sample(), refusing logits that are not finite (argmax of NaN is token 0: never answer that);
+    dtype: what they were computed in, n_out: tokens generated so far (for the message)."""
+    if not torch.isfinite(logits).all():
+        raise ModelError(f"the model's logits are inf/NaN after {n_out} generated tokens, "
+                         f"computed in {dtype}")
+    return sample(logits, temperature, top_p, generator)
+
+
+@torch.no_grad()
+def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0, top_p=1.0,
+           generator=None, on_token=None, last_logits=None):
+    """Append the question to a cache and generate until a stop id or max_new_tokens, the answer
+    left in the cache -> its token ids. With no question ids, generation continues the prefill
+    (whose last logits are last_logits). on_token(token): each token as it is generated."""
+    check_answer(cache, question_ids, max_new_tokens, last_logits)
+    logits = begin_answer(model, cache, question_ids, last_logits, max_new_tokens)
+    out = []
+    for i in range(max_new_tokens):
+        token = next_token(logits, cache.dtype, i, temperature, top_p, generator)
+        if token in stop_ids:
+            break
+        out.append(token)
+        if on_token:
+            on_token(token)
+        if i + 1 < max_new_tokens:  # the last token is never fed back (begin_answer reserved)
+            logits = decode_one(model, cache, token)
+    return out
+
 
 @dataclass
-class Method:
+class Compression:
     """What scores and evicts the KV pairs of every request of a run (make_cache)."""
-    name: str = "fastkvzip"  # one of gate.METHODS
+    method: str = "fastkvzip"  # one of gate.METHODS
     gates: object = None  # fastkvzip: the gate.Gates (formats.gate_file.resolve_gate loads them)
     teacher: object = None  # kvzip: the teacher.KVzipTeacher that scores the context
     level: str = None  # eviction structure (cache.LEVELS); None: the scorer's own
@@ -159,101 +190,113 @@ class Method:
 
 @dataclass(eq=False)
 class Request:
-    """One request while it is answered, its whole state declared here: the cache it prefilled
-    alone, the question being answered and its answer so far, the answers given, the time spent."""
+    """One request while it is answered, all that decoding needs: the cache it prefilled alone, its
+    questions, the answer being decoded and the answers given."""
     cache: object
     questions: list  # [(text, ids)]; text "" continues the context, until the plain stop ids
     max_new_tokens: int
     logits: torch.Tensor  # the next token is sampled from these; at first the prefill's last logits
     generator: torch.Generator = None  # sampling: seeded per request, as a run of it alone
-    rollback: bool = True  # roll the cache back after each answer (answer() leaves it in)
-    index: int = 0  # in the list of requests
-    ids: list = ()  # system prompt ⊕ context
-    n_protected: int = 0
-    method: str = "full"
-    budget: float = 1.0
-    prefill_s: float = 0.0
-    kv_bytes: int = 0  # held after prefill
-    peak_kv_bytes: int = 0
-    q: int = -1  # the question being answered
+    question_index: int = -1  # in questions, the one being answered
     out: list = None  # its answer so far; None between answers
     state: dict = None  # the cache's checkpoint from before the question
     answers: list = field(default_factory=list)  # [{"question", "output_ids"}]
-    decode_s: float = 0.0  # the decode steps this request took part in
-    n_decoded: int = 0
-    n_steps: int = 0  # decode forwards that gave it a token (an answer's first is its question's)
 
-    def begin(self, model):
-        """Start question self.q alone: checkpoint, then the question's forward."""
-        if self.rollback:
-            self.state = self.cache.checkpoint()
-        self.logits = begin_answer(model, self.cache, self.questions[self.q][1], self.logits,
-                                   self.max_new_tokens)
+    def ask(self, model):
+        """Start question question_index alone: checkpoint, then the question's forward."""
+        self.state = self.cache.checkpoint()
+        self.logits = begin_answer(model, self.cache, self.questions[self.question_index][1],
+                                   self.logits, self.max_new_tokens)
         self.out = []
 
-    def sample(self, temperature, top_p):
-        if not torch.isfinite(self.logits).all():  # argmax of NaN is token 0: never answer that
-            dtype = self.cache.dtype  # a wider dtype is advice only where one exists
-            wider = {torch.float16: "; its range may be too small: try --dtype bfloat16 or "
-                     "float32", torch.bfloat16: "; try --dtype float32"}.get(dtype, "")
-            raise ModelError(f"the model's logits are inf/NaN after {len(self.out)} generated "
-                             f"tokens, computed in {dtype}{wider}")
-        return sample(self.logits, temperature, top_p, self.generator)
 
-
-def setup(model, req, method=Method(), seed=0, index=0):
+def prefill_request(model, req, compression=Compression(), seed=0):
     """A request made ready to answer, from plain values: req {"ids": system prompt ⊕ context ids,
     "n_protected": system prompt length, "questions": [(text, ids)], "budget": a cache.Budget,
-    "max_new_tokens"} -> a Request whose cache for `method` is prefilled alone. Budget 1.0 without
-    decode-time eviction keeps every pair: the full cache, no scorer (and no gate) needed."""
-    ids, n_protected, budget = req["ids"], req["n_protected"], req["budget"]
-    keeps_all = budget.ratio == 1.0 and method.decode_tokens_per_head is None
-    name = "full" if keeps_all else method.name
-    if name == "kvzip" and method.teacher is None:
-        raise ArgumentError("setup: kvzip needs its teacher (Method(teacher=KVzipTeacher(...)))")
-    cache = make_cache(name, model, n_protected, level=method.level,
-                       decode_tokens_per_head=method.decode_tokens_per_head, seed=seed,
-                       gates=method.gates)
-    if method.wrap_scorer is not None and getattr(cache, "scorer", None) is not None:
-        cache.scorer = method.wrap_scorer(cache.scorer)
-    t0 = time.perf_counter()
-    if name == "kvzip":
-        logits = prefill_kvzip(model, method.teacher, cache, ids, n_protected, budget)
+    "max_new_tokens"} -> a Request whose cache is made for `compression` and prefilled alone.
+    Budget 1.0 without decode-time eviction keeps every pair: the full cache, no scorer (and no
+    gate) needed."""
+    ids, n_protected, budget, how = req["ids"], req["n_protected"], req["budget"], compression
+    keeps_all = budget.ratio == 1.0 and how.decode_tokens_per_head is None
+    method = "full" if keeps_all else how.method
+    if method == "kvzip" and how.teacher is None:
+        raise ArgumentError("prefill_request: kvzip needs its teacher "
+                            "(Compression(teacher=KVzipTeacher(...)))")
+    cache = make_cache(method, model, n_protected, level=how.level,
+                       decode_tokens_per_head=how.decode_tokens_per_head, seed=seed,
+                       gates=how.gates)
+    if how.wrap_scorer is not None and getattr(cache, "scorer", None) is not None:
+        cache.scorer = how.wrap_scorer(cache.scorer)
+    if method == "kvzip":
+        logits = prefill_kvzip(model, how.teacher, cache, ids, n_protected, budget)
     else:
         logits = prefill(model, cache, ids, n_protected, budget)
     return Request(cache, req["questions"], req["max_new_tokens"], logits,
-                   torch.Generator().manual_seed(seed), index=index, ids=ids,
-                   n_protected=n_protected, method=name, budget=budget.ratio,
-                   prefill_s=time.perf_counter() - t0, kv_bytes=cache.nbytes,
-                   peak_kv_bytes=cache.peak_nbytes)
+                   torch.Generator().manual_seed(seed))
 
 
-def resume(model, req, method, seed, index, load):
-    """setup() for a request whose cache was saved: load(scorer) -> (cache, info) reads it
-    (formats.cache_file.load_cache, through the command line). The file decides what its prefill
-    did (method, budget, decode-time eviction); `method` only lends the scorer that goes on
-    evicting while decoding (the same gate; the file checks it is the scorer it had)."""
-    state, scorer = req["cache_state"], None
+def load_request(model, req, compression, seed, load):
+    """prefill_request() for a request whose cache was saved: load(scorer) -> (cache, info) reads
+    it (formats.cache_file.load_cache, through the command line). The file decides what its
+    prefill did (method, budget, decode-time eviction); `compression` only lends the scorer that
+    goes on evicting while decoding (the same gate; the file checks it is the scorer it had)."""
+    state, scorer, how = req["cache_state"], None, compression
     if state.get("decode_tokens_per_head") is not None:
         scorer = make_cache(state["method"], model, state["n_protected"],
                             decode_tokens_per_head=state["decode_tokens_per_head"], seed=seed,
-                            gates=method.gates).scorer
-        scorer = method.wrap_scorer(scorer) if method.wrap_scorer else scorer
+                            gates=how.gates).scorer
+        scorer = how.wrap_scorer(scorer) if how.wrap_scorer else scorer
     cache, info = load(scorer)
     return Request(cache, req["questions"], req["max_new_tokens"], info["last_logits"],
-                   torch.Generator().manual_seed(seed), index=index, ids=info["ids"],
-                   n_protected=info["n_protected"], method=info["method"] or "full",
-                   budget=info["budget"] or 1.0, prefill_s=None, kv_bytes=cache.nbytes,
-                   peak_kv_bytes=cache.peak_nbytes)
+                   torch.Generator().manual_seed(seed))
 
 
-def generate_batch(model, requests, method=Method(), batch_size=1, stop_ids=(),
-                   answer_stop_ids=None, temperature=0.0, top_p=1.0, seed=0, ends_line=None):
-    """Answer requests (setup's dicts), at most batch_size decoding at once: each is prefilled when
-    it is admitted, then decode() answers it; yields decode's events."""
-    reqs = (setup(model, req, method, seed, i) for i, req in enumerate(requests))
-    return decode(model, reqs, batch_size, stop_ids, answer_stop_ids, temperature, top_p,
-                  ends_line)
+def stop_rule(stop_ids=(), answer_stop_ids=None, ends_line=None):
+    """-> stops(request, token): whether token ends the request's answer. answer_stop_ids (default
+    stop_ids) end an answer to a question; stop_ids end a continuation of the context (question
+    text ""). ends_line(answer so far, token) -> bool, for a base model's one-line answers
+    (teacher.one_line): also ends an answer to a question."""
+    plain = set(stop_ids)
+    asked = plain if answer_stop_ids is None else set(answer_stop_ids)
+
+    def stops(r, token):
+        if not r.questions[r.question_index][0]:
+            return token in plain
+        return token in asked or (ends_line is not None and ends_line(r.out, token))
+    return stops
+
+
+def decode_step(model, batch, active):
+    """One forward of every answering request's last token (the rows of a cache.Batch, or a lone
+    request's own cache): each request's logits are then its next token's."""
+    tokens = [r.out[-1] for r in active]
+    if batch is None:
+        logits = decode_one(model, active[0].cache, tokens[0])[None]
+    else:
+        logits = decode_batch(model, batch, tokens)  # (B, vocab)
+    for r, row in zip(active, logits):
+        r.logits = row
+
+
+def between_answers(model, r):
+    """A request whose answer just ended (or that was just prefilled): the answer kept, the cache
+    rolled back, its next question started alone, until one has tokens to decode (r.out == []) or
+    none is left (r.out is None). Yields decode()'s events."""
+    while True:
+        if r.out is not None:  # the answer that just ended
+            r.answers.append({"question": r.questions[r.question_index][0], "output_ids": r.out})
+            yield "answer", r
+            r.cache.rollback(r.state)
+            r.out = None
+        if r.question_index + 1 == len(r.questions):
+            yield "done", r
+            r.cache = None  # its memory is free before the next request is prefilled
+            return
+        r.question_index += 1
+        yield "question", r
+        r.ask(model)
+        if r.max_new_tokens > 0:  # else an empty answer, as asked
+            return
 
 
 @torch.no_grad()
@@ -264,81 +307,41 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
     the iterator `requests` as slots free) answer at once, their rows in one cache.Batch, one
     forward of one token each per step (batch_size 1: on the request's own cache). A request whose
     answer ends leaves the batch, starts its next question alone and rejoins. Greedy answers are
-    the ones each request gets alone (tests/test_batch.py). Yields (event, request): "question"
-    (request.q starts), "token" (request.out[-1]), "answer" (request.answers[-1], before the
-    rollback), "done" (its cache still readable). answer_stop_ids (default stop_ids) end an
-    answer to a question; stop_ids end a continuation of the context (question text "").
-    ends_line(answer so far, token) -> bool, for a base model's one-line answers (one_line): also
-    ends an answer to a question."""
+    the ones each request gets alone (tests/test_batch.py). Stops: stop_rule's. Yields (event,
+    request): "question" (request.question_index starts; its max_new_tokens may still change),
+    "token" (request.out[-1]; lowering max_new_tokens to len(out) ends the answer there),
+    "answer" (request.answers[-1], before the rollback), "done" (its cache still readable)."""
     emb = model.model.embed_tokens.weight
     batch = Batch(model.config, emb.dtype, emb.device) if batch_size > 1 else None
-    stops = set(stop_ids)
-    answer_stops = stops if answer_stop_ids is None else set(answer_stop_ids)
-    requests, active, starting = iter(requests), [], []
+    stops = stop_rule(stop_ids, answer_stop_ids, ends_line)
+    # between: requests not answering, just admitted or whose answer just ended
+    requests, active, between = iter(requests), [], []
     while True:
-        while len(active) + len(starting) < batch_size and (r := next(requests, None)) is not None:
-            starting.append(r)
-        if not active and not starting:
+        between += islice(requests, batch_size - len(active) - len(between))  # admitted
+        if not active and not between:
             return
-        for r in starting:  # those between questions: their next one, alone, then into the batch
-            while True:
-                if r.out is not None:  # the answer that just ended
-                    r.answers.append({"question": r.questions[r.q][0], "output_ids": r.out})
-                    r.n_decoded += len(r.out)
-                    yield "answer", r
-                    if r.rollback:
-                        r.cache.rollback(r.state)
-                    r.out = None
-                if r.q + 1 == len(r.questions):
-                    yield "done", r
-                    r.cache = None  # its memory is free before the next request is prefilled
-                    break
-                r.q += 1
-                yield "question", r
-                r.begin(model)
-                if r.max_new_tokens > 0:  # else an empty answer, as asked
-                    if batch:
-                        batch.join(r.cache)
-                    active.append(r)
-                    break
-        # every answering request samples its next token; those that stop leave the batch
-        t0, stepped, starting, tokens = time.perf_counter(), list(active), [], []
-        for r in stepped:
-            token = r.sample(temperature, top_p)
-            asked = bool(r.questions[r.q][0])
-            stop = token in (answer_stops if asked else stops) or (
-                asked and ends_line is not None and ends_line(r.out, token))
-            if not stop:
-                r.out.append(token)
-                yield "token", r
-            if stop or len(r.out) == r.max_new_tokens:
+        for r in between:  # their next question, alone, then into the batch
+            yield from between_answers(model, r)
+            if r.out is not None:
                 if batch:
-                    batch.leave(r.cache)
-                active.remove(r)
-                starting.append(r)
-            else:
-                tokens.append(token)
-        if tokens:  # one forward for every request still answering: one token each
-            logits = (decode_batch(model, batch, tokens) if batch else  # (B, vocab)
-                      decode_one(model, active[0].cache, tokens[0])[None])
-            for r, row in zip(active, logits):
-                r.logits = row
-        secs = time.perf_counter() - t0
-        for r in active:  # those a decode forward ran for (the others only sampled a last token)
-            r.decode_s, r.n_steps = r.decode_s + secs, r.n_steps + 1
-
-
-def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0, top_p=1.0,
-           generator=None, on_token=None, last_logits=None):
-    """Append the question to a cache and generate until a stop id (decode() for one question, the
-    answer left in the cache); returns (output ids, decode seconds). With no question ids,
-    generation continues the prefill (whose last logits are last_logits)."""
-    check_answer(cache, question_ids, max_new_tokens, last_logits)
-    r = Request(cache, [("", question_ids)], max_new_tokens, last_logits, generator, rollback=False)
-    for event, _ in decode(model, [r], 1, stop_ids, temperature=temperature, top_p=top_p):
-        if event == "token" and on_token:
-            on_token(r.out[-1])
-    return r.answers[0]["output_ids"], r.decode_s
+                    batch.join(r.cache)
+                active.append(r)
+        between = []
+        for r in active:  # every answering request samples its next token: appended, or it stops
+            token = next_token(r.logits, r.cache.dtype, len(r.out), temperature, top_p, r.generator)
+            if stops(r, token):
+                between.append(r)
+                continue
+            r.out.append(token)
+            yield "token", r
+            if len(r.out) == r.max_new_tokens:
+                between.append(r)
+        for r in between:  # those whose answer ended leave the batch
+            if batch:
+                batch.leave(r.cache)
+            active.remove(r)
+        if active:  # one forward for every request still answering: one token each
+            decode_step(model, batch, active)
 
 
 def check_answer(cache, question_ids, max_new_tokens, last_logits):
@@ -414,24 +417,25 @@ def main(argv=None):
 
     def run(args):
         job = command.prepare(args)  # flags checked, requests read, the gate and model loaded
-        model, seed, files = job.model, args.seed, {}  # files: where saved caches came from
-        method = Method(args.method, job.gates, job.teacher, args.level,
-                        args.decode_tokens_per_head, job.time_scorer)
+        model, seed = job.model, args.seed
+        compression = Compression(args.method, job.gates, job.teacher, args.level,
+                                  args.decode_tokens_per_head, job.time_scorer)
 
         def start(req, i):  # prefilled alone, or loaded from the file it was saved to
             if "cache_file" not in req:
-                return setup(model, req, method, seed, i)
-            load = lambda scorer: command.load_saved(model, req, scorer, files, i)
-            return resume(model, req, method, seed, i, load)
+                return prefill_request(model, req, compression, seed)
+            load = lambda scorer: command.load_saved(model, req, scorer, job.loaded, i)
+            return load_request(model, req, compression, seed, load)
 
+        # each made when decode() admits it, timed for the report by the command line
+        requests = (command.started(job, i, lambda: start(req, i))
+                    for i, req in enumerate(job.requests))
         if args.save_cache is not None:  # prefill, save, then answer (if asked) from that cache
-            requests = [setup(model, job.requests[0], method, seed)]
-            files[0] = command.save(args, job, requests[0])
-        else:  # each made when decode() admits it
-            requests = (start(req, i) for i, req in enumerate(job.requests))
+            requests = [next(requests)]
+            command.save(args, job, requests[0])
         events = decode(model, requests, job.batch_size, job.stop_ids, job.stop_ids,
                         args.temperature, args.top_p, job.ends_line)
-        command.show(args, job, events, files)
+        command.show(args, job, events)
 
     return command.main(argv, run)
 

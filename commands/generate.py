@@ -31,8 +31,9 @@ import os
 import stat
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+import torch
 from safetensors import safe_open
 
 import cli
@@ -51,7 +52,7 @@ from formats.cache_file import CacheFileError, check_cache_file, load_cache, rea
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from gate import METHODS
-from harness.timing import time_scorer
+from harness.timing import TokenClock, time_scorer
 from kernels import ArgumentError
 from model import ModelError, compute_dtype, model_identity
 from prompts import encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
@@ -287,9 +288,9 @@ def build_inputs(tok, fmt, context, questions=None):
 
 def make_request(tok, fmt, context, questions, budget, max_new_tokens, max_positions, where="",
                  flag="--max-new-tokens", method="full"):
-    """setup()'s request dict for one context and its questions, refused with one line when
-    context + question + answer would not fit in the model's positions, or when the window would
-    leave `method` nothing to choose (check_window)."""
+    """generate.prefill_request's request dict for one context and its questions, refused with
+    one line when context + question + answer would not fit in the model's positions, or when the
+    window would leave `method` nothing to choose (check_window)."""
     ids, n_protected, qs = build_inputs(tok, fmt, context, questions)
     longest = len(ids) + max(len(q) for _, q in qs) + max_new_tokens
     if longest > max_positions:
@@ -321,9 +322,10 @@ def check_window(method, budget, n_context, where=""):
 
 
 def file_request(tok, fmt, path, state, questions, max_new_tokens, max_positions, where):
-    """generate.resume's request dict for a saved cache and the questions asked of it: refused with
-    one line when its system prompt is not this prompt format's (another --chat / --thinking: the
-    questions would be asked in another format) or when the answers would not fit in the model."""
+    """generate.load_request's request dict for a saved cache and the questions asked of it:
+    refused with one line when its system prompt is not this prompt format's (another --chat /
+    --thinking: the questions would be asked in another format) or when the answers would not fit
+    in the model."""
     qs = build_inputs(tok, fmt, "", questions)[2]
     with safe_open(str(path), framework="pt") as f:  # the prompt ids: a small tensor of the file
         system = f.get_tensor("ids")[:state["n_protected"]].tolist()
@@ -352,10 +354,11 @@ def at_line(where, path, e):
     return CacheFileError(f"{where} {path}: {message}")
 
 
-def load_saved(model, req, scorer, files, index):
+def load_saved(model, req, scorer, loaded, index):
     """The cache a request of a saved cache answers from (formats.cache_file.load_cache; scorer:
-    what goes on evicting while decoding, generate.resume) -> (cache, info); what file_request
-    checked is checked again on what was loaded; files[index]: where it came from (stats_of)."""
+    what goes on evicting while decoding, generate.load_request) -> (cache, info); what
+    file_request checked is checked again on what was loaded; loaded[index]: the file's info, what
+    made the cache (started)."""
     path, state = req["cache_file"], req["cache_state"]
     try:
         cache, info = load_cache(path, model, scorer)
@@ -365,16 +368,16 @@ def load_saved(model, req, scorer, files, index):
                                  "system prompt or length): run again once it is written")
     except CacheFileError as e:  # found as it loads (a checksum): named after its batch line
         raise at_line(req.get("where"), path, e) from None
-    files[index] = ("file", str(path), info["load_seconds"])
+    loaded[index] = info
     return cache, info
 
 
 def read_requests(path, tok, fmt, max_positions, budget, max_new_tokens, method="full",
                   from_file=None):
-    """--batch FILE -> setup()'s requests (cli.read_batch reads and checks the file). budget (a
-    cache.Budget) and max_new_tokens: the flags, the defaults; method: what will score the KV pairs
-    (check_window). from_file(path, questions, max_new_tokens, where): the request of a "cache_file"
-    line (a saved cache, checked against the model)."""
+    """--batch FILE -> generate.prefill_request's requests (cli.read_batch reads and checks the
+    file). budget (a cache.Budget) and max_new_tokens: the flags, the defaults; method: what will
+    score the KV pairs (check_window). from_file(path, questions, max_new_tokens, where): the
+    request of a "cache_file" line (a saved cache, checked against the model)."""
     reqs = []
     for where, r in cli.read_batch(path, budget.ratio, max_new_tokens):
         if r["cache_file"]:
@@ -406,28 +409,47 @@ EXAMPLE = ("examples/persuasion-chapter-1.txt", "How old is Elizabeth?")  # READ
 # -------------------------------------------------------------------------------------------------
 # the run: check, load, answer, print
 
-def stats_of(r, source="prefill", cache_file=None, file_s=None):
-    """The `stats` object of --json for a generate.Request: speed, bytes held after prefill (and
-    their peak), what was kept. source: where the cache came from, "prefill" or "file" (loaded
-    from cache_file); file_s: the seconds the load (or the --save-cache save) took."""
-    cache, n, cfg = r.cache, len(r.ids), r.cache.cfg
+@dataclass(eq=False)
+class Stats:
+    """What --json tells of a request beside its answers, measured here from outside the method
+    (generate.Request holds only what decoding needs): started() fills it as the request is made,
+    show() as it decodes."""
+    index: int  # in the list of requests
+    ids: list  # system prompt ⊕ context
+    n_protected: int
+    method: str  # what compressed the cache: "full" when it keeps every pair
+    budget: float
+    prefill_s: float = None  # None: loaded from a file
+    kv_bytes: int = 0  # held after the prefill (or the load)
+    peak_kv_bytes: int = 0
+    source: tuple = ()  # stats_of's (source, cache_file, file_s): a loaded or saved cache
+    clock: TokenClock = field(default_factory=TokenClock)  # decode speed, from the tokens
+
+
+def stats_of(r, s):
+    """The `stats` object of --json for a generate.Request r and its Stats s: speed, bytes held
+    after prefill (and their peak), what was kept. s.source: where the cache came from, "prefill"
+    or "file" (loaded from cache_file), and the seconds the load (or the --save-cache save)
+    took."""
+    source, cache_file, file_s = s.source or ("prefill", None, None)
+    cache, n, cfg = r.cache, len(s.ids), r.cache.cfg
     compressed = list(cfg.compressed_layers)
-    per_layer = (cache.kept_fraction_per_layer(r.n_protected, n)
+    per_layer = (cache.kept_fraction_per_layer(s.n_protected, n)
                  if isinstance(cache, EvictingCache) else [1.0] * len(compressed))
-    return dict(method=r.method, budget=r.budget if r.method != "full" else 1.0,
-                prompt_tokens=n, context_tokens=n - r.n_protected,
+    return dict(method=s.method, budget=s.budget if s.method != "full" else 1.0,
+                prompt_tokens=n, context_tokens=n - s.n_protected,
                 compressed_layers=compressed,
                 n_layers=cfg.num_hidden_layers, sliding_window=cfg.sliding_window,
                 sliding_layers=[i for i in range(cfg.num_hidden_layers)
                                 if cfg.window(i) is not None and i not in compressed],
-                prefill_seconds=r.prefill_s,
-                prefill_tokens_per_s=n / r.prefill_s if r.prefill_s else None,
+                prefill_seconds=s.prefill_s,
+                prefill_tokens_per_s=n / s.prefill_s if s.prefill_s else None,
                 cache_source=source, cache_file=cache_file,
                 load_seconds=file_s if source == "file" else None,
                 save_seconds=file_s if source != "file" else None,
-                decode_tokens_per_s=r.n_steps / r.decode_s if r.n_steps else None,
-                kv_bytes=r.kv_bytes, kv_bytes_full=full_cache_bytes(cache, n),
-                peak_kv_bytes=r.peak_kv_bytes,
+                decode_tokens_per_s=s.clock.tokens_per_s,
+                kv_bytes=s.kv_bytes, kv_bytes_full=full_cache_bytes(cache, n),
+                peak_kv_bytes=s.peak_kv_bytes,
                 gate_seconds=getattr(getattr(cache, "scorer", None), "seconds", 0.0),
                 kept_fraction=sum(per_layer) / len(per_layer) if per_layer else 1.0,
                 kept_fraction_per_layer=per_layer)
@@ -438,13 +460,16 @@ class Job:
     """What prepare() hands the program's steps (generate.main)."""
     model: object
     tok: object
-    requests: list  # generate.setup's dicts; a saved cache's: file_request's
+    requests: list  # generate.prefill_request's dicts; a saved cache's: file_request's
     gates: object  # fastkvzip's gate.Gates, when a request needs them
     teacher: object  # kvzip's KVzipTeacher, when a request needs it
     ends_line: object  # a base model's one-line answers (prompts.one_line), else None
     stop_ids: list
     batch_size: int  # requests decoded at once
     time_scorer: object  # scorer -> the scorer, its seconds counted (harness/timing.py)
+    method: str  # --method
+    stats: dict = field(default_factory=dict)  # generate.Request -> its Stats (started)
+    loaded: dict = field(default_factory=dict)  # request index -> a saved cache's info (load_saved)
 
 
 def prepare(args):
@@ -507,34 +532,74 @@ def prepare(args):
     ends_line = None if fmt.postfix else one_line(tok)
     return Job(model, tok, reqs, gates, teacher, ends_line, cfg.eos_token_ids,
                args.batch_size if args.batch else 1,
-               lambda scorer: time_scorer(scorer, device))  # the stats' gate_seconds
+               lambda scorer: time_scorer(scorer, device), args.method)  # time_scorer: gate_seconds
+
+
+def started(job, index, make):
+    """make() -> request `index` of the job as a generate.Request (prefilled alone, or loaded from
+    a saved cache), timed here: its Stats kept in job.stats."""
+    t0 = time.perf_counter()
+    r = make()
+    seconds, req = time.perf_counter() - t0, job.requests[index]
+    info = job.loaded.pop(index, None)
+    if info is None:  # prefilled here; a cache that keeps every pair is the full cache
+        method = job.method if isinstance(r.cache, EvictingCache) else "full"
+        s = Stats(index, req["ids"], req["n_protected"], method, req["budget"].ratio, seconds)
+    else:  # what made the cache is the file's
+        s = Stats(index, info["ids"], info["n_protected"], info["method"] or "full",
+                  info["budget"] or 1.0, source=("file", str(req["cache_file"]),
+                                                 info["load_seconds"]))
+    s.kv_bytes, s.peak_kv_bytes = r.cache.nbytes, r.cache.peak_nbytes
+    job.stats[r] = s
+    return r
 
 
 def save(args, job, r):
-    """--save-cache: the prefilled request's cache, written -> the stats' (source, file, seconds)."""
+    """--save-cache: the prefilled request's cache, written; the time it took in its Stats."""
     check_save_target(args.save_cache, args.context_file)  # again: the prefill took a while
-    t0 = time.perf_counter()
-    save_cache(args.save_cache, r.cache, job.model, r.ids, r.logits, r.n_protected, r.method,
-               r.budget, args.chunk_size, args.window, prefill_seconds=r.prefill_s)
-    return ("prefill", args.save_cache, time.perf_counter() - t0)
+    s, t0 = job.stats[r], time.perf_counter()
+    save_cache(args.save_cache, r.cache, job.model, s.ids, r.logits, s.n_protected, s.method,
+               s.budget, args.chunk_size, args.window, prefill_seconds=s.prefill_s)
+    s.source = ("prefill", args.save_cache, time.perf_counter() - t0)
 
 
-def show(args, job, events, files):
+# a wider dtype, where one exists, for logits that turned inf/NaN in the compute dtype
+WIDER_DTYPE = {torch.float16: "its range may be too small: try --dtype bfloat16 or float32",
+               torch.bfloat16: "try --dtype float32"}
+
+
+def advised(events, dtype):
+    """generate.decode's events; should its logits turn inf/NaN (a ModelError naming the dtype),
+    the error says which --dtype to try."""
+    try:
+        yield from events
+    except ModelError as e:
+        if dtype not in WIDER_DTYPE:
+            raise
+        raise ModelError(f"{e}; {WIDER_DTYPE[dtype]}") from None
+
+
+def show(args, job, events):
     """generate.decode's events, printed: each answer streamed as it is decoded, then a summary
-    line on stderr; or, with --json or --batch, one JSON line per request, in order. files: request
-    index -> stats_of's (source, cache_file, file_s), for a saved cache."""
+    line on stderr; or, with --json or --batch, one JSON line per request, in order. The decode
+    speed of job.stats is measured here, from the tokens as they arrive."""
     tok = job.tok
     stream = args.batch is None and not args.json
     from tqdm import tqdm
     bar = tqdm(total=len(job.requests), desc="requests", unit="req", file=sys.stderr,
                disable=None if args.batch else True)  # None: off where stderr is no terminal
     done, printed, shown = {}, 0, 0
-    for event, r in events:
-        if stream and event == "question":
+    for event, r in advised(events, job.model.model.embed_tokens.weight.dtype):
+        s = job.stats[r]
+        if event == "question":
+            s.clock.new_answer()
             shown = 0  # characters of this answer printed so far
-            if r.questions[r.q][0]:
-                print(f"\nQ: {r.questions[r.q][0]}\nA:", end="", flush=True)
-        elif stream and event in ("token", "answer"):
+            text = r.questions[r.question_index][0]
+            if stream and text:
+                print(f"\nQ: {text}\nA:", end="", flush=True)
+        elif event == "token":
+            s.clock.token()
+        if stream and event in ("token", "answer"):
             # the answer so far, decoded whole: a character split over tokens (an emoji in byte
             # tokens) decodes as U+FFFD until its last byte arrives, so it waits for it
             text = tok.decode(r.out if event == "token" else r.answers[-1]["output_ids"])
@@ -543,9 +608,9 @@ def show(args, job, events, files):
                 shown = len(text)
         if event != "done":
             continue
-        stats = stats_of(r, *files.get(r.index, ()))
+        stats = stats_of(r, s)
         evicted = isinstance(r.cache, EvictingCache)
-        retention = r.cache.retention(r.n_protected, len(r.ids)) if evicted else None
+        retention = r.cache.retention(s.n_protected, len(s.ids)) if evicted else None
         if stream:
             if args.show_retention and retention is not None:
                 print(retention_map(retention, r.cache.compressed), file=sys.stderr)
@@ -555,7 +620,7 @@ def show(args, job, events, files):
             stats.update(retention=retention.tolist())
         for a in r.answers:
             a["text"] = tok.decode(a["output_ids"])
-        done[r.index] = {"prompt_ids": r.ids, "answers": r.answers, "stats": stats}
+        done[s.index] = {"prompt_ids": s.ids, "answers": r.answers, "stats": stats}
         bar.update(1)
         while printed in done:  # in request order, each as soon as the ones before it are out
             print(json.dumps(done.pop(printed)), flush=True)

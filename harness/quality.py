@@ -44,6 +44,7 @@ from cache import Budget, EvictingCache
 from cli import UsageError, pyplot, save_figure, write_text
 from formats.gate_file import resolve_gate
 from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
+from harness.timing import TokenClock
 from prompts import encode_prompt, encode_text, question_ids
 from teacher import KVzipTeacher, TeacherCache, agreement, digit_tokens, pool_agreement
 
@@ -344,13 +345,14 @@ def evaluate(model, tok, cache, sample, stop_ids):
     res = dict(outputs=[], correct=[], nll={}, decode=[0, 0.0])
     for q in sample.questions:
         state = cache.checkpoint()
-        out, secs = generate.answer(model, cache, q.prompt, q.max_new, stop_ids)
+        clock = TokenClock()  # the steps after the first token, timed as the tokens arrive
+        out = generate.answer(model, cache, q.prompt, q.max_new, stop_ids, on_token=clock.token)
         cache.rollback(state)
         text = tok.decode(out) if out else ""
         res["outputs"].append(out)
         res["correct"].append(int(q.answer in text) if q.answer else None)
-        res["decode"][0] += max(0, len(out) - 1)  # answer() times the steps after the first token
-        res["decode"][1] += secs
+        res["decode"][0] += clock.steps
+        res["decode"][1] += clock.seconds
     for task, (prompt, target) in sample.probes.items():
         state = cache.checkpoint()
         if isinstance(cache, EvictingCache):

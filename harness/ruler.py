@@ -40,6 +40,7 @@ from harness.ruler_tasks import (
     make_samples,
     suite_name,
 )
+from harness.timing import TokenClock
 from prompts import encode_prompt, encode_text
 from teacher import KVzipTeacher
 
@@ -367,26 +368,31 @@ def answer(model, tok, caches, sample, stop_ids):
     does: a stop id, the question's max_new_tokens, or every expected string in the text. Greedy:
     the answers are answer_alone's (tests/test_ruler_batch.py). -> {name: dict(outputs, scores,
     decode)}; decode = (forwards, seconds of the batch steps the cache took part in, each step
-    counted whole for every member: how long its answers took, not its share of the machine).
+    timed from the tokens as they arrive (harness.timing.TokenClock): how long its answers took
+    in the batch, not its share of the machine).
 
     The caches are taken out of `caches` (left empty): each is freed as soon as its answers are
     in."""
     questions = [(q.task, q.prompt) for q in sample.questions]
     names = list(caches)
-    reqs = [generate.Request(caches.pop(name), questions, 0, None, index=i)
-            for i, name in enumerate(names)]
+    reqs = [generate.Request(caches.pop(name), questions, 0, None) for name in names]
+    clocks = {r: TokenClock() for r in reqs}
     for event, r in generate.decode(model, reqs, len(reqs), stop_ids):
+        i = r.question_index
         if event == "question":  # its own length, set before decode reserves the answer's rows
-            r.max_new_tokens = sample.questions[r.q].max_new
-        elif event == "token" and metric(sample.questions[r.q].task)(
-                tok.decode(r.out), sample.answers[r.q]) == 1.0:
-            r.max_new_tokens = len(r.out)  # the score is final: decode ends the answer here
+            r.max_new_tokens = sample.questions[i].max_new
+            clocks[r].new_answer()
+        elif event == "token":
+            clocks[r].token()
+            if metric(sample.questions[i].task)(tok.decode(r.out), sample.answers[i]) == 1.0:
+                r.max_new_tokens = len(r.out)  # the score is final: decode ends the answer here
     res = {}
     for name, r in zip(names, reqs):
         outs = [a["output_ids"] for a in r.answers]
         scores = [metric(q.task)(tok.decode(o), expected)
                   for q, o, expected in zip(sample.questions, outs, sample.answers)]
-        res[name] = dict(outputs=outs, scores=scores, decode=[r.n_steps, r.decode_s])
+        res[name] = dict(outputs=outs, scores=scores,
+                         decode=[clocks[r].steps, clocks[r].seconds])
     return res
 
 

@@ -64,7 +64,7 @@ def measure(model, tok, fmt, name, context, budget, args, folder):
     token = first_token(model, cache, q_ids, last)
     question_s = time.perf_counter() - t0
     want = [token] + generate.answer(model, cache, [], args.new_tokens - 1, set(),
-                                     last_logits=generate.decode_one(model, cache, token))[0]
+                                     last_logits=generate.decode_one(model, cache, token))
     cache.rollback(state)
     loads, firsts = [], []
     for _ in range(args.repeats):  # the file: load, question, first token
@@ -74,7 +74,7 @@ def measure(model, tok, fmt, name, context, budget, args, folder):
         token = first_token(model, loaded, q_ids, info["last_logits"])
         firsts.append(time.perf_counter() - t0)
     got = [token] + generate.answer(model, loaded, [], args.new_tokens - 1, set(),
-                                    last_logits=generate.decode_one(model, loaded, token))[0]
+                                    last_logits=generate.decode_one(model, loaded, token))
     row = dict(model=name, context_tokens=len(ids) - n_protected, prompt_tokens=len(ids),
                budget=budget, method=method, file_bytes=path.stat().st_size, kv_bytes=kv_bytes,
                kv_bytes_full=full_bytes,

@@ -17,7 +17,7 @@ import generate
 from cache import Batch, Budget, KVCache, full_cache_bytes
 from formats.gate_file import save_gate
 from harness.quality import DEFAULT_LEVEL, log, method_cache, model_info
-from harness.timing import time_scorer
+from harness.timing import TokenClock, time_scorer
 from model import ModelConfig, Transformer, load_tokenizer
 from prompts import prompt_format
 from teacher import KVzipTeacher
@@ -65,13 +65,14 @@ def timed_run(model, method, budget, ids, n_protected, teacher, s):
     sync(device)
     prefill_s = time.perf_counter() - t0
     kv_bytes, kept, peak = cache.nbytes, cache.kept_nbytes, cache.peak_nbytes
-    out, decode_s = generate.answer(model, cache, [ids[-1]] * 4, s.decode, stop_ids=set())
+    clock = TokenClock()  # the steps after the first token, timed as the tokens arrive
+    generate.answer(model, cache, [ids[-1]] * 4, s.decode, stop_ids=set(), on_token=clock.token)
     return dict(context=len(ids) - n_protected, method=method, budget=budget, prefill_s=prefill_s,
                 prefill_tok_s=len(ids) / prefill_s, score_s=score_s,
                 score_fraction=score_s / prefill_s, kv_bytes=kv_bytes,
                 kv_kept_bytes=kept, kv_bytes_full=full_cache_bytes(cache, len(ids)),
                 peak_kv_bytes=peak,
-                decode_tok_s=(len(out) - 1) / decode_s if decode_s > 0 else None,
+                decode_tok_s=clock.steps / clock.seconds if clock.seconds > 0 else None,
                 device=device.type)
 
 

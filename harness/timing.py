@@ -32,3 +32,29 @@ def time_scorer(scorer, device="cpu"):
         if hasattr(scorer, name):
             setattr(scorer, name, timed(getattr(scorer, name)))
     return scorer
+
+
+class TokenClock:
+    """Decode speed measured from outside the method (its decode loop holds no clock), from the
+    tokens as they arrive: the seconds from each answer's first token to its last, over the
+    forwards between them (its tokens after the first). A token arrives as a Python int, so on a
+    GPU the work that made it is done by then."""
+
+    def __init__(self):
+        self.seconds, self.steps, self.last = 0.0, 0, None
+
+    def new_answer(self):
+        """The next token is an answer's first (it comes from the question's forward)."""
+        self.last = None
+
+    def token(self, _=None):
+        """A token arrived (generate.answer's on_token passes it; its value is not needed)."""
+        now = time.perf_counter()
+        if self.last is not None:
+            self.seconds += now - self.last
+            self.steps += 1
+        self.last = now
+
+    @property
+    def tokens_per_s(self):
+        return self.steps / self.seconds if self.steps else None

@@ -241,7 +241,7 @@ def test_library_misuse_says_what_to_give(saved):
             prefill(model, cache, [43, 44], 0)
         with pytest.raises(ArgumentError, match="give question_ids, or the prefill's last_logits"):
             answer(model, cache, [], 3, set())
-        assert len(answer(model, cache, [], 3, set(), last_logits=last)[0]) == 3
+        assert len(answer(model, cache, [], 3, set(), last_logits=last)) == 3
 
 
 # -- items 11, 12, 14: what is not a cache file ---------------------------------------------------

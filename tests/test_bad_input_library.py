@@ -19,7 +19,7 @@ from cache import Budget, DecodeBudgetError, EvictingCache
 from formats.cache_file import load_cache, save_cache
 from formats.gate_file import load_gate, resolve_gate
 from gate import Gates, GateScorer
-from generate import Method, answer, make_cache, prefill, setup
+from generate import Compression, answer, make_cache, prefill, prefill_request
 from kernels import ArgumentError, varlen_attention
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,9 +99,10 @@ def cases():
          ["answer: id 69 at position 0"]),
         ("answer max_new_tokens text", lambda: answer(model, done, [5], "3", set()),
          ["max_new_tokens", "'3'"]),
-        ("setup kvzip without teacher",
-         lambda: setup(model, dict(ids=ids, n_protected=4, budget=Budget(0.5), questions=[],
-                                   max_new_tokens=1), Method("kvzip")),
+        ("prefill_request kvzip without teacher",
+         lambda: prefill_request(model, dict(ids=ids, n_protected=4, budget=Budget(0.5),
+                                             questions=[], max_new_tokens=1),
+                                 Compression("kvzip")),
          ["kvzip needs its teacher"]),
         ("varlen cu_seqlens_q short of q",
          lambda: varlen_attention(q, k, k, i32(0, 3, 5), i32(0, 4, 8), 3, 4),

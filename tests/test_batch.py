@@ -1,4 +1,4 @@
-"""Many requests at once (generate.generate_batch, cache.Batch): with greedy decoding every
+"""Many requests at once (generate.decode, cache.Batch): with greedy decoding every
 request's answers and kept positions in a batch are the ones it gets alone. The oracle is the
 single-request path itself (prefill + answer + rollback, as a lone request), on tiny random
 models."""
@@ -12,7 +12,16 @@ import model as M
 from cache import Batch, Budget
 from cli import UsageError
 from gate import Gates
-from generate import METHODS, Method, answer, generate_batch, make_cache, prefill, prefill_kvzip
+from generate import (
+    METHODS,
+    Compression,
+    answer,
+    decode,
+    make_cache,
+    prefill,
+    prefill_kvzip,
+    prefill_request,
+)
 from kernels import RaggedKV, WindowKV
 from prompts import PromptFormat, prompt_format
 from teacher import KVzipTeacher
@@ -70,7 +79,7 @@ def alone(model, req, method, gates, decode_budget, stop_ids, teacher):
         for _, q_ids in req["questions"]:
             state = cache.checkpoint()
             outs.append(answer(model, cache, q_ids, req["max_new_tokens"], stop_ids,
-                               last_logits=last)[0])
+                               last_logits=last))
             positions.append(kept(cache))
             cache.rollback(state)
     return outs, positions, kept(cache)
@@ -84,13 +93,19 @@ def check_batch_equals_alone(tiny, method, budget, decode_budget, lengths, max_n
         r["budget"] = Budget(budget, CHUNK, WINDOW)
     teacher = KVzipTeacher(model, tok, fmt) if method == "kvzip" else None
     seen = {}
-    how = Method(method, gates=gates, teacher=teacher, decode_tokens_per_head=decode_budget)
-    results = {}
-    for event, r in generate_batch(model, reqs, how, batch_size, stop_ids=stop_ids):
+    how = Compression(method, gates=gates, teacher=teacher, decode_tokens_per_head=decode_budget)
+    made, results = [], {}
+
+    def admitted():  # each prefilled as decode admits it, in order
+        for req in reqs:
+            made.append(prefill_request(model, req, how))
+            yield made[-1]
+
+    for event, r in decode(model, admitted(), batch_size, stop_ids=stop_ids):
         if event == "answer":  # before the rollback: the rows the answer was generated from
-            seen.setdefault(r.index, []).append(kept(r.cache))
+            seen.setdefault(made.index(r), []).append(kept(r.cache))
         elif event == "done":
-            results[r.index] = r.answers
+            results[made.index(r)] = r.answers
     for i, req in enumerate(reqs):
         outs, positions, after = alone(model, req, method, gates, decode_budget, set(stop_ids),
                                        teacher)

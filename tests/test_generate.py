@@ -209,7 +209,7 @@ def test_budget_one_equals_full_cache_on_real_model(real):
                              (EvictingCache(cfg, RandomScorer(0, cfg.num_key_value_heads),
                                             n_protected=1, level="head"), 100)]:
             last = prefill(model, cache, ids, 1, Budget(1.0, chunk_size=chunk, window=32))
-            outs.append(answer(model, cache, [], 12, stop, last_logits=last)[0])
+            outs.append(answer(model, cache, [], 12, stop, last_logits=last))
     assert outs[0] == outs[1] == outs[2]
 
 
@@ -237,18 +237,32 @@ def test_json_output_and_questions_share_the_context(tmp_path):
 def test_float16_gemma3_is_refused_and_nan_logits_never_answer(capsys, no_weights, tmp_path):
     """--dtype float16 on a Gemma 3 stops before the weights load (its activations overflow float16:
     see tests/test_model.py); and should any model's logits turn non-finite, answer() raises instead
-    of returning argmax(NaN) = token 0 over and over."""
+    of returning argmax(NaN) = token 0 over and over, naming the dtype; which --dtype to try is the
+    command line's advice (test_nan_logits_at_the_command_line_advise_a_wider_dtype)."""
     line = main_error(capsys, "--model", str(no_weights), "--prompt", "Water boils at", "--dtype",
                       "float16")
     assert "float16" in line and "bfloat16 or float32" in line, line
     from tests.test_model import overflowing_gemma3
     half = overflowing_gemma3(tmp_path / "g").half()
     cache = KVCache(half.config, torch.float16)
-    with torch.no_grad(), pytest.raises(M.ModelError,
-                                        match=r"inf/NaN .*torch.float16.*"
-                                        r"--dtype bfloat16 or float32"):
+    with torch.no_grad(), pytest.raises(M.ModelError, match=r"inf/NaN .*torch.float16$"):
         last = prefill(half, cache, [2, 10, 11, 12], 1)
         answer(half, cache, [], 3, set(), last_logits=last)
+
+
+@pytest.mark.parametrize("dtype, advice", [("bfloat16", "; try --dtype float32"),
+                                           ("float32", "")])
+def test_nan_logits_at_the_command_line_advise_a_wider_dtype(capsys, tiny_folder, monkeypatch,
+                                                             dtype, advice):
+    """Logits that turn inf/NaN while answering: one line, exit 2, naming the dtype, with the
+    --dtype to try where a wider one exists (the method's error holds no flag)."""
+    import generate
+    real = generate.begin_answer
+    monkeypatch.setattr(generate, "begin_answer", lambda *a, **kw: real(*a, **kw) * float("nan"))
+    line = main_error(capsys, "--model", str(tiny_folder), "--prompt", "hi", "--question", "q?",
+                      "--method", "full", "--max-new-tokens", "3", "--dtype", dtype)
+    assert line == (f"error: the model's logits are inf/NaN after 0 generated tokens, computed in "
+                    f"torch.{dtype}{advice}"), line
 
 
 def test_foreign_tokenizer_and_invalid_utf8_prompt_are_one_line(capsys, no_weights, tmp_path):
@@ -347,8 +361,6 @@ def test_streamed_answer_prints_characters_whole(capsys, tiny_folder, monkeypatc
     """The streamed answer printed each token decoded alone: a character split over tokens (an
     emoji is four byte tokens here, as in SmolLM2's byte-level BPE) came out as replacement
     characters. It prints what decodes whole, and the whole answer in the end."""
-    import types
-
     import generate
     tok = M.load_tokenizer(tiny_folder)
     text = "caf\u00e9 \U0001F600 ok \u2014 done"
@@ -356,7 +368,8 @@ def test_streamed_answer_prints_characters_whole(capsys, tiny_folder, monkeypatc
     assert len(ids) == len(text.encode()) and tok.decode(ids) == text  # one token per byte
 
     def answers(model, reqs, *a, **kw):  # the decode loop's events for this answer
-        r = types.SimpleNamespace(questions=[("q?", [])], q=0, out=[], answers=[])
+        r = next(iter(reqs))  # prefilled, as decode admits it
+        r.question_index, r.out = 0, []
         yield "question", r
         for t in ids:
             r.out.append(t)
@@ -381,6 +394,24 @@ def test_an_answer_without_decode_steps_has_no_decode_speed(capsys, tiny_folder)
         stats = json.loads(capsys.readouterr().out)["stats"]
         assert (stats["decode_tokens_per_s"] is not None) == has_speed, stats
         assert ("decode" in cli.summary_line(stats)) == has_speed
+
+
+def test_token_clock_times_each_answer_from_its_first_token(monkeypatch):
+    """Decode speed measured from outside the method (harness.timing.TokenClock): per answer, the
+    seconds from its first token to its last, over its tokens after the first; the time before an
+    answer's first token (its question's forward) is not counted."""
+    import types
+
+    from harness import timing
+    now = iter([10.0, 10.5, 11.5, 20.0, 20.25])  # the clock at each token: 3, then 2 tokens
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: next(now)))
+    clock = timing.TokenClock()
+    assert clock.tokens_per_s is None
+    for token in (7, 8, 9):
+        clock.token(token)
+    clock.new_answer()
+    clock.token(), clock.token()
+    assert clock.steps == 3 and clock.seconds == 1.75 and clock.tokens_per_s == 3 / 1.75
 
 
 def test_a_base_model_is_prompted_as_one_whatever_its_name(capsys):

@@ -138,7 +138,8 @@ def test_loaded_cache_answers_as_the_saved_one(tiny, tmp_path, method, budget, d
     128th token where it evicts."""
     model, path = tiny["model"], tmp_path / "doc.kv"
     cache, ids, last = compressed(tiny, method, budget, decode)
-    # what the cache is (generate.setup's name): a full KVCache is "full" and keeps it all, 1.0
+    # what the cache is (as generate.prefill_request names it): a full KVCache is "full" and keeps
+    # it all, 1.0
     full = budget == 1.0 and decode is None or method == "full"
     name, kept_budget = ("full", 1.0) if full else (method, budget)
     save_cache(path, cache, model, ids, last, method=name, budget=budget, chunk_size=CHUNK,
