@@ -255,7 +255,7 @@ def stop_rule(stop_ids=(), answer_stop_ids=None, ends_line=None):
     """-> stops(request, token): whether token ends the request's answer. answer_stop_ids (default
     stop_ids) end an answer to a question; stop_ids end a continuation of the context (question
     text ""). ends_line(answer so far, token) -> bool, for a base model's one-line answers
-    (teacher.one_line): also ends an answer to a question."""
+    (prompts.one_line): also ends an answer to a question."""
     plain = set(stop_ids)
     asked = plain if answer_stop_ids is None else set(answer_stop_ids)
 
