@@ -53,7 +53,7 @@ from cache import LEVELS
 from cli import UsageError, resolve_model, write_text
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
-from harness import decode_report, quality, ruler, ruler_tasks
+from harness import decode_report, quality, quality_report, ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results, write_record
 from harness.report import differing, markdown, run_config, speed_keys
@@ -627,7 +627,7 @@ def finish(results, out, plot):
     if plot and results["config"]["quality_key"].get("suite") == "ruler":
         ruler.plot(results, out / "ruler.png")
     elif plot:
-        quality.plot(results, out / "relative.png")
+        quality_report.plot(results, out / "relative.png")
     avg = {(label(r), r["budget"]): r["relative"] for r in results["rows"]
            if r["task"] == "average"}
     low = min((b for _, b in avg), default=None)

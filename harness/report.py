@@ -1,6 +1,6 @@
 """
 A benchmark run's files: config.json (flags, versions, machine, model and gate hashes), results.json
-and results.md (the quality sections from harness.quality, then speed and memory), each written
+and results.md (the quality sections from harness.quality_report, then speed and memory), each written
 atomically.
 """
 import os
@@ -16,7 +16,7 @@ import torch
 
 from cache import LEVELS
 from cli import code, file_sha256, md
-from harness import quality
+from harness import quality_report
 from harness.speed import batch_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +75,7 @@ TEXT_NAMES = {"austen": "Austen", "prose": "held-out prose"}  # --text, as resul
 
 
 def markdown(results):
-    """results.md: what was run, the quality sections (quality.markdown), then speed and memory."""
+    """results.md: what was run, the quality sections (quality_report.markdown), then speed and memory."""
     cfg = results["config"]
     f = cfg["flags"]
     if cfg.get("quality_key", {}).get("suite") == "ruler":
@@ -96,7 +96,7 @@ def markdown(results):
            + f"Run time {results.get('seconds', 0) / 60:.1f} min"
            + (f" ({len(cfg['merged_from'])} runs side by side, merged)."
               if cfg.get("merged_from") else "."), ""]
-    out += quality.markdown(results)
+    out += quality_report.markdown(results)
     return "\n".join(out + speed_markdown(results)) + "\n"
 
 

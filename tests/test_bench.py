@@ -18,7 +18,7 @@ import generate
 from cache import Budget
 from cli import OFFLINE_DEFAULT, UsageError, resolve_model
 from formats import gate_file
-from harness import quality, report, speed
+from harness import quality, quality_report, report, speed
 from offline import fetch_assets
 from prompts import prompt_format
 from teacher import KVzipTeacher
@@ -162,7 +162,7 @@ def test_markdown_renders_every_task():
 
 def test_plot_writes_a_png(tmp_path):
     tallies, extras = fake_run()
-    quality.plot(dict(rows=quality.summarize(tallies, extras, n_boot=50, seed=0)),
+    quality_report.plot(dict(rows=quality.summarize(tallies, extras, n_boot=50, seed=0)),
                  tmp_path / "relative.png")
     assert (tmp_path / "relative.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # written atomically, nothing left over
@@ -544,7 +544,7 @@ def test_average_title_names_only_the_tasks_asked():
     avg = next(r for r in res["rows"] if r["task"] == "average" and r["method"] == "streaming")
     assert avg["relative"] == pytest.approx((math.exp(-0.1) + math.exp(-0.2)) / 2)
     title = "## Relative performance (mean of nll_next, nll_repeat; 1 = full cache)"
-    assert quality.markdown(res)[0] == title
+    assert quality_report.markdown(res)[0] == title
 
 
 def test_damaged_context_record_is_named(tmp_path):
