@@ -574,7 +574,7 @@ def advised(events, dtype):
     try:
         yield from events
     except ModelError as e:
-        if dtype not in WIDER_DTYPE:
+        if dtype not in WIDER_DTYPE or "inf/NaN" not in str(e):  # advice for that error only
             raise
         raise ModelError(f"{e}; {WIDER_DTYPE[dtype]}") from None
 
