@@ -454,10 +454,11 @@ def add_model(p, default=OFFLINE_DEFAULT):
 
 
 def seed(s):
-    """--seed's type: an integer that torch's and numpy's generators take (64 bits)."""
+    """--seed's type: an integer that torch's, numpy's and Python's generators all take (numpy
+    refuses negative seeds; torch's are 64-bit)."""
     value = int(s)
-    if not -2**63 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"{s} does not fit in 64 bits")
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{s} is not a seed: use an integer from 0 to 2**63 - 1")
     return value
 
 

@@ -140,7 +140,9 @@ def test_a_seed_past_64_bits_is_refused_by_its_flag(capsys, no_weights):
         main(["--model", str(no_weights), "--prompt", "hi", "--seed", str(2**70)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1].endswith(f"--seed: {2**70} does not fit in 64 bits"), err
+    assert err.strip().splitlines()[-1].endswith(
+        f"--seed: {2**70} is not a seed: use an integer from 0 to 2**63 - 1"), err
+
 
 def test_device_without_cuda(capsys, no_weights):
     if torch.cuda.is_available():
