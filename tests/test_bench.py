@@ -577,7 +577,7 @@ def test_quick_keeps_explicit_flags_and_checks_them(capsys):
     (["--window", "-5"], "--window must be >= 0"), (["--speed-budget", "0"], "--speed-budget 0.0"),
     (["--lengths=-5,200"], "token counts must be positive"),
     (["--lengths", "0"], "--lengths is empty"), (["--methods", "fastkvzip,magic"], "'magic'"),
-    (["--seed", str(2**70)], "64 bits"),
+    (["--seed", str(2**70)], "is not a seed"), (["--seed", "-1"], "-1 is not a seed"),
     # a StopIteration after config.json was written; a benchmark of 0-token contexts; a shard
     # that ran nothing and said "complete"
     (["--speed-repeats", "0"], "--speed-repeats must be >= 1"),
