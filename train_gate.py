@@ -1,12 +1,12 @@
 """
 Teach the gates (METHOD.md §4-5): from raw text to a trained gate, in three steps, in the order
 main() (at the end) runs them:
-  1. data      pick documents (METHOD.md §5.1, features.py): 10K-30K-token documents plus
+  1. data      pick documents (METHOD.md §5.1, commands/features.py): 10K-30K-token documents plus
                ~100K-token concatenations of the same documents, ~1M tokens in all, 5% of the
                documents held out whole for validation.
   2. features  prefill each document with a full cache, score every context KV pair with the
                KVzip teacher (teacher.py, METHOD.md §4) and record the attention-input hidden
-               states of the compressed layers (features.py; resumable, over torchrun).
+               states of the compressed layers (commands/features.py; resumable, over torchrun).
   3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft
                targets, SGD with momentum 0.9, lr 0.2 with the authors' piecewise schedule, all
                layers batched through gate.Gates (train, train_layers); then the gate's agreement

@@ -1,7 +1,7 @@
 """
 python train_gate.py: teach the gates, from raw text to a trained gate file (METHOD.md §4-5), in
 three steps (train_gate.py's main runs them in order):
-  1. data      pick documents (METHOD.md §5.1, features.py): 10K-30K-token documents plus
+  1. data      pick documents (METHOD.md §5.1, commands/features.py): 10K-30K-token documents plus
                ~100K-token concatenations of the same documents, ~1M tokens in all; 5% of the
                documents are held out whole for validation (--val-docs) and never enter a
                concatenation.
@@ -9,7 +9,7 @@ three steps (train_gate.py's main runs them in order):
                context KV pair with the KVzip teacher (teacher.py, METHOD.md §4) and record the
                attention-input hidden states of the compressed layers. One shard file per
                document, written atomically under --out/features, so an interrupted run resumes
-               where it stopped (features.py).
+               where it stopped (commands/features.py).
   3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft targets,
                SGD momentum 0.9, lr 0.2 with the authors' piecewise schedule, 5,000 steps of 1,000
                tokens (5 epochs of the recipe's 1M tokens), all layers batched through gate.Gates;
@@ -52,9 +52,9 @@ from pathlib import Path
 import torch
 
 import cli
-import features
 from cli import OFFLINE_DEFAULT, UsageError, parse_device, pyplot, resolve_model, save_figure, write_json
-from features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents
+from commands import features
+from commands.features import FeatureStore, check_manifest, data_sha256, extract_features, feature_dtype, load_documents
 from formats.checkpoint import check_dtype, read_config, read_tokenizer
 from formats.gate_file import authors_file_name, save_gate
 from kernels import ArgumentError

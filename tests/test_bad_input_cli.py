@@ -168,7 +168,7 @@ def test_a_killed_writers_temporary_is_swept_by_the_next_save(capsys, tiny, tmp_
     import subprocess
     import sys
 
-    import features
+    from commands import features
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

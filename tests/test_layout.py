@@ -89,8 +89,8 @@ def lines_of(name):
 
 def test_top_level_is_the_method_and_its_programs():
     top = sorted(p.name for p in ROOT.glob("*.py"))
-    # eight method modules (METHOD) and three edges: cli.py, bench.py, features.py
-    assert len(top) <= 11, top
+    # eight method modules (METHOD) and two edges: cli.py, bench.py
+    assert len(top) <= 10, top
     lines = {p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in ROOT.glob("*.py")}
     assert max(lines.values()) < 800, lines
     for wing in WINGS:
@@ -109,13 +109,13 @@ def test_the_method_modules_hold_the_method():
 
 
 def test_imports_run_downhill():
-    """The method imports no wing and no program's edge (cli.py, bench.py, features.py); the
+    """The method imports no wing and no program's edge (cli.py, bench.py); the
     wings and the edges import no program (bench.py); cli.py no wing but the first-use model
     conversion; the trainer reaches nothing of the benchmark."""
     g = graph()
     wing = lambda x: x.split(".")[0] in WINGS
     for m in METHOD:
-        up = {x for x in g[m] if wing(x) or x in ("cli", "bench", "features")} - {PROGRAMS.get(m)}
+        up = {x for x in g[m] if wing(x) or x in ("cli", "bench")} - {PROGRAMS.get(m)}
         assert not up, (m, up)
     for m, allowed in LIFT_OUT.items():
         assert g[m] == allowed, (m, g[m])

@@ -541,7 +541,7 @@ def test_bundled_gates_were_trained_on_the_built_corpus():
     """Each bundled gate's metadata records the hash of its training text, which is the corpus part
     as offline/fetch_assets.py builds it (MANIFEST.txt's tree_sha256) and as train_gate.py hashes
     --data: so the gate's recorded command reproduces it on a fresh machine."""
-    import features
+    from commands import features
     from formats import gate_file
     corpus = require_asset("corpus")
     manifest = (corpus.parent / "MANIFEST.txt").read_text().splitlines()

@@ -368,8 +368,8 @@ def test_real_gemma3_generates_and_user_text_stays_text(capsys, real_gemma, tmp_
 def test_real_gemma3_trains_a_gate_on_documents_with_control_strings(real_gemma, tmp_path):
     """train_gate.py on the tiny Gemma 3 with the real tokenizer: documents that hold control
     strings are read as text (no control id among their ids), features and a few steps run."""
-    import features
     import train_gate
+    from commands import features
     data = tmp_path / "data"
     data.mkdir()
     line = ("Photo <image_soft_token> caption. " + FORGED + " The pass key is 81234. ")

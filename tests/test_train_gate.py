@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_teacher import tiny_model_folder
 
-import features
 import model as M
 import train_gate as TG
+from commands import features
 from commands import train_gate as cmd
 from formats.gate_file import load_gate
 from teacher import KVzipTeacher
