@@ -260,13 +260,27 @@ def markdown(results):
 
 
 def plot(results, path):
-    """NLL ratio and recall against the budget, one line per method; with speed rows, ms/token and
-    the KV bytes allocated (solid) and kept (dashed) against the generated length."""
+    """NLL ratio and recall against the budget, one line per method (when the quality section ran);
+    with speed rows, ms/token and the KV bytes allocated (solid) and kept (dashed) against the
+    generated length."""
     plt = pyplot()
     if plt is None:
         return
     rows, speed = results.get("rows", []), results.get("decode_speed") or []
-    fig, axes = plt.subplots(1, 4 if speed else 2, figsize=(19 if speed else 10, 4))
+    n = 2 * bool(rows) + 2 * bool(speed)
+    if not n:
+        return
+    fig, axes = plt.subplots(1, n, figsize=(4.75 * n, 4), squeeze=False)
+    axes = list(axes[0])
+    if rows:
+        quality_panels(rows, axes[:2])
+    if speed:
+        speed_panels(speed, axes[-2:])
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def quality_panels(rows, axes):
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     for ax, task, title in ((axes[0], "nll", "NLL ratio past the budget (1 = full)"),
                             (axes[1], "recall", "recall: answer tokens right")):
@@ -288,24 +302,24 @@ def plot(results, path):
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.minorticks_off()
         ax.legend(fontsize=7)
+
+
+def speed_panels(speed, axes):
     for c in dict.fromkeys((r["method"], r["budget"]) for r in speed):
         rs = [r for r in speed if (r["method"], r["budget"]) == c]
         name, x = c[0] + (f"@{c[1]}" if c[1] else ""), [r["length"] for r in rs]
-        line = axes[2].plot(x, [r["ms_per_token"] for r in rs], marker="o", label=name)[0]
-        axes[3].plot(x, [(r["kv_bytes"] or 0) / 2**20 for r in rs], marker="o", label=name,
+        line = axes[0].plot(x, [r["ms_per_token"] for r in rs], marker="o", label=name)[0]
+        axes[1].plot(x, [(r["kv_bytes"] or 0) / 2**20 for r in rs], marker="o", label=name,
                      color=line.get_color())
-        axes[3].plot(x, [(r["kv_kept_bytes"] or 0) / 2**20 for r in rs], ls="--",
+        axes[1].plot(x, [(r["kv_kept_bytes"] or 0) / 2**20 for r in rs], ls="--",
                      color=line.get_color())
-    for ax, ylabel, title in ((axes[2:3], "ms per token", "decode speed"),
-                              (axes[3:4], "KV MiB (dashed: kept)", "KV memory")):
-        for a in ax if speed else []:
-            lengths = sorted({r["length"] for r in speed})
-            a.set(xscale="log", xlabel="generated length (positions)", ylabel=ylabel, title=title)
-            a.set_xticks(lengths, [str(n) for n in lengths])
-            a.minorticks_off()
-            a.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path)
+    lengths = sorted({r["length"] for r in speed})
+    for ax, ylabel, title in ((axes[0], "ms per token", "decode speed"),
+                              (axes[1], "KV MiB (dashed: kept)", "KV memory")):
+        ax.set(xscale="log", xlabel="generated length (positions)", ylabel=ylabel, title=title)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
+        ax.legend(fontsize=7)
 
 
 # ---- 4. bench.py --suite decode: its flags, checks and run ---------------------------------------
@@ -511,17 +525,26 @@ def merge(folders, configs, out, n_boot, seed, claim, draw=False):
 
 
 def header(res):
-    """results.md's first lines: what ran."""
+    """results.md's first lines: what ran (a --no-quality run: its speed section alone)."""
     cfg = res["config"]
     f, key = cfg["flags"], cfg["quality_key"]
+    ran = (f"Model `{f['model']}`, gate `{shown(cfg['gate']['source'])}` (sha256 "
+           f"{str(cfg['gate']['sha256'])[:12]}), commit {cfg['git_commit'][:10]}"
+           f"{' (dirty)' if cfg['git_dirty'] else ''}. ")
+    if f.get("no_quality"):
+        speed = cfg.get("speed_key") or {}
+        ran += (f"Speed and memory only (--no-quality): one greedy generation from a "
+                f"{key['prompt_tokens']}-token prompt (an Austen chapter) to lengths "
+                f"{speed.get('lengths')}, the full cache and budgets {speed.get('budgets')} "
+                f"tokens per KV head")
+    else:
+        ran += (f"{res.get('n_contexts', 0)} of {key['contexts']} documents (held-out Austen "
+                f"chapters) of {key['length']} tokens: {key['prompt_tokens']} prefilled, every "
+                f"later token a decode step (128 per forward, aligned with the decode buffer); "
+                f"budgets {key['budgets']} tokens per KV head; recall gaps {key['gaps']}; "
+                f"{key['generations']} free generations of {key['gen_tokens']} tokens; seed "
+                f"{key['seed']}")
     return [f"# Fast KVzip decode suite ({cfg['started']})", "",
-            f"Model `{f['model']}`, gate `{shown(cfg['gate']['source'])}` (sha256 "
-            f"{str(cfg['gate']['sha256'])[:12]}), commit {cfg['git_commit'][:10]}"
-            f"{' (dirty)' if cfg['git_dirty'] else ''}. {res.get('n_contexts', 0)} of "
-            f"{key['contexts']} documents (held-out Austen chapters) of {key['length']} tokens: "
-            f"{key['prompt_tokens']} prefilled, every later token a decode step (128 per forward, "
-            f"aligned with the decode buffer); budgets {key['budgets']} tokens per KV head; recall "
-            f"gaps {key['gaps']}; {key['generations']} free generations of {key['gen_tokens']} "
-            f"tokens; seed {key['seed']}. Run time {res.get('seconds', 0) / 60:.1f} min"
+            ran + f". Run time {res.get('seconds', 0) / 60:.1f} min"
             + ("." if res.get("complete") else " (not complete: rerun the command to resume)."),
             ""]

@@ -291,3 +291,31 @@ def test_cut_scores_nothing_past_its_budget():
         float(nll[290] + nll[291])), pytest.approx(float(nll[290] + nll[291]))]
     assert e["probes"][1][:4] == [600, 1, 0.0, None]
     assert e["gen"] == dict(first_diff=412, same=False, correct=False, stopped=True)
+
+
+def test_a_speed_only_run_reports_its_speed_section_alone(tmp_path, monkeypatch):
+    """A --no-quality run's results.md said '0 of N documents ... recall gaps ...' and decode.png
+    drew two empty quality panels: its header now tells the speed run, its plot the speed panels."""
+    key = dict(suite="decode", contexts=6, length=6600, prompt_tokens=64, budgets=[256],
+               gaps=[1024], generations=6, gen_tokens=2048, seed=0)
+    config = dict(flags=dict(model="m", no_quality=True), quality_key=key, started="t",
+                  speed_key=dict(lengths=[1024, 2048], budgets=[512]), git_commit="0" * 10,
+                  gate=dict(source=None, sha256=None), git_dirty=False)
+    speed = [dict(method=m, budget=b, length=n, ms_per_token=5.0, score_share=None,
+                  kv_bytes=10, kv_kept_bytes=10) for m, b in (("full", None), ("fastkvzip", 512))
+             for n in (1024, 2048)]
+    res = dict(config=config, decode_speed=speed, complete=True, seconds=60)
+    head = " ".join(decode_report.header(res))
+    assert "Speed and memory only" in head and "[1024, 2048]" in head and "[512]" in head
+    assert "documents" not in head and "recall" not in head
+    full = " ".join(decode_report.header(dict(res, config=dict(config, flags=dict(model="m")))))
+    assert "0 of 6 documents" in full and "recall gaps [1024]" in full
+    figures = []
+    monkeypatch.setattr(decode_report, "save_figure", lambda fig, path: figures.append(fig))
+    if decode_report.pyplot() is None:
+        pytest.skip("matplotlib is not installed")
+    decode_report.plot(res, tmp_path / "decode.png")
+    decode_report.plot(dict(res, decode_speed=[], rows=decode_report.results(fake_records(), 50, 0)["rows"]), tmp_path / "q.png")
+    titles = [[ax.get_title() for ax in fig.axes] for fig in figures]
+    assert titles == [["decode speed", "KV memory"],
+                      ["NLL ratio past the budget (1 = full)", "recall: answer tokens right"]]
