@@ -252,7 +252,7 @@ def markdown(results):
                 "scorer share |", "|---|---|---|---|---|---|---|"]
         mib = lambda x: "–" if x is None else f"{x / 2**20:.1f}"
         for r in speed:
-            share = "–" if r["score_share"] is None else f"{r['score_share']:.1%}"
+            share = "–" if r["score_share"] is None else f"{r['score_share']:.2%}"
             out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['length']} | "
                        f"{r['ms_per_token']:.1f} | {mib(r['kv_bytes'])} | "
                        f"{mib(r['kv_kept_bytes'])} | {share} |")

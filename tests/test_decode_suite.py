@@ -315,7 +315,8 @@ def test_a_speed_only_run_reports_its_speed_section_alone(tmp_path, monkeypatch)
     if decode_report.pyplot() is None:
         pytest.skip("matplotlib is not installed")
     decode_report.plot(res, tmp_path / "decode.png")
-    decode_report.plot(dict(res, decode_speed=[], rows=decode_report.results(fake_records(), 50, 0)["rows"]), tmp_path / "q.png")
+    quality = decode_report.results(fake_records(), 50, 0)["rows"]
+    decode_report.plot(dict(res, decode_speed=[], rows=quality), tmp_path / "q.png")
     titles = [[ax.get_title() for ax in fig.axes] for fig in figures]
     assert titles == [["decode speed", "KV memory"],
                       ["NLL ratio past the budget (1 = full)", "recall: answer tokens right"]]
