@@ -21,7 +21,7 @@ import gate
 from cache import Batch, Budget, EvictingCache, KVCache, check_ids, is_count
 from gate import METHODS
 from kernels import ArgumentError
-from model import ModelError
+from model import NonFiniteLogits
 
 # -------------------------------------------------------------------------------------------------
 # sampling (small pure functions, as gpt-fast)
@@ -149,8 +149,8 @@ def next_token(logits, dtype, n_out, temperature=0.0, top_p=1.0, generator=None)
     """sample(), refusing logits that are not finite (argmax of NaN is token 0: never answer that);
     dtype: what they were computed in, n_out: tokens generated so far (for the message)."""
     if not torch.isfinite(logits).all():
-        raise ModelError(f"the model's logits are inf/NaN after {n_out} generated tokens, "
-                         f"computed in {dtype}")
+        raise NonFiniteLogits(f"the model's logits are inf/NaN after {n_out} generated tokens, "
+                              f"computed in {dtype}")
     return sample(logits, temperature, top_p, generator)
 
 

@@ -57,6 +57,11 @@ class ModelError(Exception):
     to fix it."""
 
 
+class NonFiniteLogits(ModelError):
+    """Logits that turned inf/NaN while answering (generate.next_token): the compute dtype's range
+    may be too small."""
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

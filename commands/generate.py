@@ -54,7 +54,7 @@ from formats.gate_file import GateError, resolve_gate
 from gate import METHODS
 from harness.timing import TokenClock, time_scorer
 from kernels import ArgumentError
-from model import ModelError, compute_dtype, model_identity
+from model import ModelError, NonFiniteLogits, compute_dtype, model_identity
 from prompts import encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
 from teacher import KVzipTeacher
 
@@ -569,12 +569,12 @@ WIDER_DTYPE = {torch.float16: "its range may be too small: try --dtype bfloat16 
 
 
 def advised(events, dtype):
-    """generate.decode's events; should its logits turn inf/NaN (a ModelError naming the dtype),
-    the error says which --dtype to try."""
+    """generate.decode's events; should its logits turn inf/NaN (model.NonFiniteLogits), the
+    error says which --dtype to try."""
     try:
         yield from events
-    except ModelError as e:
-        if dtype not in WIDER_DTYPE or "inf/NaN" not in str(e):  # advice for that error only
+    except NonFiniteLogits as e:
+        if dtype not in WIDER_DTYPE:
             raise
         raise ModelError(f"{e}; {WIDER_DTYPE[dtype]}") from None
 
