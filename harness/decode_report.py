@@ -24,6 +24,7 @@ from formats.checkpoint import load_checked
 from harness import decode
 from harness.decode import decode_cache
 from harness.quality import ci, load_docs, load_records, log, model_info, write_record
+from harness.quality_report import fmt_ci
 from harness.report import run_config, shown
 from harness.speed import load_peer
 from harness.timing import time_scorer
@@ -189,12 +190,6 @@ def results(records, n_boot, seed):
 
 # ---- 3. results.md and decode.png ----------------------------------------------------------------
 
-def fmt(x, c, f="{:.2f}"):
-    if x is None:
-        return "n/a"
-    return f"{f.format(x)} [{f.format(c[0])}, {f.format(c[1])}]" if c else f.format(x)
-
-
 def markdown(results):
     """The decode sections of results.md (lines)."""
     rows, out = results.get("rows", []), []
@@ -217,15 +212,16 @@ def markdown(results):
             nll = get("nll", method=m, budget=b)
             rec = get("recall", method=m, budget=b, gap=None)[0]
             out.append(f"| {m} | {b or '–'} | "
-                       f"{fmt(nll[0]['score'], nll[0]['ci']) if nll else '1 (reference)'} | "
-                       f"{fmt(rec['score'], rec['ci'])} | {fmt(rec['exact'], rec['exact_ci'])} | "
-                       f"{fmt(rec.get('nll_ratio'), rec.get('nll_ratio_ci'))} |")
+                       f"{fmt_ci(nll[0]['score'], nll[0]['ci']) if nll else '1 (reference)'} | "
+                       f"{fmt_ci(rec['score'], rec['ci'])} | "
+                       f"{fmt_ci(rec['exact'], rec['exact_ci'])} | "
+                       f"{fmt_ci(rec.get('nll_ratio'), rec.get('nll_ratio_ci'))} |")
         out += ["", "### Recall by distance (answer-token accuracy)", "",
                 "| method | budget | " + " | ".join(f"gap {g}" for g in gaps) + " |",
                 "|---|---|" + "---|" * len(gaps)]
         for m, b in configs:
             out.append(f"| {m} | {b or '–'} | " + " | ".join(
-                fmt(r["score"], r["ci"]) for g in gaps
+                fmt_ci(r["score"], r["ci"]) for g in gaps
                 for r in get("recall", method=m, budget=b, gap=g)) + " |")
         gens = get("generation")
         if gens:
@@ -238,9 +234,9 @@ def markdown(results):
                     "correct |", "|---|---|---|---|---|---|"]
             for r in gens:
                 out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['first_diff']:.0f} | "
-                           f"{fmt(r['first_diff_mean'], r['first_diff_ci'], '{:.0f}')} | "
-                           f"{fmt(r['same'], r['same_ci'])} | "
-                           f"{fmt(r['correct'], r['correct_ci'])} |")
+                           f"{fmt_ci(r['first_diff_mean'], r['first_diff_ci'], '{:.0f}')} | "
+                           f"{fmt_ci(r['same'], r['same_ci'])} | "
+                           f"{fmt_ci(r['correct'], r['correct_ci'])} |")
     speed = results.get("decode_speed") or []
     if speed:
         out += ["", "## Decode speed and KV memory over one long generation", "",

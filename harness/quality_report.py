@@ -6,10 +6,11 @@ from cli import pyplot, save_figure
 from harness.quality import AVERAGED, CONTRASTS, TASKS, label
 
 
-def fmt_ci(x, c, signed=False):
+def fmt_ci(x, c, f="{:.2f}"):
+    """A value and its interval c as the reports print them ("0.93 [0.91, 0.95]"), in format f;
+    n/a for none."""
     if x is None:
         return "n/a"
-    f = "{:+.2f}" if signed else "{:.2f}"
     return f"{f.format(x)} [{f.format(c[0])}, {f.format(c[1])}]" if c else f.format(x)
 
 
@@ -46,7 +47,7 @@ def markdown(results):
                 "| a − b | " + " | ".join(f"{b:g}" for b in budgets) + " |",
                 "|---|" + "---|" * len(budgets)]
         for a, b, question in CONTRASTS:
-            cells = {c["budget"]: fmt_ci(c["diff"], c["ci"], signed=True)
+            cells = {c["budget"]: fmt_ci(c["diff"], c["ci"], "{:+.2f}")
                      for c in results["contrasts"] if c["a"] == a and c["b"] == b}
             if cells:
                 out.append(f"| {question} | " + " | ".join(cells.get(x, "")

@@ -31,6 +31,7 @@ from cli import UsageError, check_text, file_sha256, json_line, md, pyplot, save
 from harness import kvpress_prompt
 from harness import quality as Q
 from harness.kvpress_prompt import KvpressFormat
+from harness.quality_report import fmt_ci
 from harness.ruler_tasks import (
     FWE_BUDGET,
     TASKS,
@@ -628,8 +629,8 @@ def markdown(results):
     tasks = results["tasks"]
     get = lambda task, r0: next(r for r in rows if r["task"] == task and label(r) == label(r0)
                                 and r["budget"] == r0["budget"])
-    fmt = lambda x, c: f"{x:.1f} [{c[0]:.1f}, {c[1]:.1f}]" if c else f"{x:.1f}"
-    cell = lambda r: f"{r['score']:.0f} [{r['ci'][0]:.0f}, {r['ci'][1]:.0f}]"
+    cell = lambda r: fmt_ci(r["score"], r["ci"], "{:.0f}")
+    fmt = lambda x, c: fmt_ci(x, c, "{:.1f}")  # the averages: one decimal
     averages = [r for r in rows if r["task"] == "average"]
     full = averages[0]
     capable = results.get("capable", [])
