@@ -53,6 +53,7 @@ from cache import LEVELS
 from cli import UsageError, resolve_model, write_text
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
+from gate import METHODS as SCORERS
 from harness import decode_report, quality, quality_report, ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results, write_record
@@ -68,7 +69,9 @@ ROOT = Path(__file__).resolve().parent
 # reported in one line (exit 2): bad --model / --gate, the offline assets RULER's generator
 # reads (Austen, Llama-3.1's tokenizer) not built, a library call refused (kernels.ArgumentError)
 ERRORS = (ModelError, GateError, AssetsMissing, ArgumentError)
-METHODS = ("full", "fastkvzip", "kvzip", "snapkv", "streaming", "random")
+# the needle and RULER suites: every method of gate.METHODS (full first) but R-KV, which evicts at
+# decode time only (the decode suite's, harness/decode.py)
+METHODS = tuple(m for m in SCORERS if m != "rkv")
 BUDGETS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1)
 # --suite: harness/quality.py's needle contexts, harness/ruler.py, or decode-time eviction
 # (harness/decode.py)

@@ -18,7 +18,8 @@ Sections:
    training runs every layer as one batched op (`forward`) and inference scores one layer
    (`score_layer`) — both through the same function `sink_gate`.
 2. Scorers: what the evicting cache asks for each new KV pair: the gate's score (GateScorer) or a
-   baseline's (StreamingLLM, SnapKV, random).
+   baseline's (StreamingLLM, SnapKV, R-KV, random, key norm); KVzip's teacher's scores.
+3. METHODS: each method's scorer by name, read by everything that runs a method.
 """
 import math
 
@@ -196,14 +197,9 @@ def load_gates(path, dtype=None, device=None):
 # =================================================================================================
 # 2. Scorers: the one interface the evicting cache calls to ask "how important is each new KV pair?"
 #    (`Scorer.score`): Fast KVzip's (the gate's output) and the baselines' (StreamingLLM, SnapKV,
-#    random). KVzip's teacher, the other scorer, works on a whole context at once: teacher.py.
+#    R-KV, random, key norm). KVzip's teacher, the other scorer, works on a whole context at once:
+#    teacher.py; KVzipScorer is its place among them.
 # =================================================================================================
-
-# what scores a cache's KV pairs, by name (generate.make_cache makes each one's cache): the gate,
-# the KVzip teacher, the baselines below (rkv evicts at decode time only: R-KV compresses a
-# reasoning trace, METHOD.md §10), or nothing (full). Here, below the file formats that record it
-METHODS = ("fastkvzip", "kvzip", "snapkv", "rkv", "streaming", "random", "full")
-
 
 class Scorer:
     """score(li, hidden, q, k, pos) -> (H, T) float32, higher = more important, for the T new tokens
@@ -220,13 +216,26 @@ class Scorer:
     (Janghyun1230/FastKVzip:math/run_math.py, `args.window_size = 8` for every method but
     fastkvzip). A scorer with `rescores` set scores every held row again at each decode-time
     eviction from the last decode_window queries (`rescore`); the others score each new token
-    once."""
+    once.
+
+    `prefill`: it scores each prefill chunk as the chunk arrives (False: KVzip, whose teacher
+    scores the whole context after prefill, so its cache holds no scorer). `decode`: it can evict
+    during decoding (generate.py --decode-tokens-per-head). `make` builds it for a model from
+    the model's config (model.Config), the gates (Fast KVzip's) and a seed (random scores).
+    METHODS, at the end of this file, names each scorer: a new one is a class and a line there
+    (docs/usage.md, "Add a scorer")."""
     level = "global"
     decode_window = 8
     rescores = False
+    prefill = True
+    decode = True
 
     def __init__(self, n_kv_heads=None):
         self.n_kv_heads = n_kv_heads  # needed only by scorers that ignore q/k when q/k are None
+
+    @classmethod
+    def make(cls, cfg, gates=None, seed=0):
+        return cls(n_kv_heads=cfg.num_key_value_heads)
 
     def _heads(self, k):
         if k is not None:
@@ -255,6 +264,10 @@ class GateScorer(Scorer):
         super().__init__(gates.n_kv_heads)
         self.gates = gates
 
+    @classmethod
+    def make(cls, cfg, gates=None, seed=0):
+        return cls(gates)
+
     @torch.no_grad()
     def score(self, li, hidden, q, k, pos):
         return self.gates.score_layer(li, hidden)  # (H, T) fp32
@@ -278,6 +291,10 @@ class RandomScorer(Scorer):
     def __init__(self, seed=0, n_kv_heads=None):
         super().__init__(n_kv_heads)
         self.generator = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def make(cls, cfg, gates=None, seed=0):
+        return cls(seed, n_kv_heads=cfg.num_key_value_heads)
 
     def score(self, li, hidden, q, k, pos):
         s = torch.rand(self._heads(k), pos.shape[0], generator=self.generator)
@@ -312,6 +329,10 @@ class SnapKVScorer(Scorer):
             scale, window, short_window, short_len)
         self.n_sink, self.kernel = n_sink, kernel
         self.sink_keys = {}  # compressed layer -> first n_sink keys of the sequence (n_sink, H, d)
+
+    @classmethod
+    def make(cls, cfg, gates=None, seed=0):
+        return cls(scale=cfg.attn_scale)
 
     @torch.no_grad()
     def score(self, li, hidden, q, k, pos):
@@ -395,3 +416,60 @@ class RKVScorer(SnapKVScorer):
         n, w = keys.shape[0], queries.shape[0]
         return self.mix * self.attention(keys, queries) \
             - (1 - self.mix) * self.redundancy(keys)[:n - w]
+
+
+class KVzipScorer(Scorer):
+    """KVzip: its teacher (teacher.py) scores the whole context at once, after a prefill that
+    evicts nothing (generate.prefill_kvzip hands the scores to the cache, then one eviction), so
+    its cache holds no scorer (`prefill` False) and it cannot evict during decoding (`decode`
+    False). This class holds such scores, (L_c, H, n) by position, where a benchmark replays a
+    prefill (harness/quality.py). Meant for "global", the paper's level for KVzip."""
+    level = "global"
+    prefill = False
+    decode = False
+
+    def __init__(self, scores):
+        super().__init__(scores.shape[1])
+        self.scores = scores
+
+    def score(self, li, hidden, q, k, pos):
+        return self.scores[li][:, pos.cpu()].to(pos.device)
+
+
+class KnormScorer(Scorer):
+    """Key norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
+    Compression"; NVIDIA/kvpress:kvpress/presses/knorm_press.py): keys with a small L2 norm draw
+    the most attention, so score = −‖k‖₂ and the smallest norms are kept. No queries, no
+    gate: the query-agnostic baseline that costs nothing. RoPE rotates pairs of dimensions, so the
+    post-RoPE key has the pre-RoPE key's norm. Meant for "head", as kvpress prunes it (each KV head
+    keeps its own top-k), with the baselines' decode window of 8. At decode time the new tokens'
+    keys live only in the cache, so it is handed every held row's keys (`rescores`): the rows
+    score what they scored when they arrived, the new ones their own norm."""
+    level = "head"
+    rescores = True
+
+    def score(self, li, hidden, q, k, pos):
+        return -k.float().norm(dim=-1).T.contiguous()                      # (T, H) -> (H, T)
+
+    def rescore(self, li, keys, queries):
+        return -keys.float().norm(dim=-1)  # keys (n, d) of one head -> (n,); queries unused
+
+
+# =================================================================================================
+# 3. The methods by name: the one list the command lines, the benchmarks, the saved-cache format and
+#    the quality harness read (a new scorer: a class above and a line here)
+# =================================================================================================
+
+# method -> its scorer class (generate.make_cache: cls.make(cfg, gates, seed)). "full" keeps every
+# pair: a plain cache.KVCache, no scorer. The decode suite's "cut" (the full cache stopped at the
+# budget) evicts nothing and is no method here: harness/decode.py
+METHODS = {
+    "full": None,
+    "fastkvzip": GateScorer,
+    "kvzip": KVzipScorer,
+    "snapkv": SnapKVScorer,
+    "rkv": RKVScorer,  # evicts at decode time only: R-KV compresses a reasoning trace (§10)
+    "streaming": StreamingScorer,
+    "random": RandomScorer,
+    "knorm": KnormScorer,
+}

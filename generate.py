@@ -373,37 +373,27 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
     check_method(method, gates, decode_tokens_per_head)
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
-    if method == "full":
+    kind = METHODS[method]  # gate.py: each method's Scorer class, None for the full cache
+    if kind is None:
         return KVCache(cfg, dtype, device)
-    H = cfg.num_key_value_heads
-    if method == "fastkvzip":
-        scorer = gate.GateScorer(gates)
-    elif method == "streaming":
-        scorer = gate.StreamingScorer(n_kv_heads=H)
-    elif method == "snapkv":
-        scorer = gate.SnapKVScorer(scale=cfg.attn_scale)
-    elif method == "rkv":
-        scorer = gate.RKVScorer(scale=cfg.attn_scale)
-    elif method == "random":
-        scorer = gate.RandomScorer(seed, n_kv_heads=H)
-    elif method == "kvzip":
-        scorer = None  # the teacher scores the whole context after prefill (prefill_kvzip)
+    # KVzip's teacher scores the whole context after prefill (prefill_kvzip): no scorer in the cache
+    scorer = kind.make(cfg, gates, seed) if kind.prefill else None
     # the authors run the baselines per head, the gate and KVzip with one global threshold
-    level = level or (scorer.level if scorer else "global")
-    return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected, level=level,
-                         decode_tokens_per_head=decode_tokens_per_head)
+    return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected,
+                         level=level or kind.level, decode_tokens_per_head=decode_tokens_per_head)
 
 
 def check_method(method, gates, decode_tokens_per_head):
     """What make_cache needs, else an ArgumentError: a method, the gates fastkvzip scores with, no
     decode-time eviction for KVzip, which scores the prompt only (the rest: EvictingCache)."""
     if method not in METHODS:
-        raise ArgumentError(f"make_cache: method {method!r} is not one of {METHODS}")
+        raise ArgumentError(f"make_cache: method {method!r} is not one of {tuple(METHODS)}")
     if method == "fastkvzip" and not isinstance(gates, gate.Gates):
         raise ArgumentError(f"make_cache: fastkvzip needs its gates (a gate.Gates: "
                             f"formats.gate_file.resolve_gate), got {type(gates).__name__}")
-    if method == "kvzip" and decode_tokens_per_head is not None:
-        raise ArgumentError("make_cache: kvzip scores the context once: it cannot evict during "
+    if METHODS[method] is not None and not METHODS[method].decode \
+            and decode_tokens_per_head is not None:
+        raise ArgumentError(f"make_cache: {method} scores the context once: it cannot evict during "
                             "decoding; give decode_tokens_per_head=None")
 
 

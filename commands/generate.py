@@ -172,8 +172,9 @@ def check_args(args):
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (the probability mass sampled from), got "
                          f"{args.top_p}")
-    if args.decode_tokens_per_head is not None and args.method in ("kvzip", "full"):
-        why = {"kvzip": "scores the context once", "full": "keeps every pair"}[args.method]
+    kind = METHODS[args.method]  # gate.py's scorer class: what it can do; None: the full cache
+    if args.decode_tokens_per_head is not None and (kind is None or not kind.decode):
+        why = "keeps every pair" if kind is None else "scores the context once"
         raise UsageError(f"--method {args.method} {why}; drop --decode-tokens-per-head")
     if args.method == "rkv" and (args.decode_tokens_per_head is None or args.budget < 1):
         raise UsageError("--method rkv evicts during decoding only (R-KV): give "
@@ -212,7 +213,7 @@ def check_decode_tokens(n, method, requests, max_positions):
     if n > max_positions:
         raise UsageError(f"--decode-tokens-per-head {n} is above the model's maximum of "
                          f"{max_positions} positions: it would never evict")
-    window = (gate.GateScorer if method == "fastkvzip" else gate.Scorer).decode_window
+    window = (METHODS[method] or gate.Scorer).decode_window  # the scorer's; full: none evicts
     for r in requests:
         try:
             check_decode_budget(n, decode_protected(r["n_protected"], window))

@@ -31,12 +31,20 @@ from kernels import ArgumentError, RaggedKV, WindowKV, _ranges
 from model import Transformer
 
 CACHE_FORMAT, CACHE_VERSION = "fastkvzip-kv-cache", 1
-# what scores an EvictingCache of each method (gate.py's scorers; kvzip: its teacher, once)
-SCORER_OF = {"fastkvzip": "GateScorer", "streaming": "StreamingScorer", "snapkv": "SnapKVScorer",
-             "rkv": "RKVScorer", "random": "RandomScorer", "kvzip": None}
-METHOD_OF = {scorer: method for method, scorer in SCORER_OF.items()}
 KV_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 MAX_HEADER = 100 << 20
+
+
+def scorer_of(method):
+    """What scores an EvictingCache of `method`, as a file names it: its gate.METHODS class's name,
+    None for kvzip (its teacher's scores arrive once, after prefill: the cache holds no scorer)."""
+    kind = METHODS[method]
+    return kind.__name__ if kind.prefill else None
+
+
+def method_of(scorer):
+    """The method whose cache a scorer of this class name scores (scorer_of's inverse), or None."""
+    return next((m for m, kind in METHODS.items() if kind and scorer_of(m) == scorer), None)
 
 
 class CacheFileError(Exception):
@@ -93,7 +101,7 @@ def save_cache(path, cache, model, ids, last_logits, n_protected=None, method=No
                             f"saved{_wider(dtype)}")
     evicting = isinstance(cache, EvictingCache)
     scorer = type(cache.scorer).__name__ if evicting and cache.scorer is not None else None
-    what = METHOD_OF.get(scorer, None) if evicting else "full"
+    what = method_of(scorer) if evicting else "full"
     if method is None:
         method = what
     elif method != what:
@@ -354,7 +362,7 @@ def _check_state(state, header, bad):
         raise bad("a budget below 1.0 with a full KVCache")
     if evicting:
         scorer = state["scorer"]
-        if state["method"] is not None and SCORER_OF[state["method"]] != scorer:
+        if state["method"] is not None and scorer_of(state["method"]) != scorer:
             raise bad(f"method {state['method']} scored by {scorer}")
         if state["decode_tokens_per_head"] is not None and scorer is None:
             raise bad("decode-time eviction without a scorer")
@@ -495,7 +503,7 @@ def load_cache(path, model, scorer=None, verify=True):
                                       "decode_tokens_per_head")}
     # what the cache is, where the file does not say (save_cache given no method or budget)
     if info["method"] is None:
-        info["method"] = METHOD_OF.get(state["scorer"], state["scorer"]) if evicting else "full"
+        info["method"] = (method_of(state["scorer"]) or state["scorer"]) if evicting else "full"
     if info["budget"] is None and evicting and info["n_context"]:
         per = cache.kept_fraction_per_layer(state["n_protected"], state["n_prompt"])
         info["budget"] = round(sum(per) / len(per), 4) or None

@@ -38,11 +38,13 @@ import torch
 import generate
 from cache import EvictingCache
 from formats.gate_file import resolve_gate
+from gate import METHODS as SCORERS
 from harness.quality import OWNERS, answer_stops, load_docs, log, model_info
 from prompts import encode_prompt, encode_text, prompt_format, question_ids
 
-# "cut" is no cache of its own: the full cache stopped at B tokens (module docstring)
-METHODS = ("full", "fastkvzip", "streaming", "random", "snapkv", "rkv", "cut")
+# the full cache, every method of gate.METHODS that evicts while decoding, and "cut", no cache of
+# its own: the full cache stopped at B tokens (module docstring)
+METHODS = ("full",) + tuple(m for m, kind in SCORERS.items() if kind and kind.decode) + ("cut",)
 BUDGETS = (256, 512, 1024, 2048)  # tokens per KV head
 GAPS = (1024, 2048, 4096, 6000)  # recall: tokens between a fact and its question
 LENGTH = 6600  # stream tokens: the facts (~300), the longest gap, room for sentence ends

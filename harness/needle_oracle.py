@@ -32,7 +32,7 @@ import torch
 
 from cli import UsageError, add_model, add_seed, floats, names, resolve_model
 from formats.checkpoint import check_folder, load_checked
-from gate import Scorer
+from gate import METHODS, Scorer
 from harness import quality as Q
 from harness import ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
@@ -118,7 +118,7 @@ def run_context(model, tok, fmt, row, teacher, args):
             variants = VARIANTS if method != "streaming" else ("scored",)
             for budget in args.budgets:
                 for variant in variants:
-                    level = "layer" if variant == "layer" else Q.DEFAULT_LEVEL[method]
+                    level = "layer" if variant == "layer" else METHODS[method].level
                     cache = Q.method_cache(model, method, level, sample.n_protected, args.model,
                                            args.gate, 0, tscores)
                     if variant == "oracle":

@@ -44,7 +44,7 @@ import generate
 from cache import Budget, EvictingCache
 from cli import UsageError, write_text
 from formats.gate_file import resolve_gate
-from gate import GateScorer, RandomScorer, Scorer, SnapKVScorer, StreamingScorer
+from gate import METHODS, KVzipScorer
 from harness.timing import TokenClock
 from prompts import encode_prompt, encode_text, question_ids
 from teacher import KVzipTeacher, TeacherCache, agreement, digit_tokens, pool_agreement
@@ -247,25 +247,6 @@ class Replay:
         return self.logits
 
 
-class Precomputed(Scorer):
-    """Scores computed beforehand for the whole prompt (KVzip's teacher): (L_g, H, n) indexed by
-    position."""
-    level = "global"
-
-    def __init__(self, scores):
-        super().__init__(scores.shape[1])
-        self.scores = scores
-
-    def score(self, l, hidden, q, k, pos):
-        return self.scores[l][:, pos.cpu()].to(pos.device)
-
-
-# each method's eviction structure when none is asked for: its scorer's (the authors' choices,
-# METHOD.md §6, §10)
-DEFAULT_LEVEL = dict(fastkvzip=GateScorer.level, kvzip=Precomputed.level, snapkv=SnapKVScorer.level,
-                     streaming=StreamingScorer.level, random=RandomScorer.level)
-
-
 def method_cache(model, method, level, n_protected, model_name, gate_file, seed,
                  teacher_scores=None):
     """An empty evicting cache for one method, made by generate.make_cache as `generate.py --method`
@@ -276,7 +257,7 @@ def method_cache(model, method, level, n_protected, model_name, gate_file, seed,
     cache = generate.make_cache(method, model, n_protected, gates, level=level, seed=seed)
     # only KVzip: every other method keeps its own scorer
     if method == "kvzip" and teacher_scores is not None:
-        cache.scorer = Precomputed(teacher_scores)
+        cache.scorer = KVzipScorer(teacher_scores)
     return cache
 
 
@@ -303,7 +284,7 @@ def prefill_from_capture(model, full, logits, cache, method, sample, budget, chu
     cache. KVzip is not chunked (generate.prefill_kvzip): its teacher scores the full prefill, then
     one eviction, either way."""
     ids, p = sample.ids, sample.n_protected
-    if method == "kvzip":  # cache.scorer holds the teacher's precomputed scores (Precomputed)
+    if method == "kvzip":  # cache.scorer holds the teacher's precomputed scores (KVzipScorer)
         cache.take_over_prefill(full, inputs=full.captured, keep_full=True)
         generate.evict_once(cache, len(ids), p, Budget(budget, chunk_size, window))
     elif len(ids) <= chunk_size:
@@ -431,7 +412,7 @@ def summarize(tallies, extras, n_boot, seed, averaged=AVERAGED):
     rows = []
     for (config, budget), tasks in tallies.items():
         method, _, level = config.partition("/")
-        level = level or ("full" if method == "full" else DEFAULT_LEVEL[method])
+        level = level or ("full" if method == "full" else METHODS[method].level)
         for task in TASKS:
             t = tasks[task]
             score, boot = t.value(), t.value(idx)
@@ -553,9 +534,9 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
     lengths that cannot be made before any model work)."""
     cfg, _, _ = model_info(model)
     methods = [m for m in exp.methods if m != "full"]
-    configs = [(m, DEFAULT_LEVEL[m]) for m in methods]
+    configs = [(m, METHODS[m].level) for m in methods]
     configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in exp.extra_levels
-                if lv != DEFAULT_LEVEL[m]]  # '--extra-levels global' would run the default twice
+                if lv != METHODS[m].level]  # '--extra-levels global' would run the default twice
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
     stop_ids = answer_stops(cfg, tok)
     lengths, samples = samples or make_samples(tok, fmt, exp)
@@ -578,7 +559,7 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
             entries[entry_key("full", 1.0)] = entry(sample, ref, ref,
                                                     [1.0] * len(cfg.compressed_layers), full.nbytes)
             for method, level in configs:
-                config = method if level == DEFAULT_LEVEL[method] else f"{method}/{level}"
+                config = method if level == METHODS[method].level else f"{method}/{level}"
                 for budget in exp.budgets:
                     cache = method_cache(model, method, level, sample.n_protected, model_name,
                                          gate_file, exp.seed + c, tscores)
@@ -717,5 +698,6 @@ def quality_results(records, n_boot, seed, averaged=AVERAGED):
 
 def label(r):
     """A configuration's name in the reports: the method, with its level when not its own."""
-    return (r["method"] if r["level"] in ("full", DEFAULT_LEVEL.get(r["method"]))
+    own = METHODS[r["method"]].level if METHODS.get(r["method"]) else "full"  # the scorer's level
+    return (r["method"] if r["level"] in ("full", own)
             else f"{r['method']} ({r['level']})")

@@ -28,6 +28,7 @@ import torch
 
 import generate
 from cli import UsageError, check_text, file_sha256, json_line, md, pyplot, save_figure
+from gate import METHODS
 from harness import kvpress_prompt
 from harness import quality as Q
 from harness.kvpress_prompt import KvpressFormat
@@ -411,9 +412,9 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
     each."""
     cfg = model.config
     methods = [m for m in exp.methods if m != "full"]
-    configs = [(m, Q.DEFAULT_LEVEL[m]) for m in methods]
+    configs = [(m, METHODS[m].level) for m in methods]
     configs += [(m, lv) for m in methods if m in ("fastkvzip", "kvzip") for lv in exp.extra_levels
-                if lv != Q.DEFAULT_LEVEL[m]]
+                if lv != METHODS[m].level]
     teacher = KVzipTeacher(model, tok, fmt) if "kvzip" in methods else None
     stop_ids = set(cfg.eos_token_ids)
     total, sample_of = contexts(tok, fmt, exp, cfg.max_position_embeddings)
@@ -447,7 +448,7 @@ def run(model, tok, fmt, exp, model_name, gate_file, shard=(0, 1), done=(), on_c
                 res[full_key] = answer_alone(model, tok, full, sample, stop_ids)
                 t = clock("answers", t)
             for method, level in configs:
-                config = method if level == Q.DEFAULT_LEVEL[method] else f"{method}/{level}"
+                config = method if level == METHODS[method].level else f"{method}/{level}"
                 for budget in exp.budgets:
                     key = Q.entry_key(config, budget)
                     cache = Q.method_cache(model, method, level, sample.n_protected, model_name,
@@ -589,7 +590,7 @@ def results(records, n_boot, seed, source, sizing="ruler"):
     for key in sorted(scores, key=lambda k: (k[0] != "full", k[0], -k[1])):
         config, budget = key
         method, _, level = config.partition("/")
-        level = level or ("full" if method == "full" else Q.DEFAULT_LEVEL[method])
+        level = level or ("full" if method == "full" else METHODS[method].level)
         base = dict(method=method, level=level, budget=budget,
                     compression_ratio=round(1 - budget, 6), **extras[key])
         boots = {}

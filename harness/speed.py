@@ -16,7 +16,8 @@ import gate
 import generate
 from cache import Batch, Budget, KVCache, full_cache_bytes
 from formats.gate_file import save_gate
-from harness.quality import DEFAULT_LEVEL, log, method_cache, model_info
+from gate import METHODS
+from harness.quality import log, method_cache, model_info
 from harness.timing import TokenClock, time_scorer
 from model import ModelConfig, Transformer, load_tokenizer
 from prompts import prompt_format
@@ -49,7 +50,7 @@ def timed_run(model, method, budget, ids, n_protected, teacher, s):
     cfg, dtype, device = model_info(model)
     # the cache is made (and the gate loaded) before the clock starts
     cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
-        model, method, DEFAULT_LEVEL[method], n_protected, s.model, s.gate, s.seed)
+        model, method, METHODS[method].level, n_protected, s.model, s.gate, s.seed)
     teacher = TimedTeacher(teacher) if method == "kvzip" else None
     if getattr(cache, "scorer", None) is not None:  # the gate's (or a baseline's) share
         time_scorer(cache.scorer, device)
@@ -215,7 +216,7 @@ def batch_speed(model, peer, docs, n_protected, s, batch_sizes, repeats=1):
         prefilled[method, budget] = []
         for ids in docs[:max(batch_sizes)]:
             cache = KVCache(cfg, dtype, device) if method == "full" else method_cache(
-                model, method, DEFAULT_LEVEL[method], n_protected, s.model, s.gate, s.seed)
+                model, method, METHODS[method].level, n_protected, s.model, s.gate, s.seed)
             generate.prefill(model, cache, ids, n_protected, Budget(budget, s.chunk_size, s.window))
             prefilled[method, budget].append(cache)
     for _ in range(repeats):
