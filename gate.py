@@ -221,7 +221,7 @@ class Scorer:
     `prefill`: it scores each prefill chunk as the chunk arrives (False: KVzip, whose teacher
     scores the whole context after prefill, so its cache holds no scorer). `decode`: it can evict
     during decoding (generate.py --decode-tokens-per-head). `make` builds it for a model from
-    the model's config (model.Config), the gates (Fast KVzip's) and a seed (random scores).
+    the model's config (model.ModelConfig), the gates (Fast KVzip's) and a seed (random scores).
     METHODS, at the end of this file, names each scorer: a new one is a class and a line there
     (docs/usage.md, "Add a scorer")."""
     level = "global"

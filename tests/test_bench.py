@@ -266,13 +266,13 @@ def test_each_method_keeps_its_own_scorer(real):
     replaced every method's scorer, which made all methods identical)."""
     args = bench.parse_args(["--gate", real["gate"]])
     scores = torch.rand(3, 1, 101)
-    want = dict(fastkvzip=gate.GateScorer, kvzip=quality.Precomputed, snapkv=gate.SnapKVScorer,
-                streaming=gate.StreamingScorer, random=gate.RandomScorer)
+    want = dict(fastkvzip=gate.GateScorer, kvzip=gate.KVzipScorer, snapkv=gate.SnapKVScorer,
+                streaming=gate.StreamingScorer, random=gate.RandomScorer, knorm=gate.KnormScorer)
     for method, cls in want.items():
-        cache = quality.method_cache(real["model"], method, quality.DEFAULT_LEVEL[method], 1,
+        cache = quality.method_cache(real["model"], method, gate.METHODS[method].level, 1,
                                      args.model, args.gate, 0, scores)
         assert type(cache.scorer) is cls, (method, type(cache.scorer))
-        assert cache.level == quality.DEFAULT_LEVEL[method]
+        assert cache.level == gate.METHODS[method].level
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import torch
 
 import model as M
 from formats.gate_file import save_gate
-from gate import Gates
+from gate import Gates, KVzipScorer
 from generate import make_cache
 from harness import quality as Q
 from harness import ruler
@@ -70,7 +70,7 @@ def make_caches(tiny, sample):
                 continue
             cache = make_cache(method, model, sample.n_protected, gates=gates)
             if method == "kvzip":
-                cache.scorer = Q.Precomputed(tscores)
+                cache.scorer = KVzipScorer(tscores)
             Q.prefill_from_capture(model, full, logits, cache, method, sample, budget, CHUNK,
                                    WINDOW)
             assert min(cache.kept_fraction_per_layer(sample.n_protected, len(sample.ids))) < 1
