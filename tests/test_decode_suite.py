@@ -79,7 +79,13 @@ def test_teacher_forcing_matches_a_plain_forward(tiny):
     logp = torch.log_softmax(logits, -1)
     want = -logp[torch.arange(9, len(ids) - 1), torch.tensor(ids[10:])]
     torch.testing.assert_close(nll, want, atol=1e-4, rtol=1e-4)
-    assert torch.equal(hit, (logits[9:-1].argmax(-1) == torch.tensor(ids[10:])).float())
+    # the argmax of another summation order: it may differ only where the top two logits of the
+    # plain forward are within the logits' own rounding apart (the nll's 1e-4)
+    top2 = logits[9:-1].topk(2, -1).values
+    clear = top2[:, 0] - top2[:, 1] > 1e-4
+    assert clear.float().mean() > 0.9  # the comparison covers nearly every position
+    assert torch.equal(hit[clear],
+                       (logits[9:-1].argmax(-1) == torch.tensor(ids[10:])).float()[clear])
 
 
 # ------------------------------------------------------------------------- streams and summaries
