@@ -16,9 +16,9 @@ This file holds, top to bottom:
                        a KV head packed into the rows of one tile (each key block is read once for
                        all of them), keys split across programs for decode (flash-decoding).
   RaggedKV             one layer's storage: per-head regions with slack; append, keep_rows and
-                       attend (one new token on the torch path: per head softmax(q k^T) v, no
-                       masks).
-A sliding-window layer's ring of <= W rows per head is a RaggedKV too: cache.WindowKV.
+                       attend (one new token on the torch path: per head softmax(q k^T) v,
+                       no masks). A sliding window's ring of <= W rows per head is a RaggedKV
+                       too: cache.WindowKV.
 The micro-benchmarks are harness/kernel_bench.py (python -m harness.kernel_bench).
 
 The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's seqused_k):
