@@ -180,6 +180,33 @@ def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return out
 
 
+def dense_attention(q, k, v, scale, window=None):
+    """Causal attention of the last t of n positions when every KV head holds the same n keys:
+    q (t, Hq, d), k / v (H, n, d), strided views of a RaggedKV whose regions are all alike (a full
+    cache; a prefill before its first eviction) -> (t, Hq, d), query head h*G + g reading KV head
+    h. sdpa_attention's blocks and masks, each block one SDPA call over every head at once (GQA),
+    in the layout the projections write: no copy of the queries into varlen order, none of the
+    output out of it, and with one block (a 2K chunk) the result is SDPA's own output, already
+    (t, Hq, d) in memory."""
+    t, n_q_heads, d = q.shape
+    n = k.shape[1]
+    block = SDPA_BLOCK if window is not None else max(SDPA_BLOCK, MASK_ELEMENTS // max(1, n))
+    one = lambda x: torch.tensor([0, x], dtype=torch.int32)
+    qs, ks, vs = q.transpose(0, 1)[None], k[None], v[None]  # (1, Hq, t, d), (1, H, n, d)
+    out = None
+    for _, r0, r1, _, j0, j1, M, N in _blocks(one(t), one(n), None, True, window, block):
+        mask, is_causal = _block_mask(r1 - r0, j1 - j0, r0 + N - M - j0, True, window,
+                                      str(q.device))
+        ob = F.scaled_dot_product_attention(
+            qs[:, :, r0:r1].float(), ks[:, :, j0:j1].float(), vs[:, :, j0:j1].float(),
+            attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)[0]  # (Hq, m, d)
+        if r1 - r0 == t:  # one block: every row
+            return ob.transpose(0, 1).to(q.dtype)
+        out = q.new_empty(t, n_q_heads, d) if out is None else out  # the blocks cover every row
+        out[r0:r1] = ob.transpose(0, 1)
+    return out
+
+
 @functools.lru_cache(maxsize=8)  # <= 8 masks of <= 16 MB
 def _block_mask(m, n, offset, causal, window, device):
     """-> (additive fp32 mask (m, n) or None, is_causal) for a block whose row i may see key j iff
@@ -517,6 +544,15 @@ class RaggedKV:
         s = int(self.starts[h])
         return self.k[s:s + int(self.lens[h])]
 
+    def uniform(self):
+        """(n, cap) when every head holds n rows in a region of cap rows (a full cache; a prefill
+        before its first eviction): the regions are then one strided (H, cap, d) tensor. Else
+        None."""
+        if not self.n_heads:
+            return None
+        n, cap = int(self.lens[0]), int(self.caps[0])
+        return (n, cap) if bool((self.lens == n).all() and (self.caps == cap).all()) else None
+
     def rows(self):
         """Flat row indices of every head's used rows, head after head (no slack rows)."""
         return _ranges(self.starts, self.lens).to(self.device)
@@ -564,12 +600,22 @@ class RaggedKV:
             caps = torch.maximum(self.caps, need + slack)
             self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
         # write only the t new rows of each head, into its slack
-        rows = ((self.starts + self.lens)[:, None] + torch.arange(t)).reshape(-1).to(self.device)
-        self.k[rows] = k.transpose(0, 1).reshape(H * t, d).to(self.dtype)
-        self.v[rows] = v.transpose(0, 1).reshape(H * t, d).to(self.dtype)
-        self.pos[rows] = _head_pos(pos, H).to(self.device)
-        self.score[rows] = (float("inf") if score is None
-                            else score.to(self.device, torch.float32).reshape(H * t))
+        score = (float("inf") if score is None
+                 else score.to(self.device, torch.float32).reshape(H, t))
+        pos = _head_pos(pos, H).to(self.device).view(H, t)
+        alike = self.uniform()
+        if alike is not None:  # regions alike: one strided copy per tensor, no row indices
+            n, cap = alike
+            for x, new in ((self.k, k.transpose(0, 1)), (self.v, v.transpose(0, 1)),
+                           (self.pos, pos), (self.score, score)):
+                x[:H * cap].view(H, cap, *x.shape[1:])[:, n:n + t] = new
+        else:
+            rows = ((self.starts + self.lens)[:, None] + torch.arange(t)).reshape(-1)
+            rows = rows.to(self.device)
+            self.k[rows] = k.transpose(0, 1).reshape(H * t, d).to(self.dtype)
+            self.v[rows] = v.transpose(0, 1).reshape(H * t, d).to(self.dtype)
+            self.pos[rows] = pos.reshape(-1)
+            self.score[rows] = score if isinstance(score, float) else score.reshape(-1)
         self.lens = need
 
     # -- a batch of sequences is more heads: sequence b of a batch owns heads b*H .. b*H + H-1 --
@@ -622,8 +668,14 @@ class RaggedKV:
         t, n_q_heads, d = q.shape
         H = self.n_heads
         G = n_q_heads // H
-        if t == 1 and resolve_backend(q, backend) == "torch":
-            return self._attend_one(q, scale, window)
+        if resolve_backend(q, backend) == "torch":
+            if t == 1:
+                return self._attend_one(q, scale, window)
+            alike = self.uniform()
+            if alike is not None:  # every head alike: one strided (H, n, d) view of the keys
+                n, cap = alike
+                k, v = (x[:H * cap].view(H, cap, d)[:, :n] for x in (self.k, self.v))
+                return dense_attention(q, k, v, scale, window)
         # METHOD.md §8: each KV head is one sequence of t query rows whose G query heads are MQA
         # heads
         qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)      # (H*t, G, d)
@@ -643,10 +695,11 @@ class RaggedKV:
         batch's B x H heads included)."""
         H, d = self.n_heads, self.head_dim
         qh = q.view(H, -1, d).float() * scale                      # (H, G, d): query head h*G + g
-        n, cap = int(self.lens[0]) if H else 0, int(self.caps[0]) if H else 0
-        if H and bool((self.lens == n).all() and (self.caps == cap).all()):
+        alike = self.uniform()
+        if alike is not None:
             # every head holds as many rows in regions of one size (a full cache, a full ring):
             # the regions are one strided (H, cap, d) tensor, and the heads one batched matmul
+            n, cap = alike
             first = 0 if window is None else max(0, n - window)
             ks, vs = (x[:H * cap].view(H, cap, d)[:, first:n].float() for x in (self.k, self.v))
             out = torch.softmax(qh @ ks.transpose(1, 2), dim=-1) @ vs  # (H, G, d)
