@@ -558,12 +558,27 @@ class RaggedKV:
         return _ranges(self.starts, self.lens).to(self.device)
 
     def _relayout(self, src_rows, new_lens, new_caps):
-        """Move the rows src_rows (flat indices, head-major) into fresh regions of sizes
-        new_caps."""
+        """Move the rows src_rows (flat indices, head-major; or an int s: every head's used rows
+        from its s-th on, in order) into fresh regions of sizes new_caps."""
         new_starts = torch.cumsum(new_caps, 0) - new_caps
-        src_rows = src_rows.to(self.device)
         old = (self.k, self.v, self.pos, self.score)
         self.transient = max(self.transient, old[0].nbytes + old[1].nbytes)  # until the copy ends
+        alike, H = self.uniform(), self.n_heads
+        if isinstance(src_rows, int) and alike and bool((new_caps == new_caps[0]).all()):
+            # alike regions into alike regions (a prefill's next chunk, a window's wrap): one
+            # strided copy per tensor, no row indices
+            (n, cap), new_cap, s = alike, int(new_caps[0]), src_rows
+            assert bool((new_lens == n - s).all()), "_relayout: every used row from the s-th"
+            self._alloc(H * new_cap)
+            for new, o in zip((self.k, self.v, self.pos, self.score), old):
+                shape = o.shape[1:]
+                new[:H * new_cap].view(H, new_cap, *shape)[:, :n - s] = \
+                    o[:H * cap].view(H, cap, *shape)[:, s:n]
+            self.lens, self.caps, self.starts = new_lens.clone(), new_caps.clone(), new_starts
+            return
+        if isinstance(src_rows, int):
+            src_rows = _ranges(self.starts + src_rows, self.lens - src_rows)
+        src_rows = src_rows.to(self.device)
         if torch.equal(new_lens, new_caps):  # no slack (eviction): the gathered rows are all
             self.k, self.v, self.pos, self.score = (o[src_rows] for o in old)
         else:
@@ -578,7 +593,7 @@ class RaggedKV:
         into slack and copy nothing; a region already that large is left alone."""
         need = self.lens + n
         if bool((need > self.caps).any()):
-            self._relayout(self.rows(), self.lens, torch.maximum(self.caps, need))
+            self._relayout(0, self.lens, torch.maximum(self.caps, need))
 
     def append(self, k, v, pos, score=None):
         """k, v (t, H, d); pos (t,) absolute positions, the same for every head, or (H, t) per head
@@ -598,7 +613,7 @@ class RaggedKV:
             else:
                 slack = torch.zeros_like(need)
             caps = torch.maximum(self.caps, need + slack)
-            self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
+            self._relayout(0, self.lens, caps)
         # write only the t new rows of each head, into its slack
         score = (float("inf") if score is None
                  else score.to(self.device, torch.float32).reshape(H, t))
@@ -795,7 +810,7 @@ class WindowKV(RaggedKV):
                 need = self.lens + 1
                 grown = torch.clamp(need + torch.clamp(need // 2, min=16, max=MAX_SLACK), max=W)
                 caps = torch.where(room, self.caps, grown)
-                self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
+                self._relayout(0, self.lens, caps)
             # (H,) the row after each head's newest
             rows = (self.starts + (self.first + self.lens) % W).to(self.device)
             self.k[rows] = k[0].to(self.dtype)
@@ -832,7 +847,7 @@ class WindowKV(RaggedKV):
         """RaggedKV.reserve, never past W rows: a full ring overwrites its oldest row in place."""
         need = torch.clamp(self.lens + n, max=self.window)
         if bool((need > self.caps).any()):  # a ring not yet full: its rows still from row 0
-            self._relayout(self.rows(), self.lens, torch.maximum(self.caps, need))
+            self._relayout(0, self.lens, torch.maximum(self.caps, need))
 
     def wrap(self):
         """After a forward: each head's last min(n, W) rows, in order from row 0, in at most W
@@ -842,7 +857,10 @@ class WindowKV(RaggedKV):
         keep, caps = torch.clamp(self.lens, max=self.window), torch.clamp(self.caps, max=self.window)
         # past the window: copy once
         if not (torch.equal(keep, self.lens) and torch.equal(caps, self.caps)):
-            self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, caps)
+            skip = self.lens - keep  # every head's oldest rows past the window
+            alike = self.n_heads > 0 and bool((skip == skip[0]).all())
+            self._relayout(int(skip[0]) if alike else _ranges(self.starts + skip, keep), keep,
+                           caps)
         self.ring = True
 
     def keep_rows(self, mask, room=0):

@@ -213,13 +213,12 @@ def save_json(path, data):
         os.replace(tmp, path)
 
 
-def bench_model(args, name, data):
+def bench_model(args, name, data, error):
     folder = resolve_model(name)
     tok, model = read_tokenizer(folder), load_checked(folder, "cpu", torch.float32)
     peer = load_peer(folder)
     if peer is None:
-        sys.exit("profile_prefill: transformers is not installed (pip install -r "
-                 "requirements-test.txt)")
+        error("transformers is not installed (pip install -r requirements-test.txt)")
     gates = resolve_gate(None, model.config, name)
     system = encode_prompt(tok, prompt_format(model.config, name).system)
     text = [t for _, d in load_docs(tok) for t in d]
@@ -242,8 +241,7 @@ def bench_model(args, name, data):
                 make(run, system + text[:512])()
             for n in args.lengths:
                 if len(text) < n:
-                    sys.exit(f"profile_prefill: --lengths {n}: the evaluation text holds only "
-                             f"{len(text)} tokens")
+                    error(f"--lengths {n}: the evaluation text holds only {len(text)} tokens")
                 ids = system + text[:n]
                 key = f"{name} {n} {threads}"
                 row = data["rows"].setdefault(key, dict(model=name, context=n, tokens=len(ids),
@@ -311,7 +309,7 @@ def report(row, peak):
               f"{', '.join(f'{x:.3f}' for x in speed)})")
         print(f"    fastkvzip / ours: median {np.median(gated):.3f} (runs "
               f"{', '.join(f'{x:.3f}' for x in gated)}); within the gate's FLOP share + 2% "
-              f"({share + 0.02:.3f}): {sum(x <= share + 0.02 for x in gated)} of {len(gated)}")
+              f"({1 + share + 0.02:.3f}): {sum(x <= 1 + share + 0.02 for x in gated)} of {len(gated)}")
         if peak:  # CPU seconds: FLOPs per CPU second times threads, against the same for the peak
             top = peak[0] if clock == "wall" else peak[1]
             scale = 1 if clock == "wall" else row["threads"]
@@ -372,7 +370,7 @@ def main():
         print(f"fp32 matmul peak, {threads} threads: {wall / 1e9:.1f} GFLOP/s (wall), "
               f"{cpu / 1e9:.1f} GFLOP/s (per CPU second x threads)", flush=True)
     for name in args.models.split(","):
-        bench_model(args, name, data)
+        bench_model(args, name, data, p.error)
 
 
 if __name__ == "__main__":
