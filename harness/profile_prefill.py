@@ -338,7 +338,7 @@ def parts_table(rounds):
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="smollm2-135m-gguf,gemma3-270m-gguf",
+    p.add_argument("--models", "--model", default="smollm2-135m-gguf,gemma3-270m-gguf",
                    help="comma list of models (what --model takes elsewhere)")
     p.add_argument("--lengths", type=cli.ints, default=[2048], help="context lengths in tokens")
     p.add_argument("--threads", type=cli.ints, default=[2], help="comma list of thread counts")
@@ -354,6 +354,8 @@ def main():
                    help="the parts' clock: wall, or this process's CPU seconds (steadier on a "
                    "loaded machine with 1 thread; with 2 it counts a spinning thread too)")
     p.add_argument("--ops", action="store_true", help="torch profiler's operator table")
+    p.add_argument("--no-profile", action="store_true",
+                   help="no operator table: the default now (earlier runs' commands pass it)")
     p.add_argument("--rows", type=int, default=12, help="operators shown per --ops table")
     p.add_argument("--json", help="keep the rounds in this file and resume from it")
     args = p.parse_args()
