@@ -16,9 +16,9 @@ This file holds, top to bottom:
                        a KV head packed into the rows of one tile (each key block is read once for
                        all of them), keys split across programs for decode (flash-decoding).
   RaggedKV             one layer's storage: per-head regions with slack; append, keep_rows and
-                       attend (one new token on the torch path: per head softmax(q k^T) v, no
-                       masks).
-  WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1)).
+                       attend (one new token on the torch path: per head softmax(q k^T) v,
+                       no masks). A sliding window's ring of <= W rows per head is a RaggedKV
+                       too: cache.WindowKV.
 The micro-benchmarks are harness/kernel_bench.py (python -m harness.kernel_bench).
 
 The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's seqused_k):
@@ -41,7 +41,6 @@ causal=True, window_size=(W - 1, 0)); window=None is window_size=(-1, -1). sequs
 FlashAttention-3; with flash-attn 2 pass a RaggedKV right after keep_rows() (no slack: cu_seqlens_k
 exact).
 """
-import copy
 import functools
 import os
 
@@ -93,8 +92,8 @@ def _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block):
 
 
 def _visible(r0, r1, j0, j1, M, N, causal, window, device):
-    """(r1 - r0, j1 - j0) bool: query row i may see key j, by the contract (bottom-right
-    alignment)."""
+    """(r1 - r0, j1 - j0) bool: query row i may see key j, by the contract
+    (bottom-right alignment)."""
     i = torch.arange(r0, r1, device=device)[:, None]
     j = torch.arange(j0, j1, device=device)[None, :]
     diag = i + (N - M)  # the last query row sees the last key
@@ -141,11 +140,9 @@ def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """The "torch" backend (the CPU path): the reference's blocks and masks, each block one call
     of PyTorch's fused scaled_dot_product_attention (flash attention on CPUs: no (n_heads, m, n)
     score tensor written and re-read four times), with smaller blocks so that a window layer reads
-    fewer keys. Sequences of one shape (same query rows, used keys and region size: a layer's KV
-    heads before any eviction) share each call as its batch dimension, strided views of the flat
-    storage, nothing copied; masks are built once per block shape (_block_mask), none where the
-    block is plainly causal. In fp32, as the reference; tests/test_kernels.py holds the two
-    equal."""
+    fewer keys (heads that all hold alike regions take dense_attention instead). Masks are built
+    once per block shape (_block_mask), none where the block is plainly causal. In fp32, as the
+    reference; tests/test_kernels.py holds the two equal."""
     total_q, n_q_heads, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     out = torch.zeros(total_q, n_q_heads, d, dtype=q.dtype, device=q.device)
@@ -153,56 +150,36 @@ def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     # fixed cost)
     block = (SDPA_BLOCK if window is not None
              else max(SDPA_BLOCK, MASK_ELEMENTS // max(1, max_seqlen_k)))
-    S = cu_seqlens_q.numel() - 1
-    rows_q, regions = torch.diff(cu_seqlens_q.cpu()), torch.diff(cu_seqlens_k.cpu())
-    used = regions if seqused_k is None else seqused_k.cpu()
-    if S > 1 and int(cu_seqlens_q[0]) == 0 == int(cu_seqlens_k[0]) and all(
-            bool((x == x[0]).all()) for x in (rows_q, regions, used)):
-        # one shape: (S, M) queries against (S, R) rows of keys
-        M, R = int(rows_q[0]), int(regions[0])
-        views = [x[:S * n].view(S, n, x.shape[1], d) for x, n in ((q, M), (k, R), (v, R))]
-        one = lambda n: torch.tensor([0, n], dtype=torch.int32)
-        blocks = _blocks(one(M), one(R), used[:1], causal, window, block)
-        layout = out.view(S, M, n_q_heads, d)
-    else:
-        views = [x[None] for x in (q, k, v)]
-        blocks = _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block)
-        layout = out[None]
-    for q0, r0, r1, k0, j0, j1, M, N in blocks:
-        # (S or 1, heads, rows, d)
-        qb, kb, vb = (x[:, a:b].float().transpose(1, 2) for x, a, b in zip(
+    views = [x[None] for x in (q, k, v)]
+    for q0, r0, r1, k0, j0, j1, M, N in _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal,
+                                                window, block):
+        qb, kb, vb = (x[:, a:b].float().transpose(1, 2) for x, a, b in zip(  # (1, heads, rows, d)
             views, (q0 + r0, k0 + j0, k0 + j0), (q0 + r1, k0 + j1, k0 + j1)))
         mask, is_causal = _block_mask(r1 - r0, j1 - j0, r0 + N - M - j0, causal, window,
                                       str(q.device))
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal,
                                             scale=scale, enable_gqa=True)
-        layout[:, q0 + r0:q0 + r1] = ob.transpose(1, 2)
+        out[q0 + r0:q0 + r1] = ob[0].transpose(0, 1)
     return out
 
 
 def dense_attention(q, k, v, scale, window=None):
-    """Causal attention of the last t of n positions when every KV head holds the same n keys:
-    q (t, Hq, d), k / v (H, n, d), strided views of a RaggedKV whose regions are all alike (a full
-    cache; a prefill before its first eviction) -> (t, Hq, d), query head h*G + g reading KV head
-    h. sdpa_attention's blocks and masks, each block one SDPA call over every head at once (GQA),
-    in the layout the projections write: no copy of the queries into varlen order, none of the
-    output out of it, and with one block (a 2K chunk) the result is SDPA's own output, already
-    (t, Hq, d) in memory."""
-    t, n_q_heads, d = q.shape
-    n = k.shape[1]
+    """Causal attention of the last t of n positions over n keys in every KV head: q (t, Hq, d), k /
+    v (H, n, d) (strided views of alike regions: a full cache, a prefill before eviction) -> (t, Hq,
+    d). sdpa_attention's blocks and masks, one SDPA call per block over every head (GQA) in the
+    projections' layout: no copy into varlen order or out of it (one block: SDPA's own output)."""
+    (t, n_q_heads, d), n, out = q.shape, k.shape[1], None
     block = SDPA_BLOCK if window is not None else max(SDPA_BLOCK, MASK_ELEMENTS // max(1, n))
-    one = lambda x: torch.tensor([0, x], dtype=torch.int32)
+    cu, dev = [torch.tensor([0, x], dtype=torch.int32) for x in (t, n)], str(q.device)
     qs, ks, vs = q.transpose(0, 1)[None], k[None], v[None]  # (1, Hq, t, d), (1, H, n, d)
-    out = None
-    for _, r0, r1, _, j0, j1, M, N in _blocks(one(t), one(n), None, True, window, block):
-        mask, is_causal = _block_mask(r1 - r0, j1 - j0, r0 + N - M - j0, True, window,
-                                      str(q.device))
+    for _, r0, r1, _, j0, j1, M, N in _blocks(*cu, None, True, window, block):
+        mask, is_causal = _block_mask(r1 - r0, j1 - j0, r0 + N - M - j0, True, window, dev)
         ob = F.scaled_dot_product_attention(
             qs[:, :, r0:r1].float(), ks[:, :, j0:j1].float(), vs[:, :, j0:j1].float(),
             attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)[0]  # (Hq, m, d)
         if r1 - r0 == t:  # one block: every row
             return ob.transpose(0, 1).to(q.dtype)
-        out = q.new_empty(t, n_q_heads, d) if out is None else out  # the blocks cover every row
+        out = q.new_empty(t, n_q_heads, d) if out is None else out  # blocks cover every row
         out[r0:r1] = ob.transpose(0, 1)
     return out
 
@@ -230,8 +207,8 @@ BACKENDS = ("torch", "reference", "triton")
 
 
 def resolve_backend(q, backend=None):
-    """backend, else env FASTKVZIP_ATTN_BACKEND, else "triton" for CUDA tensors and "torch"
-    otherwise."""
+    """backend, else env FASTKVZIP_ATTN_BACKEND,
+    else "triton" for CUDA tensors and "torch" otherwise."""
     backend = (backend or os.environ.get("FASTKVZIP_ATTN_BACKEND")
                or ("triton" if q.is_cuda else "torch"))
     if backend not in BACKENDS:
@@ -474,15 +451,15 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 # RaggedKV: one layer's kept keys/values, one region per KV head (METHOD.md §8).
 
 def _head_pos(pos, H):
-    """Positions (t,) shared by H heads, or (H, t) per head -> the (H*t,) row order of an
-    append."""
+    """Positions (t,) shared by H heads, or (H, t) per head
+    -> the (H*t,) row order of an append."""
     pos = pos.to(torch.long)
     return pos.repeat(H) if pos.dim() == 1 else pos.reshape(-1)
 
 
 def _ranges(starts, lens):
-    """Concatenation of arange(s, s + n) for each (s, n): the flat row indices of every head's
-    rows."""
+    """Concatenation of arange(s, s + n) for each (s, n):
+    the flat row indices of every head's rows."""
     total = int(lens.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=starts.device)
@@ -545,13 +522,14 @@ class RaggedKV:
         return self.k[s:s + int(self.lens[h])]
 
     def uniform(self):
-        """(n, cap) when every head holds n rows in a region of cap rows (a full cache; a prefill
-        before its first eviction): the regions are then one strided (H, cap, d) tensor. Else
-        None."""
-        if not self.n_heads:
-            return None
-        n, cap = int(self.lens[0]), int(self.caps[0])
-        return (n, cap) if bool((self.lens == n).all() and (self.caps == cap).all()) else None
+        """(n, cap) if every head holds n rows in a cap-row region (a full cache), else None."""
+        n, cap = (int(self.lens[0]), int(self.caps[0])) if self.n_heads else (0, 0)
+        alike = self.n_heads and bool((self.lens == n).all() and (self.caps == cap).all())
+        return (n, cap) if alike else None
+
+    def heads(self, x, cap):
+        """x (rows, ...) as (H, cap, ...): every region of alike regions of cap rows (a view)."""
+        return x[:self.n_heads * cap].view(self.n_heads, cap, *x.shape[1:])
 
     def rows(self):
         """Flat row indices of every head's used rows, head after head (no slack rows)."""
@@ -563,23 +541,17 @@ class RaggedKV:
         new_starts = torch.cumsum(new_caps, 0) - new_caps
         old = (self.k, self.v, self.pos, self.score)
         self.transient = max(self.transient, old[0].nbytes + old[1].nbytes)  # until the copy ends
-        alike, H = self.uniform(), self.n_heads
-        if isinstance(src_rows, int) and alike and bool((new_caps == new_caps[0]).all()):
-            # alike regions into alike regions (a prefill's next chunk, a window's wrap): one
-            # strided copy per tensor, no row indices
-            (n, cap), new_cap, s = alike, int(new_caps[0]), src_rows
-            assert bool((new_lens == n - s).all()), "_relayout: every used row from the s-th"
-            self._alloc(H * new_cap)
+        alike, s = self.uniform(), src_rows
+        strided = isinstance(s, int) and alike and bool((new_caps == new_caps[0]).all())
+        if not strided:  # row indices: those given, or every head's from the s-th on
+            src_rows = (_ranges(self.starts + s, self.lens - s) if isinstance(s, int) else s).to(
+                self.device)
+        if strided:  # alike into alike (a prefill's next chunk, a window's wrap): no indices
+            (n, cap), new_cap = alike, int(new_caps[0])
+            self._alloc(self.n_heads * new_cap)
             for new, o in zip((self.k, self.v, self.pos, self.score), old):
-                shape = o.shape[1:]
-                new[:H * new_cap].view(H, new_cap, *shape)[:, :n - s] = \
-                    o[:H * cap].view(H, cap, *shape)[:, s:n]
-            self.lens, self.caps, self.starts = new_lens.clone(), new_caps.clone(), new_starts
-            return
-        if isinstance(src_rows, int):
-            src_rows = _ranges(self.starts + src_rows, self.lens - src_rows)
-        src_rows = src_rows.to(self.device)
-        if torch.equal(new_lens, new_caps):  # no slack (eviction): the gathered rows are all
+                self.heads(new, new_cap)[:, :n - s] = self.heads(o, cap)[:, s:n]
+        elif torch.equal(new_lens, new_caps):  # no slack (eviction): the gathered rows are all
             self.k, self.v, self.pos, self.score = (o[src_rows] for o in old)
         else:
             dst_rows = _ranges(new_starts, new_lens).to(self.device)
@@ -614,61 +586,17 @@ class RaggedKV:
                 slack = torch.zeros_like(need)
             caps = torch.maximum(self.caps, need + slack)
             self._relayout(0, self.lens, caps)
-        # write only the t new rows of each head, into its slack
+        # the t new rows of each head into its slack (alike regions: a strided copy per tensor)
         score = (float("inf") if score is None
                  else score.to(self.device, torch.float32).reshape(H, t))
-        pos = _head_pos(pos, H).to(self.device).view(H, t)
-        alike = self.uniform()
-        if alike is not None:  # regions alike: one strided copy per tensor, no row indices
-            n, cap = alike
-            for x, new in ((self.k, k.transpose(0, 1)), (self.v, v.transpose(0, 1)),
-                           (self.pos, pos), (self.score, score)):
-                x[:H * cap].view(H, cap, *x.shape[1:])[:, n:n + t] = new
-        else:
-            rows = ((self.starts + self.lens)[:, None] + torch.arange(t)).reshape(-1)
-            rows = rows.to(self.device)
-            self.k[rows] = k.transpose(0, 1).reshape(H * t, d).to(self.dtype)
-            self.v[rows] = v.transpose(0, 1).reshape(H * t, d).to(self.dtype)
-            self.pos[rows] = pos.reshape(-1)
-            self.score[rows] = score if isinstance(score, float) else score.reshape(-1)
+        new = (k.transpose(0, 1), v.transpose(0, 1), _head_pos(pos, H).view(H, t), score)
+        rows, alike = (self.starts + self.lens)[:, None] + torch.arange(t), self.uniform()  # (H, t)
+        for x, y in zip((self.k, self.v, self.pos, self.score), new):
+            if alike:
+                self.heads(x, alike[1])[:, alike[0]:alike[0] + t] = y
+            else:
+                x[rows.to(self.device)] = y if isinstance(y, float) else y.to(x.device, x.dtype)
         self.lens = need
-
-    # -- a batch of sequences is more heads: sequence b of a batch owns heads b*H .. b*H + H-1 --
-    # The regions lie packed in head order (starts = cumsum(caps) - caps), so a run of heads is a
-    # run of rows: joining is a concatenation, leaving a cut, and every region keeps its rows and
-    # slack.
-    def extend(self, other):
-        """Append other's heads after this layer's own (a sequence joins a batch): one copy of the
-        rows."""
-        assert (other.head_dim, other.dtype, type(other)) == (self.head_dim, self.dtype,
-                                                              type(self)), "unlike layers"
-        # the old storage is alive until the copy ends
-        self.transient = max(self.transient, self.nbytes)
-        self.k, self.v, self.pos, self.score = (torch.cat([a, b]) for a, b in zip(
-            (self.k, self.v, self.pos, self.score), (other.k, other.v, other.pos, other.score)))
-        self.starts = torch.cat([self.starts, other.starts + int(self.caps.sum())])
-        self.lens, self.caps = torch.cat([self.lens, other.lens]), torch.cat([self.caps, other.caps])
-        self.n_heads += other.n_heads
-
-    def pop_heads(self, h0, n):
-        """Remove heads h0 .. h0+n-1 (a sequence leaves a batch) and return them as a layer of
-        their own, holding its rows and no slack (its answer is over); the shared storage shrinks
-        to what the others hold."""
-        r0, r1 = int(self.caps[:h0].sum()), int(self.caps[:h0 + n].sum())  # their rows
-        out = copy.copy(self)  # same class and settings (a WindowKV's window and ring state)
-        tensors = (self.k, self.v, self.pos, self.score)
-        lens = self.lens[h0:h0 + n].clone()
-        rows = _ranges(self.starts[h0:h0 + n], lens).to(self.device)  # in order: a ring stays one
-        out.k, out.v, out.pos, out.score = (x[rows] for x in tensors)
-        out.lens, out.caps, out.starts = lens, lens.clone(), torch.cumsum(lens, 0) - lens
-        out.n_heads, out.transient = n, 0
-        self.transient = max(self.transient, self.nbytes)
-        self.k, self.v, self.pos, self.score = (torch.cat([x[:r0], x[r1:]]) for x in tensors)
-        keep = torch.cat([torch.arange(h0), torch.arange(h0 + n, self.n_heads)])
-        self.lens, self.caps = self.lens[keep], self.caps[keep]
-        self.starts = torch.cumsum(self.caps, 0) - self.caps
-        self.n_heads -= n
-        return out
 
     def keys_values(self):
         """-> k (cap_total, 1, d), v, cu_seqlens_k int32 (H+1,), seqused_k int32 (H,), max_len."""
@@ -688,11 +616,10 @@ class RaggedKV:
                 return self._attend_one(q, scale, window)
             alike = self.uniform()
             if alike is not None:  # every head alike: one strided (H, n, d) view of the keys
-                n, cap = alike
-                k, v = (x[:H * cap].view(H, cap, d)[:, :n] for x in (self.k, self.v))
+                k, v = (self.heads(x, alike[1])[:, :alike[0]] for x in (self.k, self.v))
                 return dense_attention(q, k, v, scale, window)
-        # METHOD.md §8: each KV head is one sequence of t query rows whose G query heads are MQA
-        # heads
+        # METHOD.md §8: each KV head is one sequence of t query rows,
+        # whose G query heads are the heads of an MQA call
         qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)      # (H*t, G, d)
         k, v, cu_k, used, max_len = self.keys_values()
         cu_q = torch.arange(H + 1, dtype=torch.int32, device=q.device) * t
@@ -711,12 +638,10 @@ class RaggedKV:
         H, d = self.n_heads, self.head_dim
         qh = q.view(H, -1, d).float() * scale                      # (H, G, d): query head h*G + g
         alike = self.uniform()
-        if alike is not None:
-            # every head holds as many rows in regions of one size (a full cache, a full ring):
-            # the regions are one strided (H, cap, d) tensor, and the heads one batched matmul
+        if alike is not None:  # (a full cache, a full ring): the heads one batched matmul
             n, cap = alike
             first = 0 if window is None else max(0, n - window)
-            ks, vs = (x[:H * cap].view(H, cap, d)[:, first:n].float() for x in (self.k, self.v))
+            ks, vs = (self.heads(x, cap)[:, first:n].float() for x in (self.k, self.v))
             out = torch.softmax(qh @ ks.transpose(1, 2), dim=-1) @ vs  # (H, G, d)
             return out.view(1, H * qh.shape[1], d).to(q.dtype)
         sizes = torch.stack([self.lens, self.caps - self.lens], 1).reshape(-1).tolist()
@@ -725,8 +650,8 @@ class RaggedKV:
             ks, vs = [x[-window:] for x in ks], [x[-window:] for x in vs]
         if self.dtype != torch.float32:
             ks, vs = [x.float() for x in ks], [x.float() for x in vs]
-        # a head with no rows: softmax of (G, 0) scores @ (0, d) values = zeros, as the contract
-        # says
+        # a head with no rows: softmax of (G, 0) scores @ (0, d) values = zeros,
+        # as the contract says
         out = torch.stack([torch.softmax(qh[h] @ ks[h].T, dim=-1) @ vs[h]
                            for h in range(H)])                      # (H, G, d)
         return out.view(1, H * qh.shape[1], d).to(q.dtype)
@@ -766,103 +691,9 @@ class RaggedKV:
 
     def set_tail_scores(self, score, h0=0):
         """score (H', t): overwrite the scores of the last t rows of heads h0 .. h0 + H' - 1 (all
-        heads by default; a batch member's own heads: HeadSlice)."""
+        heads by default; a batch member's own heads: serving.batch.HeadSlice)."""
         H, t = score.shape
         ends = (self.starts + self.lens)[h0:h0 + H]
         rows = (ends - t)[:, None] + torch.arange(t)  # (H', t)
         rows = rows.reshape(-1).to(self.device)
         self.score[rows] = score.to(self.device, torch.float32).reshape(-1)
-
-
-class WindowKV(RaggedKV):
-    """A sliding-window layer's keys and values: per head a ring of at most W rows, so that a
-    decode token costs one row write, not a re-layout of the whole window.
-
-    Between forwards each head holds its last min(n, W) tokens: the W-1 the next token attends to
-    and the oldest, whose row that token overwrites. A decode query attends over the ring as it
-    lies: attention over a set of keys does not depend on their order, and every key in the ring is
-    inside the query's window. A prefill chunk (queries that need the causal order) gets a plain
-    RaggedKV layout instead, the window's rows in position order followed by the chunk's, and
-    `wrap()` turns it back into a ring of the last W rows (one copy of W rows per chunk). Until the
-    ring is full it grows like a RaggedKV (slack), so a short context holds only its own tokens.
-    Nothing is evicted from a window layer: keep_rows (and drop_last) raise. pos / score rows are in
-    ring order.
-    """
-
-    def __init__(self, n_heads, head_dim, window, dtype, device):
-        super().__init__(n_heads, head_dim, dtype, device)
-        self.window = window
-        # True between forwards: rows from 0, the oldest token of head h at row first[h]
-        self.ring = False
-        # per head: a batch's sequences wrap at different steps
-        self.first = torch.zeros(n_heads, dtype=torch.long)
-
-    def append(self, k, v, pos, score=None):
-        """k, v (t, H, d); pos (t,) or (H, t). One token into a ring: a row write per head (a ring
-        still filling and out of room first regrows, its order kept); a chunk: RaggedKV.append,
-        then wrap()."""
-        t, H, d = k.shape
-        W = self.window
-        if self.ring and t == 1:
-            full = self.lens == W
-            room = full | (self.lens < self.caps)
-            if not bool(room.all()):  # slack as RaggedKV's, never past W rows
-                need = self.lens + 1
-                grown = torch.clamp(need + torch.clamp(need // 2, min=16, max=MAX_SLACK), max=W)
-                caps = torch.where(room, self.caps, grown)
-                self._relayout(0, self.lens, caps)
-            # (H,) the row after each head's newest
-            rows = (self.starts + (self.first + self.lens) % W).to(self.device)
-            self.k[rows] = k[0].to(self.dtype)
-            self.v[rows] = v[0].to(self.dtype)
-            self.pos[rows] = _head_pos(pos, H).to(self.device)
-            self.score[rows] = (float("inf") if score is None
-                                else score.to(self.device, torch.float32).reshape(H))
-            # a full ring overwrote its oldest token: the next one is now the oldest; others grew
-            # by one
-            self.first = torch.where(full, (self.first + 1) % W, self.first)
-            self.lens = self.lens + (~full).long()
-            return
-        if bool(self.first.any()):
-            # the ring went round: the window back in position order, room for the chunk
-            i = _ranges(torch.zeros_like(self.lens), self.lens)  # 0 .. lens[h]-1 for every head h
-            h = torch.repeat_interleave(torch.arange(H), self.lens)
-            self._relayout(self.starts[h] + (self.first[h] + i) % W, self.lens, self.lens + t)
-            self.first = torch.zeros_like(self.first)
-        self.ring = False
-        super().append(k, v, pos, score)
-
-    def extend(self, other):
-        ring = other.ring and (self.ring or self.n_heads == 0)
-        super().extend(other)
-        self.first, self.ring = torch.cat([self.first, other.first]), ring
-
-    def pop_heads(self, h0, n):
-        first = self.first
-        out = super().pop_heads(h0, n)
-        out.first, self.first = first[h0:h0 + n].clone(), torch.cat([first[:h0], first[h0 + n:]])
-        return out
-
-    def reserve(self, n):
-        """RaggedKV.reserve, never past W rows: a full ring overwrites its oldest row in place."""
-        need = torch.clamp(self.lens + n, max=self.window)
-        if bool((need > self.caps).any()):  # a ring not yet full: its rows still from row 0
-            self._relayout(0, self.lens, torch.maximum(self.caps, need))
-
-    def wrap(self):
-        """After a forward: each head's last min(n, W) rows, in order from row 0, in at most W
-        rows."""
-        if self.ring:
-            return
-        keep, caps = torch.clamp(self.lens, max=self.window), torch.clamp(self.caps, max=self.window)
-        # past the window: copy once
-        if not (torch.equal(keep, self.lens) and torch.equal(caps, self.caps)):
-            skip = self.lens - keep  # every head's oldest rows past the window
-            alike = self.n_heads > 0 and bool((skip == skip[0]).all())
-            self._relayout(int(skip[0]) if alike else _ranges(self.starts + skip, keep), keep,
-                           caps)
-        self.ring = True
-
-    def keep_rows(self, mask, room=0):
-        raise NotImplementedError("a sliding-window layer keeps its last W tokens; nothing is "
-                                  "evicted from it")
