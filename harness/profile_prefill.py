@@ -43,7 +43,7 @@ import gate
 import generate
 import kernels
 import model as M
-from cache import Budget, EvictingCache
+from cache import Budget, EvictingCache, WindowKV
 from cli import resolve_model
 from formats.checkpoint import load_checked, read_tokenizer
 from formats.gate_file import resolve_gate
@@ -164,9 +164,9 @@ def timing_ours(model, clock):
     parts.modules(model, _module_part)
     parts.wrap(M, "apply_rope", "rotary")
     parts.wrap(kernels.RaggedKV, "attend", "attention")
-    for cls in (kernels.RaggedKV, kernels.WindowKV):
+    for cls in (kernels.RaggedKV, WindowKV):
         parts.wrap(cls, "append", "cache writes")
-    parts.wrap(kernels.WindowKV, "wrap", "cache writes")
+    parts.wrap(WindowKV, "wrap", "cache writes")
     parts.wrap(gate.GateScorer, "score", "gate")
     parts.wrap(EvictingCache, "evict", "eviction")
     try:
