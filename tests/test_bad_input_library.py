@@ -67,9 +67,12 @@ def cases():
         for step in steps:
             step(c, last)
 
+    # refused too; apart from kv, which the last test checks was never written
+    answered_kv = kv.with_name("never-written-answered.kv")
+
     def after_answer(c, last):
         answer(model, c, [5, 6], 3, set())
-        save_cache(kv, c, model, ids, last)
+        save_cache(answered_kv, c, model, ids, last)
 
     def other_checkpoint(**kw):
         (c, _), (other, _) = ready(**kw), ready(**kw)
@@ -102,7 +105,7 @@ def cases():
          ["save_cache: last_logits are not", "past its prompt", "rollback"]),
         ("save_cache after begin_answer",
          lambda: in_order(lambda c, last: begin_answer(model, c, [5, 6], last),
-                          lambda c, last: save_cache(kv, c, model, ids, last)),
+                          lambda c, last: save_cache(answered_kv, c, model, ids, last)),
          ["save_cache: last_logits are not", "2 tokens past its prompt"]),
         ("rollback to another cache's checkpoint", other_checkpoint,
          ["rollback: the state is not a checkpoint of this cache"]),
