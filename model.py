@@ -51,239 +51,6 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from torch import nn
 
-
-class ModelError(Exception):
-    """Bad model input (folder, config, weights, tokenizer); the message is one line that says how
-    to fix it."""
-
-
-class NonFiniteLogits(ModelError):
-    """Logits that turned inf/NaN while answering (generate.next_token): the compute dtype's range
-    may be too small."""
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-# ------------------------------------------------------------------------------------------- config
-
-# transformers' defaults for keys a config.json may omit (Qwen3Config / Gemma3TextConfig, 5.24).
-# Published Gemma3 multimodal configs rely on them: their text_config lists only a few sizes.
-_DEFAULTS = {
-    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
-                  num_hidden_layers=32, num_attention_heads=32, head_dim=128, hidden_act="silu",
-                  max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  sliding_window=4096, max_window_layers=28, rope_theta=10000.0,
-                  bos_token_id=None, eos_token_id=None),
-    "gemma3": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
-                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                   head_dim=256, hidden_activation="gelu_pytorch_tanh",
-                   max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                   query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
-                   rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-                   bos_token_id=2, eos_token_id=1),
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                  num_hidden_layers=32, num_attention_heads=32, hidden_act="silu",
-                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                  hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, sliding_window=4096, max_window_layers=28,
-                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None),
-}
-_ARCHS = {"qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3", "llama": "llama",
-          "qwen2": "qwen2"}
-# <|im_end|> / <end_of_turn>: chat models stop on them (Llama 3 lists <|eot_id|> in its
-# generation_config)
-_END_OF_TURN = {"qwen3": 151645, "qwen2": 151645, "gemma3": 106}
-ROPE_TYPES = ("default", "linear", "yarn", "llama3")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-# the chat layout a tokenizer's own template writes, by its turn marker, and each family's when it
-# has none
-_CHAT_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"),
-                 ("<start_of_turn>", "gemma"))
-_FAMILY_CHAT = {"qwen3": "chatml", "qwen2": "chatml", "llama": "llama3", "gemma3": "gemma"}
-
-
-@dataclass
-class ModelConfig:
-    arch: str                     # "qwen3" | "gemma3" | "llama" | "qwen2": norm form, MLP, biases
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int                 # not always hidden/heads: Gemma3 270M, 4 heads x 256 on 640
-    rms_norm_eps: float
-    hidden_act: str               # "silu" (Qwen3) | "gelu_pytorch_tanh" (Gemma3)
-    layer_types: list[str]        # per layer: "full_attention" | "sliding_attention"
-    sliding_window: int | None    # W keys including the current one, on sliding layers only
-    rope: dict[str, dict]         # layer type -> {"rope_type", "rope_theta", "factor", ...}
-    max_position_embeddings: int
-    query_pre_attn_scalar: float  # attention scale = this**-0.5 (Qwen3: head_dim)
-    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c) when set
-    attention_bias: bool = False  # bias on q/k/v/o (False in released models)
-    qkv_bias: bool = False        # bias on q/k/v: Qwen2 always, the others with attention_bias
-    mlp_bias: bool = False        # bias on the MLP's three projections (Llama's mlp_bias)
-    qk_norm: bool = True          # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma3)
-    chat_format: str = "chatml"   # "chatml" | "llama3" | "gemma": the tokenizer template's layout
-    # whether the tokenizer has a chat template: False for a tokenizer_config.json without one (a
-    # base model, as the offline Gemma 3 270M), None when the folder has no tokenizer_config.json
-    chat_template: bool | None = None
-    tie_word_embeddings: bool = False  # lm_head shares model.embed_tokens.weight
-    # stop ids: config + generation_config + end of turn
-    eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
-
-    @property
-    def group_size(self) -> int:
-        """G = query heads per KV head (GQA; 1 = MHA, num_attention_heads = MQA)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
-    def compressed_layers(self) -> list[int]:
-        """Layers whose KV is scored and evicted: every layer; Gemma3's global layers only
-        (METHOD.md §9)."""
-        if self.arch == "gemma3":
-            return [layer for layer, t in enumerate(self.layer_types) if t == "full_attention"]
-        return list(range(self.num_hidden_layers))
-
-    @property
-    def attn_scale(self) -> float:
-        """Softmax scale of every attention layer (every family uses one scale for all layers)."""
-        return self.query_pre_attn_scalar ** -0.5
-
-    def window(self, layer: int) -> int | None:
-        """Sliding window W of layer `layer`, None on full-attention layers."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> "ModelConfig":
-        """config.json (or its folder); eos ids from a sibling generation_config.json are merged
-        in, the chat layout is read from the tokenizer's own template when the folder has one."""
-        path = Path(path)
-        path = path / "config.json" if path.is_dir() else path
-        gen_path = path.parent / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        cfg = cls.from_dict(json.loads(path.read_text()), gen)
-        template = chat_template(path.parent)
-        cfg.chat_template = None if template is None else bool(template.strip())
-        cfg.chat_format = next((fmt for marker, fmt in _CHAT_MARKERS if marker in (template or "")),
-                               cfg.chat_format)
-        return cfg
-
-    @classmethod
-    def from_dict(cls, d: dict, generation_config: dict | None = None) -> "ModelConfig":
-        """Accepts both transformers-5 keys (rope_parameters, layer_types) and the legacy keys of
-        released checkpoints (rope_theta, rope_local_base_freq, rope_scaling,
-        sliding_window_pattern)."""
-        eos = _ids(d.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
-        arch, d = config_keys(d)
-        assert arch is not None, f"unsupported model_type {d.get('model_type')!r}"
-        assert not d.get("use_bidirectional_attention"), "a causal decoder, not EmbeddingGemma"
-        n_layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
-        kv_heads = d.get("num_key_value_heads") or heads
-        assert heads % kv_heads == 0, "every KV head serves the same number of query heads"
-
-        if arch == "gemma3":
-            window = d["sliding_window"]
-            pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
-            derived = ["full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
-                       for layer in range(n_layers)]
-        else:  # Qwen3/Qwen2 slide only with use_sliding_window (never in released checkpoints)
-            window = d["sliding_window"] if d.get("use_sliding_window") else None
-            derived = ["sliding_attention" if window and layer >= d["max_window_layers"]
-                       else "full_attention" for layer in range(n_layers)]
-        layer_types = list(d.get("layer_types") or derived)
-        assert len(layer_types) == n_layers, "one layer type per layer"
-
-        eos += _ids(d["eos_token_id"])  # the text config's own (or the family default)
-        end_of_turn = _END_OF_TURN.get(arch)
-        if end_of_turn is not None and end_of_turn < d["vocab_size"]:  # not in tiny vocabularies
-            eos.append(end_of_turn)
-        head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        return cls(
-            arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_hidden_layers=n_layers,
-            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-            rms_norm_eps=d["rms_norm_eps"],
-            hidden_act=d.get("hidden_activation") or d["hidden_act"],
-            layer_types=layer_types, sliding_window=window, rope=rope_parameters(arch, d),
-            max_position_embeddings=d["max_position_embeddings"],
-            query_pre_attn_scalar=d.get("query_pre_attn_scalar") or head_dim,
-            final_logit_softcapping=d.get("final_logit_softcapping") if arch == "gemma3" else None,
-            attention_bias=bool(d.get("attention_bias", False)),
-            qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=arch in ("qwen3", "gemma3"),
-            chat_format=_FAMILY_CHAT[arch],
-            tie_word_embeddings=bool(d["tie_word_embeddings"]),
-            eos_token_ids=sorted(set(eos)), bos_token_id=d.get("bos_token_id"))
-
-
-def config_keys(d: dict) -> tuple[str | None, dict]:
-    """config.json -> (family, its keys over the family's defaults); a Gemma3 multimodal config's
-    text decoder (with the top level's token ids). Family None for an unsupported model_type, d
-    then as given."""
-    if d.get("model_type") == "gemma3" and "text_config" in d:  # multimodal: the text decoder only
-        d = {"model_type": "gemma3_text", **{k: v for k, v in d.items() if k.endswith("token_id")},
-             **(d["text_config"] or {})}
-    arch = _ARCHS.get(d.get("model_type"))
-    if arch is None:
-        return None, d
-    return arch, {**_DEFAULTS[arch], **{k: v for k, v in d.items() if v is not None}}
-
-
-def _ids(x) -> list[int]:
-    """An eos_token_id (one id, a list, or None) as a list."""
-    return [] if x is None else x if isinstance(x, list) else [x]
-
-
-def chat_template(folder: Path) -> str | None:
-    """The tokenizer's own chat template (tokenizer_config.json's chat_template, and
-    chat_template.jinja): "" when tokenizer_config.json has none, None when neither file is there.
-    SmolLM2 is a Llama whose template is ChatML: the template, not the architecture, decides the
-    prompt, and a model without one is a base model."""
-    template, path = None, folder / "tokenizer_config.json"
-    if path.is_file():
-        t = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
-        if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]
-            t = " ".join(x["template"] for x in t)
-        template = t or ""
-    if (folder / "chat_template.jinja").is_file():
-        template = (template or "") + (folder / "chat_template.jinja").read_text(errors="replace")
-    return template
-
-
-def rope_parameters(arch: str, d: dict) -> dict[str, dict]:
-    """One RoPE dict per layer type, the way transformers 5.24 standardises old and new configs."""
-    def clean(p: dict | None, theta: float) -> dict:
-        p = dict(p or {})
-        p["rope_type"] = p.get("rope_type") or p.pop("type", None) or "default"
-        p.setdefault("rope_theta", theta)
-        if p["rope_type"] in ("yarn", "llama3"):  # pre-training length; a top-level key wins
-            orig = p["original_max_position_embeddings"] = (
-                d.get("original_max_position_embeddings")
-                or p.get("original_max_position_embeddings") or d["max_position_embeddings"])
-            if p["rope_type"] == "yarn":
-                p["factor"] = p.get("factor") or d["max_position_embeddings"] / orig
-        return p
-
-    rp = d.get("rope_parameters")
-    if arch != "gemma3":  # one RoPE for every layer
-        p = clean(rp if rp else d.get("rope_scaling"), d["rope_theta"])
-        return {"full_attention": p, "sliding_attention": p}
-    if rp:  # Gemma3, transformers-5 form: nested per layer type
-        return {"full_attention": clean(rp.get("full_attention"), d["rope_theta"]),
-                "sliding_attention": clean(rp.get("sliding_attention"),
-                                           d["rope_local_base_freq"])}
-    # legacy Gemma3: rope_scaling (linear x8 on >= 4B) applies to global layers only; local base 1e4
-    return {"full_attention": clean(d.get("rope_scaling"), d["rope_theta"]),
-            "sliding_attention": clean(None, d["rope_local_base_freq"])}
-
-
 # -------------------------------------------------------------------------------------------- norms
 
 class RMSNorm(nn.Module):
@@ -513,6 +280,238 @@ class Transformer(nn.Module):
             c = cfg.final_logit_softcapping
             logits = torch.tanh(logits / c) * c
         return logits.float()
+
+
+# ------------------------------------------------------------------------------------------- config
+
+class ModelError(Exception):
+    """Bad model input (folder, config, weights, tokenizer); the message is one line that says how
+    to fix it."""
+
+
+class NonFiniteLogits(ModelError):
+    """Logits that turned inf/NaN while answering (generate.next_token): the compute dtype's range
+    may be too small."""
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# transformers' defaults for keys a config.json may omit (Qwen3Config / Gemma3TextConfig, 5.24).
+# Published Gemma3 multimodal configs rely on them: their text_config lists only a few sizes.
+_DEFAULTS = {
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                  num_hidden_layers=32, num_attention_heads=32, head_dim=128, hidden_act="silu",
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  sliding_window=4096, max_window_layers=28, rope_theta=10000.0,
+                  bos_token_id=None, eos_token_id=None),
+    "gemma3": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                   max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+                   rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                   bos_token_id=2, eos_token_id=1),
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, hidden_act="silu",
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, sliding_window=4096, max_window_layers=28,
+                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None),
+}
+_ARCHS = {"qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3", "llama": "llama",
+          "qwen2": "qwen2"}
+# <|im_end|> / <end_of_turn>: chat models stop on them (Llama 3 lists <|eot_id|> in its
+# generation_config)
+_END_OF_TURN = {"qwen3": 151645, "qwen2": 151645, "gemma3": 106}
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# the chat layout a tokenizer's own template writes, by its turn marker, and each family's when it
+# has none
+_CHAT_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"),
+                 ("<start_of_turn>", "gemma"))
+_FAMILY_CHAT = {"qwen3": "chatml", "qwen2": "chatml", "llama": "llama3", "gemma3": "gemma"}
+
+
+@dataclass
+class ModelConfig:
+    arch: str                     # "qwen3" | "gemma3" | "llama" | "qwen2": norm form, MLP, biases
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int                 # not always hidden/heads: Gemma3 270M, 4 heads x 256 on 640
+    rms_norm_eps: float
+    hidden_act: str               # "silu" (Qwen3) | "gelu_pytorch_tanh" (Gemma3)
+    layer_types: list[str]        # per layer: "full_attention" | "sliding_attention"
+    sliding_window: int | None    # W keys including the current one, on sliding layers only
+    rope: dict[str, dict]         # layer type -> {"rope_type", "rope_theta", "factor", ...}
+    max_position_embeddings: int
+    query_pre_attn_scalar: float  # attention scale = this**-0.5 (Qwen3: head_dim)
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c) when set
+    attention_bias: bool = False  # bias on q/k/v/o (False in released models)
+    qkv_bias: bool = False        # bias on q/k/v: Qwen2 always, the others with attention_bias
+    mlp_bias: bool = False        # bias on the MLP's three projections (Llama's mlp_bias)
+    qk_norm: bool = True          # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma3)
+    chat_format: str = "chatml"   # "chatml" | "llama3" | "gemma": the tokenizer template's layout
+    # whether the tokenizer has a chat template: False for a tokenizer_config.json without one (a
+    # base model, as the offline Gemma 3 270M), None when the folder has no tokenizer_config.json
+    chat_template: bool | None = None
+    tie_word_embeddings: bool = False  # lm_head shares model.embed_tokens.weight
+    # stop ids: config + generation_config + end of turn
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @property
+    def group_size(self) -> int:
+        """G = query heads per KV head (GQA; 1 = MHA, num_attention_heads = MQA)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def compressed_layers(self) -> list[int]:
+        """Layers whose KV is scored and evicted: every layer; Gemma3's global layers only
+        (METHOD.md §9)."""
+        if self.arch == "gemma3":
+            return [layer for layer, t in enumerate(self.layer_types) if t == "full_attention"]
+        return list(range(self.num_hidden_layers))
+
+    @property
+    def attn_scale(self) -> float:
+        """Softmax scale of every attention layer (every family uses one scale for all layers)."""
+        return self.query_pre_attn_scalar ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window W of layer `layer`, None on full-attention layers."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        """config.json (or its folder); eos ids from a sibling generation_config.json are merged
+        in, the chat layout is read from the tokenizer's own template when the folder has one."""
+        path = Path(path)
+        path = path / "config.json" if path.is_dir() else path
+        gen_path = path.parent / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        cfg = cls.from_dict(json.loads(path.read_text()), gen)
+        template = chat_template(path.parent)
+        cfg.chat_template = None if template is None else bool(template.strip())
+        cfg.chat_format = next((fmt for marker, fmt in _CHAT_MARKERS if marker in (template or "")),
+                               cfg.chat_format)
+        return cfg
+
+    @classmethod
+    def from_dict(cls, d: dict, generation_config: dict | None = None) -> "ModelConfig":
+        """Accepts both transformers-5 keys (rope_parameters, layer_types) and the legacy keys of
+        released checkpoints (rope_theta, rope_local_base_freq, rope_scaling,
+        sliding_window_pattern)."""
+        eos = _ids(d.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
+        arch, d = config_keys(d)
+        assert arch is not None, f"unsupported model_type {d.get('model_type')!r}"
+        assert not d.get("use_bidirectional_attention"), "a causal decoder, not EmbeddingGemma"
+        n_layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
+        kv_heads = d.get("num_key_value_heads") or heads
+        assert heads % kv_heads == 0, "every KV head serves the same number of query heads"
+
+        if arch == "gemma3":
+            window = d["sliding_window"]
+            pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+            derived = ["full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
+                       for layer in range(n_layers)]
+        else:  # Qwen3/Qwen2 slide only with use_sliding_window (never in released checkpoints)
+            window = d["sliding_window"] if d.get("use_sliding_window") else None
+            derived = ["sliding_attention" if window and layer >= d["max_window_layers"]
+                       else "full_attention" for layer in range(n_layers)]
+        layer_types = list(d.get("layer_types") or derived)
+        assert len(layer_types) == n_layers, "one layer type per layer"
+
+        eos += _ids(d["eos_token_id"])  # the text config's own (or the family default)
+        end_of_turn = _END_OF_TURN.get(arch)
+        if end_of_turn is not None and end_of_turn < d["vocab_size"]:  # not in tiny vocabularies
+            eos.append(end_of_turn)
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        return cls(
+            arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=n_layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+            rms_norm_eps=d["rms_norm_eps"],
+            hidden_act=d.get("hidden_activation") or d["hidden_act"],
+            layer_types=layer_types, sliding_window=window, rope=rope_parameters(arch, d),
+            max_position_embeddings=d["max_position_embeddings"],
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar") or head_dim,
+            final_logit_softcapping=d.get("final_logit_softcapping") if arch == "gemma3" else None,
+            attention_bias=bool(d.get("attention_bias", False)),
+            qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=arch in ("qwen3", "gemma3"),
+            chat_format=_FAMILY_CHAT[arch],
+            tie_word_embeddings=bool(d["tie_word_embeddings"]),
+            eos_token_ids=sorted(set(eos)), bos_token_id=d.get("bos_token_id"))
+
+
+def config_keys(d: dict) -> tuple[str | None, dict]:
+    """config.json -> (family, its keys over the family's defaults); a Gemma3 multimodal config's
+    text decoder (with the top level's token ids). Family None for an unsupported model_type, d
+    then as given."""
+    if d.get("model_type") == "gemma3" and "text_config" in d:  # multimodal: the text decoder only
+        d = {"model_type": "gemma3_text", **{k: v for k, v in d.items() if k.endswith("token_id")},
+             **(d["text_config"] or {})}
+    arch = _ARCHS.get(d.get("model_type"))
+    if arch is None:
+        return None, d
+    return arch, {**_DEFAULTS[arch], **{k: v for k, v in d.items() if v is not None}}
+
+
+def _ids(x) -> list[int]:
+    """An eos_token_id (one id, a list, or None) as a list."""
+    return [] if x is None else x if isinstance(x, list) else [x]
+
+
+def chat_template(folder: Path) -> str | None:
+    """The tokenizer's own chat template (tokenizer_config.json's chat_template, and
+    chat_template.jinja): "" when tokenizer_config.json has none, None when neither file is there.
+    SmolLM2 is a Llama whose template is ChatML: the template, not the architecture, decides the
+    prompt, and a model without one is a base model."""
+    template, path = None, folder / "tokenizer_config.json"
+    if path.is_file():
+        t = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]
+            t = " ".join(x["template"] for x in t)
+        template = t or ""
+    if (folder / "chat_template.jinja").is_file():
+        template = (template or "") + (folder / "chat_template.jinja").read_text(errors="replace")
+    return template
+
+
+def rope_parameters(arch: str, d: dict) -> dict[str, dict]:
+    """One RoPE dict per layer type, the way transformers 5.24 standardises old and new configs."""
+    def clean(p: dict | None, theta: float) -> dict:
+        p = dict(p or {})
+        p["rope_type"] = p.get("rope_type") or p.pop("type", None) or "default"
+        p.setdefault("rope_theta", theta)
+        if p["rope_type"] in ("yarn", "llama3"):  # pre-training length; a top-level key wins
+            orig = p["original_max_position_embeddings"] = (
+                d.get("original_max_position_embeddings")
+                or p.get("original_max_position_embeddings") or d["max_position_embeddings"])
+            if p["rope_type"] == "yarn":
+                p["factor"] = p.get("factor") or d["max_position_embeddings"] / orig
+        return p
+
+    rp = d.get("rope_parameters")
+    if arch != "gemma3":  # one RoPE for every layer
+        p = clean(rp if rp else d.get("rope_scaling"), d["rope_theta"])
+        return {"full_attention": p, "sliding_attention": p}
+    if rp:  # Gemma3, transformers-5 form: nested per layer type
+        return {"full_attention": clean(rp.get("full_attention"), d["rope_theta"]),
+                "sliding_attention": clean(rp.get("sliding_attention"),
+                                           d["rope_local_base_freq"])}
+    # legacy Gemma3: rope_scaling (linear x8 on >= 4B) applies to global layers only; local base 1e4
+    return {"full_attention": clean(d.get("rope_scaling"), d["rope_theta"]),
+            "sliding_attention": clean(None, d["rope_local_base_freq"])}
 
 
 # ------------------------------------------------------------------------------------------ loading
