@@ -159,8 +159,8 @@ def check_rollback(cache, state):
                             "back only to what its own checkpoint() returned")
     if not max(1, n_prompt) <= state["n_seen"] <= cache.n_seen:
         raise ArgumentError(f"rollback: the checkpoint was taken at position {state['n_seen']}, "
-                            f"outside this cache's prompt end {n_prompt} .. now {cache.n_seen}: "
-                            f"take it after the prefill, before the answer")
+                            f"not between this cache's prompt end ({n_prompt}) and now "
+                            f"({cache.n_seen}): take it after the prefill, before the answer")
     for layer, kv in enumerate(cache.layers):
         extra = None if "all" in state or layer in state["sliding"] else \
             kv.lens - state["lens"][layer]
@@ -176,10 +176,10 @@ def check_segment(start, end, n_seen, held, n_heads):
     eviction): positions [start, end) the cache has seen, every one still held by every head of
     every compressed layer (held: (L,) rows each layer holds in it), i.e. evicted at most once."""
     if not (0 <= start <= end <= n_seen and bool((held == n_heads * (end - start)).all())):
-        raise ArgumentError(f"EvictingCache.evict: segment [{start}, {end}) must lie within the {n_seen} "
-                            f"positions seen and be held whole by every head (rows held per "
-                            f"layer {held.tolist()}, of {n_heads} x {end - start}): evict each "
-                            f"segment once")
+        raise ArgumentError(f"EvictingCache.evict: segment [{start}, {end}) must lie within the "
+                            f"{n_seen} positions seen and be held whole by every head (rows held "
+                            f"per layer {held.tolist()}, of {n_heads} x {end - start}): evict "
+                            f"each segment once")
 
 
 def is_count(x, low=0):
