@@ -3,8 +3,8 @@ Face checkpoints.
 
 No transformers at run time: module names equal the checkpoint's tensor names, so weights load with
 safetensors + `load_state_dict(assign=True)` onto a model built on the meta device. Tokens are flat,
-(T,): one sequence's T tokens, or one token of each of the T sequences of a `cache.Batch` (batched
-decoding). Every attention layer goes through ONE call,
+(T,): one sequence's T tokens, or one token of each of the T sequences of a batch (batched decoding:
+serving/batch.py). Every attention layer goes through ONE call,
 `cache.attend(layer, q, k, v, hidden, scale, window)` (cache.py): the cache decides what is kept and
 scores it; the model never knows.
 
@@ -54,8 +54,8 @@ from torch import nn
 # -------------------------------------------------------------------------------------------- norms
 
 class RMSNorm(nn.Module):
-    """Qwen3: w * norm(x).to(dtype). Gemma3 (unit_offset): (norm(x) * (1 + w)) in fp32, then
-    cast."""
+    """Qwen3: w * norm(x).to(dtype).
+    Gemma3 (unit_offset): (norm(x) * (1 + w)) in fp32, then cast."""
 
     def __init__(self, dim: int, eps: float, unit_offset: bool):
         super().__init__()
@@ -181,8 +181,8 @@ class Attention(nn.Module):
 # ---------------------------------------------------------------------------------------------- mlp
 
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); act = SiLU (Qwen3, Llama, Qwen2) or tanh-GELU
-    (Gemma3)."""
+    """Gated MLP: down(act(gate(x)) * up(x));
+    act = SiLU (Qwen3, Llama, Qwen2) or tanh-GELU (Gemma3)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -227,8 +227,8 @@ class Block(nn.Module):
 # -------------------------------------------------------------------------------------------- model
 
 class Decoder(nn.Module):
-    """The checkpoint's `model.*`: embeddings, blocks, final norm (and the RoPE tables, not
-    stored)."""
+    """The checkpoint's `model.*`: embeddings, blocks, final norm
+    (and the RoPE tables, not stored)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -255,8 +255,8 @@ class Transformer(nn.Module):
                 num_logits: int | None = None) -> torch.Tensor:
         """input_ids (T,) -> logits (T, vocab) float32, or (num_logits, vocab) for the last
         positions. Positions come from the cache: one sequence's next T (cache.n_seen on), or, for a
-        cache.Batch, each member's next position (one token per member); cache None = a temporary
-        full KVCache."""
+        batch (serving/batch.py), each member's next position (one token per member); cache None = a
+        temporary full KVCache."""
         assert input_ids.dim() == 1, \
             f"flat tokens only: pass input_ids of shape (T,), got {tuple(input_ids.shape)}"
         cfg, emb = self.config, self.model.embed_tokens.weight
@@ -285,8 +285,8 @@ class Transformer(nn.Module):
 # ------------------------------------------------------------------------------------------- config
 
 class ModelError(Exception):
-    """Bad model input (folder, config, weights, tokenizer); the message is one line that says how
-    to fix it."""
+    """Bad model input (folder, config, weights, tokenizer);
+    the message is one line that says how to fix it."""
 
 
 class NonFiniteLogits(ModelError):
@@ -330,8 +330,8 @@ _ARCHS = {"qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3", "llama"
 _END_OF_TURN = {"qwen3": 151645, "qwen2": 151645, "gemma3": 106}
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-# the chat layout a tokenizer's own template writes, by its turn marker, and each family's when it
-# has none
+# the chat layout a tokenizer's own template writes, by its turn marker,
+# and each family's when it has none
 _CHAT_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"),
                  ("<start_of_turn>", "gemma"))
 _FAMILY_CHAT = {"qwen3": "chatml", "qwen2": "chatml", "llama": "llama3", "gemma3": "gemma"}
@@ -375,8 +375,8 @@ class ModelConfig:
 
     @property
     def compressed_layers(self) -> list[int]:
-        """Layers whose KV is scored and evicted: every layer; Gemma3's global layers only
-        (METHOD.md §9)."""
+        """Layers whose KV is scored and evicted:
+        every layer; Gemma3's global layers only (METHOD.md §9)."""
         if self.arch == "gemma3":
             return [layer for layer, t in enumerate(self.layer_types) if t == "full_attention"]
         return list(range(self.num_hidden_layers))
@@ -545,8 +545,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """A --dtype flag -> torch dtype; None: bf16 on GPU, fp32 on CPU (whose bf16 matmuls are
-    emulated)."""
+    """A --dtype flag -> torch dtype;
+    None: bf16 on GPU, fp32 on CPU (whose bf16 matmuls are emulated)."""
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
@@ -614,6 +614,6 @@ def model_identity(folder: str | Path) -> dict[str, str | None]:
 # (prompts.encode_prompt). formats/checkpoint.py refuses another model's tokenizer.
 
 def load_tokenizer(folder: str | Path) -> Tokenizer:
-    """tokenizers.Tokenizer from the folder's tokenizer.json; encode with prompts.encode_text /
-    encode_prompt."""
+    """tokenizers.Tokenizer from the folder's tokenizer.json;
+    encode with prompts.encode_text / encode_prompt."""
     return Tokenizer.from_file(str(Path(folder).expanduser() / "tokenizer.json"))
