@@ -352,6 +352,8 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
         raise ArgumentError("decode: batch_size > 1 decodes in a batch: give batch=serving.batch."
                             "Batch(...), or call serving.scheduler.decode, which makes it")
     batch = batch if batch_size > 1 else None
+    for ids in (stop_ids, stop_ids if answer_stop_ids is None else answer_stop_ids):
+        check_sampling("decode", ids, temperature, top_p)
     stops = stop_rule(stop_ids, answer_stop_ids, ends_line)
     # between: requests not answering, just admitted or whose answer just ended
     requests, active, between = iter(requests), [], []

@@ -21,6 +21,8 @@ from formats.gate_file import load_gate, resolve_gate
 from gate import Gates, GateScorer
 from generate import Compression, answer, begin_answer, decode_one, make_cache, prefill, prefill_request
 from kernels import ArgumentError, varlen_attention
+from serving.batch import Batch
+from serving.scheduler import decode
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 64
@@ -84,7 +86,31 @@ def cases():
         prefill(model, c, ids, 4)
         c.rollback(state)
 
+    def joined(*caches):  # into a new Batch of the model, in order
+        batch = Batch(cfg)
+        for c in caches:
+            batch.join(c)
+        return batch
+
+    def answering():  # a prefilled evicting cache whose answer began
+        c, last = ready()
+        begin_answer(model, c, [5], last)
+        return c
+
     return [
+        ("Batch.join of an empty cache", lambda: joined(answering(), cache(4)),
+         ["Batch.join: the cache holds no prompt"]),
+        ("Batch.join before begin_answer", lambda: joined(ready()[0]),
+         ["Batch.join: the cache has not begun its answer", "begin_answer"]),
+        ("Batch.join of a member again", lambda: joined(*[answering()] * 2),
+         ["Batch.join", "in no batch yet", "got a member"]),
+        ("Batch.leave of a cache not in it", lambda: joined(answering()).leave(answering()),
+         ["Batch.leave: the cache is not a member of this batch"]),
+        ("decode temperature nan", lambda: next(decode(model, [], temperature=float("nan"))),
+         ["decode: temperature must be a number >= 0", "nan"]),
+        ("decode answer_stop_ids None inside",
+         lambda: next(decode(model, [], answer_stop_ids=[2, None])),
+         ["decode: stop_ids must be a set of token ids", "[2, None]"]),
         ("decode_one before prefill", lambda: decode_one(model, cache(4), 5),
          ["decode_one: the cache holds no prompt"]),
         ("decode_one before begin_answer", lambda: decode_one(model, ready()[0], 5),
