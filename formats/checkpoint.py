@@ -260,8 +260,9 @@ def _check_rope(arch: str, d: dict) -> None:
 
 
 # a value that keeps a RoPE key out of the way, to find which key breaks the tables
-_ROPE_NEUTRAL = {"rope_theta": 10_000.0, "factor": 1.0, "attention_factor": 1.0, "mscale": None,
-                 "mscale_all_dim": None, "beta_fast": 32.0, "beta_slow": 1.0}
+# (mscale_all_dim first: yarn divides by the scale it gives)
+_ROPE_NEUTRAL = {"mscale_all_dim": None, "rope_theta": 10_000.0, "factor": 1.0,
+                 "attention_factor": 1.0, "mscale": None, "beta_fast": 32.0, "beta_slow": 1.0}
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -287,9 +288,10 @@ def _check_rope_tables(arch: str, d: dict) -> None:
     by log(rope_theta); a factor of 1e-300 gives infinite frequencies), naming the key: the first
     whose neutral value (_ROPE_NEUTRAL) mends them."""
     head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-    if head_dim % 2:
-        raise ModelError(f"config.json: head_dim {head_dim} (or hidden_size / num_attention_heads) "
-                         f"must be even: RoPE rotates pairs of dimensions")
+    if head_dim % 2 or head_dim == 0:
+        raise ModelError(f"config.json: head_dim {head_dim} (or hidden_size // "
+                         f"num_attention_heads) must be even and > 0: RoPE rotates pairs of "
+                         f"dimensions")
     rp, n_positions = d.get("rope_parameters"), d["max_position_embeddings"]
     for layer_type, p in M.rope_parameters(arch, d).items():
         fault = _rope_fault(p, head_dim, n_positions)

@@ -3,6 +3,7 @@ itself, plus hand-built folders in the formats of released checkpoints (legacy c
 multimodal Gemma3)."""
 import inspect
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -489,6 +490,9 @@ ROPE_REFUSED = [
     ({**LLAMA3_RoPE, "factor": 1e-300}, ["rope_scaling.factor 1e-300", "float32"]),
     ({"rope_type": "default", "rope_theta": 1e-300}, ["rope_scaling.rope_theta 1e-300"]),
     ({**QWEN_YARN, "attention_factor": 1e30}, ["rope_scaling.attention_factor 1e+30"]),
+    # yarn's attention factor divides by 0.1 * mscale_all_dim * ln(factor) + 1
+    ({**QWEN_YARN, "factor": math.exp(10), "mscale": 1.0, "mscale_all_dim": -1.0},
+     ["rope_scaling.mscale_all_dim -1.0", "divide by zero"]),
 ]
 
 
@@ -542,6 +546,9 @@ def test_rope_bases_that_break_the_tables_are_named_where_they_are_given(checkpo
     _one_line_error(lambda: check_config({**gemma, "rope_local_base_freq": 1e-300}),
                     "config.json: rope_local_base_freq 1e-300", "sliding_attention")
     _one_line_error(lambda: check_config({**qwen, "head_dim": 15}), "head_dim 15", "even")
+    llama = json.loads((checkpoints("llama-gqa2-tied")[0] / "config.json").read_text())
+    _one_line_error(lambda: check_config({**llama, "head_dim": None, "hidden_size": 2}),
+                    "head_dim 0", "> 0")  # hidden_size // num_attention_heads: 1 / 0 in attn_scale
     for theta in (1.0, 1e300):  # all frequencies 1, or all but the first 0: finite, as transformers
         check_config({**qwen, "rope_parameters": {"rope_type": "default", "rope_theta": theta}})
 
