@@ -64,24 +64,23 @@ def pop_heads(kv, h0, n):
 # The batch: the model's three calls for B sequences, and each member's own eviction
 
 def check_join(batch, cache):
-    """Batch.join's cache, else an ArgumentError (with or without -O, where an empty one would decode
-    from nothing at position 0): a cache of the batch's model and dtype, in no batch, prefilled,
-    its answer begun (begin_answer: an EvictingCache then buffers what it decodes)."""
-    call = "Batch.join"
+    """Batch.join's cache, else an ArgumentError (with or without -O, where an empty one would
+    decode from nothing at position 0): a cache of the batch's model and dtype, in no batch,
+    prefilled, its answer begun (begin_answer: an EvictingCache then buffers what it decodes)."""
     if not isinstance(cache, KVCache) or cache in batch.members or \
             any(isinstance(kv, HeadSlice) for kv in cache.layers):
-        raise ArgumentError(f"{call}: give a cache.KVCache or EvictingCache that is in no batch yet "
-                            f"(a member leaves one with Batch.leave), got "
-                            f"{'a member' if isinstance(cache, KVCache) else type(cache).__name__}")
+        what = "a member" if isinstance(cache, KVCache) else type(cache).__name__
+        raise ArgumentError(f"Batch.join: give a cache.KVCache or EvictingCache that is in no "
+                            f"batch yet (a member leaves one with Batch.leave), got {what}")
     if (cache.cfg, cache.dtype, cache.device) != (batch.cfg, batch.dtype, batch.device):
-        raise ArgumentError(f"{call}: the cache is another model's or dtype's ({cache.dtype}, "
+        raise ArgumentError(f"Batch.join: the cache is another model's or dtype's ({cache.dtype}, "
                             f"{cache.device}; the batch: {batch.dtype}, {batch.device})")
     if cache.n_seen == 0:
-        raise ArgumentError(f"{call}: the cache holds no prompt; prefill it alone first "
-                            f"(generate.prefill), then generate.begin_answer")
+        raise ArgumentError("Batch.join: the cache holds no prompt; prefill it alone first "
+                            "(generate.prefill), then generate.begin_answer")
     if not getattr(cache, "decoding", True):  # an EvictingCache's; a KVCache always decodes
-        raise ArgumentError(f"{call}: the cache has not begun its answer; call "
-                            f"generate.begin_answer first (it starts decode-time eviction)")
+        raise ArgumentError("Batch.join: the cache has not begun its answer; call "
+                            "generate.begin_answer first (it starts decode-time eviction)")
 
 
 class Batch(HeldBytes):

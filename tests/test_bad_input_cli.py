@@ -8,6 +8,7 @@ failure, and those that need the tokenizer (a batch's cache_file is checked agai
 stop before the weights (`no_weights`)."""
 import json
 import os
+import shutil
 import stat
 
 import pytest
@@ -312,7 +313,6 @@ def test_a_bad_model_folder_is_one_line(capsys, tiny, tmp_path):
     """What the library refuses in a checkpoint (formats/checkpoint.py) reaches generate.py as one
     line, exit 2: a config.json key given twice, RoPE tables that divide by zero or overflow, a
     tensor in two weight files."""
-    import shutil
     folder = tmp_path / "m"
     shutil.copytree(tiny["folder"], folder)
     config = folder / "config.json"
