@@ -159,6 +159,9 @@ class KVCache(HeldBytes):
         # the ids this cache prefilled (a CPU int64 tensor; generate.prefill sets it): what a saved
         # cache records as its prompt (formats/cache_file.save_cache checks the ids it is given)
         self.prefilled_ids = None
+        # (n_seen, the logits after the newest token) as generate's steps return them: save_cache
+        # refuses other logits for the cache as it is
+        self.newest_logits = None
 
     def reserve(self, n_question, n_answer=0):
         """Room for an answer in every layer: its question's tokens and n_answer decoded ones, so
@@ -201,17 +204,16 @@ class KVCache(HeldBytes):
         sliding = {layer: copy.deepcopy(kv) for layer, kv in enumerate(self.layers)
                    if self._is_sliding(layer)}
         lens = [kv.lens.clone() for kv in self.layers]
-        return dict(n_seen=self.n_seen, lens=lens, sliding=sliding)
+        # of: whose checkpoint it is (rollback refuses another cache's)
+        return dict(n_seen=self.n_seen, lens=lens, sliding=sliding, of=self)
 
     def rollback(self, state):
+        check_rollback(self, state)
         for layer, kv in enumerate(self.layers):
             if layer in state["sliding"]:
                 self.layers[layer] = copy.deepcopy(state["sliding"][layer])
             else:
-                extra = kv.lens - state["lens"][layer]
-                assert bool((extra == extra[0]).all()) and int(extra[0]) >= 0, \
-                    "rollback: heads diverged"
-                kv.drop_last(int(extra[0]))
+                kv.drop_last(int((kv.lens - state["lens"][layer])[0]))  # the same for every head
                 self._track_peak(kv)
         self.n_seen = state["n_seen"]
 
@@ -229,6 +231,39 @@ def full_cache_bytes(cache, n_tokens):
         else:
             total += n_tokens * kv.n_heads * 2 * kv.head_dim * kv.k.element_size()
     return total
+
+
+def check_rollback(cache, state):
+    """What a rollback needs, else an ArgumentError (not a corrupt cache, with or without -O): a
+    checkpoint of this cache, taken after its prefill and not after now; since then every head of
+    a layer only gained rows (an answer's), the same number, unless the checkpoint copied them."""
+    n_prompt = 0 if cache.prefilled_ids is None else len(cache.prefilled_ids)
+    if not isinstance(state, dict) or state.get("of") is not cache:
+        raise ArgumentError("rollback: the state is not a checkpoint of this cache; roll a cache "
+                            "back only to what its own checkpoint() returned")
+    if not max(1, n_prompt) <= state["n_seen"] <= cache.n_seen:
+        raise ArgumentError(f"rollback: the checkpoint was taken at position {state['n_seen']}, "
+                            f"not between this cache's prompt end ({n_prompt}) and now "
+                            f"({cache.n_seen}): take it after the prefill, before the answer")
+    for layer, kv in enumerate(cache.layers):
+        extra = None if "all" in state or layer in state["sliding"] else \
+            kv.lens - state["lens"][layer]
+        if extra is not None and not (bool((extra == extra[0]).all()) and int(extra[0]) >= 0):
+            raise ArgumentError(f"rollback: layer {layer}'s heads changed unevenly since the "
+                                f"checkpoint (rows per head {kv.lens.tolist()}, then "
+                                f"{state['lens'][layer].tolist()}): an eviction after it cannot be "
+                                f"rolled back; take the checkpoint after evicting")
+
+
+def check_segment(start, end, n_seen, held, n_heads):
+    """EvictingCache.evict's segment, else an ArgumentError (not a reshape error, or a wrong
+    eviction): positions [start, end) the cache has seen, every one still held by every head of
+    every compressed layer (held: (L,) rows each layer holds in it), i.e. evicted at most once."""
+    if not (0 <= start <= end <= n_seen and bool((held == n_heads * (end - start)).all())):
+        raise ArgumentError(f"EvictingCache.evict: segment [{start}, {end}) must lie within the "
+                            f"{n_seen} positions seen and be held whole by every head (rows held "
+                            f"per layer {held.tolist()}, of {n_heads} x {end - start}): evict "
+                            f"each segment once")
 
 
 def is_count(x, low=0):
@@ -366,6 +401,9 @@ def check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head):
         raise ArgumentError(f"EvictingCache: n_protected must be an integer >= 0 and "
                             f"decode_tokens_per_head None or an integer >= 1, got {n_protected!r} "
                             f"and {decode_tokens_per_head!r}")
+    if scorer is None and decode_tokens_per_head is not None:
+        raise ArgumentError("EvictingCache: decode-time eviction (decode_tokens_per_head "
+                            f"{decode_tokens_per_head}) needs a scorer, got None")
     gates = getattr(scorer, "gates", None)  # GateScorer's; the other scorers fit any model
     if gates is None:
         return
@@ -497,6 +535,8 @@ class EvictingCache(KVCache):
         rows = [kv.rows() for kv in layers]
         pos = [kv.pos[r] for kv, r in zip(layers, rows)]
         in_seg = [(p >= start) & (p < end) for p in pos]
+        check_segment(start, end, self.n_seen, torch.stack([m.sum() for m in in_seg]).cpu(),
+                      self.cfg.num_key_value_heads)
         # every head still holds every position of the segment, in order (nothing there was
         # evaluated yet): the segment's scores of a layer are an (H, s) block
         scores = torch.stack([kv.score[r][m].view(kv.n_heads, -1)
@@ -578,6 +618,7 @@ class EvictingCache(KVCache):
 
     def rollback(self, state):
         if "all" in state:
+            check_rollback(self, state)
             self.layers = [copy.deepcopy(kv) for kv in state["all"]]
             self.n_seen = state["n_seen"]
         else:

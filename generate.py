@@ -11,6 +11,8 @@ Read first: prefill, then answer (one question), then decode (many requests). `p
 ...` keeps its command line (flags, requests, batch files, saved caches, printing, the time each
 step took) in commands/generate.py.
 """
+import math
+import numbers
 import sys
 from dataclasses import dataclass, field
 from itertools import islice
@@ -55,7 +57,7 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
 def prefill(model, cache, ids, n_protected, budget=Budget()):
     """Feed ids (system prompt ⊕ context) in chunks of budget.chunk_size, evicting after each
     chunk (METHOD.md §6); -> the last position's logits. A full KVCache evicts nothing."""
-    check_prompt(cache, ids, n_protected, budget)
+    check_prompt(cache, ids, n_protected, budget, scored=True)
     cache.prefilled_ids = torch.tensor(list(ids), dtype=torch.long)
     n_context = len(ids) - n_protected
     evicting = isinstance(cache, EvictingCache) and n_context > 0
@@ -69,7 +71,7 @@ def prefill(model, cache, ids, n_protected, budget=Budget()):
             if end > start:
                 cache.evict(start, end, plan.segment_ratio)
                 start = end
-    return logits
+    return newest(cache, logits)
 
 
 def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget()):
@@ -85,16 +87,21 @@ def prefill_kvzip(model, teacher, cache, ids, n_protected, budget=Budget()):
     scores = teacher.score(full, n_protected, ids[n_protected:])  # (L_g, H, n_context)
     cache.take_over_prefill(full, scores=scores)
     evict_once(cache, len(ids), n_protected, budget)
-    return last
+    return newest(cache, last)
 
 
-def check_prompt(cache, ids, n_protected, budget=Budget()):
+def check_prompt(cache, ids, n_protected, budget=Budget(), scored=False):
     """What a prefill needs, else an ArgumentError (library misuse fails here, not deep inside): an
     empty cache, token ids of its model, a system prompt within them, the one the cache protects,
-    a Budget."""
+    a Budget; scored: a scorer for an EvictingCache that evicts (KVzip's teacher scores instead, in
+    prefill_kvzip)."""
     if not isinstance(budget, Budget):
         raise ArgumentError(f"prefill: budget must be a cache.Budget, e.g. Budget(0.3), got "
                             f"{budget!r}")
+    if scored and getattr(cache, "scorer", True) is None and budget.ratio < 1:
+        raise ArgumentError(f"prefill: the cache has no scorer (make_cache('kvzip') makes one for "
+                            f"its teacher) and cannot evict to budget {budget.ratio}: prefill it "
+                            f"with generate.prefill_kvzip, or make it for a scoring method")
     if cache.n_seen != 0:
         raise ArgumentError("prefill: the cache already holds a prompt; make a new one "
                             "(generate.make_cache) for each prefill")
@@ -115,10 +122,35 @@ def evict_once(cache, n_tokens, n_protected, budget):
 
 
 def decode_one(model, cache, token):
-    logits = model(torch.tensor([token], device=cache.device), cache)[-1]
+    """Feed one generated token (after begin_answer) -> the logits of the next."""
+    check_step(cache, token)
+    logits = model(torch.tensor([int(token)], device=cache.device), cache)[-1]
     if isinstance(cache, EvictingCache):
         cache.after_step()  # every 128 tokens: gate the buffer, evict to --decode-tokens-per-head
+    return newest(cache, logits)
+
+
+def newest(cache, logits):
+    """Note the logits after the cache's newest token -> them: formats.cache_file.save_cache
+    refuses others (a prefill's, once an answer went into the cache)."""
+    cache.newest_logits = (cache.n_seen, logits)
     return logits
+
+
+def check_step(cache, token):
+    """What decode_one needs, else an ArgumentError: a prefilled cache that began its answer (an
+    EvictingCache would score the token as prompt and never evict while decoding), a token id."""
+    if cache.n_seen == 0:
+        raise ArgumentError("decode_one: the cache holds no prompt; prefill it first "
+                            "(generate.prefill)")
+    if not getattr(cache, "decoding", True):  # an EvictingCache's; a KVCache always decodes
+        raise ArgumentError("decode_one: the answer has not begun; call generate.begin_answer "
+                            "first (it starts decode-time eviction)")
+    if torch.is_tensor(token) and token.numel() == 1 and not token.is_floating_point():
+        token = int(token)  # an argmax
+    if not is_count(token) or token >= cache.cfg.vocab_size:
+        raise ArgumentError(f"decode_one: token {token!r} is no token id of the model (an integer "
+                            f"0 to {cache.cfg.vocab_size - 1})")
 
 
 def decode_batch(model, batch, tokens):
@@ -140,8 +172,9 @@ def begin_answer(model, cache, question_ids, last_logits=None, max_new_tokens=No
     if max_new_tokens is not None:
         cache.reserve(len(question_ids), max(0, max_new_tokens - 1))
     if not question_ids:
-        return last_logits
-    return model(torch.tensor(question_ids, device=cache.device), cache, num_logits=1)[-1]
+        return newest(cache, last_logits)
+    return newest(cache, model(torch.tensor(question_ids, device=cache.device), cache,
+                               num_logits=1)[-1])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -163,6 +196,7 @@ def answer(model, cache, question_ids, max_new_tokens, stop_ids, temperature=0.0
     left in the cache -> its token ids. With no question ids, generation continues the prefill
     (whose last logits are last_logits). on_token(token): each token as it is generated."""
     check_answer(cache, question_ids, max_new_tokens, last_logits)
+    check_sampling("answer", stop_ids, temperature, top_p)
     logits = begin_answer(model, cache, question_ids, last_logits, max_new_tokens)
     out = []
     for i in range(max_new_tokens):
@@ -318,6 +352,8 @@ def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, tem
         raise ArgumentError("decode: batch_size > 1 decodes in a batch: give batch=serving.batch."
                             "Batch(...), or call serving.scheduler.decode, which makes it")
     batch = batch if batch_size > 1 else None
+    for ids in (stop_ids, stop_ids if answer_stop_ids is None else answer_stop_ids):
+        check_sampling("decode", ids, temperature, top_p)
     stops = stop_rule(stop_ids, answer_stop_ids, ends_line)
     # between: requests not answering, just admitted or whose answer just ended
     requests, active, between = iter(requests), [], []
@@ -364,6 +400,20 @@ def check_answer(cache, question_ids, max_new_tokens, last_logits):
     if not is_count(max_new_tokens):
         raise ArgumentError(f"answer: max_new_tokens must be an integer >= 0, got "
                             f"{max_new_tokens!r}")
+
+
+def check_sampling(call, stop_ids, temperature, top_p):
+    """How tokens are chosen, else an ArgumentError naming the argument: stop ids a collection of
+    token ids; temperature a number >= 0 (0 greedy); top_p in (0, 1]."""
+    number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    if not (isinstance(stop_ids, (set, frozenset, list, tuple)) and all(map(is_count, stop_ids))):
+        raise ArgumentError(f"{call}: stop_ids must be a set of token ids, e.g. "
+                            f"set(model.config.eos_token_ids), got {stop_ids!r:.60}")
+    if not (number(temperature) and temperature >= 0):
+        raise ArgumentError(f"{call}: temperature must be a number >= 0 (0 = greedy), got "
+                            f"{temperature!r}")
+    if not (number(top_p) and 0 < top_p <= 1):
+        raise ArgumentError(f"{call}: top_p must be a number in (0, 1], got {top_p!r}")
 
 
 # -------------------------------------------------------------------------------------------------

@@ -100,6 +100,15 @@ def save_cache(path, cache, model, ids, last_logits, n_protected=None, method=No
     if not bool(torch.isfinite(last_logits).all()):
         raise ArgumentError(f"last_logits are inf/NaN (computed in {dtype}): not "
                             f"saved{_wider(dtype)}")
+    at, newest = getattr(cache, "newest_logits", None) or (None, None)  # generate.newest's note
+    if at == cache.n_seen and not torch.equal(newest.detach().reshape(-1).float().cpu(),
+                                              last_logits.cpu()):
+        past = cache.n_seen - len(prefilled)
+        held = f", {past} tokens past its prompt (a question or an answer)" if past else ""
+        raise ArgumentError(f"save_cache: last_logits are not the logits after the cache's newest "
+                            f"token{held}: roll it back to a checkpoint taken before them "
+                            f"(cache.rollback), or give what generate.prefill, begin_answer or "
+                            f"decode_one last returned")
     evicting = isinstance(cache, EvictingCache)
     scorer = type(cache.scorer).__name__ if evicting and cache.scorer is not None else None
     what = method_of(scorer) if evicting else "full"

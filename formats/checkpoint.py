@@ -87,9 +87,9 @@ def read_config(path: str | Path) -> ModelConfig:
         if not path.is_file():
             raise ModelError(f"no config.json in {path.parent}: pass a Hugging Face model folder "
                              "(config.json, tokenizer.json, *.safetensors)")
-        d = json.loads(path.read_text())
+        d = read_json(path)
         gen_path = path.parent / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        gen = read_json(gen_path) if gen_path.is_file() else {}
     except OSError as e:  # a folder or file this user may not read
         raise ModelError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -102,6 +102,18 @@ def read_config(path: str | Path) -> ModelConfig:
     check_config(d, gen)
     _check_chat_template(path.parent)
     return ModelConfig.from_json(path)
+
+
+def read_json(path: Path):
+    """json.loads of a checkpoint's JSON file, a key given twice (at any depth) refused in one line:
+    Python's json keeps the last one silently, and which one a reader takes is not defined."""
+    def unique(pairs):
+        keys = [k for k, _ in pairs]
+        twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+        if twice is not None:
+            raise ModelError(f"{path}: key {twice!r} given twice in one object; keep one")
+        return dict(pairs)
+    return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique)
 
 
 def check_config(d: dict, generation_config: dict | None = None) -> None:
@@ -144,6 +156,7 @@ def check_config(d: dict, generation_config: dict | None = None) -> None:
         if p["rope_type"] == "llama3" and not p["low_freq_factor"] < p["high_freq_factor"]:
             raise ModelError("config.json: rope_type 'llama3' needs low_freq_factor < "
                              "high_freq_factor (its blend divides by their difference)")
+    _check_rope_tables(arch, d)
     act = d.get("hidden_activation") or d["hidden_act"]
     if act not in M.ACTIVATIONS:
         raise ModelError(f"unsupported activation {act!r}")
@@ -246,6 +259,64 @@ def _check_rope(arch: str, d: dict) -> None:
                              f"{p['truncate']!r}")
 
 
+# a value that keeps a RoPE key out of the way, to find which key breaks the tables
+# (mscale_all_dim first: yarn divides by the scale it gives)
+_ROPE_NEUTRAL = {"mscale_all_dim": None, "rope_theta": 10_000.0, "factor": 1.0,
+                 "attention_factor": 1.0, "mscale": None, "beta_fast": 32.0, "beta_slow": 1.0}
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _rope_fault(p: dict, head_dim: int, n_positions: int) -> str | None:
+    """What is wrong with the RoPE tables model.Rotary builds from the dict p, computed as it does
+    (float32): a division by zero, or angles / an attention factor past float32 (inf/NaN logits,
+    with no cause named, once the model runs); None when they are fine."""
+    try:
+        inv_freq, factor = M.rope_inv_freq(p, head_dim)
+    except ZeroDivisionError:
+        return "divide by zero"
+    except (OverflowError, ValueError):  # math.log / exp of a value past float's range
+        return "overflow"
+    angles = inv_freq * (n_positions - 1)  # the largest angle: float32, as Rotary.forward
+    # cos and sin are scaled by factor, so q.k by its square
+    if not (bool(torch.isfinite(angles).all()) and abs(factor) < math.sqrt(_FLOAT32_MAX)):
+        return "go past float32's range (inf/NaN logits)"
+    return None
+
+
+def _check_rope_tables(arch: str, d: dict) -> None:
+    """Refuse RoPE values whose tables divide by zero or overflow (yarn with rope_theta 1 divides
+    by log(rope_theta); a factor of 1e-300 gives infinite frequencies), naming the key: the first
+    whose neutral value (_ROPE_NEUTRAL) mends them."""
+    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    if head_dim % 2 or head_dim == 0:
+        raise ModelError(f"config.json: head_dim {head_dim} (or hidden_size // "
+                         f"num_attention_heads) must be even and > 0: RoPE rotates pairs of "
+                         f"dimensions")
+    rp, n_positions = d.get("rope_parameters"), d["max_position_embeddings"]
+    for layer_type, p in M.rope_parameters(arch, d).items():
+        fault = _rope_fault(p, head_dim, n_positions)
+        if fault is None:
+            continue
+        key = next((k for k in _ROPE_NEUTRAL if k in p and _rope_fault(
+            {**p, k: _ROPE_NEUTRAL[k]}, head_dim, n_positions) is None), None)
+        if arch == "gemma3" and rp:  # one dict per layer type
+            where, given = f"rope_parameters.{layer_type}", rp.get(layer_type) or {}
+        elif arch == "gemma3" and layer_type == "sliding_attention":  # legacy: its base alone
+            where, given = "rope_local_base_freq", {}
+        else:
+            where, given = ("rope_parameters", rp) if rp else ("rope_scaling",
+                                                                d.get("rope_scaling") or {})
+        if key in given:
+            where = f"{where}.{key}"
+        elif key == "rope_theta":  # the top-level base
+            gemma_local = arch == "gemma3" and layer_type == "sliding_attention"
+            where = "rope_local_base_freq" if gemma_local else "rope_theta"
+        value = p[key] if key else {k: v for k, v in p.items() if v is not None}
+        layers = f" of the {layer_type} layers" if arch == "gemma3" else ""
+        raise ModelError(f"config.json: {where} {value!r} makes the {p['rope_type']} RoPE "
+                         f"tables{layers} {fault}; use the value the model was trained with")
+
+
 def _check_chat_template(folder: Path) -> None:
     """The tokenizer's chat template decides the prompt (model.chat_template), so a
     tokenizer_config.json that cannot be read is refused rather than read as "no template" (which
@@ -253,7 +324,7 @@ def _check_chat_template(folder: Path) -> None:
     path = folder / "tokenizer_config.json"
     try:
         if path.is_file():
-            d = json.loads(path.read_text(encoding="utf-8"))
+            d = read_json(path)
             t = d.get("chat_template") if isinstance(d, dict) else None
             named = isinstance(t, list) and all(
                 isinstance(x, dict) and isinstance(x.get("template"), str) for x in t)
@@ -289,7 +360,7 @@ def check_weights(folder: Path, cfg: ModelConfig) -> None:
     index = folder / "model.safetensors.index.json"
     if index.is_file():  # sharded: the index maps tensor name -> shard file
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))
+            weight_map = read_json(index)
         except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
             raise ModelError(f"{index} is not valid JSON ({e}); re-download the model") from None
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
@@ -308,12 +379,17 @@ def check_weights(folder: Path, cfg: ModelConfig) -> None:
         shapes = {k: tuple(t.shape) for k, t in M.Transformer(cfg).state_dict().items()}
     tied = lambda name: cfg.tie_word_embeddings and name == "lm_head.weight"
     expected = {k for k in shapes if not tied(k)}
-    seen, unexpected = set(), []
+    seen, unexpected, found = set(), [], {}  # found: tensor name -> the file it is in
     for path in M.weight_files(folder):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():
                     name = M.checkpoint_name(key)
+                    if found.setdefault(name or key, path) != path:  # model.py loads both files
+                        raise ModelError(f"{folder}: tensor {key} is in both "
+                                         f"{found[name or key].name} and {path.name}; keep one "
+                                         f"checkpoint (or name its shards in "
+                                         f"model.safetensors.index.json)")
                     if name in expected:
                         piece = f.get_slice(key)
                         shape, dtype = tuple(piece.get_shape()), piece.get_dtype()

@@ -10,8 +10,8 @@ import copy
 
 import torch
 
-from cache import EvictingCache, HeldBytes, WindowKV, new_layers
-from kernels import _ranges
+from cache import EvictingCache, HeldBytes, KVCache, WindowKV, new_layers
+from kernels import ArgumentError, _ranges
 
 # -------------------------------------------------------------------------------------------------
 # One layer's storage: joining is a concatenation of heads, leaving a cut.
@@ -63,6 +63,26 @@ def pop_heads(kv, h0, n):
 # -------------------------------------------------------------------------------------------------
 # The batch: the model's three calls for B sequences, and each member's own eviction
 
+def check_join(batch, cache):
+    """Batch.join's cache, else an ArgumentError (with or without -O, where an empty one would
+    decode from nothing at position 0): a cache of the batch's model and dtype, in no batch,
+    prefilled, its answer begun (begin_answer: an EvictingCache then buffers what it decodes)."""
+    if not isinstance(cache, KVCache) or cache in batch.members or \
+            any(isinstance(kv, HeadSlice) for kv in cache.layers):
+        what = "a member" if isinstance(cache, KVCache) else type(cache).__name__
+        raise ArgumentError(f"Batch.join: give a cache.KVCache or EvictingCache that is in no "
+                            f"batch yet (a member leaves one with Batch.leave), got {what}")
+    if (cache.cfg, cache.dtype, cache.device) != (batch.cfg, batch.dtype, batch.device):
+        raise ArgumentError(f"Batch.join: the cache is another model's or dtype's ({cache.dtype}, "
+                            f"{cache.device}; the batch: {batch.dtype}, {batch.device})")
+    if cache.n_seen == 0:
+        raise ArgumentError("Batch.join: the cache holds no prompt; prefill it alone first "
+                            "(generate.prefill), then generate.begin_answer")
+    if not getattr(cache, "decoding", True):  # an EvictingCache's; a KVCache always decodes
+        raise ArgumentError("Batch.join: the cache has not begun its answer; call "
+                            "generate.begin_answer first (it starts decode-time eviction)")
+
+
 class Batch(HeldBytes):
     """B sequences decoding together, one token each per forward.
 
@@ -94,7 +114,7 @@ class Batch(HeldBytes):
     def join(self, cache):
         """Add a cache that has just run a forward alone (its last logits are the member's next
         sample)."""
-        assert cache.n_seen > 0 and cache not in self.members, "join: a prefilled cache, once"
+        check_join(self, cache)
         for layer, kv in enumerate(cache.layers):
             extend(self.layers[layer], kv)
         self.members.append(cache)
@@ -103,6 +123,8 @@ class Batch(HeldBytes):
 
     def leave(self, cache):
         """Take a member's rows out of the shared storage, back into a cache of its own."""
+        if cache not in self.members:
+            raise ArgumentError("Batch.leave: the cache is not a member of this batch")
         H = self.cfg.num_key_value_heads
         h0 = self.members.index(cache) * H
         cache.layers = [pop_heads(kv, h0, H) for kv in self.layers]

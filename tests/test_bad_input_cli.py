@@ -8,6 +8,7 @@ failure, and those that need the tokenizer (a batch's cache_file is checked agai
 stop before the weights (`no_weights`)."""
 import json
 import os
+import shutil
 import stat
 
 import pytest
@@ -304,3 +305,29 @@ def test_a_cache_replaced_between_its_check_and_its_load_is_refused(tiny, tmp_pa
     flags = [f for f in tiny["flags"] if f not in ("--window", "8")]
     res = run_main(capsys, *flags, "--load-cache", str(kv), "--question", "Q?")
     one_line(res[0], res[2], "changed after it was checked")
+
+
+# -- a model folder that would load wrongly ---------------------------------------------------------
+
+def test_a_bad_model_folder_is_one_line(capsys, tiny, tmp_path):
+    """What the library refuses in a checkpoint (formats/checkpoint.py) reaches generate.py as one
+    line, exit 2: a config.json key given twice, RoPE tables that divide by zero or overflow, a
+    tensor in two weight files."""
+    folder = tmp_path / "m"
+    shutil.copytree(tiny["folder"], folder)
+    config = folder / "config.json"
+    good = config.read_text()
+    d = json.loads(good)
+    run = lambda: run_main(capsys, "--model", str(folder), "--method", "full", "--prompt", "hi")
+    config.write_text(good.replace('"vocab_size":', '"vocab_size": 512, "vocab_size":', 1))
+    one_line(*run()[::2], "config.json", "'vocab_size' given twice")
+    for rope, words in ((dict(rope_type="yarn", rope_theta=1, factor=4.0), ["rope_theta 1",
+                                                                             "divide by zero"]),
+                        (dict(rope_type="linear", rope_theta=1e4, factor=1e-300),
+                         ["factor 1e-300", "float32"])):
+        rp = {**d["rope_parameters"], "full_attention": rope}
+        config.write_text(json.dumps({**d, "rope_parameters": rp}))
+        one_line(*run()[::2], "rope_parameters.full_attention.", *words)
+    config.write_text(good)
+    shutil.copy(folder / "model.safetensors", folder / "model-copy.safetensors")
+    one_line(*run()[::2], "in both model-copy.safetensors and model.safetensors")

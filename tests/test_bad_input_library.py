@@ -19,8 +19,10 @@ from cache import Budget, DecodeBudgetError, EvictingCache
 from formats.cache_file import load_cache, save_cache
 from formats.gate_file import load_gate, resolve_gate
 from gate import Gates, GateScorer
-from generate import Compression, answer, make_cache, prefill, prefill_request
+from generate import Compression, answer, begin_answer, decode_one, make_cache, prefill, prefill_request
 from kernels import ArgumentError, varlen_attention
+from serving.batch import Batch
+from serving.scheduler import decode
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 64
@@ -57,7 +59,109 @@ def cases():
     evicted_last = prefill(model, evicted, ids, 4, Budget(0.5, 16, 4))
     q, k = torch.randn(6, 4, 8), torch.randn(8, 2, 8)
     i32 = lambda *x: torch.tensor(x, dtype=torch.int32)
+
+    def ready(**kw):  # a prefilled evicting cache (nothing evicted), made when its case runs
+        c = make_cache("fastkvzip", model, 4, gates=gates, **kw)
+        return c, prefill(model, c, ids, 4, Budget(1.0, 16, 4))
+
+    def in_order(*steps):  # the calls, in order, on one prefilled evicting cache
+        c, last = ready()
+        for step in steps:
+            step(c, last)
+
+    # refused too; apart from kv, which the last test checks was never written
+    answered_kv = kv.with_name("never-written-answered.kv")
+
+    def after_answer(c, last):
+        answer(model, c, [5, 6], 3, set())
+        save_cache(answered_kv, c, model, ids, last)
+
+    def other_checkpoint(**kw):
+        (c, _), (other, _) = ready(**kw), ready(**kw)
+        c.rollback(other.checkpoint())
+
+    def before_prefill():
+        c = cache(4)
+        state = c.checkpoint()
+        prefill(model, c, ids, 4)
+        c.rollback(state)
+
+    def joined(*caches):  # into a new Batch of the model, in order
+        batch = Batch(cfg)
+        for c in caches:
+            batch.join(c)
+        return batch
+
+    def answering():  # a prefilled evicting cache whose answer began
+        c, last = ready()
+        begin_answer(model, c, [5], last)
+        return c
+
     return [
+        ("Batch.join of an empty cache", lambda: joined(answering(), cache(4)),
+         ["Batch.join: the cache holds no prompt"]),
+        ("Batch.join before begin_answer", lambda: joined(ready()[0]),
+         ["Batch.join: the cache has not begun its answer", "begin_answer"]),
+        ("Batch.join of a member again", lambda: joined(*[answering()] * 2),
+         ["Batch.join", "in no batch yet", "got a member"]),
+        ("Batch.leave of a cache not in it", lambda: joined(answering()).leave(answering()),
+         ["Batch.leave: the cache is not a member of this batch"]),
+        ("decode temperature nan", lambda: next(decode(model, [], temperature=float("nan"))),
+         ["decode: temperature must be a number >= 0", "nan"]),
+        ("decode answer_stop_ids None inside",
+         lambda: next(decode(model, [], answer_stop_ids=[2, None])),
+         ["decode: stop_ids must be a set of token ids", "[2, None]"]),
+        ("decode_one before prefill", lambda: decode_one(model, cache(4), 5),
+         ["decode_one: the cache holds no prompt"]),
+        ("decode_one before begin_answer", lambda: decode_one(model, ready()[0], 5),
+         ["decode_one: the answer has not begun", "begin_answer"]),
+        ("decode_one token past the vocabulary", lambda: decode_one(model, done, VOCAB),
+         ["decode_one: token 64", f"0 to {VOCAB - 1}"]),
+        ("decode_one token float", lambda: decode_one(model, done, 5.0), ["decode_one: token 5.0"]),
+        ("prefill a kvzip cache to a budget",
+         lambda: prefill(model, make_cache("kvzip", model, 4), ids, 4, Budget(0.5, 16, 4)),
+         ["prefill: the cache has no scorer", "budget 0.5", "prefill_kvzip"]),
+        ("prefill a cache without a scorer to a budget",
+         lambda: prefill(model, EvictingCache(cfg, None, n_protected=4), ids, 4, Budget(0.3)),
+         ["prefill: the cache has no scorer", "budget 0.3"]),
+        ("EvictingCache decode budget without a scorer",
+         lambda: EvictingCache(cfg, None, decode_tokens_per_head=200),
+         ["EvictingCache: decode-time eviction", "needs a scorer"]),
+        ("save_cache after answer", lambda: in_order(after_answer),
+         ["save_cache: last_logits are not", "past its prompt", "rollback"]),
+        ("save_cache after begin_answer",
+         lambda: in_order(lambda c, last: begin_answer(model, c, [5, 6], last),
+                          lambda c, last: save_cache(answered_kv, c, model, ids, last)),
+         ["save_cache: last_logits are not", "2 tokens past its prompt"]),
+        ("rollback to another cache's checkpoint", other_checkpoint,
+         ["rollback: the state is not a checkpoint of this cache"]),
+        ("rollback to another decode-evicting cache's checkpoint",
+         lambda: other_checkpoint(decode_tokens_per_head=200),
+         ["rollback: the state is not a checkpoint of this cache"]),
+        ("rollback to a checkpoint before prefill", before_prefill,
+         ["rollback: the checkpoint was taken at position 0", "after the prefill"]),
+        ("rollback across an eviction",
+         lambda: in_order(lambda c, last: c.__setattr__("state", c.checkpoint()),
+                          lambda c, last: c.evict(4, 20, 0.5),
+                          lambda c, last: c.rollback(c.state)),
+         ["rollback: layer", "unevenly", "an eviction after it"]),
+        ("evict a segment twice",
+         lambda: in_order(*[lambda c, last: c.evict(4, 20, 0.5)] * 2),
+         ["EvictingCache.evict: segment [4, 20)", "evict each segment once"]),
+        ("evict past the positions seen", lambda: in_order(lambda c, last: c.evict(20, 40, 0.5)),
+         ["EvictingCache.evict: segment [20, 40)", "within the 30 positions seen"]),
+        ("answer stop_ids None", lambda: answer(model, done, [5], 3, None),
+         ["answer: stop_ids must be a set of token ids", "None"]),
+        ("answer stop_ids text", lambda: answer(model, done, [5], 3, ["</s>"]),
+         ["answer: stop_ids", "'</s>'"]),
+        ("answer temperature nan", lambda: answer(model, done, [5], 3, set(), float("nan")),
+         ["answer: temperature must be a number >= 0", "nan"]),
+        ("answer temperature text", lambda: answer(model, done, [5], 3, set(), "0.7"),
+         ["answer: temperature", "'0.7'"]),
+        ("answer top_p 0", lambda: answer(model, done, [5], 3, set(), 1.0, 0),
+         ["answer: top_p must be a number in (0, 1]", "got 0"]),
+        ("answer top_p negative", lambda: answer(model, done, [5], 3, set(), 1.0, -0.5),
+         ["answer: top_p", "-0.5"]),
         ("Budget ratio text", lambda: Budget("0.5"), ["Budget: ratio", "'0.5'"]),
         ("Budget ratio bool", lambda: Budget(True), ["Budget: ratio", "True"]),
         ("Budget window float", lambda: Budget(0.5, 16, 2.5), ["Budget: window", "2.5"]),

@@ -3,6 +3,7 @@ itself, plus hand-built folders in the formats of released checkpoints (legacy c
 multimodal Gemma3)."""
 import inspect
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -369,6 +370,58 @@ def test_bad_weights(checkpoints, tmp_path):
     _one_line_error(lambda: load_checked(tmp_path / "m", "cpu"), "lacks")
 
 
+def test_a_tensor_in_two_weight_files_is_refused(checkpoints, tmp_path):
+    """model.py loads every file (the index's shards, else every *.safetensors) and the later one's
+    tensors won, where transformers reads model.safetensors alone: a tensor in two files is refused
+    in one line naming both, whether two whole checkpoints or two shards of one."""
+    shutil.copytree(checkpoints("qwen3-gqa2-tied")[0], tmp_path / "two")
+    other = checkpoints("llama-gqa2-tied")[0] / "model.safetensors"  # same names, other values
+    shutil.copy(other, tmp_path / "two" / "model-finetuned.safetensors")
+    _one_line_error(lambda: load_checked(tmp_path / "two", "cpu"), "model.embed_tokens.weight",
+                    "in both model-finetuned.safetensors and model.safetensors")
+    shutil.copytree(checkpoints("qwen3-gqa4-untied-sharded")[0], tmp_path / "shards")
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    name = next(k for k, f in index["weight_map"].items() if f == first)
+    tensors = load_file(tmp_path / "shards" / second)
+    tensors[name] = load_file(tmp_path / "shards" / first)[name] + 1
+    save_file(tensors, tmp_path / "shards" / second, metadata={"format": "pt"})
+    _one_line_error(lambda: load_checked(tmp_path / "shards", "cpu"), name,
+                    f"in both {first} and {second}")
+
+
+def test_a_json_key_given_twice_is_refused(checkpoints, tmp_path):
+    """Python's json keeps the last of a key given twice, silently: config.json (top level or
+    nested), generation_config.json, tokenizer_config.json and the shard index refuse it in one
+    line naming the key."""
+    shutil.copytree(checkpoints("qwen3-mqa-yarn")[0], tmp_path / "m")
+    config, gen = tmp_path / "m" / "config.json", tmp_path / "m" / "generation_config.json"
+    good = config.read_text()
+    twice = lambda path, key, text: path.write_text(path.read_text().replace(
+        f'"{key}":', f'"{key}": {text}, "{key}":', 1))
+    twice(config, "num_hidden_layers", "1")
+    _one_line_error(lambda: read_config(tmp_path / "m"), "config.json", "'num_hidden_layers'",
+                    "given twice")
+    config.write_text(good)
+    twice(config, "factor", "8.0")  # inside rope_parameters
+    _one_line_error(lambda: read_config(tmp_path / "m"), "config.json", "'factor' given twice")
+    config.write_text(good)
+    twice(gen, "eos_token_id", "7")
+    _one_line_error(lambda: read_config(tmp_path / "m"), "generation_config.json",
+                    "'eos_token_id' given twice")
+    gen.unlink()
+    (tmp_path / "m" / "tokenizer_config.json").write_text(
+        '{"chat_template": "a", "chat_template": "b"}')
+    _one_line_error(lambda: read_config(tmp_path / "m"), "tokenizer_config.json",
+                    "'chat_template' given twice")
+    shutil.copytree(checkpoints("qwen3-gqa4-untied-sharded")[0], tmp_path / "s")
+    index = tmp_path / "s" / "model.safetensors.index.json"
+    shard = json.loads(index.read_text())["weight_map"]["model.norm.weight"]
+    twice(index, "lm_head.weight", json.dumps(shard))
+    _one_line_error(lambda: load_checked(tmp_path / "s", "cpu"), "model.safetensors.index.json",
+                    "'lm_head.weight' given twice")
+
+
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"metadata": {}}',
                                   '{"weight_map": ["a.safetensors"]}',
                                   '{"weight_map": {"lm_head.weight": 3}}'])
@@ -429,6 +482,17 @@ ROPE_REFUSED = [
     ({**QWEN_YARN, "mscale": "1"}, ["rope_scaling.mscale", "'1'"]),
     ({"rope_type": "default", "partial_rotary_factor": 0.5},
      ["rope_scaling.partial_rotary_factor", "0.5"]),
+    # positive, but the tables divide by zero (yarn's ramp by log(rope_theta)) or overflow float32
+    # (NaN logits that named no cause)
+    ({**QWEN_YARN, "rope_theta": 1}, ["rope_scaling.rope_theta 1", "divide by zero"]),
+    ({"rope_type": "linear", "factor": 1e-300}, ["rope_scaling.factor 1e-300", "float32"]),
+    ({**QWEN_YARN, "factor": 1e-300}, ["rope_scaling.factor 1e-300", "float32"]),
+    ({**LLAMA3_RoPE, "factor": 1e-300}, ["rope_scaling.factor 1e-300", "float32"]),
+    ({"rope_type": "default", "rope_theta": 1e-300}, ["rope_scaling.rope_theta 1e-300"]),
+    ({**QWEN_YARN, "attention_factor": 1e30}, ["rope_scaling.attention_factor 1e+30"]),
+    # yarn's attention factor divides by 0.1 * mscale_all_dim * ln(factor) + 1
+    ({**QWEN_YARN, "factor": math.exp(10), "mscale": 1.0, "mscale_all_dim": -1.0},
+     ["rope_scaling.mscale_all_dim -1.0", "divide by zero"]),
 ]
 
 
@@ -465,6 +529,28 @@ def test_rope_layouts_refused_beside_the_ones_that_run(checkpoints):
     check_config({**qwen, "rope_scaling": qwen["rope_parameters"]})  # the same dict twice
     for name in ("qwen3-legacy-yarn", "llama-legacy-llama3", "gemma3-legacy"):
         read_config(checkpoints(name)[0])
+
+
+def test_rope_bases_that_break_the_tables_are_named_where_they_are_given(checkpoints):
+    """A top-level base (legacy configs: rope_theta beside rope_scaling, Gemma 3's
+    rope_local_base_freq) that makes the tables divide by zero or overflow is named as the key it
+    is; an odd head_dim (RoPE rotates pairs) is refused; bases that only look odd still read."""
+    qwen = json.loads((checkpoints("qwen3-gqa2-tied")[0] / "config.json").read_text())
+    legacy = {k: v for k, v in qwen.items() if k != "rope_parameters"}
+    yarn = {k: v for k, v in QWEN_YARN.items() if k != "rope_theta"}  # the top-level base
+    _one_line_error(lambda: check_config({**legacy, "rope_theta": 1, "rope_scaling": yarn}),
+                    "config.json: rope_theta 1", "yarn", "divide by zero")
+    _one_line_error(lambda: check_config({**legacy, "rope_theta": 1e-300}),
+                    "config.json: rope_theta 1e-300", "float32")
+    gemma = json.loads((checkpoints("gemma3-legacy")[0] / "config.json").read_text())
+    _one_line_error(lambda: check_config({**gemma, "rope_local_base_freq": 1e-300}),
+                    "config.json: rope_local_base_freq 1e-300", "sliding_attention")
+    _one_line_error(lambda: check_config({**qwen, "head_dim": 15}), "head_dim 15", "even")
+    llama = json.loads((checkpoints("llama-gqa2-tied")[0] / "config.json").read_text())
+    _one_line_error(lambda: check_config({**llama, "head_dim": None, "hidden_size": 2}),
+                    "head_dim 0", "> 0")  # hidden_size // num_attention_heads: 1 / 0 in attn_scale
+    for theta in (1.0, 1e300):  # all frequencies 1, or all but the first 0: finite, as transformers
+        check_config({**qwen, "rope_parameters": {"rope_type": "default", "rope_theta": theta}})
 
 
 def _keys_read(fn) -> set[str]:

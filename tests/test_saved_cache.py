@@ -418,6 +418,7 @@ def test_a_full_disk_writes_nothing(saved, tmp_path, monkeypatch):
 def test_a_batch_member_is_not_saved(saved, tmp_path):
     t, path = saved
     cache, info = load_cache(path, t["model"], scorer_for(t, "fastkvzip", DECODE))
+    begin_answer(t["model"], cache, [], info["last_logits"])  # a member decodes (Batch.join)
     batch = Batch(t["model"].config)
     batch.join(cache)
     with pytest.raises(ValueError, match="leave the batch"):
