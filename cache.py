@@ -221,16 +221,15 @@ class KVCache(HeldBytes):
         """True for a sliding-window layer that keeps only its window (a WindowKV ring)."""
         return isinstance(self.layers[layer], WindowKV)
 
-def full_cache_bytes(cache, n_tokens):
-    """What a full cache would hold after prefilling n_tokens: every token in every full-attention
-    layer, and the same rolling window as ours in sliding layers."""
-    total = 0
-    for layer, kv in enumerate(cache.layers):
-        if cache._is_sliding(layer):
-            total += kv.nbytes
-        else:
-            total += n_tokens * kv.n_heads * 2 * kv.head_dim * kv.k.element_size()
-    return total
+def check_answering(call, cache):
+    """A cache that can decode, else an ArgumentError naming `call`: prefilled, its answer begun
+    (an EvictingCache would score the token as prompt and never evict while decoding)."""
+    if cache.n_seen == 0:
+        raise ArgumentError(f"{call}: the cache holds no prompt; prefill it first "
+                            f"(generate.prefill), then generate.begin_answer")
+    if not getattr(cache, "decoding", True):  # an EvictingCache's; a KVCache always decodes
+        raise ArgumentError(f"{call}: the answer has not begun; call generate.begin_answer "
+                            f"first (it starts decode-time eviction)")
 
 
 def check_rollback(cache, state):

@@ -20,7 +20,7 @@ from itertools import islice
 import torch
 
 import gate
-from cache import Budget, EvictingCache, KVCache, is_count
+from cache import Budget, EvictingCache, KVCache, check_answering, is_count
 from gate import METHODS
 from kernels import ArgumentError
 from model import NonFiniteLogits
@@ -140,12 +140,7 @@ def newest(cache, logits):
 def check_step(cache, token):
     """What decode_one needs, else an ArgumentError: a prefilled cache that began its answer (an
     EvictingCache would score the token as prompt and never evict while decoding), a token id."""
-    if cache.n_seen == 0:
-        raise ArgumentError("decode_one: the cache holds no prompt; prefill it first "
-                            "(generate.prefill)")
-    if not getattr(cache, "decoding", True):  # an EvictingCache's; a KVCache always decodes
-        raise ArgumentError("decode_one: the answer has not begun; call generate.begin_answer "
-                            "first (it starts decode-time eviction)")
+    check_answering("decode_one", cache)
     if torch.is_tensor(token) and token.numel() == 1 and not token.is_floating_point():
         token = int(token)  # an argmax
     if not is_count(token) or token >= cache.cfg.vocab_size:

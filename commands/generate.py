@@ -45,7 +45,6 @@ from cache import (
     EvictingCache,
     check_decode_budget,
     decode_protected,
-    full_cache_bytes,
 )
 from cli import UsageError, parse_device, read_context, resolve_model, retention_map, summary_line
 from formats.cache_file import CacheFileError, check_cache_file, load_cache, read_header, save_cache
@@ -133,6 +132,18 @@ def parse_args(argv=None):
     args.typed = {k for k, v in vars(p.parse_args(argv, argparse.Namespace(**blank))).items()
                   if v is not unset}
     return args
+
+
+def full_cache_bytes(cache, n_tokens):
+    """What a full cache would hold after prefilling n_tokens: every token in every full-attention
+    layer, and the same rolling window as ours in sliding layers."""
+    total = 0
+    for layer, kv in enumerate(cache.layers):
+        if cache._is_sliding(layer):
+            total += kv.nbytes
+        else:
+            total += n_tokens * kv.n_heads * 2 * kv.head_dim * kv.k.element_size()
+    return total
 
 
 def check_args(args):

@@ -6,7 +6,7 @@ chunk and window), save the cache (formats.cache_file.save_cache), then answer o
 greedily: from the cache just compressed (time to the first answer token = prefill + question +
 first token) and from the file (load_cache + question + first token). The answers must be equal;
 the file's size is set beside the bytes a full cache holds after the same prefill
-(cache.full_cache_bytes).
+(commands.generate.full_cache_bytes).
 
     python -m harness.saved_cache                                   # both offline models, 2K and 8K
     python -m harness.saved_cache --models smollm2-135m-gguf --lengths 2048 --out /tmp/saved
@@ -26,8 +26,8 @@ import torch
 import cli
 import generate
 import model as M
-from cache import Budget, full_cache_bytes
-from commands.generate import build_inputs
+from cache import Budget
+from commands.generate import build_inputs, full_cache_bytes
 from formats.cache_file import load_cache, save_cache
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs

@@ -14,7 +14,8 @@ import torch
 
 import gate
 import generate
-from cache import Budget, KVCache, full_cache_bytes
+from cache import Budget, KVCache
+from commands.generate import full_cache_bytes
 from formats.gate_file import save_gate
 from gate import METHODS
 from harness.quality import log, method_cache, model_info

@@ -10,7 +10,7 @@ import copy
 
 import torch
 
-from cache import EvictingCache, HeldBytes, KVCache, WindowKV, new_layers
+from cache import EvictingCache, HeldBytes, KVCache, WindowKV, check_answering, new_layers
 from kernels import ArgumentError, _ranges
 
 # -------------------------------------------------------------------------------------------------
@@ -75,12 +75,7 @@ def check_join(batch, cache):
     if (cache.cfg, cache.dtype, cache.device) != (batch.cfg, batch.dtype, batch.device):
         raise ArgumentError(f"Batch.join: the cache is another model's or dtype's ({cache.dtype}, "
                             f"{cache.device}; the batch: {batch.dtype}, {batch.device})")
-    if cache.n_seen == 0:
-        raise ArgumentError("Batch.join: the cache holds no prompt; prefill it alone first "
-                            "(generate.prefill), then generate.begin_answer")
-    if not getattr(cache, "decoding", True):  # an EvictingCache's; a KVCache always decodes
-        raise ArgumentError("Batch.join: the cache has not begun its answer; call "
-                            "generate.begin_answer first (it starts decode-time eviction)")
+    check_answering("Batch.join", cache)
 
 
 class Batch(HeldBytes):

@@ -101,7 +101,7 @@ def cases():
         ("Batch.join of an empty cache", lambda: joined(answering(), cache(4)),
          ["Batch.join: the cache holds no prompt"]),
         ("Batch.join before begin_answer", lambda: joined(ready()[0]),
-         ["Batch.join: the cache has not begun its answer", "begin_answer"]),
+         ["Batch.join: the answer has not begun", "begin_answer"]),
         ("Batch.join of a member again", lambda: joined(*[answering()] * 2),
          ["Batch.join", "in no batch yet", "got a member"]),
         ("Batch.leave of a cache not in it", lambda: joined(answering()).leave(answering()),
