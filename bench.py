@@ -53,7 +53,7 @@ from cache import LEVELS
 from cli import UsageError, resolve_model, write_text
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
-from harness import decode_report, quality, quality_report, ruler, ruler_tasks
+from harness import decode_suite, quality, quality_report, ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results, write_record
 from harness.report import differing, markdown, run_config, speed_keys
@@ -233,7 +233,7 @@ def parse_args(argv=None):
     the suite for the flags not typed; each flag checked."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    for add in (common_flags, quality_flags, needle_flags, ruler_flags, decode_report.add_arguments,
+    for add in (common_flags, quality_flags, needle_flags, ruler_flags, decode_suite.add_arguments,
                 speed_flags):
         add(p)
     args, unset = p.parse_args(argv), object()
@@ -264,7 +264,7 @@ def parse_args(argv=None):
             if k not in typed:
                 setattr(args, k, v)
     if args.suite == "decode":  # its own methods, one stream length, speed up to 8K positions
-        for k, v in decode_report.DEFAULTS.items():
+        for k, v in decode_suite.DEFAULTS.items():
             if k not in typed:
                 setattr(args, k, v)
     if args.quick:
@@ -280,7 +280,7 @@ def parse_args(argv=None):
 def check_args(p, args):
     """Every flag on its own, before anything loads (p.error: exit 2)."""
     if args.suite == "decode":
-        return decode_report.check_args(p, args)
+        return decode_suite.check_args(p, args)
     bad = [m for m in args.methods if m not in METHODS] + [lv for lv in args.extra_levels
                                                            if lv not in LEVELS]
     if bad:
@@ -393,7 +393,7 @@ def run(args):
         if args.suite == "ruler" and args.ruler_prompt == "kvpress" else fmt
     gates = resolve_gate(args.gate, cfg, args.model)
     if args.suite == "decode":
-        return decode_report.bench_run(args, ROOT, folder, cfg, tok, gates, claim)
+        return decode_suite.bench_run(args, ROOT, folder, cfg, tok, gates, claim)
     check_lengths(args, cfg, tok, len(encode_prompt(tok, fmt.system)))
     if rows:
         check_dataset(args, cfg, tok, suite_fmt, rows)
@@ -669,8 +669,8 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
         if other != theirs:
             raise UsageError(f"{f} is a run of another experiment than {folders[first]} "
                              f"({differing(theirs, other)} differ); leave {f} out of --merge")
-    if key.get("suite") == "decode":  # its own records and tables (harness/decode_report.py)
-        return decode_report.merge(folders, configs, out, n_boot, seed, claim, plot)
+    if key.get("suite") == "decode":  # its own records and tables (harness/decode_suite.py)
+        return decode_suite.merge(folders, configs, out, n_boot, seed, claim, plot)
     expected = n_contexts(key, folders[first]) if quality_runs else 0
     records, results = {}, dict(config=dict(configs[first], merged_from=[str(f) for f in folders],
                                             commands=[c["command"] for c in configs]), rows=[])

@@ -26,8 +26,9 @@ generation's first difference is where it stops, its final answer is never given
 for it: what it scores before B is the full cache's.
 
 Speed and memory (speed(): one long greedy generation per configuration, ms per decoded token and
-the KV bytes held at each point of --speed-lengths, beside transformers' generate) and the report
-(tables, intervals, plots) are in harness/decode_report.py.
+the KV bytes held at each point of --speed-lengths, beside transformers' generate), bench.py's flags,
+run and --merge are in harness/decode_suite.py; the report (tables, intervals, plots) in
+harness/decode_report.py.
 """
 import random
 import time

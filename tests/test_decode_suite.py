@@ -10,7 +10,7 @@ import bench
 import generate
 import model as M
 from gate import Gates
-from harness import decode, decode_report
+from harness import decode, decode_report, decode_suite
 from harness.timing import time_scorer
 from tests.helpers import tiny_checkpoint
 
@@ -209,7 +209,7 @@ def test_speed_rows_and_the_peer_on_a_tiny_gemma3(tmp_path):
     model = M.load_model(folder, "cpu", torch.float32)
     cfg = model.config
     prompt = [cfg.bos_token_id] + list(range(3, 40))
-    rows = decode_report.speed(model, load_peer(folder), prompt, 1, [300, 600, 900], [160],
+    rows = decode_suite.speed(model, load_peer(folder), prompt, 1, [300, 600, 900], [160],
                                spread_gates(cfg), 0)
     by = lambda m: [r for r in rows if r["method"] == m]
     assert [r["length"] for r in by("full")] == [300, 600, 900] == [r["length"]
