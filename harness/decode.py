@@ -281,15 +281,16 @@ def cut_entry(ref, stream, budget, ref_gen, gen_prompt_len):
     return out
 
 
-def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None):
+def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None,
+        streams=None):
     """Every configuration of exp on every document of this shard (contexts c with c % n == k) but
-    those in `done`; on_context(record) after each."""
+    those in `done`; on_context(record) after each. streams: make_streams' (made here if None)."""
     cfg, _, device = model_info(model)
     fmt_plain = prompt_format(cfg, model_name, chat=False)
     fmt_gen = prompt_format(cfg, model_name, chat=exp.chat)
     gates = (resolve_gate(gate_file, cfg, model_name, device=device)
              if "fastkvzip" in exp.methods else None)
-    streams = make_streams(tok, fmt_plain, exp)
+    streams = streams or make_streams(tok, fmt_plain, exp)
     stops = answer_stops(cfg, tok)
     banned = set(cfg.eos_token_ids)
     scored = [m for m in exp.methods if m not in ("full", "cut")]

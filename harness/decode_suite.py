@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 import cli
+import gate
 import generate
+from cache import decode_protected
 from cli import UsageError, write_text
 from formats.checkpoint import load_checked
 from harness import decode
@@ -153,6 +155,9 @@ def check_args(p, args):
     args.methods = list(dict.fromkeys(args.methods))
     if not args.decode_budgets:
         p.error("--decode-budgets is empty: give tokens per KV head, e.g. 256,512")
+    if not args.decode_gaps and not args.no_quality:
+        p.error("--decode-gaps 0 asks no fact again: recall needs at least one gap, e.g. "
+                "1024,2048")
     if len(args.lengths) != 1:
         p.error(f"--suite decode: --lengths takes one stream length, got {args.lengths}")
     if args.decode_generations is None:
@@ -170,10 +175,9 @@ def check_args(p, args):
         + max(args.decode_gaps, default=0) + decode.SENTENCE_WAIT
     if args.decode_gaps and args.lengths[0] < need:
         p.error(f"--lengths {args.lengths[0]}: too short for --decode-gaps "
-                f"{','.join(map(str, args.decode_gaps))} (the facts, the longest gap and room "
-                f"for sentence ends need {need}); lengthen it or shorten the gaps")
-    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        p.error(f"--device {args.device}: cpu, cuda or cuda:N")
+                f"{','.join(map(str, args.decode_gaps))} and --decode-prompt {args.decode_prompt} "
+                f"(the prompt, the facts, the longest gap and room for sentence ends need {need}); "
+                "lengthen it, or shorten the gaps or the prompt")
     if not args.no_quality and args.shard[0] >= args.contexts:
         p.error(f"--shard {args.shard[0]}/{args.shard[1]}: the run has {args.contexts} documents, "
                 f"shard {args.shard[0]} holds none")
@@ -188,52 +192,109 @@ def experiment(args):
         chat=args.chat, device=args.device)
 
 
-def check_fit(args, cfg):
-    """Every sequence the run makes against the model's positions, before anything heavy."""
+def decode_window(method):
+    """The last tokens `method`'s cache always keeps while decoding (gate.py's scorers)."""
+    return (gate.GateScorer if method == "fastkvzip" else gate.Scorer).decode_window
+
+
+def check_fit(args, cfg, tok):
+    """Every value against what it can measure, before anything heavy: each sequence within the
+    model's positions, each speed length past the speed run's prompt, each budget above what a
+    cache always keeps (else nothing is left to the scorer) and below the sequence it evicts from
+    (else nothing is evicted)."""
     n = cfg.max_position_embeddings
     # the free generation's prompt: ~160 excerpt tokens and the fact, in its chat turn (< 400)
-    for flag, need in (("--lengths", args.lengths[0]),
+    for flag, need in (("--lengths", 0 if args.no_quality else args.lengths[0]),
                        ("--speed-lengths", max(args.speed_lengths, default=0)),
                        ("--decode-gen-tokens", args.decode_gen_tokens + 400 + decode.ANSWER_TOKENS
-                        if args.decode_generations else 0)):
+                        if args.decode_generations and not args.no_quality else 0)):
         if need > n:
             raise UsageError(f"{flag}: {need} positions, more than the model's {n}; use shorter "
                              "sequences")
+    system = len(encode_prompt(tok, prompt_format(cfg, args.model, chat=False).system))
+    if args.speed_lengths:
+        prompt = system + args.decode_prompt  # an Austen chapter's first tokens: far more
+        inside = [x for x in args.speed_lengths if x <= prompt]
+        if inside:
+            raise UsageError(f"--speed-lengths {inside[0]}: not past the speed run's prompt "
+                             f"({prompt} tokens: the system prompt and --decode-prompt "
+                             f"{args.decode_prompt}); give lengths above {prompt}")
+    scored = [m for m in args.methods if m not in ("full", "cut")]
+    chat = len(encode_prompt(tok, prompt_format(cfg, args.model, chat=args.chat).system))
+    gen = set(args.decode_gen_budgets) if args.decode_generations else set()
+    for flag, budgets, methods, longest, what in (
+            ("--decode-budgets", [] if args.no_quality else args.decode_budgets, scored,
+             args.lengths[0], f"--lengths {args.lengths[0]}"),
+            ("--decode-speed-budgets", args.decode_speed_budgets if args.speed_lengths else [],
+             ["fastkvzip"], max(args.speed_lengths, default=0),
+             f"--speed-lengths {max(args.speed_lengths, default=0)}")):
+        for m, b in ((m, b) for m in methods for b in sorted(budgets)):
+            # a stream's cache protects its system prompt, a free generation's its chat's
+            least = decode_protected(max(system, chat) if b in gen and flag == "--decode-budgets"
+                                     else system, decode_window(m)) + 1
+            if b < least:
+                raise UsageError(
+                    f"{flag} {b} leaves nothing to the scorer: {m} always keeps the system prompt "
+                    f"(or the first tokens) and its last {decode_window(m)} tokens ({least - 1} "
+                    f"per KV head); use at least {least}")
+        if budgets and max(budgets) >= longest:
+            raise UsageError(f"{flag} {max(budgets)}: not below {what}, so nothing is ever "
+                             f"evicted (it measures the full cache); give budgets below {longest}")
+
+
+def check_streams(args, tok, cfg):
+    """The run's documents (decode.make_streams) made before anything is written; None for a
+    speed-only run."""
+    if args.no_quality:
+        return None
+    try:
+        return decode.make_streams(tok, prompt_format(cfg, args.model, chat=False),
+                                   experiment(args))
+    except ValueError as e:  # too few chapters hold such a stream
+        raise UsageError(f"--contexts {args.contexts}: {e}") from None
+
+
+# what --suite decode reads of bench.py's flags, beside its own (--decode-*): bench.py refuses the
+# others typed with it
+READS = {"suite", "model", "gate", "methods", "lengths", "contexts", "chat", "device", "bootstrap",
+         "no_quality", "speed_lengths", "no_peer", "seed", "threads", "shard", "out", "plot",
+         "merge", "decode_budgets", "decode_gaps", "decode_prompt", "decode_generations",
+         "decode_gen_tokens", "decode_gen_budgets", "decode_speed_budgets"}
 
 
 def bench_run(args, root, folder, cfg, tok, gates, claim):
-    """bench.py --suite decode after its cheap checks: the quality documents (resumable: each
+    """bench.py --suite decode after its cheap checks: every input checked, the model loaded, then
+    --out (default root/results/<timestamp>) made and held by claim(path) (bench.py's: a folder
+    of other files is refused), and only then written: the quality documents (resumable: each
     finished document is kept in --out/contexts/ at once), then the speed section; results.json,
-    results.md and (--plot) decode.png in --out (default root/results/<timestamp>), which
-    claim(path) makes and holds for the run (bench.py's: a folder of other files is refused)."""
+    results.md and (--plot) decode.png."""
     t_start = time.perf_counter()
-    check_fit(args, cfg)
+    check_fit(args, cfg, tok)
+    streams = check_streams(args, tok, cfg)
+    exp = experiment(args)
+    device = torch.device(args.device)
+    model = load_checked(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    # before any work; a speed-only run's caches are the gate's at --decode-speed-budgets
+    for m in (m for m in exp.methods if m not in ("full", "cut") and not args.no_quality):
+        try:
+            decode.decode_cache(model, m, 0, max(exp.budgets), gates, 0)
+        except (ValueError, AssertionError) as e:
+            raise UsageError(f"--methods {m}: this version cannot evict it during decoding ({e}); "
+                             "leave it out of --methods") from None
     out = Path(args.out or Path(root) / "results" / time.strftime("%Y%m%d-%H%M%S"))
     claim(out)
-    args.out_dir = str(out)  # what an interrupted run keeps (bench.kept)
-    exp = experiment(args)
     config = run_config(vars(args), folder, gates)
     key = config["quality_key"] = decode.run_key(exp, config)
     config["speed_key"] = dict(lengths=args.speed_lengths, budgets=args.decode_speed_budgets,
                                model=config["model"]["sha256"], gate=config["gate"]["sha256"],
                                threads=args.threads, device=args.device)
-    done = load_records(out, key, key["contexts"])
-    write_text(out / "config.json", json.dumps(config, indent=1))
-    device = torch.device(args.device)
-    model = load_checked(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    for m in (m for m in exp.methods if m not in ("full", "cut")):  # before any work
-        try:
-            decode.decode_cache(model, m, 0, exp.budgets[0], gates, 0)
-        except (ValueError, AssertionError) as e:
-            raise UsageError(f"--methods {m}: this version cannot evict it during decoding ({e}); "
-                             "leave it out of --methods") from None
+    done = load_records(out, key, key["contexts"], bad=bad_entries)
     records, res = list(done.values()), dict(config=config, complete=False)
     old = out / "results.json"
-    if old.exists() and not args.speed_lengths:  # keep an earlier run's speed rows
-        prev = previous(old, "delete it (its speed rows are lost)")
-        if prev.get("decode_speed") and (prev.get("config") or {}).get("speed_key") == \
-                config["speed_key"]:
-            res["decode_speed"] = prev["decode_speed"]
+    if old.exists() and not args.speed_lengths:  # an earlier run's speed rows stay
+        kept_speed(previous(old, "delete it (its speed rows are lost)"), res, old)
+    write_text(out / "config.json", json.dumps(config, indent=1))
+    args.out_dir = str(out)  # what an interrupted run keeps (bench.kept)
 
     def save():
         res["seconds"] = time.perf_counter() - t_start + sum(r["seconds"] for r in done.values())
@@ -249,7 +310,8 @@ def bench_run(args, root, folder, cfg, tok, gates, claim):
     log(f"decode suite: model {folder}, gate {gates.meta.get('source')}; writing {out}"
         + (f"; resuming after {len(done)} finished documents" if done else ""))
     if not args.no_quality:
-        decode.run(model, tok, exp, args.model, args.gate, args.shard, done, on_context=finished)
+        decode.run(model, tok, exp, args.model, args.gate, args.shard, done, on_context=finished,
+                   streams=streams)
     if args.speed_lengths:
         fmt = prompt_format(cfg, args.model, chat=False)
         start = encode_prompt(tok, fmt.system)
@@ -266,15 +328,56 @@ def bench_run(args, root, folder, cfg, tok, gates, claim):
     log(f"decode suite done in {(time.perf_counter() - t_start) / 60:.1f} min -> {out}/results.md")
 
 
+def kept_speed(prev, res, path):
+    """A rerun that measures no speed (--speed-lengths 0) keeps the rows an earlier run of the
+    folder measured, with the settings they were measured with (config's speed_key: each row
+    names its own length and budget); rows of another model or gate are refused by name."""
+    if not prev.get("decode_speed"):
+        return
+    theirs, ours = (prev.get("config") or {}).get("speed_key") or {}, res["config"]["speed_key"]
+    differ = [k for k in ("model", "gate") if theirs.get(k) != ours.get(k)]
+    if differ:
+        raise UsageError(f"{path} holds speed rows measured on another {' and '.join(differ)}; "
+                         "use a new --out, or the flags of the run that measured them")
+    res["decode_speed"], res["config"]["speed_key"] = prev["decode_speed"], theirs
+
+
+def bad_entries(rec):
+    """Why a decode record's entries are not what decode.run writes (what results() reads), or
+    None."""
+    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+    for name, e in rec["entries"].items():
+        probes, nll, gen = e.get("probes"), e.get("nll"), e.get("gen")
+        if not (isinstance(probes, list) and all(
+                isinstance(p, list) and len(p) == 5 and all(num(x) or x is None for x in p)
+                for p in probes)
+                and (nll is None or isinstance(nll, list) and len(nll) == 3
+                     and all(map(num, nll)))
+                and (gen is None or isinstance(gen, dict) and num(gen.get("first_diff")))):
+            return f"its entry {name!r} is not a decode entry (probes, nll, gen)"
+    return None
+
+
 def previous(path, fix):
     """A run folder's results.json, or one line saying it is damaged and what to do (fix)."""
     try:
         prev = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         raise UsageError(f"{path} is unreadable; {fix}") from None
-    if not isinstance(prev, dict) or not isinstance(prev.get("decode_speed") or [], list):
+    if not isinstance(prev, dict) or not isinstance(prev.get("config", {}), dict):
         raise UsageError(f"{path} is not a decode result; {fix}")
+    rows = prev.get("decode_speed") or []
+    if not (isinstance(rows, list) and all(isinstance(r, dict) and SPEED_ROW <= r.keys()
+                                           for r in rows)):
+        raise UsageError(f"{path}: its decode_speed rows are not speed rows (objects with "
+                         f"{', '.join(sorted(SPEED_ROW))}); {fix}")
+    if not isinstance(prev.get("seconds", 0), (int, float)):
+        raise UsageError(f"{path}: its seconds are not a number; {fix}")
     return prev
+
+
+SPEED_ROW = {"method", "budget", "length", "ms_per_token", "kv_bytes", "kv_kept_bytes",
+             "score_share"}  # what results.md and decode.png read of a speed row
 
 
 def merge(folders, configs, out, n_boot, seed, claim, draw=False):
@@ -289,8 +392,8 @@ def merge(folders, configs, out, n_boot, seed, claim, draw=False):
     records, res = {}, dict(config=dict(quality[0][1] if quality else configs[0],
                                         merged_from=[str(f) for f in folders]))
     for f, _ in quality:
-        for c, rec in load_records(f, keys[0], keys[0]["contexts"],
-                                   f"leave {f} out of --merge").items():
+        for c, rec in load_records(f, keys[0], keys[0]["contexts"], f"leave {f} out of --merge",
+                                   bad_entries).items():
             records.setdefault(c, rec)
     for f in folders:
         old = f / "results.json"
@@ -306,10 +409,10 @@ def merge(folders, configs, out, n_boot, seed, claim, draw=False):
     res["complete"] = not quality or len(records) == keys[0]["contexts"]
     out = Path(out)
     created = claim(out)
-    try:
-        write_text(out / "results.json", json.dumps(res, indent=1))
-        write_text(out / "results.md", "\n".join(header(res) + markdown(res)) + "\n")
-        write_text(out / "config.json", json.dumps(res["config"], indent=1))
+    try:  # all or none: a failed merge leaves what the folder held
+        cli.write_texts({out / "results.json": json.dumps(res, indent=1),
+                         out / "results.md": "\n".join(header(res) + markdown(res)) + "\n",
+                         out / "config.json": json.dumps(res["config"], indent=1)})
     except cli.WriteError:  # a full disk: a folder made for this merge is not left empty
         cli.drop_folder(out, created)
         raise
