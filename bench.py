@@ -78,7 +78,7 @@ SUITES = ("needle", "ruler", "decode")
 RULER_PROMPTS = ("kvpress", "harness")  # --ruler-prompt: harness/kvpress_prompt.py, or teacher's
 
 
-# ---- 3. Command line -----------------------------------------------------------------------------
+# ---- Command line --------------------------------------------------------------------------------
 
 # --quick's settings; flags given explicitly win over them
 QUICK = dict(lengths=[512], contexts=2, budgets=[0.5, 0.2], speed_lengths=[256], passkeys=1,

@@ -7,8 +7,8 @@ tokens and the attention kernel reads exactly what is kept. Nothing is masked: e
 gone from memory.
 
 - `KVCache` is the full cache. Gemma3's sliding-window layers keep only their last W tokens, in a
-  ring (`kernels.WindowKV`): a decode token overwrites the one that left the window, nothing is
-  copied.
+  ring (`WindowKV`, a RaggedKV of at most W rows per head): a decode token overwrites the one that
+  left the window, nothing is copied.
 - `EvictingCache` adds scores: every compressed layer asks a scorer (the gate, or a baseline:
   gate.py's scorers) how important each new KV pair is, stores the score beside the row, and
   `evict()` drops the least important rows of a segment of the context — one threshold over all
@@ -17,10 +17,11 @@ gone from memory.
   runs the gate once every 128 tokens (METHOD.md §7).
 
 The model only ever calls `cache.positions(T)` (the new tokens' absolute positions),
-`cache.attend(layer, q, k, v, hidden, scale, window)` and `cache.advance(T)`. A `Batch` answers the
-same three calls for B sequences decoding together, one token each, every layer's KV heads of all
-of them in one RaggedKV. Eviction itself is an explicit call in the generation loop (generate.py),
-never a hidden hook. Saving a cache to a file and loading it back is formats/cache_file.py's.
+`cache.attend(layer, q, k, v, hidden, scale, window)` and `cache.advance(T)`. A batch
+(serving/batch.py) answers the same three calls for B sequences decoding together, one token each,
+every layer's KV heads of all of them in one RaggedKV. Eviction itself is an explicit call in the
+generation loop (generate.py), never a hidden hook. Saving a cache to a file and loading it back is
+formats/cache_file.py's.
 
 In the method's modules `layer` is a model layer's index and `li` an index among the compressed
 layers (layer = cfg.compressed_layers[li]; the gate's and the teacher's layer axis).
@@ -32,17 +33,97 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ArgumentError, RaggedKV, WindowKV
+from kernels import MAX_SLACK, ArgumentError, RaggedKV, _head_pos, _ranges
 
 
 def new_layers(cfg, n_heads, dtype, device):
-    """Empty storage for every layer: a ring (WindowKV) in sliding-window layers that are not
-    compressed."""
+    """Empty storage for every layer:
+    a ring (WindowKV) in sliding-window layers that are not compressed."""
     d, compressed = cfg.head_dim, set(cfg.compressed_layers)
     return [WindowKV(n_heads, d, cfg.window(layer), dtype, device)
             if cfg.window(layer) is not None and layer not in compressed
             else RaggedKV(n_heads, d, dtype, device)
             for layer in range(cfg.num_hidden_layers)]
+
+
+class WindowKV(RaggedKV):
+    """A sliding-window layer's keys and values: per head a ring of at most W rows, so that a
+    decode token costs one row write, not a re-layout of the whole window.
+
+    Between forwards each head holds its last min(n, W) tokens: the W-1 the next token attends to
+    and the oldest, whose row that token overwrites. A decode query attends over the ring as it
+    lies: attention over a set of keys does not depend on their order, and every key in the ring is
+    inside the query's window. A prefill chunk (queries that need the causal order) gets a plain
+    RaggedKV layout instead, the window's rows in position order followed by the chunk's, and
+    `wrap()` turns it back into a ring of the last W rows (one copy of W rows per chunk). Until the
+    ring is full it grows like a RaggedKV (slack), so a short context holds only its own tokens.
+    Nothing is evicted from a window layer: keep_rows (and drop_last) raise. pos / score rows are in
+    ring order.
+    """
+
+    def __init__(self, n_heads, head_dim, window, dtype, device):
+        super().__init__(n_heads, head_dim, dtype, device)
+        self.window = window
+        # True between forwards: rows from 0, the oldest token of head h at row first[h]
+        self.ring = False
+        # per head: a batch's sequences wrap at different steps
+        self.first = torch.zeros(n_heads, dtype=torch.long)
+
+    def append(self, k, v, pos, score=None):
+        """k, v (t, H, d); pos (t,) or (H, t). One token into a ring: a row write per head (a ring
+        still filling and out of room first regrows, its order kept); a chunk: RaggedKV.append,
+        then wrap()."""
+        t, H, d = k.shape
+        W = self.window
+        if self.ring and t == 1:
+            full = self.lens == W
+            room = full | (self.lens < self.caps)
+            if not bool(room.all()):  # slack as RaggedKV's, never past W rows
+                need = self.lens + 1
+                grown = torch.clamp(need + torch.clamp(need // 2, min=16, max=MAX_SLACK), max=W)
+                caps = torch.where(room, self.caps, grown)
+                self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
+            # (H,) the row after each head's newest
+            rows = (self.starts + (self.first + self.lens) % W).to(self.device)
+            self.k[rows] = k[0].to(self.dtype)
+            self.v[rows] = v[0].to(self.dtype)
+            self.pos[rows] = _head_pos(pos, H).to(self.device)
+            self.score[rows] = (float("inf") if score is None
+                                else score.to(self.device, torch.float32).reshape(H))
+            # a full ring overwrote its oldest token: the next one is now the oldest;
+            # the others grew by one
+            self.first = torch.where(full, (self.first + 1) % W, self.first)
+            self.lens = self.lens + (~full).long()
+            return
+        if bool(self.first.any()):
+            # the ring went round: the window back in position order, room for the chunk
+            i = _ranges(torch.zeros_like(self.lens), self.lens)  # 0 .. lens[h]-1 for every head h
+            h = torch.repeat_interleave(torch.arange(H), self.lens)
+            self._relayout(self.starts[h] + (self.first[h] + i) % W, self.lens, self.lens + t)
+            self.first = torch.zeros_like(self.first)
+        self.ring = False
+        super().append(k, v, pos, score)
+
+    def reserve(self, n):
+        """RaggedKV.reserve, never past W rows: a full ring overwrites its oldest row in place."""
+        need = torch.clamp(self.lens + n, max=self.window)
+        if bool((need > self.caps).any()):  # a ring not yet full: its rows still from row 0
+            self._relayout(self.rows(), self.lens, torch.maximum(self.caps, need))
+
+    def wrap(self):
+        """After a forward: each head's last min(n, W) rows,
+        in order from row 0, in at most W rows."""
+        if self.ring:
+            return
+        keep, caps = torch.clamp(self.lens, max=self.window), torch.clamp(self.caps, max=self.window)
+        # past the window: copy once
+        if not (torch.equal(keep, self.lens) and torch.equal(caps, self.caps)):
+            self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, caps)
+        self.ring = True
+
+    def keep_rows(self, mask, room=0):
+        raise NotImplementedError("a sliding-window layer keeps its last W tokens; nothing is "
+                                  "evicted from it")
 
 
 class HeldBytes:
@@ -94,8 +175,8 @@ class KVCache(HeldBytes):
 
     def attend(self, layer, q, k, v, hidden, scale, window=None):
         """Store the T new tokens' k/v of `layer`, then attend q over everything the layer keeps.
-        q (T, Hq, d), k/v (T, H, d) post-RoPE; hidden (T, D) is the attention input (unused
-        here)."""
+        q (T, Hq, d), k/v (T, H, d) post-RoPE;
+        hidden (T, D) is the attention input (unused here)."""
         kv = self.layers[layer]
         kv.append(k, v, self.positions(q.shape[0]))
         self._track_peak(kv)
@@ -152,34 +233,6 @@ def is_count(x, low=0):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= low
 
 
-def check_ids(call, ids, vocab_size):
-    """Token ids the embedding holds: integers in [0, vocab_size) (else torch's "index out of
-    range in self" deep in the forward)."""
-    try:
-        t = torch.as_tensor(ids)
-    except (TypeError, ValueError, RuntimeError):  # text, ragged lists, None
-        t = None
-    if t is not None and t.numel() == 0:
-        raise ArgumentError(f"{call}: ids is empty; give the prompt's ids (system prompt ⊕ "
-                            f"context)")
-    if t is None or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
-        raise ArgumentError(f"{call}: ids must be a list of token ids (integers), got "
-                            f"{_show(ids)}")
-    outside = ((t < 0) | (t >= vocab_size)).nonzero()
-    if len(outside):
-        i = int(outside[0])
-        raise ArgumentError(f"{call}: id {int(t[i])} at position {i} is no token of the model "
-                            f"(its ids are 0 to {vocab_size - 1})")
-
-
-def _show(ids):
-    """A few ids of a list, for a message."""
-    ids = ids.tolist() if torch.is_tensor(ids) else ids
-    if not isinstance(ids, (list, tuple)) or len(ids) <= 6:
-        return repr(ids)[:60]
-    return f"[{', '.join(map(repr, ids[:3]))}, ... {ids[-1]!r}]"
-
-
 # -------------------------------------------------------------------------------------------------
 # Budget arithmetic (METHOD.md §6)
 
@@ -214,8 +267,8 @@ class Budget:
 
 
 def plan_prefill(n_context, ratio, chunk_size, window):
-    """The window and per-segment ratio that keep a fraction `ratio` of the context, window
-    included.
+    """The window and per-segment ratio that keep a fraction `ratio` of the context,
+    window included.
 
     METHOD.md §6: contexts shorter than one chunk keep their last 2% instead of the window (the
     authors compare with 16000 = their chunk size; we compare with --chunk-size); if the budget is
@@ -547,8 +600,8 @@ class EvictingCache(KVCache):
 
 
 def held_in(kv, h, start, end):
-    """(rows of head h,) bool: which of the rows kept by head h of a RaggedKV hold positions in
-    [start, end)."""
+    """(rows of head h,) bool:
+    which of the rows kept by head h of a RaggedKV hold positions in [start, end)."""
     pos = kv.head_pos(h)
     return (pos >= start) & (pos < end)
 
@@ -592,144 +645,3 @@ def _refill_empty_layer(scores, keep, li, others):
     keep.view(-1)[weakest] = False
     keep[li].view(-1)[scores[li].flatten().argmax()] = True
     return keep
-
-
-# -------------------------------------------------------------------------------------------------
-# Many sequences at once: a batch is more KV heads (METHOD.md §8)
-
-class Batch(HeldBytes):
-    """B sequences decoding together, one token each per forward.
-
-    Every layer's storage is ONE RaggedKV (a WindowKV ring in sliding layers) holding the KV heads
-    of all members: member b owns heads b*H .. b*H + H-1, each with its own rows, positions and
-    length (the layout of an engine's per-head block table), so one attention call per layer serves
-    the whole batch. Each member is an ordinary cache (KVCache or EvictingCache) that prefilled
-    alone, with its own budget plan: join() moves its rows into the shared storage, leave() moves
-    them back out and frees them there. While it is a member, a cache's layers are HeadSlice views
-    of its own heads, so its decode-time eviction (EvictingCache.after_step) runs unchanged, on its
-    rows only.
-
-    The model calls attend / positions / advance as on a single cache: its T query rows are the B
-    members' newest tokens, in join order.
-    """
-
-    def __init__(self, cfg, dtype=torch.float32, device="cpu"):
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.layers = new_layers(cfg, 0, dtype, self.device)
-        self.members = []
-        self.peak_nbytes = 0
-
-    def _track_peak(self):
-        transient = max(kv.transient for kv in self.layers)
-        self.peak_nbytes = max(self.peak_nbytes, self.nbytes + transient)
-        for kv in self.layers:
-            kv.transient = 0
-
-    def join(self, cache):
-        """Add a cache that has just run a forward alone (its last logits are the member's next
-        sample)."""
-        assert cache.n_seen > 0 and cache not in self.members, "join: a prefilled cache, once"
-        for layer, kv in enumerate(cache.layers):
-            self.layers[layer].extend(kv)
-        self.members.append(cache)
-        cache.layers = [HeadSlice(self, cache, layer) for layer in range(len(self.layers))]
-        self._track_peak()
-
-    def leave(self, cache):
-        """Take a member's rows out of the shared storage, back into a cache of its own."""
-        H = self.cfg.num_key_value_heads
-        h0 = self.members.index(cache) * H
-        cache.layers = [kv.pop_heads(h0, H) for kv in self.layers]
-        self.members.remove(cache)
-
-    def positions(self, T):
-        assert T == len(self.members), \
-            f"a batch forward takes one token per member ({len(self.members)}), got {T}"
-        return torch.tensor([m.n_seen for m in self.members], device=self.device)
-
-    def attend(self, layer, q, k, v, hidden, scale, window=None):
-        """q (B, Hq, d), k/v (B, H, d): one new token per member -> (B, Hq, d), one attention
-        call."""
-        B, Hq, d = q.shape
-        H = k.shape[1]
-        for b, m in enumerate(self.members):
-            if isinstance(m, EvictingCache):
-                assert m.decoding, "a batch only decodes: prefill each member alone first"
-                m.buffer_decoded(layer, hidden[b:b + 1], q[b:b + 1])
-        kv = self.layers[layer]
-        # (B*H, 1): every head of member b at its position
-        pos = self.positions(B).repeat_interleave(H)[:, None]
-        # score +inf, as any decoded token
-        kv.append(k.reshape(1, B * H, d), v.reshape(1, B * H, d), pos)
-        self._track_peak()
-        out = kv.attend(q.reshape(1, B * Hq, d), scale, window)  # query head (b*H + h)*G + g
-        if isinstance(kv, WindowKV):
-            kv.wrap()
-        return out.view(B, Hq, d)
-
-    def advance(self, T):
-        for m in self.members:
-            m.advance(1)
-
-    def after_step(self):
-        """Each member's decode-time eviction (every 128 of its tokens), on its own heads."""
-        for m in self.members:
-            if isinstance(m, EvictingCache):
-                m.after_step()
-        self._track_peak()
-
-
-class HeadSlice:
-    """Member `cache`'s heads of a Batch's layer `layer`, seen as a RaggedKV of H heads: what an
-    EvictingCache reads and changes during decoding (scores, positions, keep_rows) lands on those
-    rows."""
-
-    def __init__(self, batch, cache, layer):
-        self.batch, self.cache, self.layer = batch, cache, layer
-
-    @property
-    def kv(self):
-        return self.batch.layers[self.layer]
-
-    @property
-    def heads(self):
-        H = self.batch.cfg.num_key_value_heads
-        h0 = self.batch.members.index(self.cache) * H
-        return slice(h0, h0 + H)
-
-    n_heads = property(lambda self: self.batch.cfg.num_key_value_heads)
-    head_dim = property(lambda self: self.kv.head_dim)
-    lens = property(lambda self: self.kv.lens[self.heads])
-    starts = property(lambda self: self.kv.starts[self.heads])
-    n_rows = property(lambda self: int(self.lens.sum()))
-    # this member's share of the storage; the shared storage's re-layouts are the batch's to count
-    nbytes = property(lambda self: int(self.kv.caps[self.heads].sum()) * 2 * self.head_dim
-                      * self.kv.k.element_size())
-    kept_nbytes = property(lambda self: self.n_rows * 2 * self.head_dim * self.kv.k.element_size())
-    transient = property(lambda self: 0, lambda self, value: None)
-
-    def head_pos(self, h):
-        return self.kv.head_pos(self.heads.start + h)
-
-    def head_score(self, h):
-        return self.kv.head_score(self.heads.start + h)
-
-    def set_tail_scores(self, score):
-        self.kv.set_tail_scores(score, self.heads.start)
-
-    def head_keys(self, h):
-        return self.kv.head_keys(self.heads.start + h)
-
-    def keep_rows(self, mask, room=0):
-        """mask over this member's used rows, head after head; the other members keep all."""
-        kv = self.kv
-        assert mask.numel() == self.n_rows, "one mask entry per used row of the member's heads"
-        everything = torch.ones(kv.n_rows, dtype=torch.bool, device=mask.device)
-        first = int(kv.lens[:self.heads.start].sum())  # the member's rows follow the heads before
-        everything[first:first + mask.numel()] = mask
-        kv.keep_rows(everything, room)
-
-    def reserve(self, n):
-        need = torch.zeros(self.kv.n_heads, dtype=torch.long)
-        need[self.heads] = n
-        self.kv.reserve(need)

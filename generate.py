@@ -5,7 +5,7 @@ The context is prefilled in chunks; after every chunk the tokens that left the l
 scored and the least important KV pairs are evicted (METHOD.md §6). Questions are then answered one
 by one from the same compressed cache, each rolled back afterwards (METHOD.md §11's query-agnostic
 setting). Many requests decode together: each is prefilled alone, then their rows join one ragged
-cache (cache.Batch), one forward of one token each per step.
+cache (a batch: serving/batch.py), one forward of one token each per step.
 
 Read first: prefill, then answer (one question), then decode (many requests). `python generate.py
 ...` keeps its command line (flags, requests, batch files, saved caches, printing, the time each
@@ -18,10 +18,11 @@ from itertools import islice
 import torch
 
 import gate
-from cache import Batch, Budget, EvictingCache, KVCache, check_ids, is_count
+from cache import Budget, EvictingCache, KVCache, is_count
 from gate import METHODS
 from kernels import ArgumentError
 from model import NonFiniteLogits
+from prompts import check_ids
 
 # -------------------------------------------------------------------------------------------------
 # sampling (small pure functions, as gpt-fast)
@@ -121,7 +122,8 @@ def decode_one(model, cache, token):
 
 
 def decode_batch(model, batch, tokens):
-    """One forward, a token for each member of a cache.Batch in join order -> logits (B, vocab)."""
+    """One forward, a token for each member of a batch (serving.batch.Batch) in join order
+    -> logits (B, vocab)."""
     logits = model(torch.tensor(tokens, device=batch.device), batch)
     batch.after_step()  # every member's decode-time eviction, on its own rows
     return logits
@@ -267,7 +269,7 @@ def stop_rule(stop_ids=(), answer_stop_ids=None, ends_line=None):
 
 
 def decode_step(model, batch, active):
-    """One forward of every answering request's last token (the rows of a cache.Batch, or a lone
+    """One forward of every answering request's last token (the rows of a batch, or a lone
     request's own cache): each request's logits are then its next token's."""
     tokens = [r.out[-1] for r in active]
     if batch is None:
@@ -301,18 +303,21 @@ def between_answers(model, r):
 
 @torch.no_grad()
 def decode(model, requests, batch_size=1, stop_ids=(), answer_stop_ids=None, temperature=0.0,
-           top_p=1.0, ends_line=None):
+           top_p=1.0, ends_line=None, batch=None):
     """The decode loop, for one request or many: each Request's questions are answered in turn from
     its cache, each rolled back afterwards (METHOD.md §11); at most batch_size requests (taken from
-    the iterator `requests` as slots free) answer at once, their rows in one cache.Batch, one
-    forward of one token each per step (batch_size 1: on the request's own cache). A request whose
-    answer ends leaves the batch, starts its next question alone and rejoins. Greedy answers are
-    the ones each request gets alone (tests/test_batch.py). Stops: stop_rule's. Yields (event,
-    request): "question" (request.question_index starts; its max_new_tokens may still change),
-    "token" (request.out[-1]; lowering max_new_tokens to len(out) ends the answer there),
-    "answer" (request.answers[-1], before the rollback), "done" (its cache still readable)."""
-    emb = model.model.embed_tokens.weight
-    batch = Batch(model.config, emb.dtype, emb.device) if batch_size > 1 else None
+    the iterator `requests` as slots free) answer at once, their rows in one `batch`, an empty
+    serving.batch.Batch (serving.scheduler.decode makes it), one forward of one token each per step
+    (batch_size 1: on the request's own cache, no batch). A request whose answer ends leaves the
+    batch, starts its next question alone and rejoins. Greedy answers are the ones each request gets
+    alone (tests/test_batch.py). Stops: stop_rule's. Yields (event, request): "question"
+    (request.question_index starts; its max_new_tokens may still change), "token" (request.out[-1];
+    lowering max_new_tokens to len(out) ends the answer there), "answer" (request.answers[-1],
+    before the rollback), "done" (its cache still readable)."""
+    if batch_size > 1 and batch is None:
+        raise ArgumentError("decode: batch_size > 1 decodes in a batch: give batch=serving.batch."
+                            "Batch(...), or call serving.scheduler.decode, which makes it")
+    batch = batch if batch_size > 1 else None
     stops = stop_rule(stop_ids, answer_stop_ids, ends_line)
     # between: requests not answering, just admitted or whose answer just ended
     requests, active, between = iter(requests), [], []
@@ -434,7 +439,7 @@ def main(argv=None):
             requests = [next(requests)]
             command.save(args, job, requests[0])
         events = decode(model, requests, job.batch_size, job.stop_ids, job.stop_ids,
-                        args.temperature, args.top_p, job.ends_line)
+                        args.temperature, args.top_p, job.ends_line, job.batch)
         command.show(args, job, events)
 
     return command.main(argv, run)

@@ -16,9 +16,9 @@ This file holds, top to bottom:
                        a KV head packed into the rows of one tile (each key block is read once for
                        all of them), keys split across programs for decode (flash-decoding).
   RaggedKV             one layer's storage: per-head regions with slack; append, keep_rows and
-                       attend (one new token on the torch path: per head softmax(q k^T) v, no
-                       masks).
-  WindowKV             a sliding-window layer's storage: a ring of <= W rows per head (O(1)).
+                       attend (one new token on the torch path: per head softmax(q k^T) v,
+                       no masks). A sliding window's ring of <= W rows per head is a RaggedKV
+                       too: cache.WindowKV.
 The micro-benchmarks are harness/kernel_bench.py (python -m harness.kernel_bench).
 
 The varlen contract (flash_attn_varlen_func convention, plus FlashAttention-3's seqused_k):
@@ -41,7 +41,6 @@ causal=True, window_size=(W - 1, 0)); window=None is window_size=(-1, -1). sequs
 FlashAttention-3; with flash-attn 2 pass a RaggedKV right after keep_rows() (no slack: cu_seqlens_k
 exact).
 """
-import copy
 import functools
 import os
 
@@ -93,8 +92,8 @@ def _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block):
 
 
 def _visible(r0, r1, j0, j1, M, N, causal, window, device):
-    """(r1 - r0, j1 - j0) bool: query row i may see key j, by the contract (bottom-right
-    alignment)."""
+    """(r1 - r0, j1 - j0) bool: query row i may see key j, by the contract
+    (bottom-right alignment)."""
     i = torch.arange(r0, r1, device=device)[:, None]
     j = torch.arange(j0, j1, device=device)[None, :]
     diag = i + (N - M)  # the last query row sees the last key
@@ -203,8 +202,8 @@ BACKENDS = ("torch", "reference", "triton")
 
 
 def resolve_backend(q, backend=None):
-    """backend, else env FASTKVZIP_ATTN_BACKEND, else "triton" for CUDA tensors and "torch"
-    otherwise."""
+    """backend, else env FASTKVZIP_ATTN_BACKEND,
+    else "triton" for CUDA tensors and "torch" otherwise."""
     backend = (backend or os.environ.get("FASTKVZIP_ATTN_BACKEND")
                or ("triton" if q.is_cuda else "torch"))
     if backend not in BACKENDS:
@@ -447,15 +446,15 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 # RaggedKV: one layer's kept keys/values, one region per KV head (METHOD.md §8).
 
 def _head_pos(pos, H):
-    """Positions (t,) shared by H heads, or (H, t) per head -> the (H*t,) row order of an
-    append."""
+    """Positions (t,) shared by H heads, or (H, t) per head
+    -> the (H*t,) row order of an append."""
     pos = pos.to(torch.long)
     return pos.repeat(H) if pos.dim() == 1 else pos.reshape(-1)
 
 
 def _ranges(starts, lens):
-    """Concatenation of arange(s, s + n) for each (s, n): the flat row indices of every head's
-    rows."""
+    """Concatenation of arange(s, s + n) for each (s, n):
+    the flat row indices of every head's rows."""
     total = int(lens.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=starts.device)
@@ -522,8 +521,8 @@ class RaggedKV:
         return _ranges(self.starts, self.lens).to(self.device)
 
     def _relayout(self, src_rows, new_lens, new_caps):
-        """Move the rows src_rows (flat indices, head-major) into fresh regions of sizes
-        new_caps."""
+        """Move the rows src_rows (flat indices, head-major)
+        into fresh regions of sizes new_caps."""
         new_starts = torch.cumsum(new_caps, 0) - new_caps
         src_rows = src_rows.to(self.device)
         old = (self.k, self.v, self.pos, self.score)
@@ -572,43 +571,6 @@ class RaggedKV:
                             else score.to(self.device, torch.float32).reshape(H * t))
         self.lens = need
 
-    # -- a batch of sequences is more heads: sequence b of a batch owns heads b*H .. b*H + H-1 --
-    # The regions lie packed in head order (starts = cumsum(caps) - caps), so a run of heads is a
-    # run of rows: joining is a concatenation, leaving a cut, and every region keeps its rows and
-    # slack.
-    def extend(self, other):
-        """Append other's heads after this layer's own (a sequence joins a batch): one copy of the
-        rows."""
-        assert (other.head_dim, other.dtype, type(other)) == (self.head_dim, self.dtype,
-                                                              type(self)), "unlike layers"
-        # the old storage is alive until the copy ends
-        self.transient = max(self.transient, self.nbytes)
-        self.k, self.v, self.pos, self.score = (torch.cat([a, b]) for a, b in zip(
-            (self.k, self.v, self.pos, self.score), (other.k, other.v, other.pos, other.score)))
-        self.starts = torch.cat([self.starts, other.starts + int(self.caps.sum())])
-        self.lens, self.caps = torch.cat([self.lens, other.lens]), torch.cat([self.caps, other.caps])
-        self.n_heads += other.n_heads
-
-    def pop_heads(self, h0, n):
-        """Remove heads h0 .. h0+n-1 (a sequence leaves a batch) and return them as a layer of
-        their own, holding its rows and no slack (its answer is over); the shared storage shrinks
-        to what the others hold."""
-        r0, r1 = int(self.caps[:h0].sum()), int(self.caps[:h0 + n].sum())  # their rows
-        out = copy.copy(self)  # same class and settings (a WindowKV's window and ring state)
-        tensors = (self.k, self.v, self.pos, self.score)
-        lens = self.lens[h0:h0 + n].clone()
-        rows = _ranges(self.starts[h0:h0 + n], lens).to(self.device)  # in order: a ring stays one
-        out.k, out.v, out.pos, out.score = (x[rows] for x in tensors)
-        out.lens, out.caps, out.starts = lens, lens.clone(), torch.cumsum(lens, 0) - lens
-        out.n_heads, out.transient = n, 0
-        self.transient = max(self.transient, self.nbytes)
-        self.k, self.v, self.pos, self.score = (torch.cat([x[:r0], x[r1:]]) for x in tensors)
-        keep = torch.cat([torch.arange(h0), torch.arange(h0 + n, self.n_heads)])
-        self.lens, self.caps = self.lens[keep], self.caps[keep]
-        self.starts = torch.cumsum(self.caps, 0) - self.caps
-        self.n_heads -= n
-        return out
-
     def keys_values(self):
         """-> k (cap_total, 1, d), v, cu_seqlens_k int32 (H+1,), seqused_k int32 (H,), max_len."""
         cu = torch.cat([self.starts, self.caps.sum().view(1)]).to(self.device, torch.int32)
@@ -624,8 +586,8 @@ class RaggedKV:
         G = n_q_heads // H
         if t == 1 and resolve_backend(q, backend) == "torch":
             return self._attend_one(q, scale, window)
-        # METHOD.md §8: each KV head is one sequence of t query rows whose G query heads are MQA
-        # heads
+        # METHOD.md §8: each KV head is one sequence of t query rows,
+        # whose G query heads are the heads of an MQA call
         qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)      # (H*t, G, d)
         k, v, cu_k, used, max_len = self.keys_values()
         cu_q = torch.arange(H + 1, dtype=torch.int32, device=q.device) * t
@@ -657,8 +619,8 @@ class RaggedKV:
             ks, vs = [x[-window:] for x in ks], [x[-window:] for x in vs]
         if self.dtype != torch.float32:
             ks, vs = [x.float() for x in ks], [x.float() for x in vs]
-        # a head with no rows: softmax of (G, 0) scores @ (0, d) values = zeros, as the contract
-        # says
+        # a head with no rows: softmax of (G, 0) scores @ (0, d) values = zeros,
+        # as the contract says
         out = torch.stack([torch.softmax(qh[h] @ ks[h].T, dim=-1) @ vs[h]
                            for h in range(H)])                      # (H, G, d)
         return out.view(1, H * qh.shape[1], d).to(q.dtype)
@@ -698,100 +660,9 @@ class RaggedKV:
 
     def set_tail_scores(self, score, h0=0):
         """score (H', t): overwrite the scores of the last t rows of heads h0 .. h0 + H' - 1 (all
-        heads by default; a batch member's own heads: HeadSlice)."""
+        heads by default; a batch member's own heads: serving.batch.HeadSlice)."""
         H, t = score.shape
         ends = (self.starts + self.lens)[h0:h0 + H]
         rows = (ends - t)[:, None] + torch.arange(t)  # (H', t)
         rows = rows.reshape(-1).to(self.device)
         self.score[rows] = score.to(self.device, torch.float32).reshape(-1)
-
-
-class WindowKV(RaggedKV):
-    """A sliding-window layer's keys and values: per head a ring of at most W rows, so that a
-    decode token costs one row write, not a re-layout of the whole window.
-
-    Between forwards each head holds its last min(n, W) tokens: the W-1 the next token attends to
-    and the oldest, whose row that token overwrites. A decode query attends over the ring as it
-    lies: attention over a set of keys does not depend on their order, and every key in the ring is
-    inside the query's window. A prefill chunk (queries that need the causal order) gets a plain
-    RaggedKV layout instead, the window's rows in position order followed by the chunk's, and
-    `wrap()` turns it back into a ring of the last W rows (one copy of W rows per chunk). Until the
-    ring is full it grows like a RaggedKV (slack), so a short context holds only its own tokens.
-    Nothing is evicted from a window layer: keep_rows (and drop_last) raise. pos / score rows are in
-    ring order.
-    """
-
-    def __init__(self, n_heads, head_dim, window, dtype, device):
-        super().__init__(n_heads, head_dim, dtype, device)
-        self.window = window
-        # True between forwards: rows from 0, the oldest token of head h at row first[h]
-        self.ring = False
-        # per head: a batch's sequences wrap at different steps
-        self.first = torch.zeros(n_heads, dtype=torch.long)
-
-    def append(self, k, v, pos, score=None):
-        """k, v (t, H, d); pos (t,) or (H, t). One token into a ring: a row write per head (a ring
-        still filling and out of room first regrows, its order kept); a chunk: RaggedKV.append,
-        then wrap()."""
-        t, H, d = k.shape
-        W = self.window
-        if self.ring and t == 1:
-            full = self.lens == W
-            room = full | (self.lens < self.caps)
-            if not bool(room.all()):  # slack as RaggedKV's, never past W rows
-                need = self.lens + 1
-                grown = torch.clamp(need + torch.clamp(need // 2, min=16, max=MAX_SLACK), max=W)
-                caps = torch.where(room, self.caps, grown)
-                self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
-            # (H,) the row after each head's newest
-            rows = (self.starts + (self.first + self.lens) % W).to(self.device)
-            self.k[rows] = k[0].to(self.dtype)
-            self.v[rows] = v[0].to(self.dtype)
-            self.pos[rows] = _head_pos(pos, H).to(self.device)
-            self.score[rows] = (float("inf") if score is None
-                                else score.to(self.device, torch.float32).reshape(H))
-            # a full ring overwrote its oldest token: the next one is now the oldest; others grew
-            # by one
-            self.first = torch.where(full, (self.first + 1) % W, self.first)
-            self.lens = self.lens + (~full).long()
-            return
-        if bool(self.first.any()):
-            # the ring went round: the window back in position order, room for the chunk
-            i = _ranges(torch.zeros_like(self.lens), self.lens)  # 0 .. lens[h]-1 for every head h
-            h = torch.repeat_interleave(torch.arange(H), self.lens)
-            self._relayout(self.starts[h] + (self.first[h] + i) % W, self.lens, self.lens + t)
-            self.first = torch.zeros_like(self.first)
-        self.ring = False
-        super().append(k, v, pos, score)
-
-    def extend(self, other):
-        ring = other.ring and (self.ring or self.n_heads == 0)
-        super().extend(other)
-        self.first, self.ring = torch.cat([self.first, other.first]), ring
-
-    def pop_heads(self, h0, n):
-        first = self.first
-        out = super().pop_heads(h0, n)
-        out.first, self.first = first[h0:h0 + n].clone(), torch.cat([first[:h0], first[h0 + n:]])
-        return out
-
-    def reserve(self, n):
-        """RaggedKV.reserve, never past W rows: a full ring overwrites its oldest row in place."""
-        need = torch.clamp(self.lens + n, max=self.window)
-        if bool((need > self.caps).any()):  # a ring not yet full: its rows still from row 0
-            self._relayout(self.rows(), self.lens, torch.maximum(self.caps, need))
-
-    def wrap(self):
-        """After a forward: each head's last min(n, W) rows, in order from row 0, in at most W
-        rows."""
-        if self.ring:
-            return
-        keep, caps = torch.clamp(self.lens, max=self.window), torch.clamp(self.caps, max=self.window)
-        # past the window: copy once
-        if not (torch.equal(keep, self.lens) and torch.equal(caps, self.caps)):
-            self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, caps)
-        self.ring = True
-
-    def keep_rows(self, mask, room=0):
-        raise NotImplementedError("a sliding-window layer keeps its last W tokens; nothing is "
-                                  "evicted from it")

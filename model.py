@@ -3,8 +3,8 @@ Face checkpoints.
 
 No transformers at run time: module names equal the checkpoint's tensor names, so weights load with
 safetensors + `load_state_dict(assign=True)` onto a model built on the meta device. Tokens are flat,
-(T,): one sequence's T tokens, or one token of each of the T sequences of a `cache.Batch` (batched
-decoding). Every attention layer goes through ONE call,
+(T,): one sequence's T tokens, or one token of each of the T sequences of a batch (batched decoding:
+serving/batch.py). Every attention layer goes through ONE call,
 `cache.attend(layer, q, k, v, hidden, scale, window)` (cache.py): the cache decides what is kept and
 scores it; the model never knows.
 
@@ -51,10 +51,242 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from torch import nn
 
+# -------------------------------------------------------------------------------------------- norms
+
+class RMSNorm(nn.Module):
+    """Qwen3: w * norm(x).to(dtype).
+    Gemma3 (unit_offset): (norm(x) * (1 + w)) in fp32, then cast."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # Gemma: the multiply happens in fp32 too
+            return (h * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * h.to(x.dtype)  # Qwen: cast first, then the (possibly bf16) weight
+
+
+# --------------------------------------------------------------------------------------------- rope
+
+def rope_inv_freq(p: dict, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (head_dim/2,) and the cos/sin attention factor for one RoPE dict.
+    Mirrors transformers' default / linear / llama3 / yarn initialisers value for value."""
+    base, dim = p["rope_theta"], head_dim
+    # explicit device: the model may be built under torch.device("meta"), these must be real numbers
+    exps = torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim  # (dim/2,)
+    if p["rope_type"] == "default":
+        return 1.0 / (base ** exps), 1.0
+    if p["rope_type"] == "linear":  # position interpolation: positions / factor
+        return 1.0 / (base ** exps) / p["factor"], 1.0
+    if p["rope_type"] == "llama3":
+        # Llama 3.1: wavelengths beyond orig/low_freq_factor are interpolated, those below
+        # orig/high_freq_factor kept, a linear blend in between
+        inv_freq = 1.0 / (base ** exps)
+        orig, factor, low, high = (p[k] for k in ("original_max_position_embeddings", "factor",
+                                                  "low_freq_factor", "high_freq_factor"))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((orig / wavelen - low) / (high - low)).clamp(0, 1)  # 0 = interpolate, 1 = keep
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
+    # yarn (arXiv 2309.00071): interpolate low frequencies, keep high ones, blend on a linear ramp
+    assert p["rope_type"] == "yarn", f"unsupported rope_type {p['rope_type']!r}"
+    orig, factor = p["original_max_position_embeddings"], p["factor"]  # factor: context extension
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:  # scales cos and sin, i.e. the logits by its square
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = (mscale(factor, m) / mscale(factor, m_all) if m and m_all
+                            else mscale(factor))
+
+    def correction_dim(n_rotations: float) -> float:  # the dim that turns n times over orig tokens
+        return dim * math.log(orig / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # avoid a zero-width ramp
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    ramp = ramp.clamp(0, 1)
+    pos_freqs = base ** exps
+    keep = 1 - ramp  # 1 = extrapolate (high frequency, unchanged), 0 = interpolate (/ factor)
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    return inv_freq, float(attention_factor)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for one layer type, computed per call from absolute positions."""
+
+    def __init__(self, p: dict, head_dim: int):
+        super().__init__()
+        inv_freq, self.attention_factor = rope_inv_freq(p, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # not a checkpoint tensor
+
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # (T, d/2), fp32 like transformers
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d): rotate_half layout, halves share one
+        cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, d); cos, sin (T, d)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------- attention
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        d, bias = cfg.head_dim, cfg.qkv_bias
+        self.layer, self.head_dim = layer, d
+        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.scale, self.window = cfg.attn_scale, cfg.window(layer)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache) -> torch.Tensor:
+        """h (T, D): the attention input (after input_layernorm), also handed to the cache (the
+        gate's input)."""
+        T = h.shape[0]
+        q = self.q_proj(h).view(T, self.n_heads, self.head_dim)  # (T, Hq, d)
+        k = self.k_proj(h).view(T, self.n_kv_heads, self.head_dim)  # (T, Hkv, d)
+        v = self.v_proj(h).view(T, self.n_kv_heads, self.head_dim)  # (T, Hkv, d)
+        if self.qk_norm:  # Qwen3, Gemma3: QK-norm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = cache.attend(self.layer, q, k, v, h, self.scale, self.window)  # (T, Hq, d)
+        return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))  # (T, D)
+
+
+# ---------------------------------------------------------------------------------------------- mlp
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x));
+    act = SiLU (Qwen3, Llama, Qwen2) or tanh-GELU (Gemma3)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.hidden_act in ACTIVATIONS, f"unsupported activation {cfg.hidden_act!r}"
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)  # (T, I)
+        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return self.down_proj(g * self.up_proj(x))  # (T, D)
+
+
+# -------------------------------------------------------------------------------------------- block
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        gemma, eps, D = cfg.arch == "gemma3", cfg.rms_norm_eps, cfg.hidden_size
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(D, eps, gemma)
+        # Qwen3: the pre-MLP norm, despite its name
+        self.post_attention_layernorm = RMSNorm(D, eps, gemma)
+        # Gemma3 also normalises each sub-layer's OUTPUT before the residual add
+        self.sandwich = gemma
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(D, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(D, eps, gemma)
+
+    def forward(self, x: torch.Tensor, rope, cache) -> torch.Tensor:
+        if self.sandwich:
+            h = self.self_attn(self.input_layernorm(x), rope, cache)
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# -------------------------------------------------------------------------------------------- model
+
+class Decoder(nn.Module):
+    """The checkpoint's `model.*`: embeddings, blocks, final norm
+    (and the RoPE tables, not stored)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
+        self.rotary = nn.ModuleDict({t: Rotary(cfg.rope[t], cfg.head_dim)
+                                     for t in sorted(set(cfg.layer_types))})
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:  # lm_head reads the (unscaled) embedding matrix
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, cache=None,
+                num_logits: int | None = None) -> torch.Tensor:
+        """input_ids (T,) -> logits (T, vocab) float32, or (num_logits, vocab) for the last
+        positions. Positions come from the cache: one sequence's next T (cache.n_seen on), or, for a
+        batch (serving/batch.py), each member's next position (one token per member); cache None = a
+        temporary full KVCache."""
+        assert input_ids.dim() == 1, \
+            f"flat tokens only: pass input_ids of shape (T,), got {tuple(input_ids.shape)}"
+        cfg, emb = self.config, self.model.embed_tokens.weight
+        if cache is None:
+            from cache import KVCache  # lazy: only a forward without a cache needs one
+            cache = KVCache(cfg, emb.dtype, emb.device)
+        T = input_ids.shape[0]
+        pos = cache.positions(T)  # (T,) absolute positions
+        x = self.model.embed_tokens(input_ids)  # (T, D)
+        if cfg.arch == "gemma3":  # sqrt(D) rounded to the weight dtype first (bf16: 34, not 33.94)
+            x = x * torch.tensor(cfg.hidden_size ** 0.5).to(emb.dtype)
+        # layer type -> (cos, sin), each (T, d)
+        rope = {t: r(pos, x.dtype) for t, r in self.model.rotary.items()}
+        for layer, block in enumerate(self.model.layers):
+            x = block(x, rope[cfg.layer_types[layer]], cache)  # (T, D)
+        cache.advance(T)
+        if num_logits is not None:  # a 16K-token prefill must not build (16K, vocab) logits
+            x = x[T - num_logits:]  # (n, D); n = 0 gives no logits at all
+        logits = self.lm_head(self.model.norm(x))  # (n, V)
+        if cfg.final_logit_softcapping:
+            c = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        return logits.float()
+
+
+# ------------------------------------------------------------------------------------------- config
 
 class ModelError(Exception):
-    """Bad model input (folder, config, weights, tokenizer); the message is one line that says how
-    to fix it."""
+    """Bad model input (folder, config, weights, tokenizer);
+    the message is one line that says how to fix it."""
 
 
 class NonFiniteLogits(ModelError):
@@ -65,8 +297,6 @@ class NonFiniteLogits(ModelError):
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-
-# ------------------------------------------------------------------------------------------- config
 
 # transformers' defaults for keys a config.json may omit (Qwen3Config / Gemma3TextConfig, 5.24).
 # Published Gemma3 multimodal configs rely on them: their text_config lists only a few sizes.
@@ -100,8 +330,8 @@ _ARCHS = {"qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3", "llama"
 _END_OF_TURN = {"qwen3": 151645, "qwen2": 151645, "gemma3": 106}
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-# the chat layout a tokenizer's own template writes, by its turn marker, and each family's when it
-# has none
+# the chat layout a tokenizer's own template writes, by its turn marker,
+# and each family's when it has none
 _CHAT_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"),
                  ("<start_of_turn>", "gemma"))
 _FAMILY_CHAT = {"qwen3": "chatml", "qwen2": "chatml", "llama": "llama3", "gemma3": "gemma"}
@@ -145,8 +375,8 @@ class ModelConfig:
 
     @property
     def compressed_layers(self) -> list[int]:
-        """Layers whose KV is scored and evicted: every layer; Gemma3's global layers only
-        (METHOD.md §9)."""
+        """Layers whose KV is scored and evicted:
+        every layer; Gemma3's global layers only (METHOD.md §9)."""
         if self.arch == "gemma3":
             return [layer for layer, t in enumerate(self.layer_types) if t == "full_attention"]
         return list(range(self.num_hidden_layers))
@@ -284,237 +514,6 @@ def rope_parameters(arch: str, d: dict) -> dict[str, dict]:
             "sliding_attention": clean(None, d["rope_local_base_freq"])}
 
 
-# -------------------------------------------------------------------------------------------- norms
-
-class RMSNorm(nn.Module):
-    """Qwen3: w * norm(x).to(dtype). Gemma3 (unit_offset): (norm(x) * (1 + w)) in fp32, then
-    cast."""
-
-    def __init__(self, dim: int, eps: float, unit_offset: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
-        self.eps, self.unit_offset = eps, unit_offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:  # Gemma: the multiply happens in fp32 too
-            return (h * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * h.to(x.dtype)  # Qwen: cast first, then the (possibly bf16) weight
-
-
-# --------------------------------------------------------------------------------------------- rope
-
-def rope_inv_freq(p: dict, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (head_dim/2,) and the cos/sin attention factor for one RoPE dict.
-    Mirrors transformers' default / linear / llama3 / yarn initialisers value for value."""
-    base, dim = p["rope_theta"], head_dim
-    # explicit device: the model may be built under torch.device("meta"), these must be real numbers
-    exps = torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim  # (dim/2,)
-    if p["rope_type"] == "default":
-        return 1.0 / (base ** exps), 1.0
-    if p["rope_type"] == "linear":  # position interpolation: positions / factor
-        return 1.0 / (base ** exps) / p["factor"], 1.0
-    if p["rope_type"] == "llama3":
-        # Llama 3.1: wavelengths beyond orig/low_freq_factor are interpolated, those below
-        # orig/high_freq_factor kept, a linear blend in between
-        inv_freq = 1.0 / (base ** exps)
-        orig, factor, low, high = (p[k] for k in ("original_max_position_embeddings", "factor",
-                                                  "low_freq_factor", "high_freq_factor"))
-        wavelen = 2 * math.pi / inv_freq
-        smooth = ((orig / wavelen - low) / (high - low)).clamp(0, 1)  # 0 = interpolate, 1 = keep
-        return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
-    # yarn (arXiv 2309.00071): interpolate low frequencies, keep high ones, blend on a linear ramp
-    assert p["rope_type"] == "yarn", f"unsupported rope_type {p['rope_type']!r}"
-    orig, factor = p["original_max_position_embeddings"], p["factor"]  # factor: context extension
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = p.get("attention_factor")
-    if attention_factor is None:  # scales cos and sin, i.e. the logits by its square
-        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention_factor = (mscale(factor, m) / mscale(factor, m_all) if m and m_all
-                            else mscale(factor))
-
-    def correction_dim(n_rotations: float) -> float:  # the dim that turns n times over orig tokens
-        return dim * math.log(orig / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
-    if p.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    high = high + 0.001 if low == high else high  # avoid a zero-width ramp
-    ramp = (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
-    ramp = ramp.clamp(0, 1)
-    pos_freqs = base ** exps
-    keep = 1 - ramp  # 1 = extrapolate (high frequency, unchanged), 0 = interpolate (/ factor)
-    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
-    return inv_freq, float(attention_factor)
-
-
-class Rotary(nn.Module):
-    """cos/sin tables for one layer type, computed per call from absolute positions."""
-
-    def __init__(self, p: dict, head_dim: int):
-        super().__init__()
-        inv_freq, self.attention_factor = rope_inv_freq(p, head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # not a checkpoint tensor
-
-    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # (T, d/2), fp32 like transformers
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d): rotate_half layout, halves share one
-        cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
-        return cos.to(dtype), sin.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, H, d); cos, sin (T, d)."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
-
-
-# ---------------------------------------------------------------------------------------- attention
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        d, bias = cfg.head_dim, cfg.qkv_bias
-        self.layer, self.head_dim = layer, d
-        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.scale, self.window = cfg.attn_scale, cfg.window(layer)
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
-
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache) -> torch.Tensor:
-        """h (T, D): the attention input (after input_layernorm), also handed to the cache (the
-        gate's input)."""
-        T = h.shape[0]
-        q = self.q_proj(h).view(T, self.n_heads, self.head_dim)  # (T, Hq, d)
-        k = self.k_proj(h).view(T, self.n_kv_heads, self.head_dim)  # (T, Hkv, d)
-        v = self.v_proj(h).view(T, self.n_kv_heads, self.head_dim)  # (T, Hkv, d)
-        if self.qk_norm:  # Qwen3, Gemma3: QK-norm before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = cache.attend(self.layer, q, k, v, h, self.scale, self.window)  # (T, Hq, d)
-        return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))  # (T, D)
-
-
-# ---------------------------------------------------------------------------------------------- mlp
-
-class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); act = SiLU (Qwen3, Llama, Qwen2) or tanh-GELU
-    (Gemma3)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        assert cfg.hidden_act in ACTIVATIONS, f"unsupported activation {cfg.hidden_act!r}"
-        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate_proj(x)  # (T, I)
-        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return self.down_proj(g * self.up_proj(x))  # (T, D)
-
-
-# -------------------------------------------------------------------------------------------- block
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        gemma, eps, D = cfg.arch == "gemma3", cfg.rms_norm_eps, cfg.hidden_size
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(D, eps, gemma)
-        # Qwen3: the pre-MLP norm, despite its name
-        self.post_attention_layernorm = RMSNorm(D, eps, gemma)
-        # Gemma3 also normalises each sub-layer's OUTPUT before the residual add
-        self.sandwich = gemma
-        if gemma:
-            self.pre_feedforward_layernorm = RMSNorm(D, eps, gemma)
-            self.post_feedforward_layernorm = RMSNorm(D, eps, gemma)
-
-    def forward(self, x: torch.Tensor, rope, cache) -> torch.Tensor:
-        if self.sandwich:
-            h = self.self_attn(self.input_layernorm(x), rope, cache)
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-# -------------------------------------------------------------------------------------------- model
-
-class Decoder(nn.Module):
-    """The checkpoint's `model.*`: embeddings, blocks, final norm (and the RoPE tables, not
-    stored)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.arch == "gemma3")
-        self.rotary = nn.ModuleDict({t: Rotary(cfg.rope[t], cfg.head_dim)
-                                     for t in sorted(set(cfg.layer_types))})
-
-
-class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self):
-        if self.config.tie_word_embeddings:  # lm_head reads the (unscaled) embedding matrix
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, cache=None,
-                num_logits: int | None = None) -> torch.Tensor:
-        """input_ids (T,) -> logits (T, vocab) float32, or (num_logits, vocab) for the last
-        positions. Positions come from the cache: one sequence's next T (cache.n_seen on), or, for a
-        cache.Batch, each member's next position (one token per member); cache None = a temporary
-        full KVCache."""
-        assert input_ids.dim() == 1, \
-            f"flat tokens only: pass input_ids of shape (T,), got {tuple(input_ids.shape)}"
-        cfg, emb = self.config, self.model.embed_tokens.weight
-        if cache is None:
-            from cache import KVCache  # lazy: only a forward without a cache needs one
-            cache = KVCache(cfg, emb.dtype, emb.device)
-        T = input_ids.shape[0]
-        pos = cache.positions(T)  # (T,) absolute positions
-        x = self.model.embed_tokens(input_ids)  # (T, D)
-        if cfg.arch == "gemma3":  # sqrt(D) rounded to the weight dtype first (bf16: 34, not 33.94)
-            x = x * torch.tensor(cfg.hidden_size ** 0.5).to(emb.dtype)
-        # layer type -> (cos, sin), each (T, d)
-        rope = {t: r(pos, x.dtype) for t, r in self.model.rotary.items()}
-        for layer, block in enumerate(self.model.layers):
-            x = block(x, rope[cfg.layer_types[layer]], cache)  # (T, D)
-        cache.advance(T)
-        if num_logits is not None:  # a 16K-token prefill must not build (16K, vocab) logits
-            x = x[T - num_logits:]  # (n, D); n = 0 gives no logits at all
-        logits = self.lm_head(self.model.norm(x))  # (n, V)
-        if cfg.final_logit_softcapping:
-            c = cfg.final_logit_softcapping
-            logits = torch.tanh(logits / c) * c
-        return logits.float()
-
-
 # ------------------------------------------------------------------------------------------ loading
 
 # where the text decoder's tensors live in Gemma3 multimodal checkpoints -> our names
@@ -546,8 +545,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """A --dtype flag -> torch dtype; None: bf16 on GPU, fp32 on CPU (whose bf16 matmuls are
-    emulated)."""
+    """A --dtype flag -> torch dtype;
+    None: bf16 on GPU, fp32 on CPU (whose bf16 matmuls are emulated)."""
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
@@ -615,6 +614,6 @@ def model_identity(folder: str | Path) -> dict[str, str | None]:
 # (prompts.encode_prompt). formats/checkpoint.py refuses another model's tokenizer.
 
 def load_tokenizer(folder: str | Path) -> Tokenizer:
-    """tokenizers.Tokenizer from the folder's tokenizer.json; encode with prompts.encode_text /
-    encode_prompt."""
+    """tokenizers.Tokenizer from the folder's tokenizer.json;
+    encode with prompts.encode_text / encode_prompt."""
     return Tokenizer.from_file(str(Path(folder).expanduser() / "tokenizer.json"))

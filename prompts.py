@@ -7,11 +7,15 @@ Janghyun1230/FastKVzip:prefill/model/template.py, or the bare BOS for a base mod
 User text is data: a context, a question, a --batch request or a training document is encoded with
 the tokenizer's special tokens unparsed (encode_text), so its text "<|im_end|>" stays characters;
 only a template's own control tokens become control ids (encode_prompt). question_ids writes the
-turn that follows a compressed context; one_line ends a base model's one-line answer.
+turn that follows a compressed context; one_line ends a base model's one-line answer. check_ids
+refuses ids that are no token of the model (generate.prefill and answer call it).
 """
 import re
 from dataclasses import dataclass
 
+import torch
+
+from kernels import ArgumentError
 from model import ModelConfig, ModelError
 
 
@@ -127,8 +131,8 @@ def question_ids(tok, fmt: PromptFormat, question: str, cue: str = "") -> list[i
 
 
 def line_break_ids(tok):
-    """The ids of "\n" and "\n\n", each where it is one token: where a base model's one-line
-    answer ends."""
+    """The ids of "\n" and "\n\n", each where it is one token:
+    where a base model's one-line answer ends."""
     ids = [encode_text(tok, s) for s in ("\n", "\n\n")]
     return {i[0] for i in ids if len(i) == 1}
 
@@ -140,3 +144,31 @@ def one_line(tok):
     end, they gave empty answers)."""
     breaks = line_break_ids(tok)
     return lambda out, token: token in breaks and bool(tok.decode(out).strip())
+
+
+def check_ids(call, ids, vocab_size):
+    """Token ids the embedding holds: integers in [0, vocab_size) (else torch's "index out of
+    range in self" deep in the forward)."""
+    try:
+        t = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):  # text, ragged lists, None
+        t = None
+    if t is not None and t.numel() == 0:
+        raise ArgumentError(f"{call}: ids is empty; give the prompt's ids (system prompt ⊕ "
+                            f"context)")
+    if t is None or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
+        raise ArgumentError(f"{call}: ids must be a list of token ids (integers), got "
+                            f"{_show(ids)}")
+    outside = ((t < 0) | (t >= vocab_size)).nonzero()
+    if len(outside):
+        i = int(outside[0])
+        raise ArgumentError(f"{call}: id {int(t[i])} at position {i} is no token of the model "
+                            f"(its ids are 0 to {vocab_size - 1})")
+
+
+def _show(ids):
+    """A few ids of a list, for a message."""
+    ids = ids.tolist() if torch.is_tensor(ids) else ids
+    if not isinstance(ids, (list, tuple)) or len(ids) <= 6:
+        return repr(ids)[:60]
+    return f"[{', '.join(map(repr, ids[:3]))}, ... {ids[-1]!r}]"

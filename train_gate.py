@@ -216,8 +216,8 @@ def lr_multiplier(step, max_steps, schedule="step"):
 
 
 def bce_per_layer(pred, target):
-    """(L, H, B) -> (L,): BCE against the soft targets, mean over tokens, sum over heads (METHOD.md
-    §5.3)."""
+    """(L, H, B) -> (L,): BCE against the soft targets,
+    mean over tokens, sum over heads (METHOD.md §5.3)."""
     return F.binary_cross_entropy(pred, target.to(pred.dtype), reduction="none").mean(-1).sum(-1)
 
 
@@ -276,8 +276,8 @@ def constant_bce(y):
 
 
 def val_segments(store, val_idx):
-    """[start, end) ranges of the validation tokens (positions in val_idx) that belong to one
-    document."""
+    """[start, end) ranges of the validation tokens (positions in val_idx)
+    that belong to one document."""
     doc = torch.searchsorted(store.starts, val_idx, right=True) - 1
     cut = [0] + ((doc[1:] != doc[:-1]).nonzero().squeeze(1) + 1).tolist() + [len(val_idx)]
     return list(zip(cut[:-1], cut[1:]))

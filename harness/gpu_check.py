@@ -8,7 +8,7 @@ its results under --out as it goes (7 files, no folders):
   pytest.txt    pytest's output
   kernel.json   the Triton kernel: decode over ragged caches, a 16K prefill chunk against a 64K-key
                 cache; PyTorch SDPA and FlashAttention-2 beside it; GB/s and TFLOP/s
-  decode.json   batched decode (cache.Batch, generate.decode_batch), tokens/s at B = 1, 8, 32
+  decode.json   batched decode (serving.batch.Batch, generate.decode_batch), tokens/s at B = 1, 8, 32
   prefill.json  prefill of 32K and 128K tokens: full cache, Fast KVzip and KVzip at budget 0.3:
                 seconds, peak GPU memory, KV bytes held, the gate's (teacher's) share of the time
   summary.md    a line per part, and the goals beside the numbers
@@ -421,10 +421,11 @@ def context(model, n, seed):
 
 
 def part_decode(S, run, res):
-    """One context prefilled with Fast KVzip at 0.3, copied into B members of a cache.Batch that
-    decode together (one forward per step, one attention call per layer); tokens/s over all B."""
+    """One context prefilled with Fast KVzip at 0.3, copied into B members of a serving.batch.Batch
+    that decode together (one forward per step, one attention call per layer); tokens/s over all B."""
     import generate
-    from cache import Batch, Budget
+    from cache import Budget
+    from serving.batch import Batch
     model, gates = random_model(S)
     dev, dtype = device_and_dtype(S)
     n = S["decode_context"]

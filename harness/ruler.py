@@ -43,6 +43,7 @@ from harness.ruler_tasks import (
 )
 from harness.timing import TokenClock
 from prompts import encode_prompt, encode_text
+from serving import scheduler
 from teacher import KVzipTeacher
 
 COLUMNS = ("context", "question", "answer_prefix", "answer", "max_new_tokens", "task")
@@ -364,8 +365,8 @@ def answer_alone(model, tok, cache, sample, stop_ids):
 
 def answer(model, tok, caches, sample, stop_ids):
     """answer_alone for many caches of one context at once: every cache of `caches` (name -> cache)
-    answers each question in one batched decode (generate.decode: the caches' rows in one
-    cache.Batch, one forward of one token each per step), each stopping on its own, as answer_alone
+    answers each question in one batched decode (serving.scheduler.decode: the caches' rows in
+    one Batch, one forward of one token each per step), each stopping on its own, as answer_alone
     does: a stop id, the question's max_new_tokens, or every expected string in the text. Greedy:
     the answers are answer_alone's (tests/test_ruler_batch.py). -> {name: dict(outputs, scores,
     decode)}; decode = (forwards, seconds of the batch steps the cache took part in, each step
@@ -378,7 +379,7 @@ def answer(model, tok, caches, sample, stop_ids):
     names = list(caches)
     reqs = [generate.Request(caches.pop(name), questions, 0, None) for name in names]
     clocks = {r: TokenClock() for r in reqs}
-    for event, r in generate.decode(model, reqs, len(reqs), stop_ids):
+    for event, r in scheduler.decode(model, reqs, len(reqs), stop_ids):
         i = r.question_index
         if event == "question":  # its own length, set before decode reserves the answer's rows
             r.max_new_tokens = sample.questions[i].max_new

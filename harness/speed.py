@@ -1,7 +1,7 @@
 """
 Speed and memory through the real path: generate.prefill / prefill_kvzip and answer on fresh caches,
 beside transformers on the same checkpoint (the peer column, when transformers is installed);
-batched decoding (cache.Batch); on a GPU, random weights in Qwen3-8B's shape.
+batched decoding (serving.batch.Batch); on a GPU, random weights in Qwen3-8B's shape.
 """
 import copy
 import dataclasses
@@ -14,15 +14,16 @@ import torch
 
 import gate
 import generate
-from cache import Batch, Budget, KVCache, full_cache_bytes
+from cache import Budget, KVCache, full_cache_bytes
 from formats.gate_file import save_gate
 from harness.quality import DEFAULT_LEVEL, log, method_cache, model_info
 from harness.timing import TokenClock, time_scorer
 from model import ModelConfig, Transformer, load_tokenizer
 from prompts import prompt_format
+from serving.batch import Batch
 from teacher import KVzipTeacher
 
-# ---- 1. Speed and memory through the real path (generate.prefill and answer on fresh caches) -----
+# ---- Speed and memory through the real path (generate.prefill and answer on fresh caches) --------
 
 @dataclass
 class SpeedSettings:
@@ -202,8 +203,8 @@ def peer_run(peer, ids, n_protected, chunk_size, steps):
 
 @torch.no_grad()
 def batch_speed(model, peer, docs, n_protected, s, batch_sizes, repeats=1):
-    """Decode throughput of B requests at once (cache.Batch: one forward per step for all B, one
-    attention call per layer), B in batch_sizes, for the full cache and fastkvzip at s.budget;
+    """Decode throughput of B requests at once (serving.batch.Batch: one forward per step for all B,
+    one attention call per layer), B in batch_sizes, for the full cache and fastkvzip at s.budget;
     beside it transformers' own batched generate, left-padded to the longest context. docs: the
     contexts (system prompt ⊕ text ids, mixed lengths); every member is prefilled once, alone, and
     copied for each B. Decode is timed alone, after the 4-token question: s.decode greedy steps;
@@ -293,7 +294,7 @@ def batch_markdown(rows, batch_length, steps):
     peer = {r["batch"]: r["decode_tok_s"] for r in rows if r["method"] == "transformers"}
     rounds = len(rows[0].get("runs") or [0])
     out = ["", "## Batched decoding (generate.py --batch)", "",
-           "B requests decode together, one forward per step (cache.Batch); contexts of "
+           "B requests decode together, one forward per step (serving.batch.Batch); contexts of "
            f"{batch_length} tokens and shorter (75-100%), each prefilled alone; {steps} greedy "
            "steps after a 4-token question, tokens/s over all B. transformers: its own generate on "
            "the same contexts, left-padded, timed from its first new token. KV: bytes the batch "

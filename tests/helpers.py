@@ -38,6 +38,32 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-
                            f"{scale_rtol:g}")
 
 
+# Rank and threshold statistics of two runs that agree only up to fp32 summation order (two code
+# paths, or another CPU's SIMD width) may differ by a swapped near-tie: compare them with what the
+# moved inputs allow, measured on the inputs, never with an rtol.
+def pairs_within(x: torch.Tensor, d: float) -> int:
+    """How many pairs of x's entries lie at most d apart (exact ties included): every pair whose
+    order can flip when each entry moves by at most d / 2."""
+    s = x.detach().flatten().double().sort().values
+    return int((torch.searchsorted(s, s + d, right=True) - torch.arange(1, len(s) + 1)).sum())
+
+
+def spearman_slack(x: torch.Tensor, moved: float) -> float:
+    """The most teacher.spearman(x, t) can change, for any t, when each entry of x moves by at most
+    `moved`. With n distinct ranks rho = 1 - 6 sum(d^2) / (n (n^2 - 1)), d the rank differences.
+    Swapping the ranks r, r + 1 of two entries i, j changes sum(d^2) by 2 |rank_t(i) - rank_t(j)|
+    <= 2 (n - 1), so rho by at most 12 / (n (n + 1)); the two rankings are apart by at most the
+    pairs within 2·moved of each other (pairs_within), each one such adjacent swap."""
+    n = x.numel()
+    return pairs_within(x, 2 * moved) * 12 / (n * (n + 1))
+
+
+def threshold_slack(x: torch.Tensor, threshold: float, moved: float) -> float:
+    """The most the fraction of x's entries >= threshold can change when each entry moves by at
+    most `moved`: the entries within `moved` of the threshold may cross it."""
+    return int(((x.detach().double() - threshold).abs() <= moved).sum()) / x.numel()
+
+
 # Tiny shapes: every matmul stays small so a forward takes milliseconds with one CPU thread.
 QWEN3_TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,

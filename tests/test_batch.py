@@ -1,4 +1,4 @@
-"""Many requests at once (generate.decode, cache.Batch): with greedy decoding every
+"""Many requests at once (generate.decode, serving/batch.py): with greedy decoding every
 request's answers and kept positions in a batch are the ones it gets alone. The oracle is the
 single-request path itself (prefill + answer + rollback, as a lone request), on tiny random
 models."""
@@ -9,21 +9,22 @@ import torch
 
 import gate
 import model as M
-from cache import Batch, Budget
+from cache import Budget, WindowKV
 from cli import UsageError
 from gate import Gates
 from generate import (
     METHODS,
     Compression,
     answer,
-    decode,
     make_cache,
     prefill,
     prefill_kvzip,
     prefill_request,
 )
-from kernels import RaggedKV, WindowKV
+from kernels import RaggedKV
 from prompts import PromptFormat, prompt_format
+from serving.batch import Batch, extend, pop_heads
+from serving.scheduler import decode
 from teacher import KVzipTeacher
 from tests.helpers import assert_close, run_main, tiny_checkpoint, tiny_tokenizer
 
@@ -227,7 +228,7 @@ def test_ragged_layout_of_a_batch_against_the_reference():
         seqs.append(kv)
     batch = RaggedKV(0, d, torch.float32, "cpu")
     for kv in seqs:
-        batch.extend(kv)
+        extend(batch, kv)
     q = torch.randn(1, len(seqs) * H * G, d)
     for backend in ("torch", "reference"):
         out = batch.attend(q, 0.25, backend=backend)
@@ -235,7 +236,7 @@ def test_ragged_layout_of_a_batch_against_the_reference():
             expect = kv.attend(q[:, b * H * G:(b + 1) * H * G], 0.25, backend="reference")
             assert_close(out[:, b * H * G:(b + 1) * H * G], expect, atol=1e-5,
                          name=f"{backend}, sequence {b}")
-    middle = batch.pop_heads(H, H)
+    middle = pop_heads(batch, H, H)
     for a, b in ((middle, seqs[1]), (batch, None)):
         if b is None:
             continue
@@ -261,7 +262,7 @@ def test_window_rings_of_a_batch_wrap_on_their_own():
         alone.append(kv)
     batch = WindowKV(0, d, W, torch.float32, "cpu")
     for kv in alone:
-        batch.extend(kv)
+        extend(batch, kv)
     for step in range(12):
         k, v = torch.randn(1, 2 * H, d), torch.randn(1, 2 * H, d)
         q = torch.randn(1, 2 * H, d)

@@ -215,12 +215,45 @@ def same_cache(a, b, exact=True):
                 assert_close(u, w, atol=0, scale_rtol=2e-5, name=f"layer {i} {name}")
 
 
+def kept_near_the_cut(a, b, n_protected, x, y, budget):
+    """KVzip's one eviction (generate.evict_once: one global top-k over the context but its window)
+    from scores x (cache a) and y (cache b), (L_c, H, n_context), equal to rounding: the kept
+    positions differ at most where a kept and a dropped pair lie within 2·max|x - y| of each other;
+    where they agree, so do keys and values (same_cache) -> whether any pair went the other way."""
+    n = x.shape[-1]
+    seg = n - budget.plan(n).window
+    x, y = x[..., :seg].double().cpu(), y[..., :seg].double().cpu()
+    inf = x.isinf()  # never evicted
+    assert torch.equal(inf, y.isinf())
+    moved = float((x - y)[~inf].abs().max())
+    assert moved <= 1e-4 * float(x[~inf].abs().max()), f"teacher scores moved by {moved:.2e}"
+
+    def kept(cache):  # (L_c, H, seg) bool
+        rows = [[cache.layers[i].head_pos(h) - n_protected for h in range(cache.layers[i].n_heads)]
+                for i in cache.compressed]
+        keep = torch.zeros(x.shape, dtype=torch.bool)
+        for li, heads in enumerate(rows):
+            for h, p in enumerate(heads):
+                keep[li, h, p[(p >= 0) & (p < seg)]] = True
+        return keep
+
+    ka, kb = kept(a), kept(b)
+    near = ((ka & (x <= x[~ka].max() + 2 * moved))
+            | (~ka & (x >= x[ka & ~inf].min() - 2 * moved))) & ~inf
+    assert torch.equal(ka[~near], kb[~near]), "kept positions differ away from the cut"
+    assert ka.sum() == kb.sum()
+    if torch.equal(ka, kb):
+        same_cache(a, b, exact=False)
+        return False
+    return True
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method,level,budget,chunk", [
     ("fastkvzip", "global", 0.3, 16384), ("fastkvzip", "calibrated", 0.2, 16384),
     ("snapkv", "head", 0.5, 16384), ("kvzip", "global", 0.3, 16384),
     ("fastkvzip", "global", 0.3, 160), ("kvzip", "global", 0.3, 160)])
-def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
+def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk, monkeypatch):
     """The benchmark's cache (one chunk: the replay; several: the real chunked prefill) keeps
     exactly the positions, keys and values that generate.prefill keeps on a real evicting cache
     (KVzip: generate.prefill_kvzip), and gives bit-identical logits afterwards."""
@@ -230,6 +263,9 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
                                 n_kv_questions=1, n_probe=16)
     s = maker.make(400)
     teacher = KVzipTeacher(model, tok, real["fmt"]) if method == "kvzip" else None
+    scored, score = [], KVzipTeacher.score  # each teacher scoring, the last: prefill_kvzip's
+    monkeypatch.setattr(KVzipTeacher, "score",
+                        lambda *a, **kw: scored.append(score(*a, **kw)) or scored[-1])
     with torch.no_grad():
         full, logits, tscores = quality.capture_prefill(model, s.ids, args.chunk_size, teacher,
                                                         s.n_protected)
@@ -247,15 +283,21 @@ def test_fast_path_equals_generate_prefill(real, method, level, budget, chunk):
                              Budget(budget, args.chunk_size, args.window))
         # generate.prefill_kvzip feeds the last token in a second forward (for its logits): its keys
         # and values match the one-forward replay to rounding only, so KVzip is held to positions +
-        # 2e-5 of scale
-        same_cache(fast, real_cache, exact=method != "kvzip")
+        # 2e-5 of scale; and so are its teacher scores, so a near-tie at the cut may go either way
+        if method == "kvzip":
+            swapped = kept_near_the_cut(fast, real_cache, s.n_protected,
+                                        tscores[..., s.n_protected:], scored[-1],
+                                        Budget(budget, args.chunk_size, args.window))
+        else:
+            same_cache(fast, real_cache)
         kept = fast.kept_fraction_per_layer(s.n_protected, len(s.ids))
         assert abs(np.mean(kept) - budget) < 0.01 and min(kept) < 1.0
         q = s.questions[0].prompt
         fast.start_decoding(), real_cache.start_decoding()  # as generate.answer does
         a, b = model(torch.tensor(q), fast), model(torch.tensor(q), real_cache)
         if method == "kvzip":
-            assert_close(a, b, atol=1e-3, name="logits")
+            if not swapped:  # one other row kept: other logits
+                assert_close(a, b, atol=1e-3, name="logits")
         else:
             assert torch.equal(a, b), f"logits differ: max |diff| {(a - b).abs().max():.3e}"
 

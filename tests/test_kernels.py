@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import RaggedKV, WindowKV, attention_reference, varlen_attention
+from cache import WindowKV
+from kernels import RaggedKV, attention_reference, varlen_attention
+from serving.batch import extend
 from tests.helpers import assert_close
 
 torch.set_num_threads(1)
@@ -411,10 +413,10 @@ GPU_TOL = {torch.bfloat16: TOL[torch.bfloat16], torch.float32: (5e-5, 5e-5)}  # 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_gpu_batched_layout(dtype):
-    """cache.Batch's layout on the compiled kernel: the heads of B sequences side by side in one
-    RaggedKV, each evicted to its own length (one head to nothing), slack after a decode token; one
-    decode query per query head gives the reference's result over each sequence's own rows, and what
-    each sequence's own RaggedKV gives alone."""
+    """A batch's layout (serving/batch.py) on the compiled kernel: the heads of B sequences side by
+    side in one RaggedKV, each evicted to its own length (one head to nothing), slack after a decode
+    token; one decode query per query head gives the reference's result over each sequence's own
+    rows, and what each sequence's own RaggedKV gives alone."""
     torch.manual_seed(0)
     H, G, d, dev = 8, 4, 128, "cuda"  # Qwen3-8B's attention shape
     seqs = []
@@ -429,7 +431,7 @@ def test_triton_gpu_batched_layout(dtype):
         seqs.append(kv)
     batch = RaggedKV(0, d, dtype, dev)
     for kv in seqs:
-        batch.extend(kv)
+        extend(batch, kv)
     B = len(seqs)
     q = torch.randn(1, B * H * G, d, device=dev).to(dtype)
     out = batch.attend(q, d ** -0.5)  # CUDA tensors: the compiled Triton kernel

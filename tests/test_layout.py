@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WINGS = ("harness", "offline", "formats", "commands")
+WINGS = ("harness", "offline", "formats", "commands", "serving")
 # the method: what a forker reads (README's "read in this order" walks it)
 METHOD = ("model", "kernels", "cache", "gate", "prompts", "teacher", "generate", "train_gate")
 # the modules that lift out of the project with only what they import (tests/test_lift_out.py)
@@ -98,11 +98,13 @@ def test_top_level_is_the_method_and_its_programs():
 
 
 def test_the_method_modules_hold_the_method():
-    """Together under 4,000 lines, each under 800; checks are short asserts or moved to the
-    edges (formats/, commands/, cli.py): at most 64 `raise` in the eight (130 before the move)."""
+    """Together under 4,000 lines, each under 700, so that a forker's first change has room (what
+    is not the paper's path lives in wings: batched serving in serving/); checks are short asserts
+    or moved to the edges (formats/, commands/, cli.py): at most 64 `raise` in the eight (130
+    before the move)."""
     lines = {m: lines_of(m) for m in METHOD}
     assert sum(map(len, lines.values())) < 4000, {m: len(x) for m, x in lines.items()}
-    assert max(map(len, lines.values())) < 800, {m: len(x) for m, x in lines.items()}
+    assert max(map(len, lines.values())) < 700, {m: len(x) for m, x in lines.items()}
     raises = {m: sum(isinstance(n, ast.Raise) for n in ast.walk(ast.parse("\n".join(x))))
               for m, x in lines.items()}
     assert sum(raises.values()) <= 64, raises

@@ -20,7 +20,7 @@ import cache as C
 import cli
 import gate
 import model as M
-from cache import Batch, Budget, decode_protected
+from cache import Budget, decode_protected
 from commands.generate import build_inputs
 from formats import tensor_file
 from formats.cache_file import CacheFileError, load_cache, read_header, save_cache
@@ -28,6 +28,7 @@ from formats.gate_file import gate_sha256, resolve_gate, save_gate
 from gate import Gates
 from generate import METHODS, begin_answer, decode_one, make_cache, prefill, prefill_kvzip, sample
 from prompts import prompt_format
+from serving.batch import Batch
 from teacher import KVzipTeacher
 from tests.helpers import edit_config, run_main, tiny_checkpoint, tiny_tokenizer
 

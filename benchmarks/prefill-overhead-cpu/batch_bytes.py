@@ -1,9 +1,9 @@
 """
-KV bytes a cache.Batch holds against the bytes of the rows it keeps, at B = 1, 4 and 8, after the
-batched-decode benchmark's work (bench.py --batch-sizes 1,4,8 --batch-length 512 --speed-decode 16:
-contexts of 75-100% of 512 tokens, a 4-token question, 16 decode steps), for the full cache and
-Fast KVzip 0.3; beside them transformers' padded cache for the same tokens (B x the longest
-sequence x every layer: an estimate, the measured one is in ../batch-cpu-quiet/). Works on the
+KV bytes a batch (serving/batch.py) holds against the bytes of the rows it keeps, at B = 1, 4 and
+8, after the batched-decode benchmark's work (bench.py --batch-sizes 1,4,8 --batch-length 512
+--speed-decode 16: contexts of 75-100% of 512 tokens, a 4-token question, 16 decode steps), for the
+full cache and Fast KVzip 0.3; beside them transformers' padded cache for the same tokens (B x the
+longest sequence x every layer: an estimate, the measured one is in ../batch-cpu-quiet/). Works on the
 code before the reserved answer rows (no begin_answer(max_new_tokens): nothing reserved) and after.
 
     python -m benchmarks.prefill-overhead-cpu.batch_bytes smollm2-135m-gguf
@@ -19,11 +19,12 @@ import torch
 
 import generate
 import model as M
-from cache import Batch, Budget
+from cache import Budget
 from cli import resolve_model
 from formats.gate_file import resolve_gate
 from harness.quality import load_docs
 from prompts import encode_prompt, prompt_format
+from serving.batch import Batch
 
 torch.set_num_threads(1)
 name, steps, length = sys.argv[1], 16, 512
