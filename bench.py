@@ -58,7 +58,18 @@ from formats.gate_file import GateError, resolve_gate
 from harness import decode_suite, quality, quality_report, ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results, write_record
-from harness.report import differing, markdown, run_config, speed_keys
+from harness.report import (
+    check_kind,
+    check_merged_configs,
+    differing,
+    is_run,
+    markdown,
+    not_a_run,
+    read_json,
+    read_results,
+    run_config,
+    speed_keys,
+)
 from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
 from kernels import ArgumentError
 from model import ModelError, chat_template
@@ -560,79 +571,12 @@ def check_dataset(args, cfg, tok, fmt, rows):
                          f"{n} contexts, shard {args.shard[0]} holds none; use at most {n} shards")
 
 
-def read_json(path, fix):
-    """A JSON object this script wrote (atomically): damaged by something else (a copy cut short) ->
-    UsageError naming the file and `fix`, what to do about it."""
-    try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; too deep
-        raise UsageError(f"{path} is not valid JSON ({type(e).__name__}: "
-                         f"{str(e)[:80]}); {fix}") from None
-    if not isinstance(obj, dict):
-        raise UsageError(f"{path} holds a JSON {type(obj).__name__}, not a bench result; {fix}")
-    return obj
-
-
 RUN = "a bench.py run"  # what --out must hold if it holds anything (claim_folder)
 
 
 def claim(out):
     """--out made and held for this run (cli.claim_folder) -> the folder it created, if any."""
     return cli.claim_folder(out, "--out", is_run, RUN, create=True)
-
-
-def not_a_run(config):
-    """Why a config.json's content is not one bench.py wrote (a run's, or a merge's), or None."""
-    if not isinstance(config, dict):
-        return f"a JSON {type(config).__name__}, not an object"
-    missing = [k for k, kind in (("quality_key", dict), ("command", str), ("flags", dict),
-                                 ("started", str)) if not isinstance(config.get(k), kind)]
-    return f"it has no {' or '.join(missing)}" if missing else None
-
-
-def check_kind(out, suite, merged):
-    """--out holding bench.py's results of another kind than this one's is refused in one line:
-    a run (merged=False) writes only over a run of its suite (resumed), a merge only over a merge
-    of its suite (merged into again). Not bench.py's, or nothing: claim_folder's to judge."""
-    try:
-        config = json.loads((Path(out) / "config.json").read_text("utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return
-    if not_a_run(config):
-        return
-    theirs = (bool(config.get("merged_from")), config["quality_key"].get("suite", "needle"))
-    kind = lambda m, s: f"a --suite {s} {'merge' if m else 'run'}"
-    if theirs != (merged, suite):
-        raise UsageError(f"--out {out} holds the results of {kind(*theirs)}: "
-                         f"{kind(merged, suite)} does not write over them; pass another --out "
-                         "(a new or empty folder)")
-
-
-def is_run(folder):
-    """Whether `folder` is a bench.py run (or merge) that it may write into again: its config.json
-    is one bench.py wrote."""
-    try:
-        return not_a_run(json.loads((Path(folder) / "config.json").read_text("utf-8"))) is None
-    except (OSError, ValueError):
-        return False
-
-
-def read_results(path, fix):
-    """A run's results.json (read_json), with what merge and a resume take from it in the shape
-    bench.py writes: a config, speed rows as objects; otherwise UsageError naming it and `fix`."""
-    old = read_json(path, fix)
-    if not isinstance(old.get("config"), dict):
-        raise UsageError(f"{path} has no config: not a bench result; {fix}")
-    if not isinstance(old.get("seconds", 0), (int, float)):
-        raise UsageError(f"{path}: its seconds are not a number; {fix}")
-    for k in ("speed", "speed_peer", "gpu"):
-        rows = old.get(k)
-        if rows is not None and not (isinstance(rows, list)
-                                     and all(isinstance(r, dict) for r in rows)):
-            raise UsageError(f"{path}: its {k} rows are not a list of objects; {fix}")
-    return old
 
 
 def n_contexts(key, where="--out"):
@@ -647,8 +591,12 @@ def n_contexts(key, where="--out"):
 
 
 def entries_check(key):
-    """The suite's own check of a record's entries (quality.load_records' `bad`)."""
-    return quality.bad_entries if key.get("suite", "needle") == "needle" else None
+    """The suite's own check of a record's entries (quality.load_records' `bad`): the needle
+    suite's tallies, RULER's scores (what ruler.results reads)."""
+    if key.get("suite", "needle") == "needle":
+        return quality.bad_entries
+    return lambda rec: next((f"its entry {k!r} has no scores" for k, e in rec["entries"].items()
+                             if not isinstance(e.get("scores"), list)), None)
 
 
 def kept(args):
@@ -728,6 +676,7 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
                              f"({differing(theirs, other)} differ); leave {f} out of --merge")
     check_kind(out, key.get("suite", "needle"), merged=True)
     if key.get("suite") == "decode":  # its own records and tables (harness/decode_suite.py)
+        check_merged_configs(folders, configs)
         return decode_suite.merge(folders, configs, out, n_boot, seed, claim, plot)
     expected = n_contexts(key, folders[first]) if quality_runs else 0
     records, results = {}, dict(config=dict(configs[first], merged_from=[str(f) for f in folders],
@@ -771,6 +720,7 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
     if records:
         results.update(suite_results(list(records.values()), key, n_boot, seed, averaged))
     results["complete"] = n_done == meant
+    check_merged_configs(folders, configs)
     out = Path(out)
     created = cli.claim_folder(out, "--out", is_run, RUN, create=True)
     try:  # all or none: a failed merge leaves what the folder held
