@@ -82,7 +82,7 @@ class WindowKV(RaggedKV):
                 need = self.lens + 1
                 grown = torch.clamp(need + torch.clamp(need // 2, min=16, max=MAX_SLACK), max=W)
                 caps = torch.where(room, self.caps, grown)
-                self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
+                self._relayout(0, self.lens, caps)
             # (H,) the row after each head's newest
             rows = (self.starts + (self.first + self.lens) % W).to(self.device)
             self.k[rows] = k[0].to(self.dtype)
@@ -108,7 +108,7 @@ class WindowKV(RaggedKV):
         """RaggedKV.reserve, never past W rows: a full ring overwrites its oldest row in place."""
         need = torch.clamp(self.lens + n, max=self.window)
         if bool((need > self.caps).any()):  # a ring not yet full: its rows still from row 0
-            self._relayout(self.rows(), self.lens, torch.maximum(self.caps, need))
+            self._relayout(0, self.lens, torch.maximum(self.caps, need))
 
     def wrap(self):
         """After a forward: each head's last min(n, W) rows,
@@ -118,7 +118,10 @@ class WindowKV(RaggedKV):
         keep, caps = torch.clamp(self.lens, max=self.window), torch.clamp(self.caps, max=self.window)
         # past the window: copy once
         if not (torch.equal(keep, self.lens) and torch.equal(caps, self.caps)):
-            self._relayout(_ranges(self.starts + self.lens - keep, keep), keep, caps)
+            skip = self.lens - keep  # every head's oldest rows past the window
+            alike = self.n_heads > 0 and bool((skip == skip[0]).all())
+            self._relayout(int(skip[0]) if alike else _ranges(self.starts + skip, keep), keep,
+                           caps)
         self.ring = True
 
     def keep_rows(self, mask, room=0):

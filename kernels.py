@@ -140,11 +140,9 @@ def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """The "torch" backend (the CPU path): the reference's blocks and masks, each block one call
     of PyTorch's fused scaled_dot_product_attention (flash attention on CPUs: no (n_heads, m, n)
     score tensor written and re-read four times), with smaller blocks so that a window layer reads
-    fewer keys. Sequences of one shape (same query rows, used keys and region size: a layer's KV
-    heads before any eviction) share each call as its batch dimension, strided views of the flat
-    storage, nothing copied; masks are built once per block shape (_block_mask), none where the
-    block is plainly causal. In fp32, as the reference; tests/test_kernels.py holds the two
-    equal."""
+    fewer keys (heads that all hold alike regions take dense_attention instead). Masks are built
+    once per block shape (_block_mask), none where the block is plainly causal. In fp32, as the
+    reference; tests/test_kernels.py holds the two equal."""
     total_q, n_q_heads, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     out = torch.zeros(total_q, n_q_heads, d, dtype=q.dtype, device=q.device)
@@ -152,30 +150,37 @@ def sdpa_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     # fixed cost)
     block = (SDPA_BLOCK if window is not None
              else max(SDPA_BLOCK, MASK_ELEMENTS // max(1, max_seqlen_k)))
-    S = cu_seqlens_q.numel() - 1
-    rows_q, regions = torch.diff(cu_seqlens_q.cpu()), torch.diff(cu_seqlens_k.cpu())
-    used = regions if seqused_k is None else seqused_k.cpu()
-    if S > 1 and int(cu_seqlens_q[0]) == 0 == int(cu_seqlens_k[0]) and all(
-            bool((x == x[0]).all()) for x in (rows_q, regions, used)):
-        # one shape: (S, M) queries against (S, R) rows of keys
-        M, R = int(rows_q[0]), int(regions[0])
-        views = [x[:S * n].view(S, n, x.shape[1], d) for x, n in ((q, M), (k, R), (v, R))]
-        one = lambda n: torch.tensor([0, n], dtype=torch.int32)
-        blocks = _blocks(one(M), one(R), used[:1], causal, window, block)
-        layout = out.view(S, M, n_q_heads, d)
-    else:
-        views = [x[None] for x in (q, k, v)]
-        blocks = _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal, window, block)
-        layout = out[None]
-    for q0, r0, r1, k0, j0, j1, M, N in blocks:
-        # (S or 1, heads, rows, d)
-        qb, kb, vb = (x[:, a:b].float().transpose(1, 2) for x, a, b in zip(
+    views = [x[None] for x in (q, k, v)]
+    for q0, r0, r1, k0, j0, j1, M, N in _blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, causal,
+                                                window, block):
+        qb, kb, vb = (x[:, a:b].float().transpose(1, 2) for x, a, b in zip(  # (1, heads, rows, d)
             views, (q0 + r0, k0 + j0, k0 + j0), (q0 + r1, k0 + j1, k0 + j1)))
         mask, is_causal = _block_mask(r1 - r0, j1 - j0, r0 + N - M - j0, causal, window,
                                       str(q.device))
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal,
                                             scale=scale, enable_gqa=True)
-        layout[:, q0 + r0:q0 + r1] = ob.transpose(1, 2)
+        out[q0 + r0:q0 + r1] = ob[0].transpose(0, 1)
+    return out
+
+
+def dense_attention(q, k, v, scale, window=None):
+    """Causal attention of the last t of n positions over n keys in every KV head: q (t, Hq, d), k /
+    v (H, n, d) (strided views of alike regions: a full cache, a prefill before eviction) -> (t, Hq,
+    d). sdpa_attention's blocks and masks, one SDPA call per block over every head (GQA) in the
+    projections' layout: no copy into varlen order or out of it (one block: SDPA's own output)."""
+    (t, n_q_heads, d), n, out = q.shape, k.shape[1], None
+    block = SDPA_BLOCK if window is not None else max(SDPA_BLOCK, MASK_ELEMENTS // max(1, n))
+    cu, dev = [torch.tensor([0, x], dtype=torch.int32) for x in (t, n)], str(q.device)
+    qs, ks, vs = q.transpose(0, 1)[None], k[None], v[None]  # (1, Hq, t, d), (1, H, n, d)
+    for _, r0, r1, _, j0, j1, M, N in _blocks(*cu, None, True, window, block):
+        mask, is_causal = _block_mask(r1 - r0, j1 - j0, r0 + N - M - j0, True, window, dev)
+        ob = F.scaled_dot_product_attention(
+            qs[:, :, r0:r1].float(), ks[:, :, j0:j1].float(), vs[:, :, j0:j1].float(),
+            attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)[0]  # (Hq, m, d)
+        if r1 - r0 == t:  # one block: every row
+            return ob.transpose(0, 1).to(q.dtype)
+        out = q.new_empty(t, n_q_heads, d) if out is None else out  # blocks cover every row
+        out[r0:r1] = ob.transpose(0, 1)
     return out
 
 
@@ -516,18 +521,37 @@ class RaggedKV:
         s = int(self.starts[h])
         return self.k[s:s + int(self.lens[h])]
 
+    def uniform(self):
+        """(n, cap) if every head holds n rows in a cap-row region (a full cache), else None."""
+        n, cap = (int(self.lens[0]), int(self.caps[0])) if self.n_heads else (0, 0)
+        alike = self.n_heads and bool((self.lens == n).all() and (self.caps == cap).all())
+        return (n, cap) if alike else None
+
+    def heads(self, x, cap):
+        """x (rows, ...) as (H, cap, ...): every region of alike regions of cap rows (a view)."""
+        return x[:self.n_heads * cap].view(self.n_heads, cap, *x.shape[1:])
+
     def rows(self):
         """Flat row indices of every head's used rows, head after head (no slack rows)."""
         return _ranges(self.starts, self.lens).to(self.device)
 
     def _relayout(self, src_rows, new_lens, new_caps):
-        """Move the rows src_rows (flat indices, head-major)
-        into fresh regions of sizes new_caps."""
+        """Move the rows src_rows (flat indices, head-major; or an int s: every head's used rows
+        from its s-th on, in order) into fresh regions of sizes new_caps."""
         new_starts = torch.cumsum(new_caps, 0) - new_caps
-        src_rows = src_rows.to(self.device)
         old = (self.k, self.v, self.pos, self.score)
         self.transient = max(self.transient, old[0].nbytes + old[1].nbytes)  # until the copy ends
-        if torch.equal(new_lens, new_caps):  # no slack (eviction): the gathered rows are all
+        alike, s = self.uniform(), src_rows
+        strided = isinstance(s, int) and alike and bool((new_caps == new_caps[0]).all())
+        if not strided:  # row indices: those given, or every head's from the s-th on
+            src_rows = (_ranges(self.starts + s, self.lens - s) if isinstance(s, int) else s).to(
+                self.device)
+        if strided:  # alike into alike (a prefill's next chunk, a window's wrap): no indices
+            (n, cap), new_cap = alike, int(new_caps[0])
+            self._alloc(self.n_heads * new_cap)
+            for new, o in zip((self.k, self.v, self.pos, self.score), old):
+                self.heads(new, new_cap)[:, :n - s] = self.heads(o, cap)[:, s:n]
+        elif torch.equal(new_lens, new_caps):  # no slack (eviction): the gathered rows are all
             self.k, self.v, self.pos, self.score = (o[src_rows] for o in old)
         else:
             dst_rows = _ranges(new_starts, new_lens).to(self.device)
@@ -541,7 +565,7 @@ class RaggedKV:
         into slack and copy nothing; a region already that large is left alone."""
         need = self.lens + n
         if bool((need > self.caps).any()):
-            self._relayout(self.rows(), self.lens, torch.maximum(self.caps, need))
+            self._relayout(0, self.lens, torch.maximum(self.caps, need))
 
     def append(self, k, v, pos, score=None):
         """k, v (t, H, d); pos (t,) absolute positions, the same for every head, or (H, t) per head
@@ -561,14 +585,17 @@ class RaggedKV:
             else:
                 slack = torch.zeros_like(need)
             caps = torch.maximum(self.caps, need + slack)
-            self._relayout(_ranges(self.starts, self.lens), self.lens, caps)
-        # write only the t new rows of each head, into its slack
-        rows = ((self.starts + self.lens)[:, None] + torch.arange(t)).reshape(-1).to(self.device)
-        self.k[rows] = k.transpose(0, 1).reshape(H * t, d).to(self.dtype)
-        self.v[rows] = v.transpose(0, 1).reshape(H * t, d).to(self.dtype)
-        self.pos[rows] = _head_pos(pos, H).to(self.device)
-        self.score[rows] = (float("inf") if score is None
-                            else score.to(self.device, torch.float32).reshape(H * t))
+            self._relayout(0, self.lens, caps)
+        # the t new rows of each head into its slack (alike regions: a strided copy per tensor)
+        score = (float("inf") if score is None
+                 else score.to(self.device, torch.float32).reshape(H, t))
+        new = (k.transpose(0, 1), v.transpose(0, 1), _head_pos(pos, H).view(H, t), score)
+        rows, alike = (self.starts + self.lens)[:, None] + torch.arange(t), self.uniform()  # (H, t)
+        for x, y in zip((self.k, self.v, self.pos, self.score), new):
+            if alike:
+                self.heads(x, alike[1])[:, alike[0]:alike[0] + t] = y
+            else:
+                x[rows.to(self.device)] = y if isinstance(y, float) else y.to(x.device, x.dtype)
         self.lens = need
 
     def keys_values(self):
@@ -584,8 +611,13 @@ class RaggedKV:
         t, n_q_heads, d = q.shape
         H = self.n_heads
         G = n_q_heads // H
-        if t == 1 and resolve_backend(q, backend) == "torch":
-            return self._attend_one(q, scale, window)
+        if resolve_backend(q, backend) == "torch":
+            if t == 1:
+                return self._attend_one(q, scale, window)
+            alike = self.uniform()
+            if alike is not None:  # every head alike: one strided (H, n, d) view of the keys
+                k, v = (self.heads(x, alike[1])[:, :alike[0]] for x in (self.k, self.v))
+                return dense_attention(q, k, v, scale, window)
         # METHOD.md §8: each KV head is one sequence of t query rows,
         # whose G query heads are the heads of an MQA call
         qv = q.view(t, H, G, d).transpose(0, 1).reshape(H * t, G, d)      # (H*t, G, d)
@@ -605,12 +637,11 @@ class RaggedKV:
         batch's B x H heads included)."""
         H, d = self.n_heads, self.head_dim
         qh = q.view(H, -1, d).float() * scale                      # (H, G, d): query head h*G + g
-        n, cap = int(self.lens[0]) if H else 0, int(self.caps[0]) if H else 0
-        if H and bool((self.lens == n).all() and (self.caps == cap).all()):
-            # every head holds as many rows in regions of one size (a full cache, a full ring):
-            # the regions are one strided (H, cap, d) tensor, and the heads one batched matmul
+        alike = self.uniform()
+        if alike is not None:  # (a full cache, a full ring): the heads one batched matmul
+            n, cap = alike
             first = 0 if window is None else max(0, n - window)
-            ks, vs = (x[:H * cap].view(H, cap, d)[:, first:n].float() for x in (self.k, self.v))
+            ks, vs = (self.heads(x, cap)[:, first:n].float() for x in (self.k, self.v))
             out = torch.softmax(qh @ ks.transpose(1, 2), dim=-1) @ vs  # (H, G, d)
             return out.view(1, H * qh.shape[1], d).to(q.dtype)
         sizes = torch.stack([self.lens, self.caps - self.lens], 1).reshape(-1).tolist()

@@ -65,9 +65,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # in place: h is this call's own tensor (x * c is a new one), and w·h = h·w exactly
         if self.unit_offset:  # Gemma: the multiply happens in fp32 too
-            return (h * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * h.to(x.dtype)  # Qwen: cast first, then the (possibly bf16) weight
+            return h.mul_(1.0 + self.weight.float()).type_as(x)
+        # Qwen: cast first, then the (possibly bf16) weight
+        return h.to(x.dtype).mul_(self.weight)
 
 
 # --------------------------------------------------------------------------------------------- rope
@@ -135,14 +137,16 @@ class Rotary(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, H, d); cos, sin (T, d)."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    """x (T, H, d); cos, sin (T, d) -> x·cos + rotate_half(x)·sin, rotate_half(x) = (-x2, x1) for
+    the halves x1, x2 of x (transformers' layout). Written half by half into x·cos, so that the
+    negated copy and the concatenation are never built: the same numbers, since (-a)·b = -(a·b)
+    and c + (-e) = c - e exactly."""
+    h = x.shape[-1] // 2
+    out = x * cos[:, None, :]                        # (T, H, d)
+    out[..., :h] -= x[..., h:] * sin[:, None, :h]    # x1·cos - x2·sin
+    out[..., h:] += x[..., :h] * sin[:, None, h:]    # x2·cos + x1·sin
+    return out
 
 
 # ---------------------------------------------------------------------------------------- attention
@@ -193,9 +197,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in place on the projection's own output: two (T, I) tensors fewer to write
         g = self.gate_proj(x)  # (T, I)
-        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return self.down_proj(g * self.up_proj(x))  # (T, D)
+        g = F.gelu(g, approximate="tanh", out=g) if self.gelu else F.silu(g, inplace=True)
+        return self.down_proj(g.mul_(self.up_proj(x)))  # (T, D)
 
 
 # -------------------------------------------------------------------------------------------- block

@@ -229,6 +229,24 @@ def test_ragged_window_attend():
                  name="window")
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_alike_heads_path_matches_reference(window):
+    """Heads holding equal regions (a prefill before eviction) take the torch path's dense_attention
+    (one SDPA call per block over all heads, no varlen copies): a second chunk after a first, with
+    several query blocks (window blocks of SDPA_BLOCK rows), equals the reference on the same rows."""
+    H, G, d = 2, 3, 16
+    g = torch.Generator().manual_seed(7)
+    kv = RaggedKV(H, d, torch.float32, "cpu")
+    for n, t in ((0, 300), (300, 400)):
+        q = torch.randn(t, H * G, d, generator=g)
+        kv.append(torch.randn(t, H, d, generator=g), torch.randn(t, H, d, generator=g),
+                  torch.arange(n, n + t))
+        assert kv.uniform() == (n + t, n + t)
+        assert_close(kv.attend(q, 0.25, window, backend="torch"),
+                     kv.attend(q, 0.25, window, backend="reference"), 1e-5,
+                     name=f"chunk at {n}, window={window}")
+
+
 def test_ragged_append_into_slack_does_not_reallocate():
     H, d = 4, 8
     kv = RaggedKV(H, d, torch.float32, "cpu")
