@@ -37,12 +37,14 @@ free generations, and ms/token and KV bytes over a generation up to 8K positions
 GPU (random weights in Qwen3-8B's shape, speed and memory only, contexts up to 128K):
     python bench.py --no-quality --speed-lengths 0 --gpu-lengths 8192,32768,131072
 Outputs in --out (default results/<timestamp>/): config.json, results.json, results.md,
-relative.png. --out is a new or empty folder, or one bench.py wrote (resumed, or merged into again);
-it holds one run at a time (a second run on it is refused while the first runs).
+relative.png. --out is a new or empty folder, or one bench.py wrote: a run of the same suite
+(resumed), or a merge (merged into again); it holds one run at a time (a second run on it is
+refused while the first runs).
 """
 import argparse
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 
@@ -54,10 +56,21 @@ from cli import UsageError, resolve_model, write_text
 from formats.checkpoint import check_folder, load_checked
 from formats.gate_file import GateError, resolve_gate
 from gate import METHODS as SCORERS
-from harness import decode_report, quality, quality_report, ruler, ruler_tasks
+from harness import decode_suite, quality, quality_report, ruler, ruler_tasks
 from harness.kvpress_prompt import kvpress_format
 from harness.quality import label, load_docs, load_records, log, quality_key, quality_results, write_record
-from harness.report import differing, markdown, run_config, speed_keys
+from harness.report import (
+    check_kind,
+    check_merged_configs,
+    differing,
+    is_run,
+    markdown,
+    not_a_run,
+    read_json,
+    read_results,
+    run_config,
+    speed_keys,
+)
 from harness.speed import QWEN3_8B, SpeedSettings, batch_speed, gpu_section, load_peer, speed
 from kernels import ArgumentError
 from model import ModelError, chat_template
@@ -236,7 +249,7 @@ def parse_args(argv=None):
     the suite for the flags not typed; each flag checked."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    for add in (common_flags, quality_flags, needle_flags, ruler_flags, decode_report.add_arguments,
+    for add in (common_flags, quality_flags, needle_flags, ruler_flags, decode_suite.add_arguments,
                 speed_flags):
         add(p)
     args, unset = p.parse_args(argv), object()
@@ -267,23 +280,46 @@ def parse_args(argv=None):
             if k not in typed:
                 setattr(args, k, v)
     if args.suite == "decode":  # its own methods, one stream length, speed up to 8K positions
-        for k, v in decode_report.DEFAULTS.items():
+        for k, v in decode_suite.DEFAULTS.items():
             if k not in typed:
                 setattr(args, k, v)
     if args.quick:
         for k, v in QUICK.items():
             if k not in typed:
                 setattr(args, k, v)
+    if args.out is not None and not args.out.strip():
+        p.error("--out '' names no folder: give a folder, or leave --out out (the default "
+                "results/<timestamp>/)")
+    if not args.merge:
+        check_suite_flags(p, args.suite, typed)
     check_args(p, args)
     if "full" not in args.methods:
         args.methods = ["full"] + args.methods  # every relative score needs the full cache
     return args
 
 
+def check_suite_flags(p, suite, typed):
+    """A flag typed that the suite does not read is refused, not ignored: the needle and RULER
+    suites' flags under --suite decode, the decode suite's under the others."""
+    if suite == "decode":
+        unread = sorted(k for k in typed if k not in decode_suite.READS)
+        instead = {"budgets": " (its budgets are --decode-budgets, tokens per KV head)",
+                   "speed_budget": " (its speed budgets are --decode-speed-budgets)"}
+        if unread:
+            p.error(f"--{unread[0].replace('_', '-')}: --suite decode does not read it"
+                    f"{instead.get(unread[0], '')}; leave it out")
+    decode_only = sorted(k for k in typed if k.startswith("decode_"))
+    if suite != "decode" and decode_only:
+        p.error(f"--{decode_only[0].replace('_', '-')} is a flag of --suite decode; add --suite "
+                "decode, or leave it out")
+
+
 def check_args(p, args):
     """Every flag on its own, before anything loads (p.error: exit 2)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):  # whether it is there: run()
+        p.error(f"--device {args.device}: cpu, cuda or cuda:N")
     if args.suite == "decode":
-        return decode_report.check_args(p, args)
+        return decode_suite.check_args(p, args)
     bad = [m for m in args.methods if m not in METHODS] + [lv for lv in args.extra_levels
                                                            if lv not in LEVELS]
     if bad:
@@ -299,6 +335,14 @@ def check_args(p, args):
     # a repeated value would run (and count) twice
     for name in ("methods", "budgets", "extra_levels", "average"):
         setattr(args, name, list(dict.fromkeys(getattr(args, name))))
+    shown = {}  # results name a budget as printed ({:g}): two that print alike would be one
+    for b in args.budgets:
+        shown.setdefault(f"{b:g}", []).append(b)
+    alike = next((bs for bs in shown.values() if len(bs) > 1), None)
+    if alike:
+        p.error(f"--budgets {','.join(map(str, alike))}: they print alike ({alike[0]:g}), and the "
+                "results name a budget as printed; give budgets that differ in 6 significant "
+                "digits")
     for flag, low in (("contexts", 1), ("chunk_size", 1), ("speed_chunk", 1), ("speed_decode", 1),
                       ("bootstrap", 1), ("speed_repeats", 1), ("batch_repeats", 1),
                       ("batch_length", 1), ("window", 0), ("speed_window", 0), ("passkeys", 0),
@@ -328,8 +372,6 @@ def check_args(p, args):
                 f"give tasks of --ruler-tasks ({','.join(args.ruler_tasks)})"))
     if args.ruler_samples < 1:
         p.error(f"--ruler-samples must be >= 1, got {args.ruler_samples}")
-    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        p.error(f"--device {args.device}: cpu, cuda or cuda:N")
     if args.dataset and Path(args.dataset).is_dir():
         p.error(f"--dataset {args.dataset} is a folder; give a JSONL or parquet file")
     if args.dataset and not Path(args.dataset).exists():
@@ -379,11 +421,13 @@ def run(args):
         if not args.out:
             raise UsageError("--merge needs --out: the folder that receives the merged results")
         return merge(args.merge, args.out, args.bootstrap, args.seed, args.average, args.plot)
+    cli.parse_device(args.device)  # CUDA on this machine, the GPU there: before --out
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     out = Path(args.out or ROOT / "results" / time.strftime("%Y%m%d-%H%M%S"))
     cli.claim_folder(out, "--out", is_run, RUN)  # a user's folder, or one in use: refused now
+    check_kind(out, args.suite, merged=False)  # another suite's run, or a merge's result
     # a --dataset's every row is checked before anything loads (its lengths once the tokenizer is)
     rows = ruler.read_rows(args.dataset) if args.dataset else None
     samples = None  # the needle suite's contexts, made before anything is written
@@ -396,7 +440,7 @@ def run(args):
         if args.suite == "ruler" and args.ruler_prompt == "kvpress" else fmt
     gates = resolve_gate(args.gate, cfg, args.model)
     if args.suite == "decode":
-        return decode_report.bench_run(args, ROOT, folder, cfg, tok, gates, claim)
+        return decode_suite.bench_run(args, ROOT, folder, cfg, tok, gates, claim)
     check_lengths(args, cfg, tok, len(encode_prompt(tok, fmt.system)))
     if rows:
         check_dataset(args, cfg, tok, suite_fmt, rows)
@@ -414,7 +458,7 @@ def run(args):
     config.update({f"{k}_key": v for k, v in speed_keys(s, "kvzip" in args.methods, args.threads,
                                                           config).items()})
     # an interrupted run with the same --out resumes after its last context
-    done = load_records(out, key, n_contexts(key))
+    done = load_records(out, key, n_contexts(key), bad=entries_check(key))
     results = dict(config=config, compressed_layers=list(cfg.compressed_layers), rows=[],
                    complete=False)
     if args.ruler_only:  # left to a later run (or out on purpose): named in results.md
@@ -530,61 +574,12 @@ def check_dataset(args, cfg, tok, fmt, rows):
                          f"{n} contexts, shard {args.shard[0]} holds none; use at most {n} shards")
 
 
-def read_json(path, fix):
-    """A JSON object this script wrote (atomically): damaged by something else (a copy cut short) ->
-    UsageError naming the file and `fix`, what to do about it."""
-    try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; too deep
-        raise UsageError(f"{path} is not valid JSON ({type(e).__name__}: "
-                         f"{str(e)[:80]}); {fix}") from None
-    if not isinstance(obj, dict):
-        raise UsageError(f"{path} holds a JSON {type(obj).__name__}, not a bench result; {fix}")
-    return obj
-
-
 RUN = "a bench.py run"  # what --out must hold if it holds anything (claim_folder)
 
 
 def claim(out):
     """--out made and held for this run (cli.claim_folder) -> the folder it created, if any."""
     return cli.claim_folder(out, "--out", is_run, RUN, create=True)
-
-
-def not_a_run(config):
-    """Why a config.json's content is not one bench.py wrote (a run's, or a merge's), or None."""
-    if not isinstance(config, dict):
-        return f"a JSON {type(config).__name__}, not an object"
-    missing = [k for k, kind in (("quality_key", dict), ("command", str))
-               if not isinstance(config.get(k), kind)]
-    return f"it has no {' or '.join(missing)}" if missing else None
-
-
-def is_run(folder):
-    """Whether `folder` is a bench.py run (or merge) that it may write into again: its config.json
-    is one bench.py wrote."""
-    try:
-        return not_a_run(json.loads((Path(folder) / "config.json").read_text("utf-8"))) is None
-    except (OSError, ValueError):
-        return False
-
-
-def read_results(path, fix):
-    """A run's results.json (read_json), with what merge and a resume take from it in the shape
-    bench.py writes: a config, speed rows as objects; otherwise UsageError naming it and `fix`."""
-    old = read_json(path, fix)
-    if not isinstance(old.get("config"), dict):
-        raise UsageError(f"{path} has no config: not a bench result; {fix}")
-    if not isinstance(old.get("seconds", 0), (int, float)):
-        raise UsageError(f"{path}: its seconds are not a number; {fix}")
-    for k in ("speed", "speed_peer", "gpu"):
-        rows = old.get(k)
-        if rows is not None and not (isinstance(rows, list)
-                                     and all(isinstance(r, dict) for r in rows)):
-            raise UsageError(f"{path}: its {k} rows are not a list of objects; {fix}")
-    return old
 
 
 def n_contexts(key, where="--out"):
@@ -596,6 +591,15 @@ def n_contexts(key, where="--out"):
     except (KeyError, TypeError):  # a config.json edited by hand
         raise UsageError(f"{where}/config.json: its quality_key does not say how many contexts "
                          f"the run has; leave that folder out") from None
+
+
+def entries_check(key):
+    """The suite's own check of a record's entries (quality.load_records' `bad`): the needle
+    suite's tallies, RULER's scores (what ruler.results reads)."""
+    if key.get("suite", "needle") == "needle":
+        return quality.bad_entries
+    return lambda rec: next((f"its entry {k!r} has no scores" for k, e in rec["entries"].items()
+                             if not isinstance(e.get("scores"), list)), None)
 
 
 def kept(args):
@@ -665,20 +669,24 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
                     if not (isinstance(c.get("flags"), dict) and c["flags"].get("no_quality"))]
     first = quality_runs[0] if quality_runs else 0
     key = configs[first]["quality_key"]
+    # a speed-only run's contexts are none: its suite, model and gate must still be the experiment's
+    measured_on = lambda k: {n: k.get(n) for n in ("suite", "model", "gate")}
     for i, (f, c) in enumerate(zip(folders, configs)):
-        # a speed-only run's contexts are none: its suite must still be the experiment's
-        other = c["quality_key"] if i in quality_runs else {"suite": c["quality_key"].get("suite")}
-        theirs = key if i in quality_runs else {"suite": key.get("suite")}
+        other = c["quality_key"] if i in quality_runs else measured_on(c["quality_key"])
+        theirs = key if i in quality_runs else measured_on(key)
         if other != theirs:
             raise UsageError(f"{f} is a run of another experiment than {folders[first]} "
                              f"({differing(theirs, other)} differ); leave {f} out of --merge")
-    if key.get("suite") == "decode":  # its own records and tables (harness/decode_report.py)
-        return decode_report.merge(folders, configs, out, n_boot, seed, claim, plot)
+    check_kind(out, key.get("suite", "needle"), merged=True)
+    if key.get("suite") == "decode":  # its own records and tables (harness/decode_suite.py)
+        check_merged_configs(folders, configs)
+        return decode_suite.merge(folders, configs, out, n_boot, seed, claim, plot)
     expected = n_contexts(key, folders[first]) if quality_runs else 0
     records, results = {}, dict(config=dict(configs[first], merged_from=[str(f) for f in folders],
                                             commands=[c["command"] for c in configs]), rows=[])
     for f in folders:
-        for c, rec in load_records(f, key, expected, f"leave {f} out of --merge").items():
+        for c, rec in load_records(f, key, expected, f"leave {f} out of --merge",
+                                   entries_check(key)).items():
             # a context run twice (same seed, same flags) is the same context
             records.setdefault(c, rec)
         old = (read_results(f / "results.json", f"delete it (the contexts are merged from "
@@ -715,11 +723,13 @@ def merge(folders, out, n_boot, seed, averaged, plot=False):
     if records:
         results.update(suite_results(list(records.values()), key, n_boot, seed, averaged))
     results["complete"] = n_done == meant
+    check_merged_configs(folders, configs)
     out = Path(out)
     created = cli.claim_folder(out, "--out", is_run, RUN, create=True)
-    try:
-        write_results(out, results)
-        write_text(out / "config.json", json.dumps(results["config"], indent=1))
+    try:  # all or none: a failed merge leaves what the folder held
+        cli.write_texts({out / "results.json": json.dumps(results, indent=1),
+                         out / "results.md": markdown(results),
+                         out / "config.json": json.dumps(results["config"], indent=1)})
     except cli.WriteError:  # a full disk: a folder made for this merge is not left empty
         cli.drop_folder(out, created)
         raise

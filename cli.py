@@ -15,7 +15,7 @@ import signal
 import stat
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -169,12 +169,23 @@ def atomic_path(path):
             raise
         raise WriteError(f"cannot write {path}: {why}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # a read-only mount: nothing was written, the write's own error stands
+            pass
 
 
 def write_text(path, text):
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def write_texts(files):
+    """{path: text} written all or none: each to its temporary first, and only when every one is
+    written do they replace their paths (a full disk midway leaves the files as they were)."""
+    with ExitStack() as stack:
+        for path, text in files.items():
+            stack.enter_context(atomic_path(path)).write_text(text, encoding="utf-8")
 
 
 def write_json(path, obj, indent=2):
@@ -227,16 +238,20 @@ def claim_folder(path, flag, ours, what, create=False):
     it again is cheap."""
     path = Path(path)
     created = None
-    if create and not path.is_dir():
-        absent = [p for p in (path.absolute(), *path.absolute().parents) if not p.exists()]
-        created = absent[-1] if absent else None  # the parents are absent up to the first there
-        try:
+    try:  # a name the file system refuses (too long) fails even to be looked at
+        if create and not path.is_dir():
+            absent = [p for p in (path.absolute(), *path.absolute().parents) if not p.exists()]
+            # a link to nothing on the way: named, not mkdir's "File exists"
+            dangling = next((p for p in absent if p.is_symlink()), None)
+            if dangling is not None:
+                raise OSError(f"{dangling} is a link to nothing")
+            created = absent[-1] if absent else None  # absent up to the first folder there
             path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"{flag} {path}: cannot create the folder ({e.strerror or e}); pass "
-                             f"another {flag}") from None
-    if not path.is_dir():
-        return created  # not there yet: claimed when it is made
+        if not path.is_dir():
+            return created  # not there yet: claimed when it is made
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create the folder ({e.strerror or e}); pass "
+                         f"another {flag}") from None
     try:
         others = sorted(p.name for p in path.iterdir() if not leftover(p.name))
     except OSError as e:
@@ -467,20 +482,25 @@ def add_seed(p, seeds, default=0):
     p.add_argument("--seed", type=seed, default=default, help=f"seed of {seeds}")
 
 
-def add_threads(p, default=1, zero=False, note=""):
+def add_threads(p, default=1, zero=False, note="", many=False):
     """--threads: torch's CPU threads, a count >= 1; with zero, 0 also (torch's own choice, as the
-    default None is). note: why this program's default."""
+    default None is); with many, a comma list of such counts (a benchmark run at each). note: why
+    this program's default."""
     low = 0 if zero else 1
 
-    def threads(s):
+    def count(s):
         value = int(s)
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
 
+    def threads(s):
+        return list(dict.fromkeys(count(x) for x in s.split(","))) if many else count(s)
+
     own = "torch's own choice"
-    p.add_argument("--threads", type=threads, default=default, metavar="N",
-                   help="torch CPU threads" + (f" (0 = {own})" if zero else "")
+    p.add_argument("--threads", type=threads, default=default, metavar="N,N" if many else "N",
+                   help="torch CPU threads" + (", a comma list" if many else "")
+                   + (f" (0 = {own})" if zero else "")
                    + f"; default: {own if default is None else default}" + (f". {note}" if note
                                                                             else ""))
 

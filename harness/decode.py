@@ -26,8 +26,9 @@ generation's first difference is where it stops, its final answer is never given
 for it: what it scores before B is the full cache's.
 
 Speed and memory (speed(): one long greedy generation per configuration, ms per decoded token and
-the KV bytes held at each point of --speed-lengths, beside transformers' generate) and the report
-(tables, intervals, plots) are in harness/decode_report.py.
+the KV bytes held at each point of --speed-lengths, beside transformers' generate), bench.py's flags,
+run and --merge are in harness/decode_suite.py; the report (tables, intervals, plots) in
+harness/decode_report.py.
 """
 import random
 import time
@@ -282,15 +283,16 @@ def cut_entry(ref, stream, budget, ref_gen, gen_prompt_len):
     return out
 
 
-def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None):
+def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None,
+        streams=None):
     """Every configuration of exp on every document of this shard (contexts c with c % n == k) but
-    those in `done`; on_context(record) after each."""
+    those in `done`; on_context(record) after each. streams: make_streams' (made here if None)."""
     cfg, _, device = model_info(model)
     fmt_plain = prompt_format(cfg, model_name, chat=False)
     fmt_gen = prompt_format(cfg, model_name, chat=exp.chat)
     gates = (resolve_gate(gate_file, cfg, model_name, device=device)
              if "fastkvzip" in exp.methods else None)
-    streams = make_streams(tok, fmt_plain, exp)
+    streams = streams or make_streams(tok, fmt_plain, exp)
     stops = answer_stops(cfg, tok)
     banned = set(cfg.eos_token_ids)
     scored = [m for m in exp.methods if m not in ("full", "cut")]

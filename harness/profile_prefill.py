@@ -338,10 +338,10 @@ def parts_table(rounds):
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", "--model", default="smollm2-135m-gguf,gemma3-270m-gguf",
+    p.add_argument("--models", default="smollm2-135m-gguf,gemma3-270m-gguf",
                    help="comma list of models (what --model takes elsewhere)")
     p.add_argument("--lengths", type=cli.ints, default=[2048], help="context lengths in tokens")
-    p.add_argument("--threads", type=cli.ints, default=[2], help="comma list of thread counts")
+    cli.add_threads(p, default=[2], many=True)
     p.add_argument("--repeats", type=int, default=3, help="rounds of the three runs, rotated")
     p.add_argument("--budget", type=float, default=0.3, help="Fast KVzip's budget")
     p.add_argument("--chunk", type=int, default=2048,

@@ -653,12 +653,34 @@ def write_record(folder, key, record):
                json.dumps({**record, "key": key}))
 
 
-def load_records(folder, key, n, fix="use a new --out, or the flags of the run that wrote it"):
+def number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def bad_entries(rec):
+    """Why a needle record's entries are not what quality.run writes (what accumulate reads), or
+    None."""
+    for name, e in rec["entries"].items():
+        tally = e.get("tally")
+        if not (isinstance(tally, dict) and all(
+                isinstance(tally.get(t), list) and len(tally[t]) == 2
+                and all(map(number, tally[t])) for t in TASKS)):
+            return f"its entry {name!r} has no tally of {', '.join(TASKS)}"
+    return None
+
+
+def load_records(folder, key, n, fix="use a new --out, or the flags of the run that wrote it",
+                 bad=None):
     """The finished contexts in folder/contexts/ (each written atomically when its context
-    ended) of the experiment `key`, which has n contexts; a record of another experiment, or that
-    claims a context the experiment lacks, is a UsageError naming its file, `fix` what to do."""
-    records = {}
-    for path in sorted((Path(folder) / "contexts").glob("context-*.json")):
+    ended) of the experiment `key`, which has n contexts; a record of another experiment, that
+    claims a context the experiment lacks, or is damaged (no entries, seconds not a number, or
+    bad(record), the suite's own check, says why) is a UsageError naming its file, `fix` what to
+    do."""
+    records, contexts = {}, Path(folder) / "contexts"
+    if contexts.exists() and not contexts.is_dir():
+        raise UsageError(f"{contexts} is a file, not the run's folder of finished contexts; move "
+                         "it away (or use a new folder)")
+    for path in sorted(contexts.glob("context-*.json")):
         try:
             rec = json.loads(path.read_text(encoding="utf-8"))
         # written atomically by us: damaged by something else (cut short, or a folder put there)
@@ -674,6 +696,15 @@ def load_records(folder, key, n, fix="use a new --out, or the flags of the run t
             claim = "names no context" if c is None else f"claims context {c!r}"
             raise UsageError(f"{path} {claim}, not that file's context of a run of {n} contexts "
                              f"(0-{n - 1}); delete it (its context is then run again)")
+        entries = rec.get("entries")
+        whole = isinstance(entries, dict) and entries and all(isinstance(e, dict)
+                                                              for e in entries.values())
+        why = ("its entries are missing or not objects" if not whole else
+               "its seconds are not a number" if not number(rec.get("seconds")) else
+               bad(rec) if bad else None)
+        if why:
+            raise UsageError(f"{path} is damaged ({why}); delete it (its context is then run "
+                             "again)")
         records[c] = rec
     return records
 

@@ -1,8 +1,10 @@
 """
 A benchmark run's files: config.json (flags, versions, machine, model and gate hashes), results.json
 and results.md (the quality sections from harness.quality_report, then speed and memory), each written
-atomically.
+atomically; and reading them back (bench.py's resume and --merge), each damage one line naming the
+file.
 """
+import json
 import os
 import platform
 import subprocess
@@ -15,7 +17,7 @@ import tokenizers
 import torch
 
 from cache import LEVELS
-from cli import code, file_sha256, md
+from cli import UsageError, code, file_sha256, md
 from harness import quality_report
 from harness.speed import batch_markdown
 
@@ -188,3 +190,83 @@ def peer_markdown(results):
                        f"{p['kv_bytes'] / 2**20:.1f} MiB | {r['method']} | {r['budget']:g} | "
                        f"{fmt(r['vs_peer']['prefill'])} | {fmt(r['vs_peer']['decode'])} |")
     return out
+
+
+# ---- 3. Reading a run folder back: what bench.py wrote, or one line naming what is wrong ---------
+
+def read_json(path, fix):
+    """A JSON object this script wrote (atomically): damaged by something else (a copy cut short) ->
+    UsageError naming the file and `fix`, what to do about it."""
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; too deep
+        raise UsageError(f"{path} is not valid JSON ({type(e).__name__}: "
+                         f"{str(e)[:80]}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"{path} holds a JSON {type(obj).__name__}, not a bench result; {fix}")
+    return obj
+
+
+def not_a_run(config):
+    """Why a config.json's content is not one bench.py wrote (a run's, or a merge's), or None."""
+    if not isinstance(config, dict):
+        return f"a JSON {type(config).__name__}, not an object"
+    missing = [k for k, kind in (("quality_key", dict), ("command", str))
+               if not isinstance(config.get(k), kind)]
+    return f"it has no {' or '.join(missing)}" if missing else None
+
+
+def check_merged_configs(folders, configs):
+    """What a merge's results.md reads of each run's config.json beside what not_a_run asks (the
+    flags, when it started): else one line naming the file."""
+    for f, c in zip(folders, configs):
+        missing = [k for k, kind in (("flags", dict), ("started", str))
+                   if not isinstance(c.get(k), kind)]
+        if missing:
+            raise UsageError(f"{f}/config.json has no {' or '.join(missing)}: not all of a bench "
+                             f"run's; leave {f} out of --merge")
+
+
+def check_kind(out, suite, merged):
+    """--out holding bench.py's results of another kind than this one's is refused in one line:
+    a run (merged=False) writes only over a run of its suite (resumed), a merge only over a merge
+    of its suite (merged into again). Not bench.py's, or nothing: claim_folder's to judge."""
+    try:
+        config = json.loads((Path(out) / "config.json").read_text("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return
+    if not_a_run(config):
+        return
+    theirs = (bool(config.get("merged_from")), config["quality_key"].get("suite", "needle"))
+    kind = lambda m, s: f"a --suite {s} {'merge' if m else 'run'}"
+    if theirs != (merged, suite):
+        raise UsageError(f"--out {out} holds the results of {kind(*theirs)}: "
+                         f"{kind(merged, suite)} does not write over them; pass another --out "
+                         "(a new or empty folder)")
+
+
+def is_run(folder):
+    """Whether `folder` is a bench.py run (or merge) that it may write into again: its config.json
+    is one bench.py wrote."""
+    try:
+        return not_a_run(json.loads((Path(folder) / "config.json").read_text("utf-8"))) is None
+    except (OSError, ValueError):
+        return False
+
+
+def read_results(path, fix):
+    """A run's results.json (read_json), with what merge and a resume take from it in the shape
+    bench.py writes: a config, speed rows as objects; otherwise UsageError naming it and `fix`."""
+    old = read_json(path, fix)
+    if not isinstance(old.get("config"), dict):
+        raise UsageError(f"{path} has no config: not a bench result; {fix}")
+    if not isinstance(old.get("seconds", 0), (int, float)):
+        raise UsageError(f"{path}: its seconds are not a number; {fix}")
+    for k in ("speed", "speed_peer", "gpu"):
+        rows = old.get(k)
+        if rows is not None and not (isinstance(rows, list)
+                                     and all(isinstance(r, dict) for r in rows)):
+            raise UsageError(f"{path}: its {k} rows are not a list of objects; {fix}")
+    return old

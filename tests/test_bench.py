@@ -778,3 +778,14 @@ def test_sigterm_says_what_is_kept(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == ("interrupted: 0 finished contexts are kept in "
                                                  f"{out}; rerun the "
                                                  f"same command to resume"), (r.stderr)
+
+
+@pytest.mark.parametrize("budgets", ["0.5,0.5000001", "0.3,0.2,0.30000004", "1,0.9999999"])
+def test_budgets_that_print_alike_are_refused(capsys, budgets):
+    """--budgets 0.5,0.5000001 ran both and kept one (the results name a budget as printed: one
+    column, one row)."""
+    for suite in ("needle", "ruler"):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--suite", suite, "--budgets", budgets])
+        assert e.value.code == 2 and "they print alike" in capsys.readouterr().err
+    assert bench.parse_args(["--budgets", "0.5,0.500001"]).budgets == [0.5, 0.500001]

@@ -10,7 +10,7 @@ import bench
 import generate
 import model as M
 from gate import Gates
-from harness import decode, decode_report
+from harness import decode, decode_report, decode_suite
 from harness.timing import time_scorer
 from tests.helpers import tiny_checkpoint
 
@@ -260,11 +260,31 @@ def test_scorer_clock_times_the_scorer_and_changes_nothing(tiny, method):
     (["--decode-gen-tokens", "0"], "--decode-gen-tokens must be >= 1"),
     (["--contexts", "2", "--shard", "3/4"], "shard 3 holds none"),
     (["--decode-budgets", "256,512", "--decode-gen-budgets", "1024"], "one of --decode-budgets"),
+    # a recall with no fact, a device that is no device, a prompt that leaves no room: named
+    (["--decode-gaps", "0"], "--decode-gaps 0 asks no fact"),
+    (["--device", "cuda:x"], "--device cuda:x: cpu, cuda or cuda:N"),
+    (["--device", "gpu"], "--device gpu: cpu, cuda or cuda:N"),
+    (["--decode-prompt", "5000"], "--decode-prompt 5000"),
+    (["--out", ""], "--out '' names no folder"),
+    # other suites' flags are refused, not ignored
+    (["--budgets", "0.5"], "--budgets: --suite decode does not read it (its budgets are "
+                           "--decode-budgets"),
+    (["--window", "64"], "--window: --suite decode does not read it"),
+    (["--ruler-only", "niah_single_1"], "--ruler-only: --suite decode does not read it"),
+    (["--speed-budget", "0.5"], "--speed-budget: --suite decode does not read it"),
+    (["--quick"], "--quick: --suite decode does not read it"),
 ])
 def test_bad_decode_flags_exit_2(capsys, flags, words):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--suite", "decode", *flags])
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_decode_flags_under_another_suite_are_refused(capsys):
+    for flags in (["--decode-budgets", "256"], ["--suite", "ruler", "--decode-gaps", "512"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(flags)
+        assert e.value.code == 2 and "is a flag of --suite decode" in capsys.readouterr().err
 
 
 def test_decode_defaults_and_explicit_flags():
@@ -289,7 +309,7 @@ def test_speed_rows_and_the_peer_on_a_tiny_gemma3(tmp_path):
     model = M.load_model(folder, "cpu", torch.float32)
     cfg = model.config
     prompt = [cfg.bos_token_id] + list(range(3, 40))
-    rows = decode_report.speed(model, load_peer(folder), prompt, 1, [300, 600, 900], [160],
+    rows = decode_suite.speed(model, load_peer(folder), prompt, 1, [300, 600, 900], [160],
                                spread_gates(cfg), 0)
     by = lambda m: [r for r in rows if r["method"] == m]
     assert [r["length"] for r in by("full")] == [300, 600, 900] == [r["length"]
@@ -326,8 +346,177 @@ def fake_run(folder, key, records=(), speed=None, no_quality=False):
     for r in records:
         (folder / "contexts" / f"context-{r['context']:03d}.json").write_text(
             json.dumps({**r, "key": key}))
-    (folder / "results.json").write_text(json.dumps(dict(decode_speed=speed, seconds=5.0)))
+    (folder / "results.json").write_text(json.dumps(dict(config=config, decode_speed=speed,
+                                                         seconds=5.0)))
     return folder
+
+
+KEY = dict(suite="decode", contexts=3, length=2000, prompt_tokens=64, budgets=[256],
+           gaps=[512, 1024], generations=3, gen_tokens=100, seed=0, model="m", gate="g")
+SPEED = [dict(method="full", budget=None, length=1024, ms_per_token=5.0, score_share=None,
+              kv_bytes=10, kv_kept_bytes=10)]
+
+
+def test_merge_refuses_speed_rows_of_another_model_or_gate(tmp_path):
+    """A speed-only run was compared by suite alone: its rows, measured on another checkpoint or
+    gate, were filed under the first run's model."""
+    from cli import UsageError
+    a = fake_run(tmp_path / "a", KEY, fake_records())
+    for what, key in (("model", dict(KEY, model="other")), ("gate", dict(KEY, gate="other"))):
+        s = fake_run(tmp_path / what, dict(key, contexts=1), speed=SPEED, no_quality=True)
+        with pytest.raises(UsageError, match=f"{s} is a run of another experiment .*\\({what} "
+                                             f"differ\\); leave {s} out of --merge"):
+            bench.main(["--merge", f"{a},{s}", "--out", str(tmp_path / "m"), "--bootstrap", "10"])
+    assert not (tmp_path / "m").exists()
+
+
+def damage_decode(folder, kind):
+    import json
+    rec, config = folder / "contexts" / "context-000.json", folder / "config.json"
+    edit = lambda path, fn: path.write_text(json.dumps(fn(json.loads(path.read_text()))))
+    if kind == "a record without entries":
+        edit(rec, lambda r: {k: v for k, v in r.items() if k != "entries"})
+    elif kind == "a record with malformed entries":
+        edit(rec, lambda r: dict(r, entries={"full": dict(nll=[1.0], probes="x")}))
+    elif kind == "a record whose seconds are not a number":
+        edit(rec, lambda r: dict(r, seconds="1 h"))
+    elif kind == "config.json without flags":
+        edit(config, lambda c: {k: v for k, v in c.items() if k != "flags"})
+    elif kind == "config.json without started":
+        edit(config, lambda c: {k: v for k, v in c.items() if k != "started"})
+    elif kind == "results.json seconds that are not a number":
+        edit(folder / "results.json", lambda r: dict(r, seconds="1 h"))
+    elif kind == "speed rows that are not objects":
+        edit(folder / "results.json", lambda r: dict(r, decode_speed=[1, 2]))
+    elif kind == "contexts a file":
+        for p in (folder / "contexts").iterdir():
+            p.unlink()
+        (folder / "contexts").rmdir()
+        (folder / "contexts").write_text("x")
+    return {"contexts a file": folder / "contexts", "config.json without flags": config,
+            "config.json without started": config}.get(
+        kind, folder / "results.json" if "results.json" in kind or "speed" in kind else rec)
+
+
+@pytest.mark.parametrize("kind", [
+    "a record without entries", "a record with malformed entries",
+    "a record whose seconds are not a number", "config.json without flags",
+    "config.json without started", "results.json seconds that are not a number",
+    "speed rows that are not objects", "contexts a file"])
+def test_a_damaged_decode_run_folder_is_one_line_naming_the_file(tmp_path, kind):
+    """Each was a KeyError, TypeError or IndexError traceback (or, contexts a file, a merge that
+    silently dropped the run's documents)."""
+    from cli import UsageError
+    a = fake_run(tmp_path / "a", KEY, fake_records()[:1], speed=SPEED)
+    bad = damage_decode(a, kind)
+    with pytest.raises(UsageError) as e:
+        bench.main(["--merge", str(a), "--out", str(tmp_path / "m"), "--bootstrap", "10"])
+    assert str(bad) in str(e.value) and ("delete it" in str(e.value) or "out of --merge" in
+                                         str(e.value) or "move it away" in str(e.value))
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_failed_merge_removes_what_it_wrote_and_can_be_rerun(tmp_path, monkeypatch):
+    """A full disk at results.md left results.json in the (existing, empty) --out, and the next
+    merge refused the folder for it."""
+    import cli
+    a = fake_run(tmp_path / "a", KEY, fake_records())
+    out = tmp_path / "m"
+    out.mkdir()
+    real = Path.write_text
+
+    def full(self, *a, **kw):
+        if self.name.startswith(".results.md"):
+            raise OSError(28, "No space left on device")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(Path, "write_text", full)
+    for _ in range(2):  # the second fails for the same reason, not for the first one's files
+        with pytest.raises(cli.WriteError, match="results.md: No space left on device"):
+            bench.main(["--merge", str(a), "--out", str(out), "--bootstrap", "10"])
+        assert list(out.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def tiny_decode(tmp_path_factory):
+    """bench.py --suite decode's flags for a tiny random Gemma3 (1,024 positions) and its gate:
+    one 900-token stream, streaming at 160, speed to 600 positions (seconds)."""
+    pytest.importorskip("transformers")
+    from tests.assets import require_asset
+    from tests.test_saved_cache import tiny_setup
+    require_asset("austen_parts")
+    t = tiny_setup("gemma3", tmp_path_factory.mktemp("tiny") / "model")
+    return ["--suite", "decode", "--model", str(t["folder"]), "--gate", str(t["gate_file"]),
+            "--lengths", "900", "--decode-gaps", "256", "--decode-prompt", "16", "--contexts",
+            "1", "--decode-budgets", "160", "--methods", "streaming", "--decode-gen-tokens", "16",
+            "--no-peer", "--decode-speed-budgets", "160", "--speed-lengths", "300,600",
+            "--bootstrap", "10"]
+
+
+def short_text(tok, text="austen"):
+    """Austen's first chapter, cut short, twice: two documents enough for one 900-token stream
+    each (tokenizing all of Austen with the tiny tokenizer takes seconds)."""
+    from offline import fetch_assets
+    from prompts import encode_text
+    first = sorted(fetch_assets.text_docs("austen_parts"))[0]
+    ids = encode_text(tok, first.read_text(encoding="utf-8")[:6000])
+    return [("c0", ids), ("c1", list(ids))]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--speed-lengths", "10"], "--speed-lengths 10: not past the speed run's prompt"),
+    (["--speed-lengths", "300,17"], "--speed-lengths 17: not past the speed run's prompt"),
+    (["--decode-budgets", "900"], "--decode-budgets 900: not below --lengths 900"),
+    (["--decode-budgets", "160,5000"], "--decode-budgets 5000: not below --lengths 900"),
+    (["--decode-speed-budgets", "600"], "--decode-speed-budgets 600: not below --speed-lengths"),
+    (["--decode-budgets", "1"], "--decode-budgets 1 leaves nothing to the scorer"),
+    (["--decode-budgets", "100,160", "--methods", "fastkvzip"],
+     "--decode-budgets 100 leaves nothing to the scorer: fastkvzip"),
+    (["--decode-speed-budgets", "20"], "--decode-speed-budgets 20 leaves nothing to the scorer"),
+    (["--contexts", "3", "--decode-generations", "0"], "--contexts 3: only 2 Austen chapters"),
+])
+def test_decode_values_that_measure_nothing_are_refused_before_the_model_and_out(
+        tiny_decode, tmp_path, monkeypatch, flags, words):
+    """Each ran (and was reported), or failed mid-run, or after config.json was written; now one
+    line before the weights load, nothing written into --out (here an existing empty folder)."""
+    from cli import UsageError
+
+    def reached(*a, **k):
+        raise AssertionError("the weights were loaded: the refusal came late")
+    monkeypatch.setattr(decode_suite, "load_checked", reached)
+    monkeypatch.setattr(decode, "load_docs", short_text)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(UsageError, match="use at least|give|ask fewer") as e:
+        bench.main([*tiny_decode, *flags, "--out", str(out)])
+    assert words in str(e.value)
+    assert list(out.iterdir()) == []
+
+
+def test_cuda_without_cuda_is_refused_before_out(tiny_decode, tmp_path):
+    from model import ModelError
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ModelError, match=f"--device {device}: CUDA is not available"):
+            bench.main([*tiny_decode, "--device", device, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rerun_without_speed_lengths_keeps_the_speed_rows(tiny_decode, tmp_path, monkeypatch):
+    """--speed-lengths 0 (to resume, or for --plot) threw away the rows the folder's run measured:
+    they were kept only if the settings, lengths included (now none), were equal."""
+    import json
+    monkeypatch.setattr(decode_suite, "load_docs", short_text)  # the speed prompt's text
+    out = str(tmp_path / "out")
+    bench.main([*tiny_decode, "--no-quality", "--out", out])
+    first = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["length"] for r in first["decode_speed"]] == [300, 600, 300, 600]
+    for other in ([], ["--decode-speed-budgets", "300"]):  # not measured again: kept as measured
+        bench.main([*tiny_decode, "--no-quality", "--speed-lengths", "0", *other, "--out", out])
+        res = json.loads((tmp_path / "out" / "results.json").read_text())
+        assert res["decode_speed"] == first["decode_speed"]
+        assert res["config"]["speed_key"] == first["config"]["speed_key"]
+        assert "[300, 600]" in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_merge_joins_shards_and_a_speed_run(tmp_path):

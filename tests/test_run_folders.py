@@ -7,6 +7,7 @@ Most refusals come before any model is read: the CLIs run as subprocesses on fol
 here. The two-process test runs bench.py on a tiny random model (seconds)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -309,3 +310,134 @@ def test_needle_lengths_too_short_are_refused_before_the_model_and_out(tiny, tmp
     with pytest.raises(cli.UsageError, match="--lengths 60 is too short for its needles"):
         bench.main([*map(str, tiny), "--lengths", "60", "--out", str(out)])
     assert not out.exists()
+
+
+# -- a folder holds one suite's run, or one merge: another kind is refused, not written over -----
+
+def decode_folder(folder, merged=False):
+    """A --suite decode --no-quality folder, as the decode suite leaves it (or its merge)."""
+    config = dict(flags=dict(model="m", no_quality=True), command="bench.py --suite decode",
+                  started="t", quality_key=dict(suite="decode", contexts=1, model="m", gate="g"),
+                  gate=dict(source="g", sha256="g"), git_commit="c" * 10, git_dirty=False)
+    if merged:
+        config["merged_from"] = ["a"]
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "results.json").write_text(json.dumps(dict(config=config, decode_speed=[])))
+    return folder
+
+
+def test_another_suites_run_or_a_merge_is_not_written_over(tmp_path):
+    """A --no-quality run replaced results.json in any folder whose config.json was a bench.py
+    run's: a needle speed folder taken by the decode suite, a decode one by the needle suite, a
+    merged folder's quality rows by a speed run, a run's by a merge."""
+    needle, decode, merged = tmp_path / "needle", tmp_path / "decode", tmp_path / "merged"
+    run_folder(needle, contexts=[0], results=dict(config={}, speed=[]))
+    decode_folder(decode)
+    run_folder(merged, contexts=[0], results=dict(config={}, rows=[1]))
+    config = json.loads((merged / "config.json").read_text())
+    (merged / "config.json").write_text(json.dumps(dict(config, merged_from=["x"])))
+    decode_merge = decode_folder(tmp_path / "decode-merged", merged=True)
+    before = {f: snapshot(f) for f in (needle, decode, merged, decode_merge)}
+    speed = ["--no-quality", "--speed-lengths", "256", "--model", "none"]
+    for argv, words in (
+            ([*speed, "--suite", "decode", "--out", needle],
+             "holds the results of a --suite needle run: a --suite decode run does not"),
+            ([*speed, "--out", decode], "a --suite decode run: a --suite needle run does not"),
+            ([*speed, "--suite", "ruler", "--out", decode], "a --suite ruler run does not"),
+            ([*speed, "--out", merged], "a --suite needle merge: a --suite needle run does not"),
+            ([*speed, "--suite", "decode", "--out", decode_merge], "a --suite decode merge: a "),
+            (["--merge", needle, "--out", needle], "a --suite needle merge does not write over"),
+            (["--merge", needle, "--out", decode_merge], "a --suite needle merge does not")):
+        with pytest.raises(cli.UsageError, match="pass another --out") as e:
+            bench.main(list(map(str, argv)))
+        assert words in str(e.value)
+    assert {f: snapshot(f) for f in before} == before
+
+
+def test_merge_refuses_needle_speed_rows_of_another_model_or_gate(tmp_path):
+    """A speed-only run was compared by suite alone: rows of another checkpoint or gate were filed
+    under the first run's model."""
+    run_folder(tmp_path / "a", contexts=[0, 1])
+    for what in ("model", "gate"):
+        s = tmp_path / what
+        run_folder(s, "--no-quality", results=dict(config={}, speed=[]))
+        config = json.loads((s / "config.json").read_text())
+        config["quality_key"][what] = "another"
+        (s / "config.json").write_text(json.dumps(config))
+        with pytest.raises(cli.UsageError, match=re.escape(f"({what} differ); leave {s} out")):
+            bench.main(["--merge", f"{tmp_path / 'a'},{s}", "--out", str(tmp_path / "m")])
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("kind", ["a record without entries", "a record with malformed entries",
+                                  "a record whose seconds are not a number", "contexts a file",
+                                  "config.json without started", "config.json without flags"])
+def test_a_damaged_needle_or_ruler_run_is_one_line_naming_the_file(tmp_path, kind):
+    """The decode suite's damage in the other suites' folders: a KeyError traceback, or (contexts
+    a file) a merge that dropped the run's contexts without a word."""
+    for suite in ("needle", "ruler"):
+        a = tmp_path / suite
+        key = run_folder(a, contexts=[0] if suite == "needle" or "record" in kind else [],
+                         suite=suite)
+        rec, config = a / "contexts" / "context-000.json", a / "config.json"
+        if kind == "contexts a file":
+            rec.unlink(missing_ok=True), (a / "contexts").rmdir()
+            (a / "contexts").write_text("x")
+            bad = a / "contexts"
+        elif kind.startswith("config.json"):
+            c = json.loads(config.read_text())
+            del c[kind.rpartition(" ")[2]]
+            config.write_text(json.dumps(c))
+            bad = config
+        else:
+            r = record(0, key)
+            if kind == "a record without entries":
+                del r["entries"]
+            elif kind == "a record with malformed entries":  # no tally, no scores
+                r["entries"] = {"full@1": {"kept": [1.0]}}
+            else:
+                r["seconds"] = "1 h"
+            rec.write_text(json.dumps(r))
+            bad = rec
+        with pytest.raises(cli.UsageError) as e:
+            bench.main(["--merge", str(a), "--out", str(tmp_path / "m"), "--bootstrap", "10"])
+        assert str(bad) in str(e.value) and any(w in str(e.value) for w in (
+            "delete it", "move it away", f"leave {a} out of --merge")), str(e.value)
+    assert not (tmp_path / "m").exists()
+
+
+def test_out_on_a_read_only_mount_a_long_name_a_link_to_nothing_or_empty(tmp_path, monkeypatch,
+                                                                        capsys):
+    """An empty folder on a read-only mount: the temporary's cleanup raised its own OSError over
+    the message; a name over the file system's limit, an OSError traceback; a link to nothing,
+    "File exists"; --out '' was taken as no --out (a new results/<timestamp>/)."""
+    import errno
+    run_folder(tmp_path / "a", contexts=[0, 1])
+    with pytest.raises(cli.UsageError, match="File name too long"):
+        bench.main(["--merge", str(tmp_path / "a"), "--out", str(tmp_path / ("x" * 300)),
+                    "--bootstrap", "10"])
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    for out in (tmp_path / "link", tmp_path / "link" / "sub"):
+        with pytest.raises(cli.UsageError, match=f"{tmp_path / 'link'} is a link to nothing"):
+            bench.main(["--merge", str(tmp_path / "a"), "--out", str(out), "--bootstrap", "10"])
+    assert not (tmp_path / "nowhere").exists()
+    for argv in (["--merge", str(tmp_path / "a"), "--out", ""], ["--out", " "]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv)
+        assert e.value.code == 2 and "names no folder" in capsys.readouterr().err
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_write, real_unlink = Path.write_text, Path.unlink
+
+    def read_only(real):
+        def refuse(self, *a, **kw):
+            if self.parent == ro:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+            return real(self, *a, **kw)
+        return refuse
+    monkeypatch.setattr(Path, "write_text", read_only(real_write))
+    monkeypatch.setattr(Path, "unlink", read_only(real_unlink))
+    with pytest.raises(cli.WriteError, match=f"cannot write {ro}/results.json: Read-only file "
+                                             "system"):
+        bench.main(["--merge", str(tmp_path / "a"), "--out", str(ro), "--bootstrap", "10"])
