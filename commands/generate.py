@@ -55,7 +55,7 @@ from harness.timing import TokenClock, time_scorer
 from kernels import ArgumentError
 from model import ModelError, NonFiniteLogits, compute_dtype, model_identity
 from prompts import encode_prompt, encode_text, one_line, prompt_format, question_ids, uses_chat
-from serving.batch import Batch
+from serving.batch import batch_for
 from teacher import KVzipTeacher
 
 # -------------------------------------------------------------------------------------------------
@@ -545,11 +545,9 @@ def prepare(args):
     # a base model (no chat turn to end) answers on one line, then goes on with a "Q:" of its own
     ends_line = None if fmt.postfix else one_line(tok)
     batch_size = args.batch_size if args.batch else 1
-    emb = model.model.embed_tokens.weight  # a batch holds KV in the model's dtype and device
-    batch = Batch(cfg, emb.dtype, emb.device) if batch_size > 1 else None
     return Job(model, tok, reqs, gates, teacher, ends_line, cfg.eos_token_ids, batch_size,
                lambda scorer: time_scorer(scorer, device), args.method,  # time_scorer: gate_seconds
-               batch=batch)
+               batch=batch_for(model, batch_size))
 
 
 def started(job, index, make):

@@ -217,3 +217,9 @@ class HeadSlice:
         need[self.heads] = n
         self.kv.reserve(need)
 
+
+def batch_for(model, batch_size):
+    """An empty Batch in the model's dtype and device for batch_size requests at once, None for one
+    (generate.decode then answers on the request's own cache)."""
+    emb = model.model.embed_tokens.weight
+    return Batch(model.config, emb.dtype, emb.device) if batch_size > 1 else None
