@@ -233,11 +233,8 @@ def check_kind(out, suite, merged):
     """--out holding bench.py's results of another kind than this one's is refused in one line:
     a run (merged=False) writes only over a run of its suite (resumed), a merge only over a merge
     of its suite (merged into again). Not bench.py's, or nothing: claim_folder's to judge."""
-    try:
-        config = json.loads((Path(out) / "config.json").read_text("utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return
-    if not_a_run(config):
+    config = bench_config(out)
+    if config is None:
         return
     theirs = (bool(config.get("merged_from")), config["quality_key"].get("suite", "needle"))
     kind = lambda m, s: f"a --suite {s} {'merge' if m else 'run'}"
@@ -247,13 +244,20 @@ def check_kind(out, suite, merged):
                          "(a new or empty folder)")
 
 
+def bench_config(folder):
+    """`folder`'s config.json if bench.py wrote it (a run's or a merge's), else None (none there,
+    unreadable, or another program's)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return None if not_a_run(config) else config
+
+
 def is_run(folder):
     """Whether `folder` is a bench.py run (or merge) that it may write into again: its config.json
     is one bench.py wrote."""
-    try:
-        return not_a_run(json.loads((Path(folder) / "config.json").read_text("utf-8"))) is None
-    except (OSError, ValueError):
-        return False
+    return bench_config(folder) is not None
 
 
 def read_results(path, fix):
