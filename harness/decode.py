@@ -19,11 +19,18 @@ Teacher forcing feeds the stream 128 tokens per forward, aligned with the decode
 cache.after_step(): tests/test_decode_suite.py proves it gives the logits and kept rows of
 token-by-token decoding (generate.decode_one).
 
-"cut" is the authors' "early stopping" baseline (Janghyun1230/FastKVzip:math/run.sh, a full cache
-limited to max_length = the budget): generation stops once the sequence holds B tokens, so it never
-predicts a token past B. Here: no NLL (n/a), a recall probe answered past B counts as wrong, a
-generation's first difference is where it stops, its final answer is never given. Nothing is run
-for it: what it scores before B is the full cache's.
+"cut" is the full-cache baseline of the authors' math runs, run as their code runs it
+(Janghyun1230/FastKVzip:math/run.sh, the `--method fullkv --max_length` loop; METHOD.md §11): a
+full cache whose sequence never holds more than B tokens, its answer forced in the room left
+before B (math/run_math.py lines 72-122: the thinking stops at max_length - offset tokens, the
+answer prompt is appended, the answer is generated up to max_length). In this suite's terms:
+    recall   a probe whose answer ends before B is the full cache's; any later one is asked at the
+             budget instead of at its gap: the stream up to B minus the probe's question and answer
+             tokens, then its question, its answer teacher-forced (cut_probes)
+    generation  the greedy generation stops where the prompt, the generation, the question and
+             ANSWER_TOKENS fill B; the question is asked there and answered greedily (cut_generation)
+    nll      no token past B is ever predicted: n/a
+What maps and what does not: METHOD.md §11.
 
 Speed and memory (speed(): one long greedy generation per configuration, ms per decoded token and
 the KV bytes held at each point of --speed-lengths, beside transformers' generate), bench.py's flags,
@@ -32,7 +39,7 @@ harness/decode_report.py.
 """
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -44,7 +51,7 @@ from harness.quality import OWNERS, answer_stops, load_docs, log, model_info
 from prompts import encode_prompt, encode_text, prompt_format, question_ids
 
 # the full cache, every method of gate.METHODS that evicts while decoding, and "cut", no cache of
-# its own: the full cache stopped at B tokens (module docstring)
+# its own: the full cache whose answer is forced before it holds B tokens (module docstring)
 METHODS = ("full",) + tuple(m for m, kind in SCORERS.items() if kind and kind.decode) + ("cut",)
 BUDGETS = (256, 512, 1024, 2048)  # tokens per KV head
 GAPS = (1024, 2048, 4096, 6000)  # recall: tokens between a fact and its question
@@ -111,6 +118,8 @@ class Stream:
     doc_pos: list    # positions of document tokens (the nll task's)
     probes: list     # [(gap, [answer positions], where the fact's statement ended)]
     doc: str
+    # a probe's first answer position -> where its question begins (cut asks it elsewhere)
+    questions: dict = field(default_factory=dict)
 
 
 def make_stream(tok, name, doc, start, length, gaps, n_prompt, rng):
@@ -119,7 +128,7 @@ def make_stream(tok, name, doc, start, length, gaps, n_prompt, rng):
     `gap` tokens after its statement, again at a sentence end; None if the document ends first."""
     facts = [make_fact(rng, i) for i in range(len(gaps))]
     enc = lambda text: encode_text(tok, text)
-    ids, doc_pos, probes, stated = list(start), [], [], {}
+    ids, doc_pos, probes, stated, questions = list(start), [], [], {}, {}
     # events: (stream position to wait for, kind, fact index)
     todo = [(len(start) + n_prompt + FACT_START + FACT_STEP * i, "intro", i)
             for i in range(len(facts))]
@@ -141,8 +150,10 @@ def make_stream(tok, name, doc, start, length, gaps, n_prompt, rng):
                     stated[i] = len(ids)
                     todo.append((len(ids) + gaps[i], "probe", i))
                 else:
+                    asked = len(ids)
                     ids += enc(rng.choice(PROBES).format(s=f.subject))
                     answer = enc(" " + f.value)
+                    questions[len(ids)] = asked
                     probes.append((gaps[i], list(range(len(ids), len(ids) + len(answer))),
                                    stated[i]))
                     ids += answer + enc(".")
@@ -151,7 +162,7 @@ def make_stream(tok, name, doc, start, length, gaps, n_prompt, rng):
     if todo or len(ids) < length or max(p[-1] for _, p, _ in probes) >= length:
         return None
     return Stream(ids[:length], len(start) + n_prompt, len(start),
-                  [p for p in doc_pos if p < length], sorted(probes), name)
+                  [p for p in doc_pos if p < length], sorted(probes), name, questions)
 
 
 def make_streams(tok, fmt, exp):
@@ -271,16 +282,43 @@ def entry(nll, hit, ref, stream, budget):
     return out
 
 
-def cut_entry(ref, stream, budget, ref_gen, gen_prompt_len):
-    """The full cache stopped at `budget` tokens (module docstring): nothing past it."""
-    full = entry(ref[0], ref[1], ref, stream, 0)
-    probes = [pr if max(p) < budget else [pr[0], pr[1], 0.0, None, pr[4]]
-              for pr, (_, p, _) in zip(full["probes"], stream.probes)]
-    out = dict(nll=None, probes=probes)
-    if ref_gen is not None:  # it stops after budget - prompt tokens, before the answer
-        out["gen"] = dict(first_diff=max(0, min(budget - gen_prompt_len, len(ref_gen["out"]))),
-                          same=False, correct=False, stopped=True)
-    return out
+def cut_probes(model, stream, budget, full):
+    """cut at `budget` on a stream (module docstring): a probe whose answer ends before the budget
+    is the full cache's (`full`, its entry); a later one is asked at the budget instead: the
+    stream's first s tokens, s = budget - the probe's question and answer tokens (at least the
+    prompt), then its question and answer, teacher-forced through a full cache -> the entry's
+    probes (as entry's) and where each question began."""
+    probes, asked = [], []
+    for pr, (gap, pos, _) in zip(full["probes"], stream.probes):
+        q = stream.questions[pos[0]]
+        if pos[-1] < budget:  # the sequence up to the answer fits: the question at its gap
+            probes.append(pr)
+            asked.append(q)
+            continue
+        s = max(stream.n_prompt, budget - (pos[-1] + 1 - q))  # the answer's room, as their offset
+        ids = stream.ids[:s] + stream.ids[q:pos[-1] + 1]
+        nll, hit = teacher_force(model, decode_cache(model, "full", stream.n_protected, None,
+                                                     None, 0), ids, stream.n_prompt,
+                                 stream.n_protected)
+        at = [s + p - q - stream.n_prompt for p in pos]  # the answer's forced tokens
+        probes.append([gap, len(pos), float(hit[at].sum()), float(nll[at].sum()), pr[4]])
+        asked.append(s)
+    return probes, asked
+
+
+def cut_generation(model, prompt, n_protected, budget, n_tokens, question, stops, banned):
+    """cut's free generation (module docstring): greedy through a full cache for as many of the
+    n_tokens as leave the question and ANSWER_TOKENS within `budget` positions, then the question
+    and the answer -> (generated ids, answer ids)."""
+    n = max(0, min(n_tokens, budget - len(prompt) - len(question) - ANSWER_TOKENS))
+    return free_generation(model, decode_cache(model, "full", n_protected, None, None, 0),
+                           prompt, n_protected, n, question, stops, banned)
+
+
+def first_difference(out, ref):
+    """Tokens of a generation before the first that differs from the full cache's (its length if
+    none: a cut generation stops early)."""
+    return next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), len(out))
 
 
 def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None,
@@ -331,17 +369,22 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
                     cache = decode_cache(model, method, n_prot, budget, gates, exp.seed + c)
                     out, ans = free_generation(model, cache, prompt, n_prot, exp.gen_tokens,
                                                question, stops, banned)
-                    same = next((i for i, (a, b) in enumerate(zip(out, ref_gen["out"]))
-                                 if a != b), len(out))
-                    e["gen"] = dict(first_diff=same, same=ans == ref_gen["answer"],
+                    e["gen"] = dict(first_diff=first_difference(out, ref_gen["out"]),
+                                    same=ans == ref_gen["answer"],
                                     correct=value in tok.decode(ans))
                     del cache
                 log(f"decode doc {c + 1}: {method}@{budget} in {time.perf_counter() - t1:.0f} s")
-        if "cut" in exp.methods:
-            for budget in exp.budgets:
-                entries[f"cut@{budget}"] = cut_entry(
-                    ref, stream, budget, ref_gen if budget in exp.gen_budgets else None,
-                    len(task[0]) if gen else 0)
+        for budget in exp.budgets if "cut" in exp.methods else ():
+            t1 = time.perf_counter()
+            probes, asked = cut_probes(model, stream, budget, entries["full"])
+            e = entries[f"cut@{budget}"] = dict(nll=None, probes=probes, asked_at=asked)
+            if gen and budget in exp.gen_budgets:
+                out, ans = cut_generation(model, prompt, n_prot, budget, exp.gen_tokens, question,
+                                          stops, banned)
+                e["gen"] = dict(first_diff=first_difference(out, ref_gen["out"]),
+                                same=ans == ref_gen["answer"], correct=value in tok.decode(ans),
+                                stopped=len(out) < exp.gen_tokens, generated=len(out))
+            log(f"decode doc {c + 1}: cut@{budget} in {time.perf_counter() - t1:.0f} s")
         record = dict(context=c, doc=stream.doc, n_tokens=len(stream.ids),
                       seconds=time.perf_counter() - t0, entries=entries)
         if gen:

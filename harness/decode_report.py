@@ -1,9 +1,16 @@
 """
-The decode suite's report: results rows with 95% intervals over documents, results.md, decode.png
-(quality against budget, ms/token against length). The runs are harness/decode.py's (the quality
-documents) and harness/decode_suite.py's (bench.py --suite decode: the run, the speed section, the
-merge).
+The decode suite's report: results rows with 95% intervals over documents, the gate against each
+method paired by document, results.md, decode.png (quality against budget, ms/token against
+length). The runs are harness/decode.py's (the quality documents) and harness/decode_suite.py's
+(bench.py --suite decode: the run, the speed section, the merge).
+
+Intervals: a handful of documents is the usual run, and a percentile bootstrap over 4 or 5 of them
+under-covers, so every interval is a Student-t interval over documents (n - 1 degrees of freedom):
+of a mean for per-document values, of a ratio of sums with its linearized (delta-method) standard
+error. Where n >= 20 the percentile bootstrap is kept beside it (ci_boot in results.json).
 """
+import math
+
 import numpy as np
 
 from cli import pyplot, save_figure
@@ -11,27 +18,126 @@ from harness.quality import ci
 from harness.quality_report import fmt_ci
 from harness.report import shown
 
-# ---- 1. Summary: rows with intervals over documents ----------------------------------------------
+GATE = "fastkvzip"  # the method every other is compared with, document by document
+BOOT_MIN = 20  # documents from which the bootstrap interval is kept beside the t-interval
+
+# ---- 1. Student t, without scipy -----------------------------------------------------------------
+
+def betainc(a, b, x):
+    """The regularized incomplete beta I_x(a, b), by its continued fraction evaluated with Lentz's
+    method (Numerical Recipes §6.4), to about 1e-14."""
+    if x <= 0.0 or x >= 1.0:
+        return float(x >= 1.0)
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast only below this point
+        return 1.0 - betainc(b, a, 1.0 - x)
+    front = math.exp(a * math.log(x) + b * math.log1p(-x) + math.lgamma(a + b) - math.lgamma(a)
+                     - math.lgamma(b)) / a
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(1000):
+        m = i // 2
+        num = (1.0 if i == 0 else m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0
+               else -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))
+        d = 1.0 / (1.0 + num * d if abs(1.0 + num * d) > tiny else tiny)
+        c = 1.0 + num / c if abs(1.0 + num / c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15:
+            break
+    return front * (f - 1.0)
+
+
+def t_cdf(t, dof):
+    """P(T <= t) for Student's t with dof degrees of freedom."""
+    tail = 0.5 * betainc(dof / 2, 0.5, dof / (dof + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(p, dof):
+    """The t with P(T <= t) = p (0 < p < 1), by bisection on t_cdf to 1e-12."""
+    if p < 0.5:
+        return -t_quantile(1.0 - p, dof)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, dof) < p:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1e-12 * max(1.0, hi):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, dof) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_interval(center, se, n):
+    """center ± t_{0.975, n-1} · se; None below 2 documents (no spread to measure)."""
+    if n < 2 or se is None or not np.isfinite(se):
+        return None
+    h = t_quantile(0.975, n - 1) * se
+    return [float(center - h), float(center + h)]
+
+
+def mean_ci(values):
+    """The mean of per-document values and its t-interval."""
+    x = np.asarray(values, float)
+    n = len(x)
+    return float(x.mean()), t_interval(x.mean(), x.std(ddof=1) / math.sqrt(n) if n > 1 else None,
+                                       n)
+
+
+def ratio_ci(num, den):
+    """Σnum / Σden over documents and its t-interval, the standard error linearized (the ratio
+    estimator's: the spread of num_d - R·den_d over documents, divided by the mean den); (None,
+    None) when no document has a denominator."""
+    y, x = np.asarray(num, float), np.asarray(den, float)
+    n = len(x)
+    if x.sum() == 0:
+        return None, None
+    r = y.sum() / x.sum()
+    se = np.std(y - r * x, ddof=1) / math.sqrt(n) / x.mean() if n > 1 else None
+    return float(r), t_interval(r, se, n)
+
 
 def boot(num, den, idx):
-    """Ratio of sums, and its bootstrap values over documents (idx: (n_boot, n_docs))."""
+    """A ratio of sums' percentile-bootstrap interval over documents (idx: (n_boot, n_docs))."""
     num, den = np.asarray(num, float), np.asarray(den, float)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return num.sum() / den.sum(), num[idx].sum(-1) / den[idx].sum(-1)
+        return ci(num[idx].sum(-1) / den[idx].sum(-1))
 
 
 def finite(x):
-    x = float(x)
-    return x if np.isfinite(x) else None
+    x = None if x is None else float(x)
+    return x if x is not None and np.isfinite(x) else None
+
+
+def exp_ci(c):
+    return [float(np.exp(v)) for v in c] if c else None
+
+
+def clip01(c):
+    return [min(1.0, max(0.0, v)) for v in c] if c else None
+
+
+# ---- 2. Summary: rows with intervals over documents ----------------------------------------------
+
+def probe_sums(es, gap=None):
+    """Per document, over its probes (at `gap`, or all): answer tokens, argmax hits, exact answers,
+    probes, NLL sum, the full cache's NLL sum (None where a probe has no NLL)."""
+    out = []
+    for e in es:
+        ps = [p for p in e["probes"] if gap is None or p[0] == gap]
+        has_nll = all(p[3] is not None for p in ps)
+        out.append(dict(tokens=sum(p[1] for p in ps), hits=sum(p[2] for p in ps),
+                        exact=sum(p[2] == p[1] for p in ps), probes=len(ps),
+                        nll=sum(p[3] for p in ps) if has_nll else None,
+                        nll_full=sum(p[4] for p in ps)))
+    return out
 
 
 def results(records, n_boot, seed):
     """The decode part of results.json from the finished documents' records (any order): one row
-    per (task, method, budget), a percentile-bootstrap 95% interval over documents (paired: the
-    same resampled documents for every configuration)."""
+    per (task, method, budget) with its t-interval over documents (and, from BOOT_MIN documents,
+    the percentile bootstrap beside it: the same resampled documents for every configuration); the
+    gate against every other method paired by document (paired()); the commits the documents ran
+    at (provenance())."""
     records = sorted(records, key=lambda r: r["context"])
     n = len(records)
-    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n)) if n >= BOOT_MIN else None
     keys = list(dict.fromkeys(k for r in records for k in r["entries"]))
     rows = []
     for key in keys:
@@ -42,44 +148,104 @@ def results(records, n_boot, seed):
         if all("kept_nbytes" in e for e in es):  # at the stream's end
             base["kv_kept_bytes_end"] = float(np.mean([e["kept_nbytes"] for e in es]))
         if all(e.get("nll") for e in es) and method != "full":
-            s, b = boot([e["nll"][2] - e["nll"][0] for e in es], [e["nll"][1] for e in es], idx)
-            rows.append(dict(base, task="nll", score=finite(np.exp(s)), ci=ci(np.exp(b)),
-                             increase=finite(-s), n=int(sum(e["nll"][1] for e in es))))
-        elif method == "cut":
+            num, den = [e["nll"][2] - e["nll"][0] for e in es], [e["nll"][1] for e in es]
+            s, c = ratio_ci(num, den)
+            row = dict(base, task="nll", score=finite(np.exp(s)), ci=exp_ci(c),
+                       increase=finite(-s), n=int(sum(den)))
+            if idx is not None:
+                row["ci_boot"] = exp_ci(boot(num, den, idx))
+            rows.append(row)
+        elif method == "cut":  # it never reaches a token past its budget
             rows.append(dict(base, task="nll", score=None, ci=None, n=0))
-        probes = [[p for p in e["probes"]] for e in es]
-        gaps = sorted({p[0] for ps in probes for p in ps})
+        gaps = sorted({p[0] for e in es for p in e["probes"]})
         for gap in [None] + gaps:
-            sel = [[p for p in ps if gap is None or p[0] == gap] for ps in probes]
-            tok_s, tok_b = boot([sum(p[2] for p in ps) for ps in sel],
-                                [sum(p[1] for p in ps) for ps in sel], idx)
-            ex_s, ex_b = boot([sum(p[2] == p[1] for p in ps) for ps in sel],
-                              [len(ps) for ps in sel], idx)
-            row = dict(base, task="recall", gap=gap, score=finite(tok_s), ci=ci(tok_b),
-                       exact=finite(ex_s), exact_ci=ci(ex_b), n=sum(len(ps) for ps in sel))
-            if all(p[3] is not None for ps in sel for p in ps):
-                s, b = boot([sum(p[3] for p in ps) for ps in sel],
-                            [sum(p[1] for p in ps) for ps in sel], idx)
-                f, fb = boot([sum(p[4] for p in ps) for ps in sel],
-                             [sum(p[1] for p in ps) for ps in sel], idx)
-                row.update(nll=finite(s), nll_ci=ci(b), nll_full=finite(f),
-                           nll_ratio=finite(np.exp(f - s)), nll_ratio_ci=ci(np.exp(fb - b)))
+            ds = probe_sums(es, gap)
+            tok, tok_ci = ratio_ci([d["hits"] for d in ds], [d["tokens"] for d in ds])
+            ex, ex_ci = ratio_ci([d["exact"] for d in ds], [d["probes"] for d in ds])
+            row = dict(base, task="recall", gap=gap, score=finite(tok), ci=clip01(tok_ci),
+                       exact=finite(ex), exact_ci=clip01(ex_ci), n=sum(d["probes"] for d in ds))
+            if idx is not None:
+                row["ci_boot"] = boot([d["hits"] for d in ds], [d["tokens"] for d in ds], idx)
+            if all(d["nll"] is not None for d in ds):
+                s, s_ci = ratio_ci([d["nll"] for d in ds], [d["tokens"] for d in ds])
+                f, _ = ratio_ci([d["nll_full"] for d in ds], [d["tokens"] for d in ds])
+                gain, gain_ci = ratio_ci([d["nll_full"] - d["nll"] for d in ds],
+                                         [d["tokens"] for d in ds])
+                row.update(nll=finite(s), nll_ci=s_ci, nll_full=finite(f),
+                           nll_ratio=finite(np.exp(gain)), nll_ratio_ci=exp_ci(gain_ci))
             rows.append(row)
         gens = [e["gen"] for e in es if e.get("gen")]
         if gens:
-            g_idx = np.random.default_rng(seed).integers(0, len(gens), size=(n_boot, len(gens)))
-            first = np.array([g["first_diff"] for g in gens], float)
-            same = np.array([g["same"] for g in gens], float)
-            correct = np.array([g["correct"] for g in gens], float)
+            first, first_ci = mean_ci([g["first_diff"] for g in gens])
+            same, same_ci = mean_ci([float(g["same"]) for g in gens])
+            correct, correct_ci = mean_ci([float(g["correct"]) for g in gens])
             rows.append(dict(base, task="generation", n=len(gens),
-                             first_diff=float(np.median(first)),
-                             first_diff_mean=float(first.mean()),
-                             first_diff_ci=ci(first[g_idx].mean(-1)), same=float(same.mean()),
-                             same_ci=ci(same[g_idx].mean(-1)), correct=float(correct.mean()),
-                             correct_ci=ci(correct[g_idx].mean(-1))))
-    return dict(rows=rows, n_contexts=n,
+                             first_diff=float(np.median([g["first_diff"] for g in gens])),
+                             first_diff_mean=first, first_diff_ci=first_ci, same=same,
+                             same_ci=clip01(same_ci), correct=correct,
+                             correct_ci=clip01(correct_ci)))
+    return dict(rows=rows, n_contexts=n, paired=paired(records, n_boot, seed),
+                interval=dict(kind="t", n=n, level=0.95, bootstrap=n >= BOOT_MIN),
+                provenance=provenance(records),
                 generations=[dict(doc=r["doc"], **r["generation"]) for r in records
                              if r.get("generation")])
+
+
+def per_document(e, task):
+    """One entry's value on its document: the NLL ratio exp(NLL_full - NLL) over its tokens, or
+    the recall (answer tokens right); None where it has none."""
+    if task == "nll":
+        return math.exp((e["nll"][2] - e["nll"][0]) / e["nll"][1]) if e.get("nll") \
+            and e["nll"][1] else None
+    tokens = sum(p[1] for p in e["probes"])
+    return sum(p[2] for p in e["probes"]) / tokens if tokens else None
+
+
+def verdict(c):
+    """A paired interval of the gate minus a method: a tie when it holds 0 (or there is none)."""
+    return "tie" if not c or c[0] <= 0 <= c[1] else "gate better" if c[0] > 0 else "gate worse"
+
+
+def paired(records, n_boot, seed):
+    """For every budget and every method beside the gate: per document, the gate's value minus the
+    method's (nll ratio, recall), their mean and t-interval over the documents where both have
+    one, and the verdict (tie when the interval holds 0); the bootstrap beside it from BOOT_MIN
+    documents."""
+    keys = list(dict.fromkeys(k for r in records for k in r["entries"]))
+    out = []
+    for key in keys:
+        method, _, budget = key.partition("@")
+        if method in ("full", GATE) or not budget or f"{GATE}@{budget}" not in keys:
+            continue
+        for task in ("nll", "recall"):
+            diffs = []
+            for r in records:
+                g, m = (r["entries"].get(k) for k in (f"{GATE}@{budget}", key))
+                a, b = (per_document(e, task) if e else None for e in (g, m))
+                if a is not None and b is not None:
+                    diffs.append(a - b)
+            if not diffs:
+                continue
+            mean, c = mean_ci(diffs)
+            row = dict(budget=int(budget), method=method, task=task, n=len(diffs), diff=mean,
+                       ci=c, verdict=verdict(c))
+            if len(diffs) >= BOOT_MIN:
+                d = np.asarray(diffs)
+                idx = np.random.default_rng(seed).integers(0, len(d), size=(n_boot, len(d)))
+                row["ci_boot"] = ci(d[idx].mean(-1))
+            out.append(row)
+    return out
+
+
+def provenance(records):
+    """The commits the documents ran at, in order of first use: [{commit, dirty, documents}];
+    commit None for records written before the suite kept it ("unrecorded")."""
+    seen = {}
+    for r in records:
+        p = r.get("provenance") or {}
+        k = (p.get("git_commit"), p.get("git_dirty"))
+        seen[k] = seen.get(k, 0) + 1
+    return [dict(commit=c, dirty=d, documents=n) for (c, d), n in seen.items()]
 
 
 # ---- 2. results.md and decode.png ----------------------------------------------------------------
@@ -97,9 +263,9 @@ def markdown(results):
                 "tokens at positions ≥ the budget (1 = lossless, higher is better). recall: "
                 "accuracy of the answer tokens (argmax) of facts asked again "
                 f"{min(gaps)}–{max(gaps)} tokens after they were stated; exact = every token of "
-                "the answer right; recall NLL ratio as nll. [95% bootstrap interval over "
-                "documents.] cut: the full cache stopped at the "
-                "budget (it never reaches a token past it: n/a, or a wrong answer).", "",
+                f"the answer right; recall NLL ratio as nll. {interval_note(results)} cut: the "
+                "full cache stopped at the budget, its answer forced there (harness/decode.py: no "
+                "token past the budget, so no nll).", "",
                 "| method | budget | nll ratio | recall tokens | recall exact | recall NLL ratio |",
                 "|---|---|---|---|---|---|"]
         for m, b in configs:
@@ -117,6 +283,7 @@ def markdown(results):
             out.append(f"| {m} | {b or '–'} | " + " | ".join(
                 fmt_ci(r["score"], r["ci"]) for g in gaps
                 for r in get("recall", method=m, budget=b, gap=g)) + " |")
+        out += paired_markdown(results)
         gens = get("generation")
         if gens:
             out += ["", "### Free generation (greedy)", "",
@@ -146,6 +313,40 @@ def markdown(results):
             out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['length']} | "
                        f"{r['ms_per_token']:.1f} | {mib(r['kv_bytes'])} | "
                        f"{mib(r['kv_kept_bytes'])} | {share} |")
+    return out
+
+
+def interval_note(results):
+    """Which interval the tables show, over how many documents."""
+    iv = results.get("interval")
+    if not iv:  # a results.json written before the t-intervals
+        return "[95% percentile-bootstrap interval over documents.]"
+    n = iv["n"]
+    return (f"[95% Student-t interval over the n = {n} documents ({n - 1} degrees of freedom; "
+            "a ratio of sums with its linearized standard error)"
+            + ("; the percentile bootstrap beside it in results.json (ci_boot)" if iv["bootstrap"]
+               else "") + (": one document has no interval" if n < 2 else "") + ".]")
+
+
+def paired_markdown(results):
+    """The gate against each method at each budget, paired by document (lines)."""
+    rows = results.get("paired")
+    if not rows:
+        return []
+    fmt = lambda r: "n/a" if r is None else (
+        f"{r['diff']:+.3f} [{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}] {r['verdict']}" if r["ci"]
+        else f"{r['diff']:+.3f} (n = {r['n']}: no interval) {r['verdict']}")
+    out = ["", f"### The gate ({GATE}) against each method, paired by document", "",
+           "Per document, the gate's value minus the method's at the same budget (nll ratio: "
+           "exp(NLL_full − NLL) of the document; recall: its answer tokens right); the mean of "
+           f"the n = {max(r['n'] for r in rows)} differences and its 95% Student-t interval (n − 1 "
+           "degrees of freedom). gate better / gate worse: the interval lies above / below 0; "
+           "tie: it holds 0.", "",
+           "| budget | method | nll ratio: gate − method | recall: gate − method |", "|---|---|---|---|"]
+    for b, m in dict.fromkeys((r["budget"], r["method"]) for r in rows):
+        cell = lambda task: fmt(next((r for r in rows if (r["budget"], r["method"], r["task"])
+                                      == (b, m, task)), None))
+        out.append(f"| {b} | {m} | {cell('nll')} | {cell('recall')} |")
     return out
 
 
@@ -216,8 +417,7 @@ def header(res):
     cfg = res["config"]
     f, key = cfg["flags"], cfg["quality_key"]
     ran = (f"Model `{f['model']}`, gate `{shown(cfg['gate']['source'])}` (sha256 "
-           f"{str(cfg['gate']['sha256'])[:12]}), commit {cfg['git_commit'][:10]}"
-           f"{' (dirty)' if cfg['git_dirty'] else ''}. ")
+           f"{str(cfg['gate']['sha256'])[:12]}), {commits(res)}. ")
     if f.get("no_quality"):
         speed = cfg.get("speed_key") or {}
         ran += (f"Speed and memory only (--no-quality): one greedy generation from a "
@@ -235,3 +435,17 @@ def header(res):
             ran + f". Run time {res.get('seconds', 0) / 60:.1f} min"
             + ("." if res.get("complete") else " (not complete: rerun the command to resume)."),
             ""]
+
+
+def commits(res):
+    """The commits a result's documents ran at ("unrecorded" for records written before each kept
+    its own); a speed-only run, or a results.json written before, names config.json's commit."""
+    cfg, prov = res["config"], res.get("provenance")
+    one = lambda c, dirty: f"{c[:10]}{' (dirty)' if dirty else ''}"
+    if not prov:
+        return (f"commit {one(cfg['git_commit'], cfg['git_dirty'])}"
+                + ("" if cfg["flags"].get("no_quality") else
+                   " (the run's last start: which commit ran each document was not recorded)"))
+    return "documents run at " + ", ".join(
+        f"{'unrecorded commit' if p['commit'] is None else 'commit ' + one(p['commit'], p['dirty'])}"
+        f" ({p['documents']} document{'s' if p['documents'] != 1 else ''})" for p in prov)

@@ -304,6 +304,10 @@ def bench_run(args, root, folder, cfg, tok, gates, claim):
         write_text(out / "results.md", "\n".join(header(res) + markdown(res)) + "\n")
 
     def finished(record):
+        # what ran it: the settings are its key (write_record), the code this commit; a resumed
+        # run's documents may come from several commits, and results.md names each
+        record["provenance"] = dict(git_commit=config["git_commit"], git_dirty=config["git_dirty"],
+                                    started=config["started"])
         write_record(out, key, record)
         records.append(record)
         save()

@@ -688,8 +688,11 @@ def load_records(folder, key, n, fix="use a new --out, or the flags of the run t
             raise UsageError(f"{path} is unreadable{' (a folder)' if path.is_dir() else ''}; "
                              "delete it (its context is then run again)") from None
         if not isinstance(rec, dict) or rec.get("key") != key:
-            raise UsageError(f"{path} comes from another configuration (flags, model or "
-                             f"gate differ); {fix}")
+            theirs = rec.get("key") if isinstance(rec, dict) else None
+            what = (", ".join(k for k in sorted(set(theirs) | set(key))
+                              if theirs.get(k) != key.get(k)) + " differ"
+                    if isinstance(theirs, dict) else "it names no settings")
+            raise UsageError(f"{path} comes from another configuration ({what}); {fix}")
         c = rec.get("context")
         # each context in the file of its number (bench.py's finished())
         if not (type(c) is int and 0 <= c < n and path.name == f"context-{c:03d}.json"):

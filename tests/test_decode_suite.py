@@ -196,7 +196,8 @@ def test_streams_hold_their_facts_where_they_claim(smollm2_tok):
 
 
 def fake_records():
-    """Three documents: the gate at 256 loses NLL and one answer; cut stops at 256."""
+    """Three documents: the gate at 256 loses NLL and one answer; cut answers nothing (as records
+    written before cut was run held it), and its generation stopped at 200 tokens."""
     recs = []
     for c, (s_m, s_f, n) in enumerate([(30.0, 20.0, 10), (50.0, 45.0, 20), (12.0, 12.0, 6)]):
         full_probes = [[512, 2, 2.0, 1.0, 1.0], [1024, 3, 3.0, 2.0, 2.0]]
@@ -219,7 +220,12 @@ def test_summary_is_ratios_of_sums_with_intervals_over_documents():
     nll = row("nll", "fastkvzip")
     assert nll["budget"] == 256 and nll["n"] == 36
     assert math.isclose(nll["score"], math.exp((77 - 92) / 36))  # exp(NLL_full - NLL)
-    assert nll["ci"][0] <= nll["score"] <= nll["ci"][1] <= 1  # 1: document 2 alone
+    # its interval: the ratio estimator's linearized standard error, Student t with 2 dof
+    y, x, r = [-10.0, -5.0, 0.0], [10, 20, 6], -15 / 36
+    se = math.sqrt(sum((a - r * b) ** 2 for a, b in zip(y, x)) / 2) / math.sqrt(3) / 12
+    assert nll["ci"] == pytest.approx([math.exp(r - 4.302653 * se), math.exp(r + 4.302653 * se)])
+    assert "ci_boot" not in nll and res["interval"] == dict(kind="t", n=3, level=0.95,
+                                                            bootstrap=False)
     assert row("nll", "cut")["score"] is None  # it never scores a token past its budget
     rec = row("recall", "fastkvzip", gap=None)
     assert math.isclose(rec["score"], (2 + 0 + 2 + 1 + 2 + 1) / 15)  # answer tokens right
@@ -233,6 +239,7 @@ def test_summary_is_ratios_of_sums_with_intervals_over_documents():
     assert row("generation", "full")["correct"] == pytest.approx(1 / 3)
     md = "\n".join(decode_report.markdown(res))
     assert "| fastkvzip | 256 |" in md and "| cut | 256 | n/a |" in md
+    assert "Student-t interval over the n = 3 documents (2 degrees of freedom" in md
 
 
 @pytest.mark.parametrize("method", ["fastkvzip", "rkv"])
@@ -543,23 +550,6 @@ def test_merge_joins_shards_and_a_speed_run(tmp_path):
     with pytest.raises(UsageError, match="results.json is unreadable; leave .* out of --merge"):
         bench.main(["--merge", f"{a},{b}", "--out", str(tmp_path / "m3")])
     assert not (tmp_path / "m3").exists()
-
-
-def test_cut_scores_nothing_past_its_budget():
-    """The full cache stopped at B: probes answered before B are the full cache's, those past B are
-    wrong with no NLL, no NLL past B, and its generation stops B - prompt tokens in, unanswered."""
-    stream = decode.Stream(ids=list(range(1000)), n_prompt=10, n_protected=0,
-                           doc_pos=list(range(10, 1000)),
-                           probes=[(100, [300, 301], 200), (600, [800], 200)], doc="d")
-    nll, hit = torch.rand(990), torch.ones(990)
-    ref_gen = dict(out=list(range(700)), answer=[1, 2])
-    e = decode.cut_entry((nll, hit), stream, 512, ref_gen, 100)
-    full = decode.entry(nll, hit, (nll, hit), stream, 0)
-    assert e["nll"] is None
-    assert e["probes"][0] == full["probes"][0] == [100, 2, 2.0, pytest.approx(
-        float(nll[290] + nll[291])), pytest.approx(float(nll[290] + nll[291]))]
-    assert e["probes"][1][:4] == [600, 1, 0.0, None]
-    assert e["gen"] == dict(first_diff=412, same=False, correct=False, stopped=True)
 
 
 def test_a_speed_only_run_reports_its_speed_section_alone(tmp_path, monkeypatch):
