@@ -461,8 +461,8 @@ class KnormScorer(Scorer):
 # =================================================================================================
 
 # method -> its scorer class (generate.make_cache: cls.make(cfg, gates, seed)). "full" keeps every
-# pair: a plain cache.KVCache, no scorer. The decode suite's "cut" (the full cache stopped at the
-# budget) evicts nothing and is no method here: harness/decode.py
+# pair: a plain cache.KVCache, no scorer. The decode suite's "cut" (the full cache, its answer
+# forced within the budget) evicts nothing and is no method here: harness/decode.py
 METHODS = {
     "full": None,
     "fastkvzip": GateScorer,

@@ -579,3 +579,224 @@ def test_a_speed_only_run_reports_its_speed_section_alone(tmp_path, monkeypatch)
     titles = [[ax.get_title() for ax in fig.axes] for fig in figures]
     assert titles == [["decode speed", "KV memory"],
                       ["NLL ratio past the budget (1 = full)", "recall: answer tokens right"]]
+
+
+# ------------------------------------------------------------ intervals, paired comparisons
+
+# two-sided 95% (p = 0.975) and one-sided 95% (p = 0.95) Student-t quantiles as printed in the
+# NIST/SEMATECH e-Handbook of Statistical Methods, §1.3.6.7.2 (critical values of the t
+# distribution), to the 3 decimals printed there
+T_TABLE = [(0.975, 1, 12.706), (0.975, 2, 4.303), (0.975, 4, 2.776), (0.975, 9, 2.262),
+           (0.975, 19, 2.093), (0.975, 30, 2.042), (0.975, 60, 2.000), (0.975, 100, 1.984),
+           (0.95, 4, 2.132), (0.95, 10, 1.812), (0.99, 5, 3.365), (0.995, 3, 5.841)]
+
+
+@pytest.mark.parametrize("p, dof, t", T_TABLE)
+def test_t_quantiles_match_the_printed_table(p, dof, t):
+    assert round(decode_report.t_quantile(p, dof), 3) == t
+    assert math.isclose(decode_report.t_quantile(1 - p, dof), -decode_report.t_quantile(p, dof))
+
+
+def test_t_cdf_matches_its_closed_forms():
+    """1 and 2 degrees of freedom have closed forms (Cauchy: 1/2 + atan(t)/pi; 1/2 + t/(2 sqrt(2 +
+    t^2))), and I_x(a, 1) = x^a, I_x(1, b) = 1 - (1 - x)^b."""
+    for t in (-30.0, -2.5, -0.3, 0.0, 0.7, 4.0, 100.0):
+        assert math.isclose(decode_report.t_cdf(t, 1), 0.5 + math.atan(t) / math.pi,
+                            abs_tol=1e-12)
+        assert math.isclose(decode_report.t_cdf(t, 2), 0.5 + t / (2 * math.sqrt(2 + t * t)),
+                            abs_tol=1e-12)
+    for x in (0.01, 0.3, 0.5, 0.9, 0.999):
+        assert math.isclose(decode_report.betainc(3.5, 1, x), x ** 3.5, rel_tol=1e-12)
+        assert math.isclose(decode_report.betainc(1, 2.5, x), 1 - (1 - x) ** 2.5, rel_tol=1e-12)
+
+
+def paired_records(gate, other):
+    """Documents whose gate and `other` method at 256 have the given recall (one 10-token probe)
+    and NLL ratios exp(-g/10) (NLL sums over 10 tokens, the full cache's 0)."""
+    entry = lambda nll, hits: dict(nll=[nll, 10, 0.0], probes=[[512, 10, hits, 1.0, 1.0]])
+    return [dict(context=c, doc=f"d{c}", n_tokens=100, seconds=1.0, entries={
+        "full": dict(nll=[0.0, 10, 0.0], probes=[[512, 10, 10.0, 1.0, 1.0]]),
+        "fastkvzip@256": entry(*g), "streaming@256": entry(*o)})
+        for c, (g, o) in enumerate(zip(gate, other))]
+
+
+def test_paired_differences_are_per_document_with_t_intervals():
+    """Against a naive computation: per document, the gate's NLL ratio and recall minus the
+    method's; their mean ± t_{0.975, n-1} · sd / sqrt(n) (t from the printed table); a verdict
+    per comparison."""
+    gate = [(1.0, 9.0), (2.0, 8.0), (0.5, 9.0), (1.5, 7.0), (1.0, 10.0)]
+    other = [(2.0, 5.0), (2.5, 9.0), (2.0, 4.0), (2.0, 6.0), (3.0, 3.0)]
+    res = decode_report.results(paired_records(gate, other), n_boot=100, seed=0)
+    rows = {r["task"]: r for r in res["paired"]}
+    assert set(rows) == {"nll", "recall"} and all(r["method"] == "streaming" and r["budget"] == 256
+                                                 and r["n"] == 5 for r in rows.values())
+    for task, value in (("nll", lambda e: math.exp(-e[0] / 10)), ("recall", lambda e: e[1] / 10)):
+        d = [value(g) - value(o) for g, o in zip(gate, other)]
+        mean = sum(d) / 5
+        sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 4)
+        half = 2.776 * sd / math.sqrt(5)
+        assert rows[task]["diff"] == pytest.approx(mean)
+        assert rows[task]["ci"] == pytest.approx([mean - half, mean + half], abs=2e-3 * half)
+    # recall: +0.32 ± 0.40 holds 0; nll: the gate's ratio above the other's in every document
+    assert rows["recall"]["verdict"] == "tie" and rows["nll"]["verdict"] == "gate better"
+    worse = decode_report.results(paired_records(other, gate), 100, 0)["paired"]
+    assert [r["verdict"] for r in worse] == ["gate worse", "tie"]
+    md = "\n".join(decode_report.markdown(res))
+    assert "paired by document" in md and "n = 5 differences" in md
+    assert "| 256 | streaming | +" in md and "gate better |" in md and "tie |" in md
+    # from 20 documents the bootstrap is kept beside the t-interval
+    many = decode_report.results(paired_records(gate * 4, other * 4), 200, 0)
+    assert all("ci_boot" in r for r in many["paired"]) and many["interval"]["bootstrap"]
+    # one document: no interval, a tie
+    one = decode_report.results(paired_records(gate[:1], other[:1]), 100, 0)
+    assert all(r["ci"] is None and r["verdict"] == "tie" for r in one["paired"])
+
+
+def test_results_md_names_every_commit_its_documents_ran_at(tmp_path):
+    """A resumed run's results.md named one commit (config.json's, rewritten at each start) while
+    its documents came from several; records written before each kept its own are 'unrecorded'."""
+    recs = fake_records()
+    for r, commit in zip(recs, ("a" * 40, "b" * 40, None)):
+        if commit:
+            r["provenance"] = dict(git_commit=commit, git_dirty=commit == "b" * 40, started="t")
+    a = fake_run(tmp_path / "a", KEY, recs)
+    bench.main(["--merge", str(a), "--out", str(tmp_path / "m"), "--bootstrap", "10"])
+    md = (tmp_path / "m" / "results.md").read_text()
+    assert ("documents run at commit aaaaaaaaaa (1 document), commit bbbbbbbbbb (dirty) "
+            "(1 document), unrecorded commit (1 document)") in md
+
+
+@pytest.mark.parametrize("folder", sorted(
+    p.parent.name for p in (Path(__file__).resolve().parent.parent / "benchmarks"
+                            / "decode-cpu").glob("*/results.json")))
+def test_committed_decode_results_still_render(folder):
+    """The committed runs' results.json (rows with bootstrap intervals, no per-document records,
+    no provenance) render with today's report, saying what they lack."""
+    import json
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "decode-cpu" / folder
+    res = json.loads((path / "results.json").read_text())
+    md = "\n".join(decode_report.header(res) + decode_report.markdown(res))
+    assert res["config"]["git_commit"][:10] in md
+    if res.get("rows"):
+        assert "which commit ran each document was not recorded" in md
+        assert "[95% percentile-bootstrap interval over documents.]" in md
+        assert "paired by document" not in md  # it needs the documents' records
+
+
+# ------------------------------------------------------------------ cut, as the authors run it
+
+def cut_stream(cfg, n=700, seed=4):
+    """Random ids with two probes (a 6-token question, a 2- and a 3-token answer) at positions 300
+    and 600, a 20-token prompt."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()
+    probes = [(200, [306, 307], 100), (500, [606, 607, 608], 100)]
+    return decode.Stream(ids=ids, n_prompt=20, n_protected=0, doc_pos=list(range(20, n)),
+                         probes=probes, doc="d", questions={306: 300, 606: 600})
+
+
+def plain_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids), generate.make_cache("full", model, 0))  # (T, vocab)
+
+
+def test_cut_asks_a_probe_past_its_budget_at_the_budget(tiny):
+    """Against a plain forward: at budget 450 the first probe (its answer ends at 307) is the full
+    cache's, the second (question at 600) is asked after the stream's first 450 - 9 tokens, its
+    answer scored as one forward over those tokens, the question and the answer scores it."""
+    stream = cut_stream(tiny.config)
+    ref = decode.teacher_force(tiny, decode.decode_cache(tiny, "full", 0, None, None, 0),
+                               stream.ids, stream.n_prompt, 0)
+    full = decode.entry(*ref, ref, stream, 0)
+    probes, asked = decode.cut_probes(tiny, stream, 450, full)
+    assert probes[0] == full["probes"][0] and asked == [300, 441]
+    seq = stream.ids[:441] + stream.ids[600:609]  # 450 tokens: the budget holds the answer
+    logits = plain_logits(tiny, seq)
+    logp = torch.log_softmax(logits, -1)
+    answer = [447, 448, 449]
+    want = -sum(float(logp[p - 1, seq[p]]) for p in answer)
+    gap, n, hits, nll, nll_full = probes[1]
+    assert (gap, n, nll_full) == (500, 3, full["probes"][1][4])
+    assert nll == pytest.approx(want, rel=1e-4, abs=1e-4)
+    top2 = logits[[p - 1 for p in answer]].topk(2, -1).values
+    if bool((top2[:, 0] - top2[:, 1] > 1e-4).all()):  # no near-tie: the argmax is the plain one
+        assert hits == sum(int(logits[p - 1].argmax()) == seq[p] for p in answer)
+    # a budget too small for the prompt and the probe: asked right after the prompt
+    assert decode.cut_probes(tiny, stream, 25, full)[1] == [20, 20]
+    # a budget past both answers: the full cache's
+    assert decode.cut_probes(tiny, stream, 650, full) == (full["probes"], [300, 600])
+
+
+def test_cut_generation_asks_its_question_where_it_fills_the_budget(tiny):
+    """Against greedy decoding by plain forwards over the whole sequence: the generation stops
+    where the prompt, it, the question and ANSWER_TOKENS fill the budget, then the question is fed
+    and answered."""
+    g = torch.Generator().manual_seed(5)
+    prompt, question = (torch.randint(3, tiny.config.vocab_size, (n,), generator=g).tolist()
+                        for n in (30, 7))
+    budget = 30 + 25 + 7 + decode.ANSWER_TOKENS
+    out, answer = decode.cut_generation(tiny, prompt, 0, budget, 200, question, set(), set())
+    assert len(out) == 25 and len(answer) == decode.ANSWER_TOKENS
+    seq, want, clear = list(prompt), [], True
+    for i in range(25 + len(question) + decode.ANSWER_TOKENS):
+        if i == 25:
+            seq += question
+        if 25 <= i < 25 + len(question):
+            continue
+        last = plain_logits(tiny, seq)[-1]
+        top2 = last.topk(2).values
+        clear &= float(top2[0] - top2[1]) > 1e-4  # past a near-tie either token is right
+        if not clear:
+            break
+        want.append(int(last.argmax()))
+        seq.append(want[-1])
+    assert (out + answer)[:len(want)] == want
+    assert len(prompt) + len(out) + len(question) + len(answer) <= budget
+    # a budget past the whole generation: the full cache's generation and answer
+    full = decode.free_generation(tiny, decode.decode_cache(tiny, "full", 0, None, None, 0),
+                                  prompt, 0, 40, question, set(), set())
+    assert decode.cut_generation(tiny, prompt, 0, 500, 40, question, set(), set()) == full
+
+
+def test_resume_keeps_each_documents_commit_and_refuses_other_settings(tiny_decode, tmp_path,
+                                                                      monkeypatch):
+    """Each record holds the commit it ran at and its settings (key); a resumed run's results.md
+    names every commit (a record from before: unrecorded); a rerun with another setting is refused
+    in one line naming it, config.json untouched."""
+    import json
+
+    from cli import UsageError
+    monkeypatch.setattr(decode, "load_docs", short_text)
+    out = tmp_path / "out"
+    flags = [*tiny_decode, "--contexts", "2", "--methods", "full,streaming,cut",
+             "--speed-lengths", "0", "--out", str(out)]
+    bench.main(flags)
+    config = json.loads((out / "config.json").read_text())
+    recs = [out / "contexts" / f"context-00{c}.json" for c in (0, 1)]
+    rec = json.loads(recs[0].read_text())
+    assert rec["provenance"] == dict(git_commit=config["git_commit"],
+                                     git_dirty=config["git_dirty"], started=config["started"])
+    assert rec["key"] == config["quality_key"] and rec["key"]["gaps"] == [256]
+    cut = rec["entries"]["cut@160"]  # every probe past 160: asked there, answered, scored
+    assert cut["nll"] is None and all(p[3] is not None for p in cut["probes"])
+    assert cut["gen"]["stopped"] and cut["gen"]["generated"] == 0  # the chat prompt fills 160
+    # the first document from another commit, the second run again at this one
+    (recs[0]).write_text(json.dumps(dict(rec, provenance=dict(git_commit="c" * 40,
+                                                              git_dirty=True, started="t"))))
+    recs[1].unlink()
+    bench.main(flags)
+    md = (out / "results.md").read_text()
+    here = config["git_commit"][:10] + (" (dirty)" if config["git_dirty"] else "")
+    assert (f"documents run at commit cccccccccc (dirty) (1 document), commit {here} "
+            "(1 document)") in md
+    # a record from before records kept their commit: read, its commit unrecorded
+    recs[0].write_text(json.dumps({k: v for k, v in rec.items() if k != "provenance"}))
+    recs[1].unlink()
+    bench.main(flags)
+    assert "unrecorded commit (1 document)" in (out / "results.md").read_text()
+    before = (out / "config.json").read_text()
+    with pytest.raises(UsageError) as e:  # cli's edge: one line, exit 2
+        bench.main([*flags, "--decode-gaps", "300"])
+    assert "\n" not in str(e.value) and str(e.value).startswith(str(recs[0]))
+    assert "comes from another configuration (gaps differ); use a new --out" in str(e.value)
+    assert (out / "config.json").read_text() == before
