@@ -177,6 +177,7 @@ def results(records, n_boot, seed):
         gens = [e["gen"] for e in es if e.get("gen")]
         if gens:
             first, first_ci = mean_ci([g["first_diff"] for g in gens])
+            first_ci = first_ci and [max(0.0, first_ci[0]), first_ci[1]]  # a count: never < 0
             same, same_ci = mean_ci([float(g["same"]) for g in gens])
             correct, correct_ci = mean_ci([float(g["correct"]) for g in gens])
             rows.append(dict(base, task="generation", n=len(gens),
@@ -264,8 +265,8 @@ def markdown(results):
                 "accuracy of the answer tokens (argmax) of facts asked again "
                 f"{min(gaps)}–{max(gaps)} tokens after they were stated; exact = every token of "
                 f"the answer right; recall NLL ratio as nll. {interval_note(results)} cut: the "
-                "full cache stopped at the budget, its answer forced there (harness/decode.py: no "
-                "token past the budget, so no nll).", "",
+                "full cache held to the budget, a question past it asked at the budget instead "
+                "(harness/decode.py; no token past the budget, so no nll).", "",
                 "| method | budget | nll ratio | recall tokens | recall exact | recall NLL ratio |",
                 "|---|---|---|---|---|---|"]
         for m, b in configs:
@@ -290,7 +291,9 @@ def markdown(results):
                     f"{gens[0]['n']} generations. first difference: tokens generated before the "
                     "first token that differs from the full cache's (median; mean [95% CI]); same "
                     "answer: the final answer equals the full cache's token for token; correct: "
-                    "it holds the fact stated in the prompt.", "",
+                    "it holds the fact stated in the prompt. cut stops its generation where the "
+                    "question must be asked to fit the budget: its first difference is where it "
+                    "stopped.", "",
                     "| method | budget | first difference (median) | mean | same answer | "
                     "correct |", "|---|---|---|---|---|---|"]
             for r in gens:
