@@ -670,17 +670,22 @@ def test_results_md_names_every_commit_its_documents_ran_at(tmp_path):
     p.parent.name for p in (Path(__file__).resolve().parent.parent / "benchmarks"
                             / "decode-cpu").glob("*/results.json")))
 def test_committed_decode_results_still_render(folder):
-    """The committed runs' results.json (rows with bootstrap intervals, no per-document records,
-    no provenance) render with today's report, saying what they lack."""
+    """The committed runs' results.json render with today's report: those from before the
+    t-intervals and provenance (rows with bootstrap intervals, no per-document records) say what
+    they lack; the others name their documents' commits and their interval."""
     import json
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "decode-cpu" / folder
     res = json.loads((path / "results.json").read_text())
     md = "\n".join(decode_report.header(res) + decode_report.markdown(res))
-    assert res["config"]["git_commit"][:10] in md
-    if res.get("rows"):
+    if res.get("provenance"):
+        assert "documents run at commit" in md and "Student-t interval over the n = " in md
+    elif res.get("rows"):
+        assert res["config"]["git_commit"][:10] in md
         assert "which commit ran each document was not recorded" in md
         assert "[95% percentile-bootstrap interval over documents.]" in md
         assert "paired by document" not in md  # it needs the documents' records
+    else:
+        assert res["config"]["git_commit"][:10] in md
 
 
 # ------------------------------------------------------------------ cut, as the authors run it
