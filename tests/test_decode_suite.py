@@ -254,7 +254,16 @@ def test_scorer_clock_times_the_scorer_and_changes_nothing(tiny, method):
 @pytest.mark.parametrize("flags, words", [
     (["--decode-budgets", "0"], "--decode-budgets is empty"),
     (["--decode-budgets", "-5"], "token counts must be positive"),
-    (["--methods", "full,kvzip"], "unknown method ['kvzip']"),
+    (["--methods", "full,kvzip"], "--methods 'kvzip': 'kvzip' scores the context once and "
+                                  "cannot evict while decoding"),
+    # configurations (harness/decode_config.py): each wrong part named, before any work
+    (["--methods", "fastkvzip@pair"], "--methods 'fastkvzip@pair': unknown level 'pair'"),
+    (["--methods", "rkv/8"], "--methods 'rkv/8': the window is /wN with N >= 1"),
+    (["--methods", "rkv@head/w0"], "--methods 'rkv@head/w0': the window is /wN with N >= 1"),
+    (["--methods", "full@head"], "--methods 'full@head': full evicts nothing"),
+    (["--methods", "cut/w8"], "--methods 'cut/w8': cut evicts nothing"),
+    (["--methods", "split@head"], "--methods 'split@head': split keeps whole heads"),
+    (["--methods", "gate@head"], "--methods 'gate@head': 'gate' is no method"),
     (["--lengths", "2000,3000"], "takes one stream length"),
     (["--lengths", "3000"], "too short for --decode-gaps"),
     (["--decode-gen-tokens", "0"], "--decode-gen-tokens must be >= 1"),
