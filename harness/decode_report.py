@@ -98,7 +98,6 @@ def markdown(results):
                               and all(r.get(k) == v for k, v in kw.items())]
     configs = list(dict.fromkeys((r["method"], r["budget"]) for r in rows))
     gaps = sorted({r["gap"] for r in get("recall") if r["gap"] is not None}) or [0]
-
     if rows:
         out += ["## Long-text modelling and recall (teacher-forced decode steps)", "",
                 f"{results['n_contexts']} documents. nll: exp(NLL_full − NLL) over the document "
