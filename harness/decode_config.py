@@ -96,7 +96,7 @@ def describe(config):
                 f"(fastkvzip@global/w{c.window}) on {SPLIT[c.method]}, window {c.window}")
     if c.method in ("full", "cut"):
         return f"`{c.name}`: {'every token' if c.method == 'full' else 'the full cache cut at B'}"
-    note = ("; its scorer is made for level head (gate.METHODS), pooled here as asked"
+    note = ("; its scorer ranks rows within a head (its own level: head), pooled here as asked"
             if SCORERS[c.method].level == "head" and c.level != "head" else "")
     return f"`{c.name}`: {c.method} at level {c.level}, window {c.window}{note}"
 

@@ -120,8 +120,8 @@ def markdown(results):
         named = described(dict.fromkeys(m for m, _ in configs))
         if named:
             out += ["", "Rows that are configurations (a method at another level or window, or "
-                    "the static split of heads: harness/decode_config.py): " + "; ".join(named)
-                    + "."]
+                    "the static split of heads: harness/decode_config.py):", ""]
+            out += [f"- {line}" for line in named]
         out += ["", "### Recall by distance (answer-token accuracy)", "",
                 "| method | budget | " + " | ".join(f"gap {g}" for g in gaps) + " |",
                 "|---|---|" + "---|" * len(gaps)]

@@ -730,8 +730,8 @@ def test_configuration_rows_render_with_their_labels_and_old_runs_render_as_comm
     assert {("rkv@global/w128", 256), ("split/w8", 256), ("full", None)} <= labels
     md = "\n".join(decode_report.markdown(res))
     assert "| rkv@global/w128 | 256 |" in md and "| split/w8 | 256 |" in md
-    assert "`rkv@global/w128`: rkv at level global, window 128; its scorer is made for level " \
-           "head" in md and "`split/w8`: the static split" in md
+    assert "`rkv@global/w128`: rkv at level global, window 128; its scorer ranks rows within a " \
+           "head" in md and "- `split/w8`: the static split" in md
     assert "configurations" not in "\n".join(decode_report.markdown(
         decode_report.results(fake_records(), n_boot=50, seed=0)))
     runs = [p.parent for p in (Path(__file__).parents[1] / "benchmarks" / "decode-cpu").glob(
