@@ -236,8 +236,8 @@ def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=
       spearman   rank correlation over the layer's H·n pairs;
     and at each budget r (keyed f"{r:g}", JSON-ready), counted outside the local window that both
     keep (the segment), per layer (lists of L):
-      teacher, student  the pairs each side keeps by the cache's rule (kept_by_rule: one cut over all
-                        layers and heads); both: of the teacher's, the ones the student keeps too;
+      teacher, student  the pairs each side keeps by the cache's rule (kept_by_rule: one cut over
+                        all layers and heads); both: of the teacher's, the ones the student keeps;
       topk_both         of the teacher's, the ones among the student's top-k of the head, k = the
                         teacher's count there (top_at_counts): the ranking inside each head,
                         whatever shares the two cuts give the heads and layers;
@@ -305,8 +305,8 @@ def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
             views.append((out["heads"], {k: torch.tensor([c["heads"][k] for c in counts]).sum(0)
                                          for k in counts[0]["heads"]}))  # (L, H)
         for into, c in views:
-            into.update({f"{name}@{r}": _ratio(c[num], c[den]) for name, (num, den) in SHARES.items()
-                         if num in c and den in c})
+            into.update({f"{name}@{r}": _ratio(c[num], c[den])
+                         for name, (num, den) in SHARES.items() if num in c and den in c})
             if {"student", "teacher", "segment"} <= c.keys():
                 into[f"share_error@{r}"] = _ratio(c["student"] - c["teacher"], c["segment"])
         if f"share_error@{r}" in out:
@@ -316,7 +316,7 @@ def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
 
 
 def _ratio(num, den):
-    """num / den elementwise (tensors of counts) as a number or nested lists, None where den is 0."""
+    """num / den elementwise (tensors of counts): a number or nested lists, None where den is 0."""
     q = torch.where(den > 0, num.double() / den.double().clamp_min(1), torch.nan).tolist()
     fix = lambda x: [fix(y) for y in x] if isinstance(x, list) else None if math.isnan(x) else x
     return fix(q)

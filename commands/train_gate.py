@@ -20,8 +20,9 @@ three steps (train_gate.py's main runs them in order):
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors
 (formats.gate_file.save_gate, with a training summary in its metadata), metrics.json (per-layer
-train/validation loss and accuracy over steps, and the agreement), curves.png with --plot, and
-per-layer tables on stdout.
+train/validation loss and accuracy over steps, and the agreement: per layer and head, on the
+held-out documents and on each --eval-features folder), curves.png with --plot, and per-layer tables
+on stdout.
 
 Cost: METHOD.md §5.5 (the estimate for Qwen3-8B at the paper's ~1M tokens, and measured runs).
 
@@ -77,23 +78,58 @@ def summary_table(m):
         rows.append(f"{layer:>5}  {m['val_loss'][-1][j]:8.4f}  {m['const_val_loss'][j]:9.4f}  "
                     f"{m['floor_val_loss'][j]:6.4f}  {100 * m['val_acc'][-1][j]:6.1f}%  "
                     f"{m['train_loss'][-1][j]:9.4f}  {100 * m['train_acc'][-1][j]:8.1f}%")
-    a = m["agreement"]
-    if a:  # the held-out documents: how closely the gate ranks and keeps what its teacher does
-        pct = lambda x: "   -" if x is None else f"{100 * x:3.0f}%"
-        rows.append(f"\nagreement with the teacher on the {m['n_val_docs']} held-out documents "
-                    f"(kept sets by the cache's rule; overlap = share of the teacher's kept pairs "
-                    f"the gate keeps, chance in brackets)")
-        rows.append(f"{'layer':>5}  {'spearman':>8}  {'overlap@0.5':>15}  {'overlap@0.3':>15}  "
-                    f"{'kept@0.3 gate/teacher':>21}  {'digits kept@0.5 gate/teacher':>28}  "
-                    f"{'@0.3':>10}")
-        for j, layer in enumerate(m["layers"]):
-            rows.append(f"{layer:>5}  {a['spearman'][j]:8.3f}  "
-                        f"{pct(a['overlap@0.5'][j])} ({pct(a['chance@0.5'][j])})     "
-                        f"{pct(a['overlap@0.3'][j])} ({pct(a['chance@0.3'][j])})     "
-                        f"{pct(a['chance@0.3'][j])} / {pct(a['kept_teacher@0.3'][j])}{'':>11}"
-                        f"{pct(a['digits_student@0.5'][j])} / {pct(a['digits_teacher@0.5'][j])}"
-                        f"{'':>16}{pct(a['digits_student@0.3'][j])} / "
-                        f"{pct(a['digits_teacher@0.3'][j])}")
+    if m["agreement"]:  # the held-out documents, then each --eval-features folder
+        rows.append(agreement_table(m["agreement"], m["layers"],
+                                    f"the {m['n_val_docs']} held-out documents"))
+    for name, e in m.get("eval_agreement", {}).items():
+        if e["agreement"]:
+            where = f"the {e['documents']} documents of --eval-features {name}"
+            rows.append(agreement_table(e["agreement"], m["layers"], where))
+    return "\n".join(rows)
+
+
+def agreement_table(a, layers, where):
+    """How closely the gate keeps what its teacher keeps (teacher.pool_agreement), in a few lines:
+    per layer and budget, the overlap at the teacher's own counts per head, the teacher's kept share
+    and the gate's share error at the cache's cut; the head that agrees least; then, all layers
+    pooled, the overlap at the cut and the digit and identifier tokens each kept set keeps."""
+    budgets = [k.split("@")[1] for k in a["all"] if k.startswith("topk_overlap@")]
+    pct = lambda x: "   -" if x is None else f"{100 * x:3.0f}%"
+    pts = lambda x: "    -" if x is None else f"{100 * x:+5.1f}"
+    rows = [f"\nagreement with the teacher on {where}, outside the local window (every number, "
+            f"per head too, in metrics.json)",
+            "  ovl: of the pairs the teacher keeps in a head, the share the gate's top-k there "
+            "keeps (k = the teacher's count); kept: the teacher's share of the layer;",
+            "  err: the gate's share of the layer minus the teacher's at the cache's cut, in "
+            "points (all: mean |err|)",
+            f"{'':>15}" + "".join(f" | {'r = ' + r:^15}" for r in budgets),
+            f"{'layer':>5}  {'spearman':>8}"
+            + f" | {'ovl':>4} {'kept':>4} {'err':>5}" * len(budgets)]
+    for j, layer in enumerate(layers):
+        rows.append(f"{layer:>5}  {a['spearman'][j]:8.3f}" + "".join(
+            f" | {pct(a[f'topk_overlap@{r}'][j])} {pct(a[f'kept_teacher@{r}'][j])} "
+            f"{pts(a[f'share_error@{r}'][j])}" for r in budgets))
+    s = a["all"]
+    rows.append(f"{'all':>5}  {s['spearman']:8.3f}" + "".join(
+        f" | {pct(s[f'topk_overlap@{r}'])} {pct(s[f'kept_teacher@{r}'])} "
+        f"{pts(s[f'abs_share_error@{r}'])}" for r in budgets))
+    worst = []
+    for r in budgets:
+        heads = [(x, j, h) for j, row in enumerate(a["heads"][f"topk_overlap@{r}"])
+                 for h, x in enumerate(row) if x is not None]
+        if heads:
+            x, j, h = min(heads)
+            worst.append(f"r = {r}: layer {layers[j]} head {h} {pct(x).strip()}")
+    rows.append("  the head with the lowest ovl: " + "; ".join(worst))
+    rows.append("  all layers, by the cache's cut (gate / teacher) and at the teacher's counts "
+                "(top-k): overlap (chance), and the share of digit and identifier tokens kept")
+    rows.append(f"{'r':>5}  {'overlap':>12}  {'digits gate/top-k/teacher':>25}  "
+                f"{'identifiers gate/top-k/teacher':>30}")
+    for r in budgets:
+        marks = ["  ".join(pct(s[f"{m}_{side}@{r}"]) for side in ("student", "topk", "teacher"))
+                 for m in ("digits", "identifiers")]
+        rows.append(f"{r:>5}  {pct(s[f'overlap@{r}'])} ({pct(s[f'chance@{r}'])})  {marks[0]:>25}  "
+                    f"{marks[1]:>30}")
     return "\n".join(rows)
 
 
@@ -139,6 +175,7 @@ class Job:
     log: object  # the step log (off with --quiet)
     manifest: dict = None  # pick_documents'
     data_hash: str = None
+    eval_sets: list = None  # --eval-features: [(name, folder, manifest)], checked (eval_folders)
 
 
 def prepare(args):
@@ -166,8 +203,10 @@ def prepare(args):
     fmt = prompt_format(cfg, args.model, chat=chat)
     stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
-    return Job(rank, world, device, model_name, out, dtype, folder, cfg, tokenizer, chat, fmt,
-               stored_dtype, prefill_chunk, log)
+    job = Job(rank, world, device, model_name, out, dtype, folder, cfg, tokenizer, chat, fmt,
+              stored_dtype, prefill_chunk, log)
+    job.eval_sets = eval_folders(args.eval_features, model_name, cfg)
+    return job
 
 
 def pick_documents(args, job):
@@ -221,6 +260,59 @@ def extract(args, job, docs):
     return FeatureStore(job.out, job.manifest)
 
 
+def eval_folders(folders, model_name, cfg):
+    """--eval-features, checked before any work: each folder must hold features of this model that
+    train_gate.py wrote (its manifest.json and every shard; --steps 0 writes only these) ->
+    [(name, folder, manifest)]; the folder's name keys its agreement in metrics.json."""
+    out = []
+    for folder in folders:
+        path = Path(folder)
+        fix = (f"write one with train_gate.py --model {model_name} --data ... --steps 0 --out "
+               f"{folder}")
+        try:
+            m = json.loads((path / "manifest.json").read_text("utf-8"))
+        except (OSError, ValueError) as e:
+            why = getattr(e, "strerror", None) or type(e).__name__
+            raise UsageError(f"--eval-features {folder} is not a features folder (manifest.json: "
+                             f"{why}); {fix}") from None
+        ours = dict(model=model_name, compressed_layers=list(cfg.compressed_layers),
+                    n_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size)
+        if not (isinstance(m, dict) and isinstance(m.get("documents"), list)
+                and ours.keys() <= m.keys()):
+            raise UsageError(f"--eval-features {folder}: its manifest.json is not one "
+                             f"train_gate.py wrote; {fix}")
+        differ = [k for k, v in ours.items() if m[k] != v]
+        if differ:
+            raise UsageError(f"--eval-features {folder} holds features of model {m['model']}, not "
+                             f"of {model_name} ({', '.join(differ)} differ); {fix}")
+        missing = [d["shard"] for d in m["documents"] if not (path / d["shard"]).is_file()]
+        if missing:
+            raise UsageError(f"--eval-features {folder}: {len(missing)} of {len(m['documents'])} "
+                             f"feature shards are missing ({missing[0]}); rerun the train_gate.py "
+                             f"--steps 0 command that wrote it to finish them")
+        name = path.resolve().name
+        if name in [n for n, _, _ in out]:
+            raise UsageError(f"--eval-features: two folders are named {name}, which names each "
+                             f"one's report in metrics.json; rename one")
+        out.append((name, str(folder), m))
+    return out
+
+
+def eval_stores(job):
+    """Each --eval-features folder as (name, folder, FeatureStore, documents), documents =
+    [(index, token ids)] of all its documents, for train_gate.agreement_with_teacher (one store at
+    a time)."""
+    for name, folder, manifest in job.eval_sets:
+        store = FeatureStore(folder, manifest)
+        documents = [(i, store.ids(i)) for i in range(len(manifest["documents"]))]
+        unknown = sum(ids is None for _, ids in documents)
+        if unknown:
+            print(f"note: --eval-features {folder}: {unknown} of {len(documents)} shards hold no "
+                  f"token ids (written by an older version): their digit and identifier tokens "
+                  f"are not counted", file=sys.stderr)
+        yield name, folder, store, documents
+
+
 def check_split(args, store, n_train, n_val, val_every):
     """Enough training tokens for one batch, and at least one validation token."""
     if n_train < args.batch_tokens:
@@ -246,7 +338,12 @@ def save(args, job, store, docs, gates, metrics, agreement, settings):
                       else {}),
                    val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
                    const_val_loss=metrics["const_val_loss"], teacher=job.manifest["teacher"],
-                   val_docs=metrics["n_val_docs"], agreement=metrics["agreement"])
+                   val_docs=metrics["n_val_docs"],
+                   # means only (all layers pooled); per layer and head in metrics.json
+                   agreement=agreement and agreement["all"],
+                   **({"eval_agreement": {name: e["agreement"] and e["agreement"]["all"]
+                                          for name, e in metrics["eval_agreement"].items()}}
+                      if metrics.get("eval_agreement") else {}))
     out = job.out
     gate_path = Path(out) / "gate.safetensors"
     save_gate(str(gate_path), gates, dict(model=job.model_name, layers=metrics["layers"],
@@ -430,6 +527,10 @@ def parse_args(argv, recipes, parts):
     p.add_argument("--export-pt", action="store_true", help="also write the gate in the authors' "
                    "layout, --out/q{G}_dim16_sink16.pt, which their code and kvpress's "
                    "FastKVzipPress load (METHOD.md §2)")
+    p.add_argument("--eval-features", action="append", default=[], metavar="DIR",
+                   help="also report the trained gate's agreement with its teacher on every "
+                   "document of DIR, a features folder of the same model (written by train_gate.py "
+                   "--steps 0 --out DIR), under DIR's name in metrics.json; may be repeated")
     p.add_argument("--plot", action="store_true", help="also write curves.png (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or step log")
     args = p.parse_args(argv)
@@ -444,6 +545,8 @@ def parse_args(argv, recipes, parts):
         p.error("--weight-decay applies to --optimizer adam (the paper's SGD takes none)")
     if args.steps < 0 or args.long_doc_tokens < 0 or args.layer_groups < 0:
         p.error("--steps, --long-doc-tokens and --layer-groups must be >= 0")
+    if args.eval_features and args.steps == 0:
+        p.error("--eval-features evaluates the trained gate: it needs --steps above 0")
     if not 0 <= args.val_docs <= 0.5:
         p.error(f"--val-docs must be in [0, 0.5], got {args.val_docs}")
     if args.min_doc_tokens >= args.max_doc_tokens:
