@@ -96,13 +96,14 @@ def agreement_table(a, layers, where):
     budgets = [k.split("@")[1] for k in a["all"] if k.startswith("topk_overlap@")]
     pct = lambda x: "   -" if x is None else f"{100 * x:3.0f}%"
     pts = lambda x: "    -" if x is None else f"{100 * x:+5.1f}"
-    rows = [f"\nagreement with the teacher on {where}, outside the local window (every number, "
-            f"per head too, in metrics.json)",
-            "  ovl: of the pairs the teacher keeps in a head, the share the gate's top-k there "
-            "keeps (k = the teacher's count); kept: the teacher's share of the layer;",
-            "  err: the gate's share of the layer minus the teacher's at the cache's cut, in "
-            "points (all: mean |err|)",
-            f"{'':>15}" + "".join(f" | {'r = ' + r:^15}" for r in budgets),
+    rows = [f"\nagreement with the teacher on {where} (outside the local window; per head: "
+            f"metrics.json)",
+            "  ovl  = of the pairs the teacher keeps in a head, the share in the gate's top-k there "
+            "(k = its count)",
+            "  kept = the teacher's kept share of the layer; err = the gate's share minus the "
+            "teacher's, both by",
+            "         the cache's cut, in points (all: the mean |err|)",
+            (f"{'':>15}" + "".join(f" | {'r = ' + r:^15}" for r in budgets)).rstrip(),
             f"{'layer':>5}  {'spearman':>8}"
             + f" | {'ovl':>4} {'kept':>4} {'err':>5}" * len(budgets)]
     for j, layer in enumerate(layers):
@@ -110,26 +111,29 @@ def agreement_table(a, layers, where):
             f" | {pct(a[f'topk_overlap@{r}'][j])} {pct(a[f'kept_teacher@{r}'][j])} "
             f"{pts(a[f'share_error@{r}'][j])}" for r in budgets))
     s = a["all"]
+    mean_err = lambda x: "    -" if x is None else f"{100 * x:5.1f}"
     rows.append(f"{'all':>5}  {s['spearman']:8.3f}" + "".join(
         f" | {pct(s[f'topk_overlap@{r}'])} {pct(s[f'kept_teacher@{r}'])} "
-        f"{pts(s[f'abs_share_error@{r}'])}" for r in budgets))
+        f"{mean_err(s[f'abs_share_error@{r}'])}" for r in budgets))
     worst = []
     for r in budgets:
         heads = [(x, j, h) for j, row in enumerate(a["heads"][f"topk_overlap@{r}"])
                  for h, x in enumerate(row) if x is not None]
         if heads:
             x, j, h = min(heads)
-            worst.append(f"r = {r}: layer {layers[j]} head {h} {pct(x).strip()}")
-    rows.append("  the head with the lowest ovl: " + "; ".join(worst))
-    rows.append("  all layers, by the cache's cut (gate / teacher) and at the teacher's counts "
-                "(top-k): overlap (chance), and the share of digit and identifier tokens kept")
-    rows.append(f"{'r':>5}  {'overlap':>12}  {'digits gate/top-k/teacher':>25}  "
-                f"{'identifiers gate/top-k/teacher':>30}")
+            worst.append(f"{r}: layer {layers[j]} head {h} {pct(x).strip()}")
+    rows.append("  lowest ovl of a head at r = " + "; ".join(worst))
+    rows += ["  all layers: overlap of the kept sets by the cache's cut (chance), and of the digit "
+             "and identifier",
+             "  tokens' pairs the share kept by the gate's cut / its top-k at the teacher's counts "
+             "/ the teacher",
+             f"{'r':>5}  {'overlap':>12}  {'digits':>16}  {'identifiers':>16}"]
     for r in budgets:
-        marks = ["  ".join(pct(s[f"{m}_{side}@{r}"]) for side in ("student", "topk", "teacher"))
+        marks = [" / ".join(pct(s[f"{m}_{side}@{r}"]).strip()
+                            for side in ("student", "topk", "teacher"))
                  for m in ("digits", "identifiers")]
-        rows.append(f"{r:>5}  {pct(s[f'overlap@{r}'])} ({pct(s[f'chance@{r}'])})  {marks[0]:>25}  "
-                    f"{marks[1]:>30}")
+        overlap = f"{pct(s[f'overlap@{r}'])} ({pct(s[f'chance@{r}']).strip()})"
+        rows.append(f"{r:>5}  {overlap:>12}  {marks[0]:>16}  {marks[1]:>16}")
     return "\n".join(rows)
 
 
