@@ -244,7 +244,7 @@ def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=
       segment           pairs in the segment;
       digits, identifiers (MARKS) the marked tokens' pairs there, and <mark>_teacher,
                         <mark>_student, <mark>_topk the ones each of the three kept sets keeps;
-      heads             the first five counts per head (L × H lists)."""
+      heads             teacher, student, both, topk_both and segment per head (L × H lists)."""
     out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double())
                          for s, t in zip(student, teacher)])
     n = student.shape[-1]
@@ -338,7 +338,7 @@ def token_marks(tokenizer, ids):
     text = "".join(texts)
     inside = torch.zeros(len(text) + 1, dtype=torch.int64)  # 1 at i + 1: text[i] in an identifier
     for word in IDENT_WORD.finditer(text):
-        if is_identifier(word.group()):
+        if is_identifier_word(word.group()):
             inside[word.start() + 1:word.end() + 1] = 1
     before = inside.cumsum(0)  # before[i]: identifier characters in text[:i]
     lens = torch.tensor([len(t) for t in texts], dtype=torch.int64)
@@ -349,7 +349,7 @@ def token_marks(tokenizer, ids):
 IDENT_WORD = re.compile(r"[A-Za-z0-9_]+")
 
 
-def is_identifier(word):
+def is_identifier_word(word):
     """Whether an ASCII word ([A-Za-z0-9_]+) is an identifier (token_marks' rule)."""
     letters, digits = re.search(r"[A-Za-z]", word), re.search(r"[0-9]", word)
     return bool((letters and digits) or ("_" in word and (letters or digits))

@@ -271,8 +271,8 @@ def eval_folders(folders, model_name, cfg):
     out = []
     for folder in folders:
         path = Path(folder)
-        fix = (f"write one with train_gate.py --model {model_name} --data ... --steps 0 --out "
-               f"{folder}")
+        fix = (f"write one with train_gate.py --model {model_name} --data ... --steps 0 --out DIR "
+               f"and pass --eval-features DIR")
         try:
             m = json.loads((path / "manifest.json").read_text("utf-8"))
         except (OSError, ValueError) as e:

@@ -13,7 +13,7 @@ from commands import features
 from formats.checkpoint import read_tokenizer
 from formats.gate_file import gate_metadata, load_gate
 from model import ModelConfig
-from teacher import agreement, is_identifier, kept_by_rule, pool_agreement, token_marks, token_texts
+from teacher import agreement, is_identifier_word, kept_by_rule, pool_agreement, token_marks, token_texts
 from tests.assets import require_asset
 from tests.helpers import pairs_within
 
@@ -125,7 +125,7 @@ def test_pooling_leaves_out_what_older_counts_lack():
     ("Paris", False), ("HTTP", False), ("2024", False), ("_", False), ("__", False),
     ("hello", False), ("Hello", False)])
 def test_identifier_rule(word, expected):
-    assert is_identifier(word) == expected
+    assert is_identifier_word(word) == expected
 
 
 def test_identifier_and_digit_tokens_by_character(models):
