@@ -461,6 +461,10 @@ def main(argv=None):
                                args.seed, job.log, recipe, groups)  # 3. training
         agreement = agreement_with_teacher(gates, store, job.manifest, docs, job.tokenizer,
                                            job.device)
+        mix = command.mix_held_out(args, job)  # --mix-features: its held-out documents, apart
+        if mix is not None:
+            metrics["mix_agreement"] = agreement_with_teacher(gates, *mix, job.tokenizer,
+                                                              job.device)
         command.save(args, job, store, docs, gates, metrics, agreement, recipe_settings(recipe))
 
     return command.main(argv, run, RECIPES, PARTS)

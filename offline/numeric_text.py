@@ -449,21 +449,28 @@ def write_corpus(out, docs, seed, quiet=False):
                    if isinstance(old, dict) and {"seed", "version"} <= old.keys() else "unreadable")
             raise UsageError(f"--out {out} holds a corpus of other settings ({RECORD}: {was}); "
                              f"pass its --seed or another --out")
-    write_json(out / RECORD, record)
-    from tqdm import tqdm
-    written = kept = chars = 0
-    for i in tqdm(range(docs), desc="numeric text", unit="doc", disable=quiet, file=sys.stderr):
+    # every file already there is checked before one is written: a refused run changes nothing
+    there = {i for i in range(docs) if (out / file_name(i, document(seed, i)[0])).exists()}
+    for i in sorted(there):
         kind, text = document(seed, i)
         path = out / file_name(i, kind)
+        try:
+            same = path.read_text("utf-8", errors="replace") == text
+        except OSError:  # a folder by that name, a file we may not read
+            same = False
+        if not same:
+            raise UsageError(f"{path} is not document {i} of --seed {seed}: it is left as it "
+                             f"is; pass another --out")
+    write_json(out / RECORD, record)
+    from tqdm import tqdm
+    written = chars = 0
+    for i in tqdm(range(docs), desc="numeric text", unit="doc", disable=quiet, file=sys.stderr):
+        kind, text = document(seed, i)
         chars += len(text)
-        if path.exists():
-            if path.read_text("utf-8") != text:
-                raise UsageError(f"{path} is not document {i} of --seed {seed}: it is left as it "
-                                 f"is; pass another --out")
-            kept += 1
-            continue
-        write_text(path, text)
-        written += 1
+        if i not in there:
+            write_text(out / file_name(i, kind), text)
+            written += 1
+    kept = len(there)
     return written, kept, chars
 
 
