@@ -3,7 +3,8 @@ Teach the gates (METHOD.md §4-5): from raw text to a trained gate, in three ste
 main() (at the end) runs them:
   1. data      pick documents (METHOD.md §5.1, commands/features.py): 10K-30K-token documents plus
                ~100K-token concatenations of the same documents, ~1M tokens in all, 5% of the
-               documents held out whole for validation.
+               documents held out whole for validation; --mix-features adds the training
+               documents of another corpus's features (numeric text: offline/numeric_text.py).
   2. features  prefill each document with a full cache, score every context KV pair with the
                KVzip teacher (teacher.py, METHOD.md §4) and record the attention-input hidden
                states of the compressed layers (commands/features.py; resumable, over torchrun).

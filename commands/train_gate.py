@@ -4,7 +4,14 @@ three steps (train_gate.py's main runs them in order):
   1. data      pick documents (METHOD.md §5.1, commands/features.py): 10K-30K-token documents plus
                ~100K-token concatenations of the same documents, ~1M tokens in all; 5% of the
                documents are held out whole for validation (--val-docs) and never enter a
-               concatenation.
+               concatenation. --mix-features DIR mixes in another corpus: the features of its
+               training documents (made by train_gate.py --steps 0 --data TEXT --out DIR with the
+               same model and teacher flags, e.g. the numeric-rich text of offline/numeric_text.py,
+               which the prose corpus lacks) join the training tokens after this run's, in
+               proportion to their tokens; this run's held-out documents stay its validation
+               (with --val-docs 0, every 100th token of all, the mixed ones too) and DIR's
+               held-out documents get an agreement of their own (offline/README.md: the
+               ablation).
   2. features  for every document, prefill system prompt + context with a full cache, score every
                context KV pair with the KVzip teacher (teacher.py, METHOD.md §4) and record the
                attention-input hidden states of the compressed layers. One shard file per
@@ -445,8 +452,9 @@ def parse_args(argv, recipes, parts):
                    "by train_gate.py --steps 0 --data TEXT --out DIR with this run's model and "
                    "teacher flags, e.g. the numeric text of offline/numeric_text.py): its training "
                    "documents join this run's training tokens, its held-out documents are reported "
-                   "on their own (mix_agreement); this run's validation is unchanged, so runs with "
-                   "and without it on the same --out features and --seed are an ablation")
+                   "on their own (mix_agreement); this run's held-out documents stay its "
+                   "validation, so runs with and without it on the same features and --seed are "
+                   "an ablation")
     p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>): "
                    "a new or empty folder, or one train_gate.py wrote (resumed); one run at a time")
     p.add_argument("--steps", type=int, default=5000,
