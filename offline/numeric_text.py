@@ -15,12 +15,13 @@ Six kinds of section, each written from a seeded random.Random with identifiers 
     prose   incident reports, shipping notes, lab notebooks and change notes naming such ids
 A document is mostly of one kind (document i: KINDS[i % 6], so every kind is present), with
 sections of other kinds mixed in as real files hold them (a report quoting its log), until it
-reaches a length drawn from DOC_CHARS. An identifier drawn for a document is often used again
-later in it (a request id in several log lines, an order in the table and the report), the rest
-are new. Documents are independent: document i of seed S is the same text whichever others exist,
-so a run resumes, and `--docs` can grow a corpus. Another seed is another corpus from the same
-formats: the held-out set (--seed 2 beside --seed 1 for training) measures new identifiers in
-known formats, not new formats.
+reaches a length drawn from DOC_CHARS. Each identifier a section names is, with probability REUSE,
+one the document named before (a request id in several log lines, an order in the table and the
+report), else a new draw. Documents are independent, each from a generator of its own seeded by
+(VERSION, seed, index): document i of seed S is the same text whichever others exist, so a run
+resumes, and `--docs` can grow a corpus. Another seed is another corpus in the same formats: the
+held-out set (--seed 2 beside --seed 1 for training) measures new identifiers in known formats,
+not new formats (as do the held-out documents train_gate.py's --val-docs takes from one seed's).
 
 None of it comes from the benchmark: no sentence, name or word list of harness/quality.py,
 harness/decode.py or harness/ruler_tasks.py (tests/test_numeric_text.py checks the shingles).
@@ -42,10 +43,10 @@ import sys
 from pathlib import Path
 
 KINDS = ("kv", "log", "table", "config", "code", "prose")
-DOC_CHARS = (4_000, 12_000)  # a document's length: ~2.5K-8K tokens (CHARS_PER_TOKEN)
-# the summary's estimate: Gemma 3's and SmolLM2's tokenizers give 1.55 characters per token on this
-# text (every digit is a token of its own)
-CHARS_PER_TOKEN = 1.55
+DOC_CHARS = (3_500, 9_000)  # a document's length: ~2K-6K tokens (CHARS_PER_TOKEN)
+# the summary's estimate: Gemma 3's and SmolLM2's tokenizers give 1.5 characters per token on this
+# text (every digit is a token of its own; 1.3 in the densest tables)
+CHARS_PER_TOKEN = 1.5
 OWN_KIND = 0.6  # the share of a document's later sections of its own kind
 REUSE = 0.3     # how often a section takes an identifier the document already used
 VERSION = 1     # of the generator's output: a corpus of another version is refused, not mixed
