@@ -3,15 +3,17 @@ Teach the gates (METHOD.md §4-5): from raw text to a trained gate, in three ste
 main() (at the end) runs them:
   1. data      pick documents (METHOD.md §5.1, commands/features.py): 10K-30K-token documents plus
                ~100K-token concatenations of the same documents, ~1M tokens in all, 5% of the
-               documents held out whole for validation.
+               documents held out whole for validation; --mix-features adds the training
+               documents of another corpus's features (numeric text: offline/numeric_text.py).
   2. features  prefill each document with a full cache, score every context KV pair with the
                KVzip teacher (teacher.py, METHOD.md §4) and record the attention-input hidden
                states of the compressed layers (commands/features.py; resumable, over torchrun).
   3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft
                targets, SGD with momentum 0.9, lr 0.2 with the authors' piecewise schedule, all
                layers batched through gate.Gates (train, train_layers); then the gate's agreement
-               with its teacher on the held-out documents and on any --eval-features folder
-               (teacher.agreement, agreement_with_teacher). Other recipes
+               with its teacher on the held-out documents (--mix-features' apart) and on every
+               document of any --eval-features folder (teacher.agreement,
+               agreement_with_teacher). Other recipes
                (Recipe, METHOD.md §13.13-13.14) plug their parts in from section 4.
 The flags and their checks, the output folder and what is written and printed are the command
 line's (commands/train_gate.py; python train_gate.py --help).
@@ -470,6 +472,10 @@ def main(argv=None):
                                args.seed, job.log, recipe, groups)  # 3. training
         agreement = agreement_with_teacher(gates, store, held_out(job.manifest, docs),
                                            job.tokenizer, job.device)
+        mix = command.mix_held_out(args, job)  # --mix-features: its held-out documents, apart
+        if mix is not None:
+            metrics["mix_agreement"] = agreement_with_teacher(gates, *mix, job.tokenizer,
+                                                              job.device)
         evals = {}  # --eval-features: every document of each folder
         for name, folder, eval_store, documents in command.eval_stores(job):
             a = agreement_with_teacher(gates, eval_store, documents, job.tokenizer, job.device)
