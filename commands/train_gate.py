@@ -86,7 +86,7 @@ def summary_table(m):
         rows.append(f"{layer:>5}  {m['val_loss'][-1][j]:8.4f}  {m['const_val_loss'][j]:9.4f}  "
                     f"{m['floor_val_loss'][j]:6.4f}  {100 * m['val_acc'][-1][j]:6.1f}%  "
                     f"{m['train_loss'][-1][j]:9.4f}  {100 * m['train_acc'][-1][j]:8.1f}%")
-    if m["agreement"]:  # the held-out documents, then each --eval-features folder
+    if m["agreement"]:  # the held-out documents, --mix-features', each --eval-features folder
         rows.append(agreement_table(m["agreement"], m["layers"],
                                     f"the {m['n_val_docs']} held-out documents"))
     if m.get("mix_agreement"):
@@ -129,12 +129,13 @@ def agreement_table(a, layers, where):
         f"{mean_err(s[f'abs_share_error@{r}'])}" for r in budgets))
     worst = []
     for r in budgets:
-        heads = [(x, j, h) for j, row in enumerate(a["heads"][f"topk_overlap@{r}"])
+        heads = [(x, j, h) for j, row in enumerate(a["heads"].get(f"topk_overlap@{r}", []))
                  for h, x in enumerate(row) if x is not None]
         if heads:
             x, j, h = min(heads)
             worst.append(f"{r}: layer {layers[j]} head {h} {pct(x).strip()}")
-    rows.append("  lowest ovl of a head at r = " + "; ".join(worst))
+    if worst:
+        rows.append("  lowest ovl of a head at r = " + "; ".join(worst))
     rows += ["  all layers: overlap of the kept sets by the cache's cut (chance), and of the digit "
              "and identifier",
              "  tokens' pairs the share kept by the gate's cut / its top-k at the teacher's counts "
