@@ -11,7 +11,8 @@ main() (at the end) runs them:
                targets, SGD with momentum 0.9, lr 0.2 with the authors' piecewise schedule, all
                layers batched through gate.Gates (train, train_layers); then the gate's agreement
                with its teacher on the held-out documents (teacher.agreement). Other recipes
-               (Recipe, METHOD.md §13.13-13.14) plug their parts in from section 4.
+               (Recipe, METHOD.md §13.13-13.14) plug their parts in from section 4, and options
+               aimed at the cache's cut (METHOD.md §13.15) from section 5.
 The flags and their checks, the output folder and what is written and printed are the command
 line's (commands/train_gate.py; python train_gate.py --help).
 

@@ -16,7 +16,9 @@ three steps (train_gate.py's main runs them in order):
                then the gate's agreement with its teacher on the held-out documents
                (teacher.agreement). --recipe adam-logmse (Adam on the MSE of log scores; the bundled
                SmolLM2 gate's) and one flag per field of the recipe plug in other losses, optimisers
-               and selections (train_gate.Recipe, METHOD.md §13.14).
+               and selections (train_gate.Recipe, METHOD.md §13.14), and terms aimed at the cache's
+               cut (--keep-term, --cut-pairs, --final-chunk, --select overlap, --clip; METHOD.md
+               §13.15); --ridge-ceiling reports a linear ceiling beside the gate.
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors
 (formats.gate_file.save_gate, with a training summary in its metadata), metrics.json (per-layer
