@@ -202,7 +202,7 @@ def train_layers(gates, hidden, scores, train_idx, val_idx, segments, device, st
             optimizer_step(lr, i + 1)
         if i % EVAL_EVERY == 0 or i == steps - 1:
             # as the authors: this batch's loss (before its update), validation after the update
-            val = evaluate(gates, x_val, y_val, segments, device, **({"kept": kept} if kept else {}))
+            val = evaluate(gates, x_val, y_val, segments, device, kept=kept)
             record(metrics, i, lr, bce, terms, acc_per_layer(pred.detach(), y), val, log, t0)
             if select is not None:
                 select.see(i, val[2] if recipe.select == "spearman" else val[3])
