@@ -3,7 +3,8 @@ Teach the gates (METHOD.md §4-5): from raw text to a trained gate, in three ste
 main() (at the end) runs them:
   1. data      pick documents (METHOD.md §5.1, commands/features.py): 10K-30K-token documents plus
                ~100K-token concatenations of the same documents, ~1M tokens in all, 5% of the
-               documents held out whole for validation.
+               documents held out whole for validation; --mix-features adds the training
+               documents of another corpus's features (numeric text: offline/numeric_text.py).
   2. features  prefill each document with a full cache, score every context KV pair with the
                KVzip teacher (teacher.py, METHOD.md §4) and record the attention-input hidden
                states of the compressed layers (commands/features.py; resumable, over torchrun).
@@ -745,6 +746,10 @@ def main(argv=None):
                                args.seed, job.log, recipe, groups, ceiling)  # 3. training
         agreement = agreement_with_teacher(gates, store, job.manifest, docs, job.tokenizer,
                                            job.device)
+        mix = command.mix_held_out(args, job)  # --mix-features: its held-out documents, apart
+        if mix is not None:
+            metrics["mix_agreement"] = agreement_with_teacher(gates, *mix, job.tokenizer,
+                                                              job.device)
         command.save(args, job, store, docs, gates, metrics, agreement, recipe_settings(recipe))
 
     return command.main(argv, run, RECIPES, PARTS)

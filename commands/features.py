@@ -406,6 +406,65 @@ def check_manifest(out, manifest):
                              f"differ); pass another --out or delete {out}/features and {path}")
 
 
+def read_mix(folder, manifest, out):
+    """train_gate.py --mix-features: the manifest of the features in `folder`, another corpus's
+    (made by train_gate.py --steps 0 --data TEXT --out FOLDER), checked: not --out itself, with the
+    settings of this run's `manifest` (every field but the documents: model, layers, dtypes,
+    teacher), at least one training document, and every shard there and intact."""
+    make = (f"make it with train_gate.py --steps 0 --data TEXT --out {folder} and this run's "
+            f"--model, --dtype, --feature-dtype, --chat and teacher flags")
+    if Path(folder).resolve() == Path(out).resolve():
+        raise UsageError(f"--mix-features {folder} is --out itself; pass the features of another "
+                         f"corpus")
+    path = Path(folder) / "manifest.json"
+    try:
+        mix = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as e:
+        why = "no manifest.json there" if isinstance(e, FileNotFoundError) else (
+            f"{path} is unreadable ({type(e).__name__})")
+        raise UsageError(f"--mix-features {folder}: {why}; {make}") from None
+    if not isinstance(mix, dict) or not isinstance(mix.get("documents"), list):
+        raise UsageError(f"--mix-features {folder}: {path} is not a train_gate.py manifest; {make}")
+    diff = [k for k in dict.fromkeys([*manifest, *mix]) if k != "documents"
+            and mix.get(k) != manifest.get(k)]
+    if diff:
+        raise UsageError(f"--mix-features {folder} holds features of other settings than this "
+                         f"run's ({', '.join(diff)} differ); {make}")
+    if not any(d["split"] == "train" for d in mix["documents"]):
+        raise UsageError(f"--mix-features {folder} holds no training document (all "
+                         f"{len(mix['documents'])} are held out); {make} and a lower --val-docs")
+    for d in mix["documents"]:
+        shard = Path(folder) / d["shard"]
+        problem = shard_problem(shard, d["key"]) if shard.exists() else "missing"
+        if problem is not None:
+            raise UsageError(f"--mix-features {folder}: {shard}: {problem}; rerun the "
+                             f"train_gate.py --steps 0 command that made it to compute it")
+    return mix
+
+
+def mix_documents(folder, mix, split):
+    """The documents of split `split` of the --mix-features folder's manifest `mix`, their shards
+    by absolute path: FeatureStore joins a shard's path to its folder, and an absolute one stands
+    alone, so they sit in one store with this run's."""
+    return [dict(d, shard=str((Path(folder) / d["shard"]).absolute()))
+            for d in mix["documents"] if d["split"] == split]
+
+
+def read_back(doc, tokenizer):
+    """The context ids of a document of a manifest, read again from its file and checked against
+    its key (doc_key); None when that cannot be done: a .jsonl line or .parquet row, a file moved or
+    changed since its features were computed."""
+    path = Path(doc["name"])
+    if path.suffix.lower() not in (".txt", ".md", ".rst") or not path.is_file():
+        return None
+    try:
+        text = cli.decode_text(path.read_bytes(), str(path)).strip()
+    except (OSError, UsageError):
+        return None
+    ids = encode_text(tokenizer, text)[:doc["tokens"]]
+    return ids if doc_key(doc["name"], ids) == doc["key"] else None
+
+
 def assign_ranks(lengths, world):
     """Rank of each document: longest first, each to the least-loaded rank (so the ~100K-token
     concatenations spread over the GPUs). Deterministic: every rank computes the same plan."""

@@ -4,7 +4,14 @@ three steps (train_gate.py's main runs them in order):
   1. data      pick documents (METHOD.md §5.1, commands/features.py): 10K-30K-token documents plus
                ~100K-token concatenations of the same documents, ~1M tokens in all; 5% of the
                documents are held out whole for validation (--val-docs) and never enter a
-               concatenation.
+               concatenation. --mix-features DIR mixes in another corpus: the features of its
+               training documents (made by train_gate.py --steps 0 --data TEXT --out DIR with the
+               same model and teacher flags, e.g. the numeric-rich text of offline/numeric_text.py,
+               which the prose corpus lacks) join the training tokens after this run's, in
+               proportion to their tokens; this run's held-out documents stay its validation
+               (with --val-docs 0, every 100th token of all, the mixed ones too) and DIR's
+               held-out documents get an agreement of their own (offline/README.md: the
+               ablation).
   2. features  for every document, prefill system prompt + context with a full cache, score every
                context KV pair with the KVzip teacher (teacher.py, METHOD.md §4) and record the
                attention-input hidden states of the compressed layers. One shard file per
@@ -42,6 +49,7 @@ curves.png). The training method is train_gate.py's.
 import argparse
 import datetime
 import errno
+import hashlib
 import json
 import math
 import os
@@ -149,6 +157,31 @@ def ridge_ceiling(hidden, scores, train_idx, val_idx, dtype, device, floor=1e-6,
     return torch.stack(out)
 
 
+def mix_record(folder, mix):
+    """What a gate trained with --mix-features records of it: the folder, its documents and tokens
+    by split, and the sha256 of its documents' keys (features.doc_key: their token ids)."""
+    keys = hashlib.sha256(" ".join(d["key"] for d in mix["documents"]).encode()).hexdigest()
+    count = lambda split, k: sum(d[k] if k else 1 for d in mix["documents"] if d["split"] == split)
+    return dict(folder=str(Path(folder).absolute()), train_documents=count("train", None),
+                train_tokens=count("train", "tokens"), val_documents=count("val", None),
+                keys_sha256=keys)
+
+
+def mix_line(m):
+    """One line on the --mix-features held-out documents: the agreement with the teacher, each
+    number the mean over the compressed layers (per layer in metrics.json, mix_agreement)."""
+    a, n = m["mix_agreement"], m["mix_features"]["val_documents"]
+    if not a:
+        return f"--mix-features: no held-out document of its {n} to report"
+    mean = lambda k: (lambda v: None if not v else sum(v) / len(v))(
+        [x for x in a[k] if x is not None])
+    pct = lambda k: "-" if mean(k) is None else f"{100 * mean(k):.0f}%"
+    return (f"--mix-features held-out documents ({n}): spearman {mean('spearman'):.3f}, "
+            f"overlap@0.5 {pct('overlap@0.5')} (chance {pct('chance@0.5')}), digits kept@0.5 "
+            f"gate/teacher {pct('digits_student@0.5')} / {pct('digits_teacher@0.5')}, @0.3 "
+            f"{pct('digits_student@0.3')} / {pct('digits_teacher@0.3')} (layer means)")
+
+
 def plot_curves(m, path):
     plt = pyplot()
     if plt is None:
@@ -191,6 +224,7 @@ class Job:
     log: object  # the step log (off with --quiet)
     manifest: dict = None  # pick_documents'
     data_hash: str = None
+    mix: dict = None  # --mix-features: its manifest (features.read_mix)
 
 
 def prepare(args):
@@ -243,6 +277,8 @@ def pick_documents(args, job):
                                           args.teacher_chunk, args.teacher_softmax, job.chat,
                                           job.stored_dtype)
     check_manifest(job.out, job.manifest)
+    if args.mix_features:  # checked before hours of features go into --out
+        job.mix = features.read_mix(args.mix_features, job.manifest, job.out)
     make_out(job.out, job.rank)  # only now the input is accepted: a refused run leaves no folder
     if job.rank == 0:
         write_json(Path(job.out) / "manifest.json", job.manifest, indent=1)
@@ -270,7 +306,39 @@ def extract(args, job, docs):
     print(f"features ready ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if args.steps == 0:
         return None
-    return FeatureStore(job.out, job.manifest)
+    if job.mix is None:
+        return FeatureStore(job.out, job.manifest)
+    # --mix-features: its training documents join this run's, after them (this run's documents
+    # keep their places in the store); its held-out ones stay out (mix_held_out)
+    extra = features.mix_documents(args.mix_features, job.mix, "train")
+    store = FeatureStore(job.out, dict(job.manifest, documents=job.manifest["documents"] + extra))
+    n_mix = sum(d["tokens"] for d in extra)
+    n_train = sum(d["tokens"] for d in job.manifest["documents"] if d["split"] == "train")
+    print(f"--mix-features: {len(extra)} training documents, {n_mix} tokens ("
+          f"{100 * n_mix / (n_mix + n_train):.0f}% of the training tokens) from "
+          f"{args.mix_features}", file=sys.stderr)
+    return store
+
+
+def mix_held_out(args, job):
+    """--mix-features: its held-out documents as (store, manifest, docs) for
+    train_gate.agreement_with_teacher, reported beside this run's own; None without the flag or
+    without a held-out document that can be read back (features.read_back: the digits need the
+    token ids)."""
+    if job.mix is None:
+        return None
+    val = [d for d in job.mix["documents"] if d["split"] == "val"]
+    ids = [features.read_back(d, job.tokenizer) for d in val]
+    kept = [(d, i) for d, i in zip(val, ids) if i is not None]
+    if len(kept) < len(val):
+        print(f"note: {len(val) - len(kept)} of the {len(val)} held-out documents of "
+              f"--mix-features cannot be read back from their files (moved or changed); their "
+              f"agreement is left out", file=sys.stderr)
+    if not kept:
+        return None
+    manifest = dict(job.mix, documents=[d for d, _ in kept])
+    docs = [(d["name"], i, "val") for d, i in kept]
+    return FeatureStore(args.mix_features, manifest), manifest, docs
 
 
 def check_split(args, store, n_train, n_val, val_every):
@@ -290,6 +358,9 @@ def save(args, job, store, docs, gates, metrics, agreement, settings):
     metrics["n_val_docs"] = sum(d["split"] == "val" for d in job.manifest["documents"])
     metrics["agreement"] = agreement
     metrics["command"] = " ".join(sys.argv)
+    mix = {} if job.mix is None else dict(mix_features=mix_record(args.mix_features, job.mix),
+                                          mix_agreement=metrics.get("mix_agreement"))
+    metrics.update(mix)
     summary = dict(command=metrics["command"], data=args.data, data_sha256=job.data_hash,
                    documents=len(docs), tokens=store.n_tokens, steps=args.steps,
                    batch_tokens=args.batch_tokens, seed=args.seed, recipe_name=args.recipe,
@@ -298,7 +369,7 @@ def save(args, job, store, docs, gates, metrics, agreement, settings):
                       else {}),
                    val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
                    const_val_loss=metrics["const_val_loss"], teacher=job.manifest["teacher"],
-                   val_docs=metrics["n_val_docs"], agreement=metrics["agreement"])
+                   val_docs=metrics["n_val_docs"], agreement=metrics["agreement"], **mix)
     out = job.out
     gate_path = Path(out) / "gate.safetensors"
     save_gate(str(gate_path), gates, dict(model=job.model_name, layers=metrics["layers"],
@@ -310,6 +381,8 @@ def save(args, job, store, docs, gates, metrics, agreement, settings):
     print(summary_table(metrics))
     if "ceiling_val_spearman" in metrics:
         print(ceiling_table(metrics))
+    if mix:
+        print(mix_line(metrics))
     if args.plot:
         plot_curves(metrics, Path(out) / "curves.png")
     L = len(metrics["layers"])
@@ -429,6 +502,13 @@ def parse_args(argv, recipes, parts):
                    "documents held out whole for validation, never part of a training sample "
                    "(default 0.05); 0 = the authors' split, every 100th token of the training "
                    "documents")
+    p.add_argument("--mix-features", metavar="DIR", help="the features of another corpus (made "
+                   "by train_gate.py --steps 0 --data TEXT --out DIR with this run's model and "
+                   "teacher flags, e.g. the numeric text of offline/numeric_text.py): its training "
+                   "documents join this run's training tokens, its held-out documents are reported "
+                   "on their own (mix_agreement); this run's held-out documents stay its "
+                   "validation, so runs with and without it on the same features and --seed are "
+                   "an ablation")
     p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>): "
                    "a new or empty folder, or one train_gate.py wrote (resumed); one run at a time")
     p.add_argument("--steps", type=int, default=5000,
@@ -518,6 +598,8 @@ def parse_args(argv, recipes, parts):
         p.error(f"--weight-decay must be in [0, 1), got {args.weight_decay}")
     if args.weight_decay and (args.optimizer or recipes[args.recipe].optimizer) == "sgd":
         p.error("--weight-decay applies to --optimizer adam (the paper's SGD takes none)")
+    if args.mix_features and args.steps == 0:
+        p.error("--mix-features joins features at training: it needs --steps > 0")
     if args.steps < 0 or args.long_doc_tokens < 0 or args.layer_groups < 0:
         p.error("--steps, --long-doc-tokens and --layer-groups must be >= 0")
     if not 0 <= args.val_docs <= 0.5:
