@@ -344,7 +344,9 @@ def mix_held_out(args, job):
 def check_split(args, store, n_train, n_val, val_every):
     """Enough training tokens for one batch, and at least one validation token."""
     if n_train < args.batch_tokens:
-        raise UsageError(f"only {n_train} training tokens for --batch-tokens "
+        dropped = (" (--final-chunk drop leaves out each document's last teacher chunk shorter "
+                   "than --teacher-chunk)" if args.final_chunk == "drop" else "")
+        raise UsageError(f"only {n_train} training tokens{dropped} for --batch-tokens "
                          f"{args.batch_tokens}; add data (--tokens) or lower it")
     if n_val == 0:
         raise UsageError(f"only {store.n_tokens} tokens: need at least {val_every} for "

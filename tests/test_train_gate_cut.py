@@ -3,17 +3,21 @@ computation of what it says (the short final chunk, the teacher's cuts and their
 keep/drop and cut-pair terms, the pairs themselves, the per-layer overlap and its selection,
 clipping, the ridge ceiling), the options together under layer groups, the flags, and the named
 recipes trained bit for bit as the plain loop they were before the options."""
+import json
 import math
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_teacher import tiny_model_folder
+from test_train_gate import SMALL, run_main, sharpen, write_docs
 
 import train_gate as TG
 from cache import plan_prefill
 from commands import features
 from commands import train_gate as cmd
+from formats.gate_file import gate_metadata
 from gate import Gates
 
 CPU = torch.device("cpu")
@@ -349,3 +353,41 @@ def test_the_cut_flags():
         with pytest.raises(SystemExit) as e:
             cmd.parse_args(["--data", "d", *bad], TG.RECIPES, TG.PARTS)
         assert e.value.code == 2, bad
+
+
+def test_the_command_line_trains_with_every_option_and_prints_the_ceiling(tmp_path, capsys):
+    """python train_gate.py with every option and --ridge-ceiling: the tiny model's features, the
+    gate file's training summary names the options, metrics.json holds each option's numbers and
+    the ceiling beside the gate, and the ceiling's table is printed; --final-chunk drop with too few
+    tokens left says why."""
+    folder = tiny_model_folder(tmp_path / "models", "qwen3", seed=1)
+    sharpen(folder)
+    data, out = write_docs(tmp_path / "data", 8), tmp_path / "out"
+    flags = ["--model", folder, "--data", data, "--tokens", 3000, "--long-doc-tokens", 0,
+             "--batch-tokens", 100, *SMALL]
+    run_main([*flags, "--out", out, "--steps", 60, "--keep-term", 1, "--cut-pairs", 1,
+              "--final-chunk", "drop", "--select", "overlap", "--clip", 1, "--ridge-ceiling"])
+    printed = capsys.readouterr().out
+    assert "the gate against a linear ceiling" in printed
+    m = json.loads((out / "metrics.json").read_text())
+    L = len(m["layers"])
+    for k in ("train_keep_loss", "train_cut_pair_loss", "train_grad_norm", "val_overlap"):
+        assert len(m[k]) == len(m["step"]) and len(m[k][-1]) == L, k
+    for k in ("selected_val_overlap", "ceiling_val_spearman", "ceiling_val_overlap",
+              "gate_val_spearman", "gate_val_overlap"):
+        assert len(m[k]) == L, k
+    assert m["gate_val_overlap"] == m["selected_val_overlap"]  # the returned gate: the selected
+    training = gate_metadata(out / "gate.safetensors")["training"]
+    assert (training["keep_term"], training["cut_pairs"], training["final_chunk"],
+            training["select"], training["clip"]) == (1.0, 1.0, "drop", "overlap", 1.0)
+    assert list(training["cut_budgets"]) == list(TG.CUT_BUDGETS)
+    lengths = [d["tokens"] for d in json.loads((out / "manifest.json").read_text())["documents"]
+               if d["split"] == "train"]
+    batch = sum(n - n % 128 for n in lengths) + 1  # one token more than the drop leaves
+    assert batch <= sum(lengths)
+    run_main([*flags, "--out", out, "--steps", 1, "--batch-tokens", batch])
+    with pytest.raises(SystemExit) as e:
+        run_main([*flags, "--out", out, "--steps", 1, "--final-chunk", "drop",
+                  "--batch-tokens", batch])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--final-chunk drop leaves out" in err, err
