@@ -11,7 +11,9 @@ main() (at the end) runs them:
   3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft
                targets, SGD with momentum 0.9, lr 0.2 with the authors' piecewise schedule, all
                layers batched through gate.Gates (train, train_layers); then the gate's agreement
-               with its teacher on the held-out documents (teacher.agreement). Other recipes
+               with its teacher on the held-out documents (--mix-features' apart) and on every
+               document of any --eval-features folder (teacher.agreement,
+               agreement_with_teacher). Other recipes
                (Recipe, METHOD.md §13.13-13.14) plug their parts in from section 4, and options
                aimed at the cache's cut (METHOD.md §13.15) from section 5.
 The flags and their checks, the output folder and what is written and printed are the command
@@ -28,9 +30,8 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from cache import top_k_mask
 from gate import Gates
-from teacher import agreement, digit_tokens, kept_by_rule, pool_agreement, spearman
+from teacher import agreement, kept_by_rule, pool_agreement, spearman, token_marks, top_at_counts
 
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
 EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
@@ -56,7 +57,7 @@ class Recipe:
     loss: str = "bce"          # "bce": the paper's; "rank": BCE + RANK_WEIGHT · rank; "logmse"
     select: str = "last"       # "last": the gates after the last step; "spearman" / "overlap": per
                                # layer, those of the validation step with the best held-out Spearman
-                               # / overlap with the teacher's kept set at SELECT_BUDGET
+                               # / top-k overlap with the teacher's kept set at SELECT_BUDGET
     # training aimed at the cache's cut (section 5, METHOD.md §13.15); each off by default
     keep_term: float = 0.0     # weight of the keep/drop term at the teacher's cuts
     cut_pairs: float = 0.0     # weight of a ranking term over pairs across the teacher's cut
@@ -342,18 +343,26 @@ def layer_groups(n_layers, groups):
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def agreement_with_teacher(gates, store, manifest, docs, tokenizer, device):
-    """teacher.agreement of the trained gates with their teacher, pooled over the held-out documents
-    (None without any: --val-docs 0)."""
+def agreement_with_teacher(gates, store, documents, tokenizer, device):
+    """teacher.agreement of the trained gates with their teacher, pooled over `documents` of `store`
+    (teacher.pool_agreement: per layer, per head, all layers), None without any (--val-docs 0).
+    documents: [(index in the store, the document's token ids)]; ids None (a shard written without
+    them): the document counts no digit or identifier token."""
     per_doc = []
-    for i, d in enumerate(manifest["documents"]):
-        if d["split"] == "val":
-            start = int(store.starts[i])
-            with torch.no_grad():
-                pred = gates(store.hidden[i].to(device)).float().cpu()  # (L, H, n)
-            teacher = store.scores[:, :, start:start + d["tokens"]]
-            per_doc.append(agreement(pred, teacher, digit_tokens(tokenizer, docs[i][1])))
+    for i, ids in documents:
+        start, n = int(store.starts[i]), store.hidden[i].shape[1]
+        with torch.no_grad():
+            pred = gates(store.hidden[i].to(device)).float().cpu()  # (L, H, n)
+        is_digit, is_identifier = (token_marks(tokenizer, ids) if ids is not None
+                                   else (torch.zeros(n, dtype=torch.bool),) * 2)
+        per_doc.append(agreement(pred, store.scores[:, :, start:start + n], is_digit,
+                                 is_identifier=is_identifier))
     return pool_agreement(per_doc) if per_doc else None
+
+
+def held_out(manifest, docs):
+    """The held-out documents of a run, as agreement_with_teacher takes them."""
+    return [(i, docs[i][1]) for i, d in enumerate(manifest["documents"]) if d["split"] == "val"]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -693,20 +702,19 @@ def teacher_kept(y, segments):
 
 
 def overlap_per_layer(pred, kept, segments):
-    """Per layer, the share of the teacher's kept pairs outside the window (kept: teacher_kept) that
-    the layer's own top k by `pred` (L, H, n_val) holds too, k = the pairs the teacher keeps in that
-    layer, pooled over the segments; None where the teacher keeps none. teacher.agreement compares
-    two kept sets each chosen over all layers; here each layer's number depends on its own
-    predictions only, so that --select overlap can pick a step per layer."""
-    L = pred.shape[0]
-    both, total = [0] * L, [0] * L
+    """Per layer, teacher.agreement's topk_overlap at SELECT_BUDGET, pooled over the segments by
+    sums: of the teacher's kept pairs outside the window (kept: teacher_kept), the share among the
+    top k of `pred` (L, H, n_val) in each head, k = the teacher's count in that head
+    (teacher.top_at_counts); None where the teacher keeps none. Each layer's number depends on its
+    own predictions only (agreement's overlap compares two kept sets each chosen over all layers),
+    so that --select overlap can pick a step per layer."""
+    both = total = torch.zeros(pred.shape[0], dtype=torch.long)
     for (a, b), (keep, w) in zip(segments, kept):
         n = b - a - w
-        for li in range(L):
-            k = keep[li, :, :n]
-            top = top_k_mask(pred[li, :, a:a + n], int(k.sum()))
-            both[li], total[li] = both[li] + int((top & k).sum()), total[li] + int(k.sum())
-    return [x / t if t else None for x, t in zip(both, total)]
+        kt = keep[..., :n]
+        top = top_at_counts(pred[:, :, a:a + n], kt.sum(-1))
+        both, total = both + (kt & top).flatten(1).sum(1), total + kt.flatten(1).sum(1)
+    return [int(x) / int(t) if t else None for x, t in zip(both, total)]
 
 
 @torch.no_grad()
@@ -744,12 +752,17 @@ def main(argv=None):
         ceiling = command.ridge_ceiling if args.ridge_ceiling else None  # a report beside the gate
         gates, metrics = train(store, job.cfg, job.device, args.steps, args.batch_tokens,
                                args.seed, job.log, recipe, groups, ceiling)  # 3. training
-        agreement = agreement_with_teacher(gates, store, job.manifest, docs, job.tokenizer,
-                                           job.device)
+        agreement = agreement_with_teacher(gates, store, held_out(job.manifest, docs),
+                                           job.tokenizer, job.device)
         mix = command.mix_held_out(args, job)  # --mix-features: its held-out documents, apart
         if mix is not None:
             metrics["mix_agreement"] = agreement_with_teacher(gates, *mix, job.tokenizer,
                                                               job.device)
+        evals = {}  # --eval-features: every document of each folder
+        for name, folder, eval_store, documents in command.eval_stores(job):
+            a = agreement_with_teacher(gates, eval_store, documents, job.tokenizer, job.device)
+            evals[name] = dict(folder=folder, documents=len(documents), agreement=a)
+        metrics["eval_agreement"] = evals
         command.save(args, job, store, docs, gates, metrics, agreement, recipe_settings(recipe))
 
     return command.main(argv, run, RECIPES, PARTS)

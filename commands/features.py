@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import safetensors.torch
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 import cli
 from cli import UsageError, tree_sha256
@@ -285,12 +285,15 @@ def _sha256(data, f=None, length=0):
     return h.hexdigest()
 
 
-def write_shard(path, hidden, scores, meta):
+def write_shard(path, hidden, scores, meta, ids=None):
     """Atomically: write into partial_dir(path), then rename (a killed run never leaves half a shard
     where a shard is expected; the next run sweeps what it left, sweep_temporaries). The metadata
-    records the sha256 of each tensor's bytes, which a resumed run checks (shard_problem)."""
+    records the sha256 of each tensor's bytes, which a resumed run checks (shard_problem). ids: the
+    document's token ids (None: not stored), so that a folder of features can be evaluated on its
+    own (train_gate.py --eval-features: which tokens are digits or identifiers)."""
     tensors = {"hidden": hidden.detach().cpu().contiguous(),
-               "scores": scores.detach().cpu().contiguous()}
+               "scores": scores.detach().cpu().contiguous(),
+               **({} if ids is None else {"ids": torch.tensor(list(ids), dtype=torch.int64)})}
     # the bytes safetensors writes: the tensor's own, little-endian as torch holds them on x86, ARM
     meta = {**meta, "sha256": {k: _sha256(t.reshape(-1).view(torch.uint8).numpy())
                                for k, t in tensors.items()}}
@@ -342,7 +345,8 @@ def shard_problem(path, key):
         with open(path, "rb") as f:
             n = struct.unpack("<Q", f.read(8))[0]
             header = json.loads(f.read(n))
-            end = 8 + n + max(header[name]["data_offsets"][1] for name in ("hidden", "scores"))
+            tensors = [v for k, v in header.items() if k != "__metadata__"]
+            end = 8 + n + max(t["data_offsets"][1] for t in tensors)
             document = json.loads(header["__metadata__"]["document"])
             size = os.fstat(f.fileno()).st_size
             if size != end:
@@ -352,7 +356,7 @@ def shard_problem(path, key):
             recorded = document.get("sha256")
             if not isinstance(recorded, dict):
                 return "it records no checksum of its data (written by an earlier version)"
-            for name in ("hidden", "scores"):
+            for name in ("hidden", "scores", *(["ids"] if "ids" in header else [])):
                 begin, stop = header[name]["data_offsets"]
                 f.seek(8 + n + begin)
                 if _sha256(None, f, stop - begin) != recorded.get(name):
@@ -512,7 +516,7 @@ def extract_features(out, model_folder, dtype, device, docs, fmt, tokenizer, tea
                 raise UsageError(f"{name}: hidden states reach {big:.3g}, beyond {stored_dtype}'s "
                                  f"range; pass --feature-dtype bfloat16 or float32")
         write_shard(shard_path(out, i), hidden, scores,
-                    dict(name=name, tokens=len(ids), key=doc_key(name, ids)))
+                    dict(name=name, tokens=len(ids), key=doc_key(name, ids)), ids)
     bar.close()
 
 
@@ -539,6 +543,7 @@ class FeatureStore:
         paths = [Path(out) / d["shard"] for d in manifest["documents"]]
         missing = [str(p) for p in paths if not p.exists()]
         assert not missing, f"missing feature shards: {missing[:3]}"
+        self.paths = paths
         self.hidden = [_mmap_tensor(p, "hidden") for p in paths]
         # (L, H, N)
         self.scores = torch.cat(
@@ -556,6 +561,11 @@ class FeatureStore:
         # records it (format 1)
         self.teacher_chunk = (manifest.get("teacher") or {}).get("chunk")
         self.nbytes = sum(h.nbytes for h in self.hidden)  # the hidden states as stored
+
+    def ids(self, i):
+        """Document i's token ids (a list), or None from a shard written without them."""
+        with safe_open(str(self.paths[i]), "pt") as f:
+            return f.get_tensor("ids").tolist() if "ids" in f.keys() else None
 
     def load_layers(self, layers):
         """Hidden states of the layers in slice `layers` for every token, read into memory:

@@ -178,10 +178,11 @@ def test_cut_pairs_straddle_the_cut(tmp_path):
 # -------------------------------------------------------------------------------------------------
 # selection, clipping, the ceiling
 
-def test_overlap_per_layer_is_a_naive_top_k():
+def test_overlap_per_layer_is_a_naive_top_k_and_the_reports():
     """Per layer: of the teacher's kept pairs outside the window (the global cut at 0.2), the share
-    that the layer's own top-k by the prediction holds, k = the teacher's count in that layer,
-    pooled over the segments."""
+    among each head's top k by the prediction, k = the teacher's count in that head, pooled over the
+    segments: a naive count, and the held-out report's topk_overlap@0.2 (teacher.agreement pooled)."""
+    from teacher import agreement, pool_agreement
     torch.manual_seed(4)
     y, pred = torch.rand(3, 2, 500) ** 4, torch.rand(3, 2, 500)
     pred[1] = y[1] + 0.01 * torch.rand(2, 500)  # layer 1 close to its teacher
@@ -192,13 +193,17 @@ def test_overlap_per_layer_is_a_naive_top_k():
         both = total = 0
         for (a, b), (keep, w) in zip(segments, kept):
             n = b - a - w
-            teacher = {(h, p) for h in range(2) for p in range(n) if keep[li, h, p]}
-            order = sorted(((float(pred[li, h, a + p]), -(h * n + p), (h, p))
-                            for h in range(2) for p in range(n)), reverse=True)
-            top = {q for _, _, q in order[:len(teacher)]}
-            both, total = both + len(top & teacher), total + len(teacher)
-        assert got[li] == both / total
+            for h in range(2):
+                teacher = {p for p in range(n) if keep[li, h, p]}
+                order = sorted(((float(pred[li, h, a + p]), -p) for p in range(n)), reverse=True)
+                top = {-q for _, q in order[:len(teacher)]}
+                both, total = both + len(top & teacher), total + len(teacher)
+        assert got[li] == pytest.approx(both / total, abs=1e-12)
     assert got[1] > 0.8 > max(got[0], got[2])
+    pooled = pool_agreement([agreement(pred[:, :, a:b], y[:, :, a:b], torch.zeros(b - a).bool(),
+                                       budgets=(TG.SELECT_BUDGET,)) for a, b in segments],
+                            budgets=(TG.SELECT_BUDGET,))
+    assert got == pytest.approx(pooled[f"topk_overlap@{TG.SELECT_BUDGET}"], abs=1e-12)
 
 
 def test_select_overlap_keeps_each_layers_best(tmp_path):
