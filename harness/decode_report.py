@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from cli import pyplot, save_figure
+from harness import decode_config
 from harness.quality import ci
 from harness.quality_report import fmt_ci
 from harness.report import shown
@@ -129,6 +130,13 @@ def probe_sums(es, gap=None):
     return out
 
 
+def row_key(key):
+    """A record's entry key -> (row label, budget): "full", "rkv@512", "rkv@global/w128@512" (a
+    configuration's name may hold an @ itself: the budget is the last one)."""
+    name, at, budget = key.rpartition("@")
+    return (name, int(budget)) if at and budget.isdigit() else (key, None)
+
+
 def results(records, n_boot, seed):
     """The decode part of results.json from the finished documents' records (any order): one row
     per (task, method, budget) with its t-interval over documents (and, from BOOT_MIN documents,
@@ -141,8 +149,7 @@ def results(records, n_boot, seed):
     keys = list(dict.fromkeys(k for r in records for k in r["entries"]))
     rows = []
     for key in keys:
-        method, _, budget = key.partition("@")
-        budget = int(budget) if budget else None
+        method, budget = row_key(key)
         es = [r["entries"][key] for r in records]
         base = dict(method=method, budget=budget, n_docs=n)
         if all("kept_nbytes" in e for e in es):  # at the stream's end
@@ -215,8 +222,8 @@ def paired(records, n_boot, seed):
     keys = list(dict.fromkeys(k for r in records for k in r["entries"]))
     out = []
     for key in keys:
-        method, _, budget = key.partition("@")
-        if method in ("full", GATE) or not budget or f"{GATE}@{budget}" not in keys:
+        method, budget = row_key(key)
+        if method in ("full", GATE) or budget is None or f"{GATE}@{budget}" not in keys:
             continue
         for task in ("nll", "recall"):
             diffs = []
@@ -228,7 +235,7 @@ def paired(records, n_boot, seed):
             if not diffs:
                 continue
             mean, c = mean_ci(diffs)
-            row = dict(budget=int(budget), method=method, task=task, n=len(diffs), diff=mean,
+            row = dict(budget=budget, method=method, task=task, n=len(diffs), diff=mean,
                        ci=c, verdict=verdict(c))
             if len(diffs) >= BOOT_MIN:
                 d = np.asarray(diffs)
@@ -277,6 +284,11 @@ def markdown(results):
                        f"{fmt_ci(rec['score'], rec['ci'])} | "
                        f"{fmt_ci(rec['exact'], rec['exact_ci'])} | "
                        f"{fmt_ci(rec.get('nll_ratio'), rec.get('nll_ratio_ci'))} |")
+        named = described(dict.fromkeys(m for m, _ in configs))
+        if named:
+            out += ["", "Rows that are configurations (a method at another level or window, or "
+                    "the static split of heads: harness/decode_config.py):", ""]
+            out += [f"- {line}" for line in named]
         out += ["", "### Recall by distance (answer-token accuracy)", "",
                 "| method | budget | " + " | ".join(f"gap {g}" for g in gaps) + " |",
                 "|---|---|" + "---|" * len(gaps)]
@@ -350,6 +362,19 @@ def paired_markdown(results):
         cell = lambda task: fmt(next((r for r in rows if (r["budget"], r["method"], r["task"])
                                       == (b, m, task)), None))
         out.append(f"| {b} | {m} | {cell('nll')} | {cell('recall')} |")
+    return out
+
+
+def described(labels):
+    """What each row label that is not a method at its own level and window ran, or the split."""
+    out = []
+    for m in labels:
+        try:
+            c = decode_config.parse(m)
+        except ValueError:  # a label this version does not know: shown as it is
+            continue
+        if c.name != c.method or c.method in decode_config.SPLIT:
+            out.append(decode_config.describe(c))
     return out
 
 
