@@ -271,9 +271,12 @@ def markdown(results):
                 "tokens at positions ≥ the budget (1 = lossless, higher is better). recall: "
                 "accuracy of the answer tokens (argmax) of facts asked again "
                 f"{min(gaps)}–{max(gaps)} tokens after they were stated; exact = every token of "
-                f"the answer right; recall NLL ratio as nll. {interval_note(results)} cut: the "
-                "full cache held to the budget, a question past it asked at the budget instead "
-                "(harness/decode.py; no token past the budget, so no nll).", "",
+                f"the answer right; recall NLL ratio as nll. {interval_note(results)} "
+                + ("cut: the full cache held to the budget, a question past it asked at the "
+                   "budget instead (harness/decode.py; no token past the budget, so no nll)."
+                   if results.get("interval") else  # a run from before cut was run, as it said
+                   "cut: the full cache stopped at the budget (it never reaches a token past it: "
+                   "n/a, or a wrong answer)."), "",
                 "| method | budget | nll ratio | recall tokens | recall exact | recall NLL ratio |",
                 "|---|---|---|---|---|---|"]
         for m, b in configs:
@@ -303,9 +306,10 @@ def markdown(results):
                     f"{gens[0]['n']} generations. first difference: tokens generated before the "
                     "first token that differs from the full cache's (median; mean [95% CI]); same "
                     "answer: the final answer equals the full cache's token for token; correct: "
-                    "it holds the fact stated in the prompt. cut stops its generation where the "
-                    "question must be asked to fit the budget: its first difference is where it "
-                    "stopped.", "",
+                    "it holds the fact stated in the prompt." + (
+                        " cut stops its generation where the question must be asked to fit the "
+                        "budget: its first difference is where it stopped."
+                        if results.get("interval") else ""), "",
                     "| method | budget | first difference (median) | mean | same answer | "
                     "correct |", "|---|---|---|---|---|---|"]
             for r in gens:
@@ -335,7 +339,7 @@ def interval_note(results):
     """Which interval the tables show, over how many documents."""
     iv = results.get("interval")
     if not iv:  # a results.json written before the t-intervals
-        return "[95% percentile-bootstrap interval over documents.]"
+        return "[95% bootstrap interval over documents.]"
     n = iv["n"]
     return (f"[95% Student-t interval over the n = {n} documents ({n - 1} degrees of freedom; "
             "a ratio of sums with its linearized standard error)"

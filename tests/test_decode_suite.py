@@ -692,7 +692,7 @@ def test_committed_decode_results_still_render(folder):
     elif res.get("rows"):
         assert res["config"]["git_commit"][:10] in md
         assert "which commit ran each document was not recorded" in md
-        assert "[95% percentile-bootstrap interval over documents.]" in md
+        assert "[95% bootstrap interval over documents.]" in md
         assert "paired by document" not in md  # it needs the documents' records
     else:
         assert res["config"]["git_commit"][:10] in md
