@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+import cli
+
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = {"keep-term": "--keep-term 1", "cut-pairs": "--cut-pairs 1",
            "final-chunk-drop": "--final-chunk drop", "select-overlap": "--select overlap",
@@ -219,7 +221,7 @@ def parse(argv):
                    + "; ".join(f"{k}={v!r}" for k, v in VARIANTS.items()))
     p.add_argument("--seeds", default="0,1,2", help="comma-separated, at least 3")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--threads", type=int, default=1)
+    cli.add_threads(p, note="Each train_gate.py run's (one run at a time)")
     p.add_argument("--train-args", default="", help="flags every run shares (one string)")
     p.add_argument("--eval-features", action="append", default=[], type=Path, metavar="DIR")
     a = p.parse_args(argv)
