@@ -118,8 +118,8 @@ def summarize(runs):
     return res
 
 
-def cell(iv, diff=False):
-    f = "{:+.3f}" if diff else "{:.3f}"
+def cell(iv, diff=False, digits=3):
+    f = "{:+.%df}" % digits if diff else "{:.%df}" % digits
     if iv["lo"] is None:
         return f.format(iv["mean"]) + " (n=1)"
     tie = " tie" if diff and iv["lo"] <= 0 <= iv["hi"] else ""
@@ -152,7 +152,7 @@ def markdown(res, config):
                     for v in names) + " |")
             if name == "heldout":
                 lines.append("| training seconds | " + " | ".join(
-                    cell(rows[v]["train_s"]) for v in names) + " |")
+                    cell(rows[v]["train_s"], digits=1) for v in names) + " |")
             others = [v for v in names if name in rows[v]["diff"]]
             if others:
                 lines += ["", f"Minus base ({recipe}, {name}), paired by seed:", "",
@@ -234,6 +234,9 @@ def parse(argv):
     pairs = [v.split("=", 1) if "=" in v else [v, None] for v in a.variant or []]
     if any(f is None or not n.strip() or "/" in n for n, f in pairs):
         raise Bad(f"--variant {a.variant}: give NAME=FLAGS, e.g. --variant 'clip2=--clip 2'")
+    names = [n for n, _ in pairs]
+    if "base" in names or len(set(names)) < len(names):
+        raise Bad(f"--variant names {names}: each once, and not base (the run with no extra flags)")
     a.variants = {"base": "", **dict(pairs)} if pairs else dict(VARIANTS)
     a.recipe = a.recipe or ["paper"]
     a.features = a.features.expanduser().resolve()

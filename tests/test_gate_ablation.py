@@ -139,6 +139,7 @@ def test_resume_keeps_finished_runs(setup, capsys):
     (["--variant", "neg=--clip -1"], "--clip must be a number >= 0"),
     (["--variant", "seeded=--seed 4"], "--seed is set by this program"),
     (["--seeds", "0,1"], "at least 3 distinct seeds"),
+    (["--variant", "keep=--clip 2"], "each once, and not base"),
     (["--features", "/nonexistent/features"], "not a features folder"),
 ])
 def test_bad_input_is_one_line_exit_2(setup, capsys, extra, says):
