@@ -77,9 +77,66 @@ def results(records, n_boot, seed):
                              first_diff_ci=ci(first[g_idx].mean(-1)), same=float(same.mean()),
                              same_ci=ci(same[g_idx].mean(-1)), correct=float(correct.mean()),
                              correct_ci=ci(correct[g_idx].mean(-1))))
+    rows += loop_rows(records)
     return dict(rows=rows, n_contexts=n,
                 generations=[dict(doc=r["doc"], **r["generation"]) for r in records
                              if r.get("generation")])
+
+
+def wilson(k, n, z=1.96):
+    """Wilson score interval of k successes in n trials (95% at z = 1.96); None for n = 0."""
+    if n == 0:
+        return None
+    p, z2 = k / n, z * z
+    mid, half = (p + z2 / (2 * n)), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return [float((mid - half) / (1 + z2 / n)), float((mid + half) / (1 + z2 / n))]
+
+
+def loop_rows(records):
+    """The closed loop's rows (harness/closed_loop.py), one per configuration that ran it: its
+    samples, the invalid ones (a malformed list: never asked), the items asked and answered right,
+    accuracy with a Wilson 95% interval over the items asked (seeds x items, taken as
+    independent), and the share of codes the story wrote out again."""
+    samples = {}
+    for r in sorted(records, key=lambda r: r["context"]):
+        for key, e in r["entries"].items():
+            samples.setdefault(key, []).extend(e.get("loop") or [])
+    rows = []
+    for key, xs in samples.items():
+        if not xs:
+            continue
+        method, _, budget = key.partition("@")
+        valid = [x for x in xs if x["valid"]]
+        right = sum(sum(x["right"]) for x in valid)
+        asked = sum(len(x["right"]) for x in valid)
+        restated = [r for x in valid for r in x.get("restated", [])]
+        rows.append(dict(task="loop", method=method, budget=int(budget) if budget else None,
+                         samples=len(xs), invalid=len(xs) - len(valid), n=asked, right=right,
+                         score=right / asked if asked else None, ci=wilson(right, asked),
+                         restated=float(np.mean(restated)) if restated else None))
+    return rows
+
+
+def loop_markdown(rows):
+    """results.md's closed-loop table (lines), [] when it did not run."""
+    rows = [r for r in rows if r["task"] == "loop"]
+    if not rows:
+        return []
+    out = ["", "## Closed loop: the model's own codes, asked after its own story", "",
+           "Each sample: the model writes a list of codes (the harness writes each line's "
+           "head, the model its code), then a story, then is asked for every code "
+           "(harness/closed_loop.py); right = its answer's number is the code it wrote. "
+           "invalid: samples whose list is malformed (not asked). accuracy: right / asked "
+           "[Wilson 95% interval over the items asked, seeds x items taken as independent]. "
+           "restated: the share of codes the story wrote out again. cut: the full cache "
+           "stopped at the budget never reaches the questions.", "",
+           "| method | budget | samples | invalid | asked | right | accuracy | restated |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        restated = "–" if r["restated"] is None else f"{r['restated']:.2f}"
+        out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['samples']} | {r['invalid']} | "
+                   f"{r['n']} | {r['right']} | {fmt_ci(r['score'], r['ci'])} | {restated} |")
+    return out
 
 
 # ---- 2. results.md and decode.png ----------------------------------------------------------------
@@ -131,6 +188,7 @@ def markdown(results):
                            f"{fmt_ci(r['first_diff_mean'], r['first_diff_ci'], '{:.0f}')} | "
                            f"{fmt_ci(r['same'], r['same_ci'])} | "
                            f"{fmt_ci(r['correct'], r['correct_ci'])} |")
+    out += loop_markdown(rows)
     speed = results.get("decode_speed") or []
     if speed:
         out += ["", "## Decode speed and KV memory over one long generation", "",
@@ -231,6 +289,11 @@ def header(res):
                 f"budgets {key['budgets']} tokens per KV head; recall gaps {key['gaps']}; "
                 f"{key['generations']} free generations of {key['gen_tokens']} tokens; seed "
                 f"{key['seed']}")
+        if key.get("loop"):
+            loop = key["loop"]
+            ran += (f"; closed loop: {loop['seeds']} samples of {loop['items']} codes and "
+                    f"{loop['tokens']}-token stories (temperature {loop['temperature']}, top-p "
+                    f"{loop['top_p']}) at budgets {loop['budgets']}")
     return [f"# Fast KVzip decode suite ({cfg['started']})", "",
             ran + f". Run time {res.get('seconds', 0) / 60:.1f} min"
             + ("." if res.get("complete") else " (not complete: rerun the command to resume)."),
