@@ -6,20 +6,24 @@ through generate.decode_one, so the cache evicts (every 128 tokens, back to B pe
 the model writes its list, its story and its answers.
 
 One sample (a seed):
-    prompt     asks for a list of N_ITEMS things of a theme, each with a secret code of four
-               digits, then a long story about them (SmolLM2's chat turn; plain text for a base
-               model); prefilled
-    list       the harness writes each line's head "{i}. {name}:" (the names drawn by the seed from
-               the theme), the model samples the rest of the line (end of text masked) up to a line
-               break: its code. A line is well-formed when it is exactly " dddd" (LINE); a sample
-               with a malformed line, or two items with one code, is invalid: counted and reported,
-               never asked
+    prompt     asks for a numbered list of N_ITEMS things of a theme, each with a secret code of
+               four digits, then a long story about them (SmolLM2's chat turn; plain text for a
+               base model); prefilled
+    list       the harness writes each line's head HEAD, "{i}. {name} (code" (the names drawn by
+               the seed from the theme), the model samples the rest of the line, up to its line
+               break: its code. A line is well-formed when that rest is exactly " dd)" to
+               ": dddddd)" (LINE: the models write 2 to 6 digits, with or without a colon); a
+               sample with a malformed line is invalid: counted and reported, never asked
     story      the harness writes STORY, the model samples --loop-tokens tokens (end of text masked)
-    questions  for every item, on a copy of the cache: "\\n\\nQ: What was the secret code of
-               {name}?\\nA: The secret code of {name} was", answered greedily up to a line break or
-               ANSWER_TOKENS tokens; right when its first four-digit run is the item's code
-Sampling: generate.sample at --loop-temperature / LOOP_TOP_P with a torch.Generator seeded by the
-sample's seed, so every method starts from the same tokens and each is scored against its own list.
+    questions  for every item, on its own copy of the cache the story left: "\n\nQ: What was the
+               secret code of {name}?\nA: The secret code of {name} was", answered greedily up to
+               a line break or ANSWER_TOKENS tokens; right when the answer's first number is the
+               code the model wrote
+Sampling: generate.sample at TEMPERATURE and TOP_P (end of text masked) with a torch.Generator
+seeded by the sample's seed, so every method starts from the same tokens (up to its first eviction
+that changes a logit) and each is scored against its own list. The harness writes the line heads
+because these small models, asked for a list, write one in their own shape or none (item names
+missing, the example's placeholder copied, prose between lines); the codes are theirs.
 """
 import copy
 import random
@@ -38,7 +42,7 @@ TEMPERATURE = 0.7
 TOP_P = 0.9
 LINE_TOKENS = 10  # a line's tail: ": dddddd)" and its line break, one token a character
 ANSWER_TOKENS = 12
-AROUND_STORY = 400  # positions.
+AROUND_STORY = 400  # positions besides the story (positions())
 LINE = re.compile(r":? (\d{2,6})\)")  # the model's tail of a list line, its line break removed
 ANSWER = re.compile(r"\d+")
 HEAD = "{i}. {name} (code"  # written by the harness; the model writes the rest of the line
@@ -79,14 +83,14 @@ def make_sample(tok, fmt, seed, n_items=N_ITEMS):
 
 
 def parse_line(text):
-    """The model's tail of a list line (after "{i}. {name}:", its line break removed) -> its
-    four-digit code, or None when it is not exactly " dddd"."""
+    """The model's rest of a list line (after HEAD, its line break removed) -> its code, or None
+    when it is not exactly LINE."""
     m = LINE.fullmatch(text)
     return m.group(1) if m else None
 
 
 def parse_answer(text):
-    """An answer's first four-digit run, or None."""
+    """An answer's first run of digits, or None."""
     m = ANSWER.search(text)
     return m.group(0) if m else None
 
@@ -98,9 +102,10 @@ def question(name):
 
 @torch.no_grad()
 def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top_p=TOP_P):
-    """One closed loop on an empty cache (decode.decode_cache's) -> dict(valid, lines, codes,
-    answers, right, story): the list written, the story generated, every item asked on a copy of
-    the cache. Invalid (a line not " dddd"): nothing generated after the list, nothing asked."""
+    """One closed loop on an empty cache (decode.decode_cache's) -> dict(seed, theme, names, valid,
+    lines, codes, answers, right, story_head, story_tail, restated): the list written, the story
+    generated, every item asked on a copy of the cache. Invalid (a line not LINE): nothing
+    generated after the list, nothing asked."""
     cfg = model.config
     gen = torch.Generator().manual_seed(sample.seed)
     banned = list(cfg.eos_token_ids)
