@@ -180,6 +180,7 @@ def well_formed(samples):
     return samples is None or isinstance(samples, list) and all(
         isinstance(x, dict) and isinstance(x.get("valid"), bool)
         and isinstance(x.get("right"), list) and all(isinstance(r, bool) for r in x["right"])
+        and (not x["valid"] or isinstance(x.get("codes"), list) and x["codes"])
         for x in samples)
 
 

@@ -96,7 +96,8 @@ def loop_rows(records):
     """The closed loop's rows (harness/closed_loop.py), one per configuration that ran it: its
     samples, the invalid ones (a malformed list: never asked), the items asked and answered right,
     accuracy with a Wilson 95% interval over the items asked (seeds x items, taken as
-    independent), and the share of codes the story wrote out again."""
+    independent), the accuracy of a guess among the list's codes (chance: the models repeat codes
+    within a list) and the share of codes the story wrote out again."""
     samples = {}
     for r in sorted(records, key=lambda r: r["context"]):
         for key, e in r["entries"].items():
@@ -110,9 +111,12 @@ def loop_rows(records):
         right = sum(sum(x["right"]) for x in valid)
         asked = sum(len(x["right"]) for x in valid)
         restated = [r for x in valid for r in x.get("restated", [])]
+        # a guess of a code from the list: each item's code is that share of its list
+        chance = [x["codes"].count(c) / len(x["codes"]) for x in valid for c in x["codes"]]
         rows.append(dict(task="loop", method=method, budget=int(budget) if budget else None,
                          samples=len(xs), invalid=len(xs) - len(valid), n=asked, right=right,
                          score=right / asked if asked else None, ci=wilson(right, asked),
+                         chance=float(np.mean(chance)) if chance else None,
                          restated=float(np.mean(restated)) if restated else None))
     return rows
 
@@ -128,14 +132,16 @@ def loop_markdown(rows):
            "(harness/closed_loop.py); right = its answer's number is the code it wrote. "
            "invalid: samples whose list is malformed (not asked). accuracy: right / asked "
            "[Wilson 95% interval over the items asked, seeds x items taken as independent]. "
-           "restated: the share of codes the story wrote out again. cut: the full cache "
-           "stopped at the budget never reaches the questions.", "",
-           "| method | budget | samples | invalid | asked | right | accuracy | restated |",
-           "|---|---|---|---|---|---|---|---|"]
+           "chance: the accuracy of answering a code drawn from the item's list (the models "
+           "repeat codes). restated: the share of codes the story wrote out again. cut: the "
+           "full cache stopped at the budget never reaches the questions.", "",
+           "| method | budget | samples | invalid | asked | right | accuracy | chance | "
+           "restated |", "|---|---|---|---|---|---|---|---|---|"]
+    share = lambda x: "–" if x is None else f"{x:.2f}"
     for r in rows:
-        restated = "–" if r["restated"] is None else f"{r['restated']:.2f}"
         out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['samples']} | {r['invalid']} | "
-                   f"{r['n']} | {r['right']} | {fmt_ci(r['score'], r['ci'])} | {restated} |")
+                   f"{r['n']} | {r['right']} | {fmt_ci(r['score'], r['ci'])} | "
+                   f"{share(r['chance'])} | {share(r['restated'])} |")
     return out
 
 
