@@ -11,14 +11,15 @@ One sample (a seed):
                base model); prefilled
     list       the harness writes each line's head HEAD, "{i}. {name} (code" (the names drawn by
                the seed from the theme), the model samples the rest of the line, up to its line
-               break: its code. A line is well-formed when that rest is exactly " dd)" to
-               ": dddddd)" (LINE: the models write 2 to 6 digits, with or without a colon); a
-               sample with a malformed line is invalid: counted and reported, never asked
+               break: its code. A line is well-formed when that rest is exactly " CODE)" or
+               ": CODE)", CODE 2 to 12 letters, digits or hyphens (LINE: asked for four digits,
+               the models write "82", "2626-1", "VERZI"); a sample with a malformed line is
+               invalid: counted and reported, never asked
     story      the harness writes STORY, the model samples --loop-tokens tokens (end of text masked)
     questions  for every item, on its own copy of the cache the story left: "\n\nQ: What was the
                secret code of {name}?\nA: The secret code of {name} was", answered greedily up to
-               a line break or ANSWER_TOKENS tokens; right when the answer's first number is the
-               code the model wrote
+               a line break or ANSWER_TOKENS tokens; right when the answer's first code-like word
+               (ANSWER) is the code the model wrote, exactly
 Sampling: generate.sample at TEMPERATURE and TOP_P (end of text masked) with a torch.Generator
 seeded by the sample's seed, so every method starts from the same tokens (up to its first eviction
 that changes a logit) and each is scored against its own list. The harness writes the line heads
@@ -40,11 +41,13 @@ N_ITEMS = 8
 TOKENS = 2000   # the story: the model's own tokens between its list and the questions
 TEMPERATURE = 0.7
 TOP_P = 0.9
-LINE_TOKENS = 10  # a line's tail: ": dddddd)" and its line break, one token a character
+LINE_TOKENS = 16  # a line's tail: ": " and a 12-character code, ")" and its line break
 ANSWER_TOKENS = 12
 AROUND_STORY = 400  # positions besides the story (positions())
-LINE = re.compile(r":? (\d{2,6})\)")  # the model's tail of a list line, its line break removed
-ANSWER = re.compile(r"\d+")
+# the model's rest of a list line, its line break removed: its code (the models write digits,
+# letters, hyphens: "2626", "VERZI", "2626-1", whatever the prompt's "four digits") in parentheses
+LINE = re.compile(r":? ([A-Za-z0-9][A-Za-z0-9-]{1,11})\)")
+ANSWER = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?")  # an answer's first code-like word
 HEAD = "{i}. {name} (code"  # written by the harness; the model writes the rest of the line
 STORY = "\n\nNow the story.\n\n"
 THEMES = {
@@ -90,7 +93,7 @@ def parse_line(text):
 
 
 def parse_answer(text):
-    """An answer's first run of digits, or None."""
+    """An answer's first code-like word (letters, digits, inner hyphens), or None."""
     m = ANSWER.search(text)
     return m.group(0) if m else None
 

@@ -10,6 +10,7 @@ import bench
 from cache import EvictingCache, KVCache
 from harness import closed_loop, decode, decode_report
 from prompts import encode_prompt, encode_text
+from tests.test_decode_suite import short_text, tiny_decode  # noqa: F401 (a fixture: its flags)
 from tests.test_saved_cache import tiny_setup
 
 
@@ -19,17 +20,21 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("tail, code", [
-    (" 4821)", "4821"), (": 262)", "262"), (" 12)", "12"), (" 123456)", "123456"),  # well-formed
-    ("", None), (" 1)", None), (" 1234567)", None), (" 4821", None), (" code 4821)", None),
-    (":4821)", None), (" 48 21)", None), (" is 4821)", None), (" 4821).", None), (")", None)])
+    (" 4821)", "4821"), (": 262)", "262"), (" 12)", "12"), (": VERZI)", "VERZI"),  # well-formed
+    (": 2626-1)", "2626-1"), (" A1B2C3D4E5F6)", "A1B2C3D4E5F6"),
+    ("", None), (" 1)", None), (" A1B2C3D4E5F6G)", None), (" 4821", None), (" code 4821)", None),
+    (":4821)", None), (" 48 21)", None), (" -4821)", None), (" 4821).", None), (")", None),
+    (": 12345678", None)])
 def test_a_list_line_is_its_code_or_malformed(tail, code):
     assert closed_loop.parse_line(tail) == code
 
 
-def test_an_answer_is_its_first_number():
+def test_an_answer_is_its_first_code_like_word():
     assert closed_loop.parse_answer(" 4821.") == "4821"
     assert closed_loop.parse_answer(" 12 or 4821") == "12"
-    assert closed_loop.parse_answer(" unknown") is None
+    assert closed_loop.parse_answer(" 2626-1, the key") == "2626-1"
+    assert closed_loop.parse_answer(" VERZI-.") == "VERZI"
+    assert closed_loop.parse_answer(" ...") is None
 
 
 class Scripted:
@@ -90,11 +95,11 @@ def test_each_answer_is_scored_against_the_code_the_model_wrote(tiny, monkeypatc
     codes = [" 4821)", ": 262)", " 9090)"]
     sample = closed_loop.make_sample(tiny["tok"], tiny["fmt"], seed=3, n_items=3)
     a, b, c = sample.names
-    answers = {a: " 4821.", b: " 2620", c: " 9090 or 12"}
+    answers = {a: " 4821.", b: " 2620", c: " 9090 or 12"}  # 2620 is not 262
     _, fake, out = scripted_run(tiny, monkeypatch, codes, answers)
     assert out["valid"] and out["lines"] == codes and out["codes"] == ["4821", "262", "9090"]
     assert out["answers"] == [answers[a], answers[b], answers[c]]
-    assert out["right"] == [True, False, True]  # 2620 is not 262
+    assert out["right"] == [True, False, True]
     assert out["story_tail"] == " It rained all day." and out["restated"] == [False] * 3
 
 
@@ -113,8 +118,9 @@ def test_every_question_is_asked_of_the_cache_the_story_left(tiny, monkeypatch):
 def test_a_malformed_list_is_invalid_and_never_asked(tiny, monkeypatch):
     sample = closed_loop.make_sample(tiny["tok"], tiny["fmt"], seed=3, n_items=3)
     answers = {n: " 1111" for n in sample.names}
-    _, fake, out = scripted_run(tiny, monkeypatch, [" 1111)", " is 2222)", " 3333)"], answers)
+    _, fake, out = scripted_run(tiny, monkeypatch, [" 1111)", " 2222", " 3333)"], answers)
     assert not out["valid"] and out["codes"] == ["1111", None, "3333"]
+    assert out["lines"][1] == " 2222"
     assert out["right"] == [] and out["answers"] == [] and "story_tail" not in out
 
 
@@ -236,3 +242,24 @@ def test_loop_flags_make_the_experiment_key_and_a_run_without_keeps_its_old_key(
     assert key["loop"] == dict(seeds=3, tokens=closed_loop.TOKENS, budgets=[256],
                                items=closed_loop.N_ITEMS, temperature=closed_loop.TEMPERATURE,
                                top_p=closed_loop.TOP_P)
+
+
+def test_bench_runs_the_loop_and_reports_it(tiny_decode, tmp_path, monkeypatch):  # noqa: F811
+    """bench.py --suite decode --loop-seeds on a tiny random Gemma3: the loop's samples in the
+    document's record, its rows in results.json (a valid sample asks its 8 items), its table and
+    settings in results.md."""
+    import json
+    monkeypatch.setattr(decode, "load_docs", short_text)
+    out = tmp_path / "out"
+    bench.main([*tiny_decode, "--speed-lengths", "0", "--decode-generations", "0", "--loop-seeds",
+                "2", "--loop-tokens", "20", "--out", str(out)])
+    rec = json.loads(next((out / "contexts").glob("*.json")).read_text())
+    assert [len(rec["entries"][k]["loop"]) for k in ("full", "streaming@160")] == [2, 2]
+    rows = [r for r in json.loads((out / "results.json").read_text())["rows"]
+            if r["task"] == "loop"]
+    assert [(r["method"], r["budget"], r["samples"]) for r in rows] == [
+        ("full", None, 2), ("streaming", 160, 2)]
+    assert all(r["n"] == 8 * (r["samples"] - r["invalid"]) for r in rows)
+    md = (out / "results.md").read_text()
+    assert "## Closed loop" in md and "| streaming | 160 | 2 |" in md
+    assert "closed loop: 2 samples of 8 codes and 20-token stories" in md
