@@ -382,7 +382,7 @@ def bad_entries(rec):
                      and all(map(num, nll)))
                 and (gen is None or isinstance(gen, dict) and num(gen.get("first_diff")))
                 and closed_loop.well_formed(e.get("loop"))):
-            return f"its entry {name!r} is not a decode entry (probes, nll, gen)"
+            return f"its entry {name!r} is not a decode entry (probes, nll, gen, loop)"
     return None
 
 

@@ -230,6 +230,13 @@ def test_bad_loop_flags_exit_2(capsys, flags, words):
     assert e.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_loop_flags_under_another_suite_are_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--suite", "needle", "--loop-seeds", "3"])
+    assert e.value.code == 2 and "--loop-seeds is a flag of --suite decode" in \
+        capsys.readouterr().err
+
+
 def test_loop_flags_make_the_experiment_key_and_a_run_without_keeps_its_old_key():
     args = bench.parse_args(["--suite", "decode", "--decode-budgets", "256,512"])
     assert args.loop_seeds == 0 and args.loop_budgets == [256, 512]
