@@ -31,10 +31,12 @@ authors.
 Cost: one prefill plus one forward of (context + ~1.1% prompt tokens) on top of the full cache, i.e.
 about two prefills (the cost Fast KVzip's gate removes at inference).
 
-Also here, the agreement with this teacher (spearman, kept_by_rule, agreement, pool_agreement,
-digit_tokens): how closely a scorer (the gate) ranks and keeps one context's KV pairs as it does.
+Also here, the agreement with this teacher (spearman, kept_by_rule, top_at_counts, agreement,
+pool_agreement, token_marks): how closely a scorer (the gate) ranks and keeps one context's KV pairs
+as it does, per layer and head, at the cache's cut and at the teacher's own counts.
 """
 import math
+import re
 
 import torch
 
@@ -187,7 +189,8 @@ class KVzipTeacher:
 
 # ---- Agreement: how closely a scorer (the gate) ranks one context's KV pairs as its teacher does
 
-AGREEMENT_BUDGETS = (0.5, 0.3)
+AGREEMENT_BUDGETS = (0.5, 0.3, 0.2, 0.1)
+MARKS = ("digits", "identifiers")  # the kinds of tokens whose kept share is counted (token_marks)
 
 
 def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
@@ -205,6 +208,15 @@ def kept_by_rule(scores, ratio, chunk_size=16384, window=4096, level="global"):
     return keep, plan.window
 
 
+def top_at_counts(scores, counts):
+    """(L, H, s) scores, (L, H) counts -> mask of each head's counts[l, h] highest scores (ties: the
+    earlier position first)."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    places = torch.arange(scores.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, places)  # 0 = the head's highest
+    return rank < counts[..., None]
+
+
 def spearman(a, b):
     """Rank correlation of two 1-D tensors (ordinal ranks: ties, which almost never occur in float
     scores, are broken by position)."""
@@ -216,58 +228,147 @@ def spearman(a, b):
     return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-300))
 
 
-def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096):
-    """Per compressed layer, for one context: student and teacher scores (L, H, n), is_digit (n,)
-    bool (tokens whose text holds a digit: names, dates, numbers, pass keys). Counts, so that
-    callers can pool contexts (`pool_agreement`), keyed by the budget written as f"{r:g}"
-    (JSON-ready):
+def agreement(student, teacher, is_digit, budgets=AGREEMENT_BUDGETS, chunk_size=16384, window=4096,
+              is_identifier=None):
+    """Counts of how a student's scores (L, H, n) keep one context's pairs as its teacher's do, so
+    that callers can pool contexts (`pool_agreement`); is_digit, is_identifier: (n,) bool
+    (token_marks; is_identifier None: none counted). Per compressed layer:
       spearman   rank correlation over the layer's H·n pairs;
-      at budget r, both sides kept by the cache's rule (kept_by_rule), counted outside the local
-      window that both keep: teacher = pairs the teacher keeps, both = of those, the ones the
-      student keeps too, student = pairs the student keeps, segment = pairs in the evicted segment;
-      digits = digit-token pairs there, digits_teacher / digits_student = of those, the ones each
-      side keeps."""
+    and at each budget r (keyed f"{r:g}", JSON-ready), counted outside the local window that both
+    keep (the segment), per layer (lists of L):
+      teacher, student  the pairs each side keeps by the cache's rule (kept_by_rule: one cut over
+                        all layers and heads); both: of the teacher's, the ones the student keeps;
+      topk_both         of the teacher's, the ones among the student's top-k of the head, k = the
+                        teacher's count there (top_at_counts): the ranking inside each head,
+                        whatever shares the two cuts give the heads and layers;
+      segment           pairs in the segment;
+      digits, identifiers (MARKS) the marked tokens' pairs there, and <mark>_teacher,
+                        <mark>_student, <mark>_topk the ones each of the three kept sets keeps;
+      heads             teacher, student, both, topk_both and segment per head (L × H lists)."""
     out = dict(spearman=[spearman(s.flatten().double(), t.flatten().double())
                          for s, t in zip(student, teacher)])
+    n = student.shape[-1]
+    none = torch.zeros(n, dtype=torch.bool)
+    marks = dict(digits=is_digit, identifiers=none if is_identifier is None else is_identifier)
     for r in budgets:
         ks, w = kept_by_rule(student, r, chunk_size, window)
         kt, _ = kept_by_rule(teacher, r, chunk_size, window)
-        seg = torch.zeros(student.shape[-1], dtype=torch.bool, device=student.device)
-        seg[:student.shape[-1] - w] = True
-        digit = seg & is_digit.to(student.device)
-        count = lambda m, where: m[..., where].flatten(1).sum(1).tolist()
-        out[f"{r:g}"] = dict(teacher=count(kt, seg), both=count(kt & ks, seg),
-                             student=count(ks, seg), segment=[int(seg.sum()) * student.shape[1]]
-                             * student.shape[0], digits=[int(digit.sum()) * student.shape[1]]
-                             * student.shape[0], digits_teacher=count(kt, digit),
-                             digits_student=count(ks, digit))
+        ks, kt = ks[..., :n - w], kt[..., :n - w]  # the segment
+        kk = top_at_counts(student[..., :n - w], kt.sum(-1))
+        heads = dict(teacher=kt, student=ks, both=kt & ks, topk_both=kt & kk,
+                     segment=torch.ones_like(kt))
+        heads = {k: v.sum(-1) for k, v in heads.items()}  # (L, H)
+        counts = {k: v.sum(-1).tolist() for k, v in heads.items()}
+        for name, mark in marks.items():
+            m = mark[:n - w].to(kt.device)
+            counts.update({name: [int(m.sum()) * kt.shape[1]] * kt.shape[0],
+                           **{f"{name}_{side}": (kept & m).flatten(1).sum(1).tolist()
+                              for side, kept in (("teacher", kt), ("student", ks), ("topk", kk))}})
+        out[f"{r:g}"] = dict(counts, heads={k: v.tolist() for k, v in heads.items()})
     return out
+
+
+# the shares pool_agreement reports: name -> (numerator, denominator), agreement()'s counts
+SHARES = dict(overlap=("both", "teacher"), chance=("student", "segment"),
+              kept_teacher=("teacher", "segment"), topk_overlap=("topk_both", "teacher"),
+              **{f"{m}_{side}": (f"{m}_{side}", m) for m in MARKS
+                 for side in ("student", "teacher", "topk")})
 
 
 def pool_agreement(per_context, budgets=AGREEMENT_BUDGETS):
-    """Pool agreement() over contexts, per layer: mean Spearman; at each budget, overlap = the share
-    of the teacher's kept pairs the student keeps too (chance level: the student's kept share), the
-    share of the layer's segment each side keeps, and the share of digit-token pairs each side
-    keeps. None where a denominator is zero."""
-    ratio = lambda a, b: a / b if b else None
+    """Pool agreement() over contexts by summing their counts (a ratio of sums, never a mean of
+    ratios; Spearman: the mean over contexts). Per layer (lists of L), None where a denominator is
+    zero; at each budget r (keys "<name>@r"):
+      overlap       of the teacher's kept pairs, the share the student keeps too, both by the
+                    cache's rule (chance level: the student's kept share, chance);
+      chance, kept_teacher  the share of the layer's segment each side keeps by the rule;
+      share_error   chance − kept_teacher: how far the student's cut moves the layer's share;
+      topk_overlap  of the teacher's kept pairs, the share among the student's top-k of each head
+                    at the teacher's count there (agreement's topk_both / teacher);
+      digits_student, digits_teacher, digits_topk (and identifiers_*): the share of the marked
+                    tokens' pairs each of those kept sets keeps.
+    "heads": overlap, chance, kept_teacher, topk_overlap and share_error per head (L × H lists).
+    "all": every share with the layers pooled (sums over layers), the mean Spearman over layers and
+    abs_share_error, the mean |share_error| over layers: the summary a gate file keeps.
+    A budget or a count that some contexts lack (counted by an older version) is left out."""
     L = len(per_context[0]["spearman"])
-    out = dict(spearman=[sum(c["spearman"][li] for c in per_context) / len(per_context)
-                         for li in range(L)])
+    spearman = [sum(c["spearman"][li] for c in per_context) / len(per_context) for li in range(L)]
+    out = dict(spearman=spearman, heads={}, all=dict(spearman=sum(spearman) / L))
     for r in budgets:
-        tot = {k: [sum(c[f"{r:g}"][k][li] for c in per_context) for li in range(L)]
-               for k in per_context[0][f"{r:g}"]}
-        out[f"overlap@{r}"] = [ratio(tot["both"][li], tot["teacher"][li]) for li in range(L)]
-        out[f"chance@{r}"] = [ratio(tot["student"][li], tot["segment"][li]) for li in range(L)]
-        out[f"kept_teacher@{r}"] = [ratio(tot["teacher"][li], tot["segment"][li])
-                                    for li in range(L)]
-        out[f"digits_student@{r}"] = [ratio(tot["digits_student"][li], tot["digits"][li])
-                                      for li in range(L)]
-        out[f"digits_teacher@{r}"] = [ratio(tot["digits_teacher"][li], tot["digits"][li])
-                                      for li in range(L)]
+        if not all(f"{r:g}" in c for c in per_context):
+            continue
+        counts = [c[f"{r:g}"] for c in per_context]
+        shared = set.intersection(*(set(c) for c in counts)) - {"heads"}
+        layer = {k: torch.tensor([c[k] for c in counts]).sum(0) for k in shared}  # (L,)
+        views = [(out, layer), (out["all"], {k: v.sum() for k, v in layer.items()})]
+        if all("heads" in c for c in counts):
+            views.append((out["heads"], {k: torch.tensor([c["heads"][k] for c in counts]).sum(0)
+                                         for k in counts[0]["heads"]}))  # (L, H)
+        for into, c in views:
+            into.update({f"{name}@{r}": _ratio(c[num], c[den])
+                         for name, (num, den) in SHARES.items() if num in c and den in c})
+            if {"student", "teacher", "segment"} <= c.keys():
+                into[f"share_error@{r}"] = _ratio(c["student"] - c["teacher"], c["segment"])
+        if f"share_error@{r}" in out:
+            errors = [abs(e) for e in out[f"share_error@{r}"] if e is not None]
+            out["all"][f"abs_share_error@{r}"] = sum(errors) / len(errors) if errors else None
     return out
 
 
+def _ratio(num, den):
+    """num / den elementwise (tensors of counts): a number or nested lists, None where den is 0."""
+    q = torch.where(den > 0, num.double() / den.double().clamp_min(1), torch.nan).tolist()
+    fix = lambda x: [fix(y) for y in x] if isinstance(x, list) else None if math.isnan(x) else x
+    return fix(q)
+
+
+def token_marks(tokenizer, ids):
+    """(is_digit, is_identifier), each (n,) bool over the tokens `ids` of a context:
+      digit       the token's text holds a digit (names, dates, numbers, pass keys);
+      identifier  the token's text overlaps an identifier word. Words are the maximal runs of ASCII
+                  letters, digits and underscores of the context's text; a word is an identifier
+                  when it mixes letters and digits (sha256, x86, 0x1F, A7K2Q, but also 3rd, 1990s),
+                  holds an underscore beside a letter or digit (snake_case, __init__), or is
+                  camelCase: a lowercase letter followed by an uppercase one (camelCase, getHTTP,
+                  iPhone). Pure numbers (2024, 3.14) and plain words (Paris, HTTP) are not.
+    A token's text is what it adds to the decoded text after its predecessor (token_texts), so a
+    word split over several tokens marks each of them."""
+    texts = token_texts(tokenizer, ids)
+    is_digit = torch.tensor([any(c.isdigit() for c in t) for t in texts], dtype=torch.bool)
+    text = "".join(texts)
+    inside = torch.zeros(len(text) + 1, dtype=torch.int64)  # 1 at i + 1: text[i] in an identifier
+    for word in IDENT_WORD.finditer(text):
+        if is_identifier_word(word.group()):
+            inside[word.start() + 1:word.end() + 1] = 1
+    before = inside.cumsum(0)  # before[i]: identifier characters in text[:i]
+    lens = torch.tensor([len(t) for t in texts], dtype=torch.int64)
+    ends = lens.cumsum(0)
+    return is_digit, before[ends] > before[ends - lens]
+
+
+IDENT_WORD = re.compile(r"[A-Za-z0-9_]+")
+
+
+def is_identifier_word(word):
+    """Whether an ASCII word ([A-Za-z0-9_]+) is an identifier (token_marks' rule)."""
+    letters, digits = re.search(r"[A-Za-z]", word), re.search(r"[0-9]", word)
+    return bool((letters and digits) or ("_" in word and (letters or digits))
+                or re.search(r"[a-z][A-Z]", word))
+
+
+def token_texts(tokenizer, ids):
+    """Each token's text in context: what decoding it after its predecessor adds (a tokenizer may
+    drop a leading space when a token is decoded alone, or decode a byte only with its neighbours);
+    where that is not a suffix of the pair's text (bytes of one character split across tokens), the
+    token decoded alone."""
+    ids = list(ids)
+    alone = tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    pairs = tokenizer.decode_batch([ids[j - 1:j + 1] for j in range(1, len(ids))],
+                                   skip_special_tokens=False)
+    return alone[:1] + [p[len(a):] if p.startswith(a) else b
+                        for a, b, p in zip(alone, alone[1:], pairs)]
+
+
 def digit_tokens(tokenizer, ids):
-    """(n,) bool: which tokens' text holds a digit."""
-    return torch.tensor([any(c.isdigit() for c in tokenizer.id_to_token(i) or "") for i in ids],
-                        dtype=torch.bool)
+    """(n,) bool: which tokens' text holds a digit (token_marks)."""
+    return token_marks(tokenizer, ids)[0]

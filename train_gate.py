@@ -3,14 +3,17 @@ Teach the gates (METHOD.md §4-5): from raw text to a trained gate, in three ste
 main() (at the end) runs them:
   1. data      pick documents (METHOD.md §5.1, commands/features.py): 10K-30K-token documents plus
                ~100K-token concatenations of the same documents, ~1M tokens in all, 5% of the
-               documents held out whole for validation.
+               documents held out whole for validation; --mix-features adds the training
+               documents of another corpus's features (numeric text: offline/numeric_text.py).
   2. features  prefill each document with a full cache, score every context KV pair with the
                KVzip teacher (teacher.py, METHOD.md §4) and record the attention-input hidden
                states of the compressed layers (commands/features.py; resumable, over torchrun).
   3. training  distil the scores into the gates (METHOD.md §5.2-5.4): BCE against the soft
                targets, SGD with momentum 0.9, lr 0.2 with the authors' piecewise schedule, all
                layers batched through gate.Gates (train, train_layers); then the gate's agreement
-               with its teacher on the held-out documents (teacher.agreement). Other recipes
+               with its teacher on the held-out documents (--mix-features' apart) and on every
+               document of any --eval-features folder (teacher.agreement,
+               agreement_with_teacher). Other recipes
                (Recipe, METHOD.md §13.13-13.14) plug their parts in from section 4.
 The flags and their checks, the output folder and what is written and printed are the command
 line's (commands/train_gate.py; python train_gate.py --help).
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from gate import Gates
-from teacher import agreement, digit_tokens, pool_agreement, spearman
+from teacher import agreement, pool_agreement, spearman, token_marks
 
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
 EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
@@ -289,18 +292,26 @@ def layer_groups(n_layers, groups):
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def agreement_with_teacher(gates, store, manifest, docs, tokenizer, device):
-    """teacher.agreement of the trained gates with their teacher, pooled over the held-out documents
-    (None without any: --val-docs 0)."""
+def agreement_with_teacher(gates, store, documents, tokenizer, device):
+    """teacher.agreement of the trained gates with their teacher, pooled over `documents` of `store`
+    (teacher.pool_agreement: per layer, per head, all layers), None without any (--val-docs 0).
+    documents: [(index in the store, the document's token ids)]; ids None (a shard written without
+    them): the document counts no digit or identifier token."""
     per_doc = []
-    for i, d in enumerate(manifest["documents"]):
-        if d["split"] == "val":
-            start = int(store.starts[i])
-            with torch.no_grad():
-                pred = gates(store.hidden[i].to(device)).float().cpu()  # (L, H, n)
-            teacher = store.scores[:, :, start:start + d["tokens"]]
-            per_doc.append(agreement(pred, teacher, digit_tokens(tokenizer, docs[i][1])))
+    for i, ids in documents:
+        start, n = int(store.starts[i]), store.hidden[i].shape[1]
+        with torch.no_grad():
+            pred = gates(store.hidden[i].to(device)).float().cpu()  # (L, H, n)
+        is_digit, is_identifier = (token_marks(tokenizer, ids) if ids is not None
+                                   else (torch.zeros(n, dtype=torch.bool),) * 2)
+        per_doc.append(agreement(pred, store.scores[:, :, start:start + n], is_digit,
+                                 is_identifier=is_identifier))
     return pool_agreement(per_doc) if per_doc else None
+
+
+def held_out(manifest, docs):
+    """The held-out documents of a run, as agreement_with_teacher takes them."""
+    return [(i, docs[i][1]) for i, d in enumerate(manifest["documents"]) if d["split"] == "val"]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -459,8 +470,17 @@ def main(argv=None):
         groups = args.layer_groups or command.auto_layer_groups(store)  # train caps it
         gates, metrics = train(store, job.cfg, job.device, args.steps, args.batch_tokens,
                                args.seed, job.log, recipe, groups)  # 3. training
-        agreement = agreement_with_teacher(gates, store, job.manifest, docs, job.tokenizer,
-                                           job.device)
+        agreement = agreement_with_teacher(gates, store, held_out(job.manifest, docs),
+                                           job.tokenizer, job.device)
+        mix = command.mix_held_out(args, job)  # --mix-features: its held-out documents, apart
+        if mix is not None:
+            metrics["mix_agreement"] = agreement_with_teacher(gates, *mix, job.tokenizer,
+                                                              job.device)
+        evals = {}  # --eval-features: every document of each folder
+        for name, folder, eval_store, documents in command.eval_stores(job):
+            a = agreement_with_teacher(gates, eval_store, documents, job.tokenizer, job.device)
+            evals[name] = dict(folder=folder, documents=len(documents), agreement=a)
+        metrics["eval_agreement"] = evals
         command.save(args, job, store, docs, gates, metrics, agreement, recipe_settings(recipe))
 
     return command.main(argv, run, RECIPES, PARTS)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import safetensors.torch
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 import cli
 from cli import UsageError, tree_sha256
@@ -285,12 +285,15 @@ def _sha256(data, f=None, length=0):
     return h.hexdigest()
 
 
-def write_shard(path, hidden, scores, meta):
+def write_shard(path, hidden, scores, meta, ids=None):
     """Atomically: write into partial_dir(path), then rename (a killed run never leaves half a shard
     where a shard is expected; the next run sweeps what it left, sweep_temporaries). The metadata
-    records the sha256 of each tensor's bytes, which a resumed run checks (shard_problem)."""
+    records the sha256 of each tensor's bytes, which a resumed run checks (shard_problem). ids: the
+    document's token ids (None: not stored), so that a folder of features can be evaluated on its
+    own (train_gate.py --eval-features: which tokens are digits or identifiers)."""
     tensors = {"hidden": hidden.detach().cpu().contiguous(),
-               "scores": scores.detach().cpu().contiguous()}
+               "scores": scores.detach().cpu().contiguous(),
+               **({} if ids is None else {"ids": torch.tensor(list(ids), dtype=torch.int64)})}
     # the bytes safetensors writes: the tensor's own, little-endian as torch holds them on x86, ARM
     meta = {**meta, "sha256": {k: _sha256(t.reshape(-1).view(torch.uint8).numpy())
                                for k, t in tensors.items()}}
@@ -342,7 +345,8 @@ def shard_problem(path, key):
         with open(path, "rb") as f:
             n = struct.unpack("<Q", f.read(8))[0]
             header = json.loads(f.read(n))
-            end = 8 + n + max(header[name]["data_offsets"][1] for name in ("hidden", "scores"))
+            tensors = [v for k, v in header.items() if k != "__metadata__"]
+            end = 8 + n + max(t["data_offsets"][1] for t in tensors)
             document = json.loads(header["__metadata__"]["document"])
             size = os.fstat(f.fileno()).st_size
             if size != end:
@@ -352,7 +356,7 @@ def shard_problem(path, key):
             recorded = document.get("sha256")
             if not isinstance(recorded, dict):
                 return "it records no checksum of its data (written by an earlier version)"
-            for name in ("hidden", "scores"):
+            for name in ("hidden", "scores", *(["ids"] if "ids" in header else [])):
                 begin, stop = header[name]["data_offsets"]
                 f.seek(8 + n + begin)
                 if _sha256(None, f, stop - begin) != recorded.get(name):
@@ -406,6 +410,65 @@ def check_manifest(out, manifest):
                              f"differ); pass another --out or delete {out}/features and {path}")
 
 
+def read_mix(folder, manifest, out):
+    """train_gate.py --mix-features: the manifest of the features in `folder`, another corpus's
+    (made by train_gate.py --steps 0 --data TEXT --out FOLDER), checked: not --out itself, with the
+    settings of this run's `manifest` (every field but the documents: model, layers, dtypes,
+    teacher), at least one training document, and every shard there and intact."""
+    make = (f"make it with train_gate.py --steps 0 --data TEXT --out {folder} and this run's "
+            f"--model, --dtype, --feature-dtype, --chat and teacher flags")
+    if Path(folder).resolve() == Path(out).resolve():
+        raise UsageError(f"--mix-features {folder} is --out itself; pass the features of another "
+                         f"corpus")
+    path = Path(folder) / "manifest.json"
+    try:
+        mix = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as e:
+        why = "no manifest.json there" if isinstance(e, FileNotFoundError) else (
+            f"{path} is unreadable ({type(e).__name__})")
+        raise UsageError(f"--mix-features {folder}: {why}; {make}") from None
+    if not isinstance(mix, dict) or not isinstance(mix.get("documents"), list):
+        raise UsageError(f"--mix-features {folder}: {path} is not a train_gate.py manifest; {make}")
+    diff = [k for k in dict.fromkeys([*manifest, *mix]) if k != "documents"
+            and mix.get(k) != manifest.get(k)]
+    if diff:
+        raise UsageError(f"--mix-features {folder} holds features of other settings than this "
+                         f"run's ({', '.join(diff)} differ); {make}")
+    if not any(d["split"] == "train" for d in mix["documents"]):
+        raise UsageError(f"--mix-features {folder} holds no training document (all "
+                         f"{len(mix['documents'])} are held out); {make} and a lower --val-docs")
+    for d in mix["documents"]:
+        shard = Path(folder) / d["shard"]
+        problem = shard_problem(shard, d["key"]) if shard.exists() else "missing"
+        if problem is not None:
+            raise UsageError(f"--mix-features {folder}: {shard}: {problem}; rerun the "
+                             f"train_gate.py --steps 0 command that made it to compute it")
+    return mix
+
+
+def mix_documents(folder, mix, split):
+    """The documents of split `split` of the --mix-features folder's manifest `mix`, their shards
+    by absolute path: FeatureStore joins a shard's path to its folder, and an absolute one stands
+    alone, so they sit in one store with this run's."""
+    return [dict(d, shard=str((Path(folder) / d["shard"]).absolute()))
+            for d in mix["documents"] if d["split"] == split]
+
+
+def read_back(doc, tokenizer):
+    """The context ids of a document of a manifest, read again from its file and checked against
+    its key (doc_key); None when that cannot be done: a .jsonl line or .parquet row, a file moved or
+    changed since its features were computed."""
+    path = Path(doc["name"])
+    if path.suffix.lower() not in (".txt", ".md", ".rst") or not path.is_file():
+        return None
+    try:
+        text = cli.decode_text(path.read_bytes(), str(path)).strip()
+    except (OSError, UsageError):
+        return None
+    ids = encode_text(tokenizer, text)[:doc["tokens"]]
+    return ids if doc_key(doc["name"], ids) == doc["key"] else None
+
+
 def assign_ranks(lengths, world):
     """Rank of each document: longest first, each to the least-loaded rank (so the ~100K-token
     concatenations spread over the GPUs). Deterministic: every rank computes the same plan."""
@@ -453,7 +516,7 @@ def extract_features(out, model_folder, dtype, device, docs, fmt, tokenizer, tea
                 raise UsageError(f"{name}: hidden states reach {big:.3g}, beyond {stored_dtype}'s "
                                  f"range; pass --feature-dtype bfloat16 or float32")
         write_shard(shard_path(out, i), hidden, scores,
-                    dict(name=name, tokens=len(ids), key=doc_key(name, ids)))
+                    dict(name=name, tokens=len(ids), key=doc_key(name, ids)), ids)
     bar.close()
 
 
@@ -480,6 +543,7 @@ class FeatureStore:
         paths = [Path(out) / d["shard"] for d in manifest["documents"]]
         missing = [str(p) for p in paths if not p.exists()]
         assert not missing, f"missing feature shards: {missing[:3]}"
+        self.paths = paths
         self.hidden = [_mmap_tensor(p, "hidden") for p in paths]
         # (L, H, N)
         self.scores = torch.cat(
@@ -494,6 +558,11 @@ class FeatureStore:
         # the model's dtype, in which the gates train; the shards may hold the features narrower
         self.dtype = DTYPES[manifest["dtype"]]
         self.nbytes = sum(h.nbytes for h in self.hidden)  # the hidden states as stored
+
+    def ids(self, i):
+        """Document i's token ids (a list), or None from a shard written without them."""
+        with safe_open(str(self.paths[i]), "pt") as f:
+            return f.get_tensor("ids").tolist() if "ids" in f.keys() else None
 
     def load_layers(self, layers):
         """Hidden states of the layers in slice `layers` for every token, read into memory:

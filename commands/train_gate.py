@@ -4,7 +4,14 @@ three steps (train_gate.py's main runs them in order):
   1. data      pick documents (METHOD.md §5.1, commands/features.py): 10K-30K-token documents plus
                ~100K-token concatenations of the same documents, ~1M tokens in all; 5% of the
                documents are held out whole for validation (--val-docs) and never enter a
-               concatenation.
+               concatenation. --mix-features DIR mixes in another corpus: the features of its
+               training documents (made by train_gate.py --steps 0 --data TEXT --out DIR with the
+               same model and teacher flags, e.g. the numeric-rich text of offline/numeric_text.py,
+               which the prose corpus lacks) join the training tokens after this run's, in
+               proportion to their tokens; this run's held-out documents stay its validation
+               (with --val-docs 0, every 100th token of all, the mixed ones too) and DIR's
+               held-out documents get an agreement of their own (offline/README.md: the
+               ablation).
   2. features  for every document, prefill system prompt + context with a full cache, score every
                context KV pair with the KVzip teacher (teacher.py, METHOD.md §4) and record the
                attention-input hidden states of the compressed layers. One shard file per
@@ -20,8 +27,9 @@ three steps (train_gate.py's main runs them in order):
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors
 (formats.gate_file.save_gate, with a training summary in its metadata), metrics.json (per-layer
-train/validation loss and accuracy over steps, and the agreement), curves.png with --plot, and
-per-layer tables on stdout.
+train/validation loss and accuracy over steps, and the agreement: per layer and head, on the
+held-out documents and on each --eval-features folder), curves.png with --plot, and per-layer tables
+on stdout.
 
 Cost: METHOD.md §5.5 (the estimate for Qwen3-8B at the paper's ~1M tokens, and measured runs).
 
@@ -40,6 +48,7 @@ curves.png). The training method is train_gate.py's.
 import argparse
 import datetime
 import errno
+import hashlib
 import json
 import math
 import os
@@ -77,24 +86,93 @@ def summary_table(m):
         rows.append(f"{layer:>5}  {m['val_loss'][-1][j]:8.4f}  {m['const_val_loss'][j]:9.4f}  "
                     f"{m['floor_val_loss'][j]:6.4f}  {100 * m['val_acc'][-1][j]:6.1f}%  "
                     f"{m['train_loss'][-1][j]:9.4f}  {100 * m['train_acc'][-1][j]:8.1f}%")
-    a = m["agreement"]
-    if a:  # the held-out documents: how closely the gate ranks and keeps what its teacher does
-        pct = lambda x: "   -" if x is None else f"{100 * x:3.0f}%"
-        rows.append(f"\nagreement with the teacher on the {m['n_val_docs']} held-out documents "
-                    f"(kept sets by the cache's rule; overlap = share of the teacher's kept pairs "
-                    f"the gate keeps, chance in brackets)")
-        rows.append(f"{'layer':>5}  {'spearman':>8}  {'overlap@0.5':>15}  {'overlap@0.3':>15}  "
-                    f"{'kept@0.3 gate/teacher':>21}  {'digits kept@0.5 gate/teacher':>28}  "
-                    f"{'@0.3':>10}")
-        for j, layer in enumerate(m["layers"]):
-            rows.append(f"{layer:>5}  {a['spearman'][j]:8.3f}  "
-                        f"{pct(a['overlap@0.5'][j])} ({pct(a['chance@0.5'][j])})     "
-                        f"{pct(a['overlap@0.3'][j])} ({pct(a['chance@0.3'][j])})     "
-                        f"{pct(a['chance@0.3'][j])} / {pct(a['kept_teacher@0.3'][j])}{'':>11}"
-                        f"{pct(a['digits_student@0.5'][j])} / {pct(a['digits_teacher@0.5'][j])}"
-                        f"{'':>16}{pct(a['digits_student@0.3'][j])} / "
-                        f"{pct(a['digits_teacher@0.3'][j])}")
+    if m["agreement"]:  # the held-out documents, --mix-features', each --eval-features folder
+        rows.append(agreement_table(m["agreement"], m["layers"],
+                                    f"the {m['n_val_docs']} held-out documents"))
+    if m.get("mix_agreement"):
+        rows.append(agreement_table(m["mix_agreement"], m["layers"], f"the "
+                                    f"{m['mix_features']['val_documents']} held-out documents of "
+                                    f"--mix-features"))
+    for name, e in m.get("eval_agreement", {}).items():
+        if e["agreement"]:
+            where = f"the {e['documents']} documents of --eval-features {name}"
+            rows.append(agreement_table(e["agreement"], m["layers"], where))
     return "\n".join(rows)
+
+
+def agreement_table(a, layers, where):
+    """How closely the gate keeps what its teacher keeps (teacher.pool_agreement), in a few lines:
+    per layer and budget, the overlap at the teacher's own counts per head, the teacher's kept share
+    and the gate's share error at the cache's cut; the head that agrees least; then, all layers
+    pooled, the overlap at the cut and the digit and identifier tokens each kept set keeps."""
+    budgets = [k.split("@")[1] for k in a["all"] if k.startswith("topk_overlap@")]
+    pct = lambda x: "   -" if x is None else f"{100 * x:3.0f}%"
+    pts = lambda x: "    -" if x is None else f"{100 * x:+5.1f}"
+    rows = [f"\nagreement with the teacher on {where} (outside the local window; per head: "
+            f"metrics.json)",
+            "  ovl  = of the pairs the teacher keeps in a head, the share in the gate's top-k there "
+            "(k = its count)",
+            "  kept = the teacher's kept share of the layer; err = the gate's share minus the "
+            "teacher's, both by",
+            "         the cache's cut, in points (all: the mean |err|)",
+            (f"{'':>15}" + "".join(f" | {'r = ' + r:^15}" for r in budgets)).rstrip(),
+            f"{'layer':>5}  {'spearman':>8}"
+            + f" | {'ovl':>4} {'kept':>4} {'err':>5}" * len(budgets)]
+    for j, layer in enumerate(layers):
+        rows.append(f"{layer:>5}  {a['spearman'][j]:8.3f}" + "".join(
+            f" | {pct(a[f'topk_overlap@{r}'][j])} {pct(a[f'kept_teacher@{r}'][j])} "
+            f"{pts(a[f'share_error@{r}'][j])}" for r in budgets))
+    s = a["all"]
+    mean_err = lambda x: "    -" if x is None else f"{100 * x:5.1f}"
+    rows.append(f"{'all':>5}  {s['spearman']:8.3f}" + "".join(
+        f" | {pct(s[f'topk_overlap@{r}'])} {pct(s[f'kept_teacher@{r}'])} "
+        f"{mean_err(s[f'abs_share_error@{r}'])}" for r in budgets))
+    worst = []
+    for r in budgets:
+        heads = [(x, j, h) for j, row in enumerate(a["heads"].get(f"topk_overlap@{r}", []))
+                 for h, x in enumerate(row) if x is not None]
+        if heads:
+            x, j, h = min(heads)
+            worst.append(f"{r}: layer {layers[j]} head {h} {pct(x).strip()}")
+    if worst:
+        rows.append("  lowest ovl of a head at r = " + "; ".join(worst))
+    rows += ["  all layers: overlap of the kept sets by the cache's cut (chance), and of the digit "
+             "and identifier",
+             "  tokens' pairs the share kept by the gate's cut / its top-k at the teacher's counts "
+             "/ the teacher",
+             f"{'r':>5}  {'overlap':>12}  {'digits':>16}  {'identifiers':>16}"]
+    for r in budgets:
+        marks = [" / ".join(pct(s[f"{m}_{side}@{r}"]).strip()
+                            for side in ("student", "topk", "teacher"))
+                 for m in ("digits", "identifiers")]
+        overlap = f"{pct(s[f'overlap@{r}'])} ({pct(s[f'chance@{r}']).strip()})"
+        rows.append(f"{r:>5}  {overlap:>12}  {marks[0]:>16}  {marks[1]:>16}")
+    return "\n".join(rows)
+
+
+def mix_record(folder, mix):
+    """What a gate trained with --mix-features records of it: the folder, its documents and tokens
+    by split, and the sha256 of its documents' keys (features.doc_key: their token ids)."""
+    keys = hashlib.sha256(" ".join(d["key"] for d in mix["documents"]).encode()).hexdigest()
+    count = lambda split, k: sum(d[k] if k else 1 for d in mix["documents"] if d["split"] == split)
+    return dict(folder=str(Path(folder).absolute()), train_documents=count("train", None),
+                train_tokens=count("train", "tokens"), val_documents=count("val", None),
+                keys_sha256=keys)
+
+
+def mix_line(m):
+    """One line on the --mix-features held-out documents: the agreement with the teacher, each
+    number the mean over the compressed layers (per layer in metrics.json, mix_agreement)."""
+    a, n = m["mix_agreement"], m["mix_features"]["val_documents"]
+    if not a:
+        return f"--mix-features: no held-out document of its {n} to report"
+    mean = lambda k: (lambda v: None if not v else sum(v) / len(v))(
+        [x for x in a[k] if x is not None])
+    pct = lambda k: "-" if mean(k) is None else f"{100 * mean(k):.0f}%"
+    return (f"--mix-features held-out documents ({n}): spearman {mean('spearman'):.3f}, "
+            f"overlap@0.5 {pct('overlap@0.5')} (chance {pct('chance@0.5')}), digits kept@0.5 "
+            f"gate/teacher {pct('digits_student@0.5')} / {pct('digits_teacher@0.5')}, @0.3 "
+            f"{pct('digits_student@0.3')} / {pct('digits_teacher@0.3')} (layer means)")
 
 
 def plot_curves(m, path):
@@ -139,6 +217,8 @@ class Job:
     log: object  # the step log (off with --quiet)
     manifest: dict = None  # pick_documents'
     data_hash: str = None
+    mix: dict = None  # --mix-features: its manifest (features.read_mix)
+    eval_sets: list = None  # --eval-features: [(name, folder, manifest)], checked (eval_folders)
 
 
 def prepare(args):
@@ -166,8 +246,10 @@ def prepare(args):
     fmt = prompt_format(cfg, args.model, chat=chat)
     stored_dtype = feature_dtype(args.feature_dtype, dtype, cfg)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
-    return Job(rank, world, device, model_name, out, dtype, folder, cfg, tokenizer, chat, fmt,
-               stored_dtype, prefill_chunk, log)
+    job = Job(rank, world, device, model_name, out, dtype, folder, cfg, tokenizer, chat, fmt,
+              stored_dtype, prefill_chunk, log)
+    job.eval_sets = eval_folders(args.eval_features, model_name, cfg)
+    return job
 
 
 def pick_documents(args, job):
@@ -191,6 +273,8 @@ def pick_documents(args, job):
                                           args.teacher_chunk, args.teacher_softmax, job.chat,
                                           job.stored_dtype)
     check_manifest(job.out, job.manifest)
+    if args.mix_features:  # checked before hours of features go into --out
+        job.mix = features.read_mix(args.mix_features, job.manifest, job.out)
     make_out(job.out, job.rank)  # only now the input is accepted: a refused run leaves no folder
     if job.rank == 0:
         write_json(Path(job.out) / "manifest.json", job.manifest, indent=1)
@@ -218,7 +302,95 @@ def extract(args, job, docs):
     print(f"features ready ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if args.steps == 0:
         return None
-    return FeatureStore(job.out, job.manifest)
+    if job.mix is None:
+        return FeatureStore(job.out, job.manifest)
+    # --mix-features: its training documents join this run's, after them (this run's documents
+    # keep their places in the store); its held-out ones stay out (mix_held_out)
+    extra = features.mix_documents(args.mix_features, job.mix, "train")
+    store = FeatureStore(job.out, dict(job.manifest, documents=job.manifest["documents"] + extra))
+    n_mix = sum(d["tokens"] for d in extra)
+    n_train = sum(d["tokens"] for d in job.manifest["documents"] if d["split"] == "train")
+    print(f"--mix-features: {len(extra)} training documents, {n_mix} tokens ("
+          f"{100 * n_mix / (n_mix + n_train):.0f}% of the training tokens) from "
+          f"{args.mix_features}", file=sys.stderr)
+    return store
+
+
+def mix_held_out(args, job):
+    """--mix-features: its held-out documents as (store, documents) for
+    train_gate.agreement_with_teacher, reported beside this run's own; None without the flag or
+    without a held-out document. The digits and identifiers need the token ids: the shard's own, or
+    read back from the document's file (features.read_back); a document with neither counts no
+    digit or identifier token."""
+    if job.mix is None:
+        return None
+    val = [d for d in job.mix["documents"] if d["split"] == "val"]
+    if not val:
+        return None
+    store = FeatureStore(args.mix_features, dict(job.mix, documents=val))
+    documents = []
+    for j, d in enumerate(val):
+        ids = store.ids(j)
+        documents.append((j, ids if ids is not None else features.read_back(d, job.tokenizer)))
+    unknown = sum(ids is None for _, ids in documents)
+    if unknown:
+        print(f"note: {unknown} of the {len(val)} held-out documents of --mix-features hold no "
+              f"token ids and cannot be read back from their files (moved or changed): their "
+              f"digit and identifier tokens are not counted", file=sys.stderr)
+    return store, documents
+
+
+def eval_folders(folders, model_name, cfg):
+    """--eval-features, checked before any work: each folder must hold features of this model that
+    train_gate.py wrote (its manifest.json and every shard; --steps 0 writes only these) ->
+    [(name, folder, manifest)]; the folder's name keys its agreement in metrics.json."""
+    out = []
+    for folder in folders:
+        path = Path(folder)
+        fix = (f"write one with train_gate.py --model {model_name} --data ... --steps 0 --out DIR "
+               f"and pass --eval-features DIR")
+        try:
+            m = json.loads((path / "manifest.json").read_text("utf-8"))
+        except (OSError, ValueError) as e:
+            why = getattr(e, "strerror", None) or type(e).__name__
+            raise UsageError(f"--eval-features {folder} is not a features folder (manifest.json: "
+                             f"{why}); {fix}") from None
+        ours = dict(model=model_name, compressed_layers=list(cfg.compressed_layers),
+                    n_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size)
+        if not (isinstance(m, dict) and isinstance(m.get("documents"), list)
+                and ours.keys() <= m.keys()):
+            raise UsageError(f"--eval-features {folder}: its manifest.json is not one "
+                             f"train_gate.py wrote; {fix}")
+        differ = [k for k, v in ours.items() if m[k] != v]
+        if differ:
+            raise UsageError(f"--eval-features {folder} holds features of model {m['model']}, not "
+                             f"of {model_name} ({', '.join(differ)} differ); {fix}")
+        missing = [d["shard"] for d in m["documents"] if not (path / d["shard"]).is_file()]
+        if missing:
+            raise UsageError(f"--eval-features {folder}: {len(missing)} of {len(m['documents'])} "
+                             f"feature shards are missing ({missing[0]}); rerun the train_gate.py "
+                             f"--steps 0 command that wrote it to finish them")
+        name = path.resolve().name
+        if name in [n for n, _, _ in out]:
+            raise UsageError(f"--eval-features: two folders are named {name}, which names each "
+                             f"one's report in metrics.json; rename one")
+        out.append((name, str(folder), m))
+    return out
+
+
+def eval_stores(job):
+    """Each --eval-features folder as (name, folder, FeatureStore, documents), documents =
+    [(index, token ids)] of all its documents, for train_gate.agreement_with_teacher (one store at
+    a time)."""
+    for name, folder, manifest in job.eval_sets:
+        store = FeatureStore(folder, manifest)
+        documents = [(i, store.ids(i)) for i in range(len(manifest["documents"]))]
+        unknown = sum(ids is None for _, ids in documents)
+        if unknown:
+            print(f"note: --eval-features {folder}: {unknown} of {len(documents)} shards hold no "
+                  f"token ids (written by an older version): their digit and identifier tokens "
+                  f"are not counted", file=sys.stderr)
+        yield name, folder, store, documents
 
 
 def check_split(args, store, n_train, n_val, val_every):
@@ -238,6 +410,10 @@ def save(args, job, store, docs, gates, metrics, agreement, settings):
     metrics["n_val_docs"] = sum(d["split"] == "val" for d in job.manifest["documents"])
     metrics["agreement"] = agreement
     metrics["command"] = " ".join(sys.argv)
+    mix = {} if job.mix is None else dict(mix_features=mix_record(args.mix_features, job.mix),
+                                          mix_agreement=metrics.get("mix_agreement"))
+    metrics.update(mix)
+    means = lambda a: a and a["all"]
     summary = dict(command=metrics["command"], data=args.data, data_sha256=job.data_hash,
                    documents=len(docs), tokens=store.n_tokens, steps=args.steps,
                    batch_tokens=args.batch_tokens, seed=args.seed, recipe_name=args.recipe,
@@ -246,7 +422,15 @@ def save(args, job, store, docs, gates, metrics, agreement, settings):
                       else {}),
                    val_loss=metrics["val_loss"][-1], val_acc=metrics["val_acc"][-1],
                    const_val_loss=metrics["const_val_loss"], teacher=job.manifest["teacher"],
-                   val_docs=metrics["n_val_docs"], agreement=metrics["agreement"])
+                   val_docs=metrics["n_val_docs"],
+                   # the agreements' means only (all layers pooled); per layer and head in
+                   # metrics.json
+                   agreement=means(agreement),
+                   **({"eval_agreement": {name: means(e["agreement"])
+                                          for name, e in metrics["eval_agreement"].items()}}
+                      if metrics.get("eval_agreement") else {}),
+                   **({} if not mix else dict(mix_features=mix["mix_features"],
+                                              mix_agreement=means(mix["mix_agreement"]))))
     out = job.out
     gate_path = Path(out) / "gate.safetensors"
     save_gate(str(gate_path), gates, dict(model=job.model_name, layers=metrics["layers"],
@@ -256,6 +440,8 @@ def save(args, job, store, docs, gates, metrics, agreement, settings):
                   curves=(metrics["val_loss"], metrics["val_acc"]))
     write_json(Path(out) / "metrics.json", metrics, indent=1)
     print(summary_table(metrics))
+    if mix:
+        print(mix_line(metrics))
     if args.plot:
         plot_curves(metrics, Path(out) / "curves.png")
     L = len(metrics["layers"])
@@ -375,6 +561,13 @@ def parse_args(argv, recipes, parts):
                    "documents held out whole for validation, never part of a training sample "
                    "(default 0.05); 0 = the authors' split, every 100th token of the training "
                    "documents")
+    p.add_argument("--mix-features", metavar="DIR", help="the features of another corpus (made "
+                   "by train_gate.py --steps 0 --data TEXT --out DIR with this run's model and "
+                   "teacher flags, e.g. the numeric text of offline/numeric_text.py): its training "
+                   "documents join this run's training tokens, its held-out documents are reported "
+                   "on their own (mix_agreement); this run's held-out documents stay its "
+                   "validation, so runs with and without it on the same features and --seed are "
+                   "an ablation")
     p.add_argument("--out", help="folder for features, gate and metrics (default ./out/<model>): "
                    "a new or empty folder, or one train_gate.py wrote (resumed); one run at a time")
     p.add_argument("--steps", type=int, default=5000,
@@ -430,6 +623,10 @@ def parse_args(argv, recipes, parts):
     p.add_argument("--export-pt", action="store_true", help="also write the gate in the authors' "
                    "layout, --out/q{G}_dim16_sink16.pt, which their code and kvpress's "
                    "FastKVzipPress load (METHOD.md §2)")
+    p.add_argument("--eval-features", action="append", default=[], metavar="DIR",
+                   help="also report the trained gate's agreement with its teacher on every "
+                   "document of DIR, a features folder of the same model (written by train_gate.py "
+                   "--steps 0 --out DIR), under DIR's name in metrics.json; may be repeated")
     p.add_argument("--plot", action="store_true", help="also write curves.png (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or step log")
     args = p.parse_args(argv)
@@ -442,8 +639,12 @@ def parse_args(argv, recipes, parts):
         p.error(f"--weight-decay must be in [0, 1), got {args.weight_decay}")
     if args.weight_decay and (args.optimizer or recipes[args.recipe].optimizer) == "sgd":
         p.error("--weight-decay applies to --optimizer adam (the paper's SGD takes none)")
+    if args.mix_features and args.steps == 0:
+        p.error("--mix-features joins features at training: it needs --steps > 0")
     if args.steps < 0 or args.long_doc_tokens < 0 or args.layer_groups < 0:
         p.error("--steps, --long-doc-tokens and --layer-groups must be >= 0")
+    if args.eval_features and args.steps == 0:
+        p.error("--eval-features evaluates the trained gate: it needs --steps above 0")
     if not 0 <= args.val_docs <= 0.5:
         p.error(f"--val-docs must be in [0, 0.5], got {args.val_docs}")
     if args.min_doc_tokens >= args.max_doc_tokens:

@@ -38,7 +38,7 @@ from gate import GateScorer
 from harness import quality
 from model import ModelError
 from prompts import prompt_format
-from teacher import KVzipTeacher, agreement, digit_tokens, kept_by_rule, pool_agreement
+from teacher import KVzipTeacher, agreement, kept_by_rule, pool_agreement, token_marks
 
 TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
 
@@ -161,24 +161,24 @@ def run(args):
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
             entries = swap_context(model, tok, sample, full, scores, args.budgets, args.chunk_size,
                                    args.window, stops, args.combos)
-        agreement = agreement(scores["G"], scores["T"],
-                              digit_tokens(tok, sample.ids[sample.n_protected:]),
-                              chunk_size=args.chunk_size, window=args.window)  # as bench.py
+        is_digit, is_identifier = token_marks(tok, sample.ids[sample.n_protected:])
+        counts = agreement(scores["G"], scores["T"], is_digit, chunk_size=args.chunk_size,
+                           window=args.window, is_identifier=is_identifier)  # as bench.py
         rec = dict(key=key, context=c, doc=sample.doc, n_tokens=len(sample.ids), entries=entries,
-                   agreement=agreement)
+                   agreement=counts)
         cli.write_text(path, json.dumps(rec))
         records.append(rec)
         print(f"context {c + 1}/{len(samples)} ({sample.doc}): {time.perf_counter() - t0:.0f} s",
               file=sys.stderr)
     rows = pool(records)
     md = table(rows, cfg.compressed_layers)
-    agreement = pool_agreement([r["agreement"] for r in records])
+    pooled = pool_agreement([r["agreement"] for r in records])
     md += ("\n\nGate vs teacher on these contexts, layers "
            + "/".join(map(str, cfg.compressed_layers)) + ": Spearman "
-           + " / ".join(f"{x:.2f}" for x in agreement["spearman"]) + "; overlap@0.5 " + " / ".join(
-               "–" if x is None else f"{x:.0%}" for x in agreement["overlap@0.5"]))
+           + " / ".join(f"{x:.2f}" for x in pooled["spearman"]) + "; overlap@0.5 " + " / ".join(
+               "–" if x is None else f"{x:.0%}" for x in pooled["overlap@0.5"]))
     cli.write_text(out / "layer_swap.json", json.dumps(dict(key=key, command=" ".join(sys.argv),
-                                                            rows=rows, agreement=agreement,
+                                                            rows=rows, agreement=pooled,
                                                             contexts=[r["doc"] for r in records]),
                                                        indent=1))
     cli.write_text(out / "layer_swap.md", md + "\n")

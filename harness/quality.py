@@ -47,7 +47,7 @@ from formats.gate_file import resolve_gate
 from gate import METHODS, KVzipScorer
 from harness.timing import TokenClock
 from prompts import encode_prompt, encode_text, question_ids
-from teacher import KVzipTeacher, TeacherCache, agreement, digit_tokens, pool_agreement
+from teacher import KVzipTeacher, TeacherCache, agreement, pool_agreement, token_marks
 
 AVERAGED = ("passkey", "kv", "nll_next", "nll_repeat")  # tasks in the Figure-10 style average
 TASKS = AVERAGED + ("agreement",)
@@ -309,8 +309,9 @@ def gate_agreement(model, tok, full, tscores, sample, model_name, gate_file, chu
                           0).scorer
     p = sample.n_protected
     student = captured_scores(model, scorer, full)
-    return agreement(student[..., p:].float().cpu(), tscores[..., p:].float(),
-                          digit_tokens(tok, sample.ids[p:]), chunk_size=chunk_size, window=window)
+    is_digit, is_identifier = token_marks(tok, sample.ids[p:])
+    return agreement(student[..., p:].float().cpu(), tscores[..., p:].float(), is_digit,
+                     chunk_size=chunk_size, window=window, is_identifier=is_identifier)
 
 
 def model_info(model):
