@@ -17,9 +17,9 @@ One sample (a seed):
                invalid: counted and reported, never asked
     story      the harness writes STORY, the model samples --loop-tokens tokens (end of text masked)
     questions  for every item, on its own copy of the cache the story left: "\n\nQ: What was the
-               secret code of {name}?\nA: The secret code of {name} was", answered greedily up to
-               a line break or ANSWER_TOKENS tokens; right when the answer's first code-like word
-               (ANSWER) is the code the model wrote, exactly
+               code of {name} in the list?\nA: {i}. {name} (code" (question()), answered greedily
+               up to a line break or ANSWER_TOKENS tokens; right when the answer's first code-like
+               word (ANSWER) is the code the model wrote, exactly
 Sampling: generate.sample at TEMPERATURE and TOP_P (end of text masked) with a torch.Generator
 seeded by the sample's seed, so every method starts from the same tokens (up to its first eviction
 that changes a logit) and each is scored against its own list. The harness writes the line heads
@@ -98,9 +98,11 @@ def parse_answer(text):
     return m.group(0) if m else None
 
 
-def question(name):
-    """The question about an item, with the answer's first words (a cue, as the needle suite's)."""
-    return f"\n\nQ: What was the secret code of {name}?\nA: The secret code of {name} was"
+def question(i, name):
+    """The question about item i, the answer cued with its list line's head (the needle suite cues
+    an answer with its first words): a cue in words, "The secret code of Hammer was", was taken
+    up by SmolLM2's own story ("the code was made of a special material ...") for all 8 items."""
+    return f"\n\nQ: What was the code of {name} in the list?\nA: " + HEAD.format(i=i, name=name)
 
 
 @torch.no_grad()
@@ -155,10 +157,10 @@ def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top
     # whether the story wrote a code out again: then it could be read from recent text
     out["restated"] = [code in text for code in codes]
     after_story = logits
-    for name, code in zip(sample.names, codes):
+    for i, (name, code) in enumerate(zip(sample.names, codes), 1):
         ask = copy.deepcopy(cache)  # every question on the cache the story left
         logits = after_story
-        feed(encode_text(tok, question(name)), ask)
+        feed(encode_text(tok, question(i, name)), ask)
         ans = []
         while len(ans) < ANSWER_TOKENS:
             t = int(logits.argmax())

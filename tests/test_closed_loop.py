@@ -48,7 +48,8 @@ class Scripted:
         self.says = {closed_loop.HEAD.format(i=i, name=n): c + "\n"
                      for i, (n, c) in enumerate(zip(sample.names, codes), 1)}
         self.says[closed_loop.STORY] = story
-        self.says.update({closed_loop.question(n): a + "\n" for n, a in answers.items()})
+        self.says.update({closed_loop.question(i, n): answers[n] + "\n"
+                          for i, n in enumerate(sample.names, 1)})
         self.eos = tok.token_to_id("<|im_end|>")
         self.config = type("Cfg", (), dict(eos_token_ids=[self.eos]))()
         self.asked = []  # the text each question's copy of the cache was fed
@@ -62,7 +63,8 @@ class Scripted:
                 done = text[text.rindex(head) + len(head):]
                 if what.startswith(done) and done != what:  # part of what it says is left
                     say = what[len(done):]
-        if any(text.endswith(closed_loop.question(n)) for n in self.sample.names):
+        if any(text.endswith(closed_loop.question(i, n))
+               for i, n in enumerate(self.sample.names, 1)):
             self.asked.append(text)
         out = torch.full((vocab,), -1e4)
         out[encode_text(self.tok, say)[0]] = 0.0
@@ -95,7 +97,7 @@ def test_each_answer_is_scored_against_the_code_the_model_wrote(tiny, monkeypatc
     codes = [" 4821)", ": 262)", " 9090)"]
     sample = closed_loop.make_sample(tiny["tok"], tiny["fmt"], seed=3, n_items=3)
     a, b, c = sample.names
-    answers = {a: " 4821.", b: " 2620", c: " 9090 or 12"}  # 2620 is not 262
+    answers = {a: ": 4821).", b: " 2620)", c: " 9090 or 12"}  # 2620 is not 262
     _, fake, out = scripted_run(tiny, monkeypatch, codes, answers)
     assert out["valid"] and out["lines"] == codes and out["codes"] == ["4821", "262", "9090"]
     assert out["answers"] == [answers[a], answers[b], answers[c]]
@@ -111,8 +113,8 @@ def test_every_question_is_asked_of_the_cache_the_story_left(tiny, monkeypatch):
     _, fake, out = scripted_run(tiny, monkeypatch, [" 1111)", " 2222)", " 3333)"], answers)
     assert out["right"] == [True, False, False]
     assert len(fake.asked) == 3
-    for text, name in zip(fake.asked, sample.names):
-        assert text.endswith("It rained all day." + closed_loop.question(name))
+    for i, (text, name) in enumerate(zip(fake.asked, sample.names), 1):
+        assert text.endswith("It rained all day." + closed_loop.question(i, name))
 
 
 def test_a_malformed_list_is_invalid_and_never_asked(tiny, monkeypatch):
