@@ -109,7 +109,9 @@ def common_flags(p):
     cli.add_model(p)
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
-                   help="comma list of " + ",".join(METHODS))
+                   help="comma list of " + ",".join(METHODS) + " (--suite decode: also "
+                   "METHOD@LEVEL/wN configurations and the static split of heads, "
+                   "harness/decode_config.py)")
     p.add_argument("--budgets", type=cli.floats, default=list(BUDGETS),
                    help="fractions of the context kept")
     p.add_argument("--extra-levels", type=cli.names,

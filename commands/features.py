@@ -557,6 +557,9 @@ class FeatureStore:
         self.n_tokens = int(lens.sum())
         # the model's dtype, in which the gates train; the shards may hold the features narrower
         self.dtype = DTYPES[manifest["dtype"]]
+        # context tokens per teacher scoring chunk (train_gate.py --final-chunk); every manifest
+        # records it (format 1)
+        self.teacher_chunk = (manifest.get("teacher") or {}).get("chunk")
         self.nbytes = sum(h.nbytes for h in self.hidden)  # the hidden states as stored
 
     def ids(self, i):

@@ -23,7 +23,9 @@ three steps (train_gate.py's main runs them in order):
                then the gate's agreement with its teacher on the held-out documents
                (teacher.agreement). --recipe adam-logmse (Adam on the MSE of log scores; the bundled
                SmolLM2 gate's) and one flag per field of the recipe plug in other losses, optimisers
-               and selections (train_gate.Recipe, METHOD.md §13.14).
+               and selections (train_gate.Recipe, METHOD.md §13.14), and terms aimed at the cache's
+               cut (--keep-term, --cut-pairs, --final-chunk, --select overlap, --clip; METHOD.md
+               §13.15); --ridge-ceiling reports a linear ceiling beside the gate.
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors
 (formats.gate_file.save_gate, with a training summary in its metadata), metrics.json (per-layer
@@ -72,6 +74,7 @@ from prompts import encode_prompt, prompt_format, uses_chat
 
 DEFAULT_RECIPE = "paper"
 MEMORY_SHARE = 0.5  # --layer-groups 0: each group's features in at most this share of the memory
+RIDGE_LAMBDA = 1e-3  # --ridge-ceiling: ridge strength per unit of the features' mean variance
 
 
 # -------------------------------------------------------------------------------------------------
@@ -148,6 +151,55 @@ def agreement_table(a, layers, where):
         overlap = f"{pct(s[f'overlap@{r}'])} ({pct(s[f'chance@{r}']).strip()})"
         rows.append(f"{r:>5}  {overlap:>12}  {marks[0]:>16}  {marks[1]:>16}")
     return "\n".join(rows)
+
+
+def ceiling_table(m):
+    """--ridge-ceiling: per layer, the returned gate's held-out Spearman and overlap at 0.2 beside
+    those of the linear (ridge) ceiling: a gate well below it is under-trained, one at it is held
+    back by what its input shows (or by the targets), not by its training."""
+    num = lambda x: "     -" if x is None else f"{x:6.3f}"
+    rows = ["\nthe gate against a linear ceiling (ridge regression of the log teacher score on "
+            "the gate's input, fit on the training tokens), on the held-out tokens",
+            f"{'layer':>5}  {'spearman gate':>13}  {'ridge':>6}  {'overlap@0.2 gate':>16}  "
+            f"{'ridge':>6}"]
+    for j, layer in enumerate(m["layers"]):
+        rows.append(f"{layer:>5}  {num(m['gate_val_spearman'][j]):>13}  "
+                    f"{num(m['ceiling_val_spearman'][j])}  {num(m['gate_val_overlap'][j]):>16}  "
+                    f"{num(m['ceiling_val_overlap'][j])}")
+    return "\n".join(rows)
+
+
+def ridge_ceiling(hidden, scores, train_idx, val_idx, dtype, device, floor=1e-6, block=8192):
+    """--ridge-ceiling (a report; train_gate.train measures it beside the gate): per layer, closed-
+    form ridge regression from the gate's input to the teacher's log score of each KV head,
+    log max(t, floor) (floor: train_gate.LOG_FLOOR), fit on the training tokens -> its predictions
+    on the validation tokens (L, H, n_val) float64. The input is the recorded hidden state as the
+    gate reads it: cast to the gate's dtype, nothing else (gate.sink_gate normalises its projections,
+    not its input). With the features X and targets Y centred on the training tokens' means x̄, ȳ:
+        W = (XᵀX + λI)⁻¹ XᵀY,   b = ȳ − x̄W (not penalised),   λ = RIDGE_LAMBDA · tr(XᵀX) / D,
+    one solve per layer for its H heads. XᵀX and XᵀY are sums over blocks of `block` tokens in
+    float64 on `device`; memory: one block and a (D+1)² matrix per layer."""
+    L, _, D = hidden.shape
+    f64 = dict(dtype=torch.float64, device=device)
+    out = []
+    for li in range(L):
+        xtx, xty = torch.zeros(D + 1, D + 1, **f64), torch.zeros(D + 1, scores.shape[1], **f64)
+        for s in range(0, len(train_idx), block):
+            idx = train_idx[s:s + block]
+            x = hidden[li, idx].to(dtype).to(**f64)
+            x = torch.cat([x, torch.ones(len(idx), 1, **f64)], 1)               # (b, D+1)
+            y = torch.log(scores[li, :, idx].to(**f64).clamp_min(floor)).T      # (b, H)
+            xtx += x.T @ x
+            xty += x.T @ y
+        n = xtx[D, D]  # the ones column gives the count and the sums: centre without a second pass
+        mx, my = xtx[D, :D] / n, xty[D] / n
+        sxx = xtx[:D, :D] - n * torch.outer(mx, mx)
+        sxy = xty[:D] - n * torch.outer(mx, my)
+        lam = RIDGE_LAMBDA * torch.trace(sxx) / D
+        w = torch.linalg.solve(sxx + lam * torch.eye(D, **f64), sxy)           # (D, H)
+        xv = hidden[li, val_idx].to(dtype).to(**f64)
+        out.append((xv @ w + (my - mx @ w)).T.cpu())                           # (H, n_val)
+    return torch.stack(out)
 
 
 def mix_record(folder, mix):
@@ -396,7 +448,9 @@ def eval_stores(job):
 def check_split(args, store, n_train, n_val, val_every):
     """Enough training tokens for one batch, and at least one validation token."""
     if n_train < args.batch_tokens:
-        raise UsageError(f"only {n_train} training tokens for --batch-tokens "
+        dropped = (" (--final-chunk drop leaves out each document's last teacher chunk shorter "
+                   "than --teacher-chunk)" if args.final_chunk == "drop" else "")
+        raise UsageError(f"only {n_train} training tokens{dropped} for --batch-tokens "
                          f"{args.batch_tokens}; add data (--tokens) or lower it")
     if n_val == 0:
         raise UsageError(f"only {store.n_tokens} tokens: need at least {val_every} for "
@@ -440,6 +494,8 @@ def save(args, job, store, docs, gates, metrics, agreement, settings):
                   curves=(metrics["val_loss"], metrics["val_acc"]))
     write_json(Path(out) / "metrics.json", metrics, indent=1)
     print(summary_table(metrics))
+    if "ceiling_val_spearman" in metrics:
+        print(ceiling_table(metrics))
     if mix:
         print(mix_line(metrics))
     if args.plot:
@@ -576,7 +632,7 @@ def parse_args(argv, recipes, parts):
                    help="tokens per step, shared by all layers")
     cli.add_seed(p, "the gate init and the batch order")
     p.add_argument("--recipe", choices=sorted(recipes), default=DEFAULT_RECIPE, help="the training "
-                   "recipe whose settings the next six flags default to: paper (default) = the "
+                   "recipe whose settings the next ten flags default to: paper (default) = the "
                    "paper's (SGD momentum 0.9, lr 0.2, the authors' schedule, BCE, the last step; "
                    "METHOD.md §5.3-5.4); adam-logmse = Adam lr 3e-3 on the MSE of log scores, the "
                    "same schedule (METHOD.md §13.14)")
@@ -590,8 +646,26 @@ def parse_args(argv, recipes, parts):
                    "rank: BCE plus a pairwise ranking term within each layer and head (see "
                    "rank_per_layer); logmse: MSE of log scores, as KVzap (see logmse_per_layer)")
     p.add_argument("--select", choices=parts["select"], help="last: the gates after the "
-                   "last step; spearman: per layer, the gates of the validation step (every 50) "
-                   "with the best held-out rank correlation with the teacher")
+                   "last step; spearman / overlap: per layer, the gates of the validation step "
+                   "(every 50) with the best held-out rank correlation with the teacher / share "
+                   "of the pairs the teacher keeps at budget 0.2 among each head's top-k at the "
+                   "teacher's count there (topk_overlap@0.2; train_gate.overlap_per_layer)")
+    p.add_argument("--keep-term", type=float, metavar="W", help="add W times a logistic loss on "
+                   "which side of the teacher's cut each pair's gate score falls, at budgets "
+                   "0.1-0.5 by the cache's rule, one threshold per document over all layers "
+                   "(train_gate.keep_drop_per_layer; default 0: off)")
+    p.add_argument("--cut-pairs", type=float, metavar="W", help="add W times a ranking term over "
+                   "pairs of one document, layer and head, one kept and one dropped by the "
+                   "teacher's cut at a budget of 0.1-0.5 (train_gate.CutPairs; default 0: off)")
+    p.add_argument("--final-chunk", choices=("keep", "drop"), help="drop: no training target in a "
+                   "document's last teacher chunk when it is shorter than --teacher-chunk (its "
+                   "scores come out inflated); keep (default): train on every token")
+    p.add_argument("--clip", type=float, metavar="NORM", help="clip each layer's gradient norm to "
+                   "NORM (per layer: the layers train on their own; default 0: off)")
+    p.add_argument("--ridge-ceiling", action="store_true", help="also report, per layer, a ridge "
+                   "regression of the log teacher score on the gate's input (fit on the training "
+                   "tokens) beside the gate on the held-out tokens: Spearman and overlap at 0.2. "
+                   "A report: the gate is unchanged")
     p.add_argument("--teacher-chunk", type=int, default=2000, help="context tokens scored per "
                    "repeat query (METHOD.md §4.2)")
     p.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward of the teacher "
@@ -635,6 +709,10 @@ def parse_args(argv, recipes, parts):
         value = getattr(args, flag)
         if value is not None and not (0 < value < math.inf):  # also refuses nan
             p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+    for flag in ("keep_term", "cut_pairs", "clip"):
+        value = getattr(args, flag)
+        if value is not None and not (0 <= value < math.inf):
+            p.error(f"--{flag.replace('_', '-')} must be a number >= 0, got {value}")
     if args.weight_decay is not None and not 0 <= args.weight_decay < 1:
         p.error(f"--weight-decay must be in [0, 1), got {args.weight_decay}")
     if args.weight_decay and (args.optimizer or recipes[args.recipe].optimizer) == "sgd":

@@ -7,6 +7,7 @@ merge).
 import numpy as np
 
 from cli import pyplot, save_figure
+from harness import decode_config
 from harness.quality import ci
 from harness.quality_report import fmt_ci
 from harness.report import shown
@@ -25,6 +26,13 @@ def finite(x):
     return x if np.isfinite(x) else None
 
 
+def row_key(key):
+    """A record's entry key -> (row label, budget): "full", "rkv@512", "rkv@global/w128@512" (a
+    configuration's name may hold an @ itself: the budget is the last one)."""
+    name, at, budget = key.rpartition("@")
+    return (name, int(budget)) if at and budget.isdigit() else (key, None)
+
+
 def results(records, n_boot, seed):
     """The decode part of results.json from the finished documents' records (any order): one row
     per (task, method, budget), a percentile-bootstrap 95% interval over documents (paired: the
@@ -35,8 +43,7 @@ def results(records, n_boot, seed):
     keys = list(dict.fromkeys(k for r in records for k in r["entries"]))
     rows = []
     for key in keys:
-        method, _, budget = key.partition("@")
-        budget = int(budget) if budget else None
+        method, budget = row_key(key)
         es = [r["entries"][key] for r in records]
         base = dict(method=method, budget=budget, n_docs=n)
         if all("kept_nbytes" in e for e in es):  # at the stream's end
@@ -173,6 +180,11 @@ def markdown(results):
                        f"{fmt_ci(rec['score'], rec['ci'])} | "
                        f"{fmt_ci(rec['exact'], rec['exact_ci'])} | "
                        f"{fmt_ci(rec.get('nll_ratio'), rec.get('nll_ratio_ci'))} |")
+        named = described(dict.fromkeys(m for m, _ in configs))
+        if named:
+            out += ["", "Rows that are configurations (a method at another level or window, or "
+                    "the static split of heads: harness/decode_config.py):", ""]
+            out += [f"- {line}" for line in named]
         out += ["", "### Recall by distance (answer-token accuracy)", "",
                 "| method | budget | " + " | ".join(f"gap {g}" for g in gaps) + " |",
                 "|---|---|" + "---|" * len(gaps)]
@@ -210,6 +222,19 @@ def markdown(results):
             out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['length']} | "
                        f"{r['ms_per_token']:.1f} | {mib(r['kv_bytes'])} | "
                        f"{mib(r['kv_kept_bytes'])} | {share} |")
+    return out
+
+
+def described(labels):
+    """What each row label that is not a method at its own level and window ran, or the split."""
+    out = []
+    for m in labels:
+        try:
+            c = decode_config.parse(m)
+        except ValueError:  # a label this version does not know: shown as it is
+            continue
+        if c.name != c.method or c.method in decode_config.SPLIT:
+            out.append(decode_config.describe(c))
     return out
 
 

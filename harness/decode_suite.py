@@ -18,12 +18,11 @@ import numpy as np
 import torch
 
 import cli
-import gate
 import generate
 from cache import decode_protected
 from cli import UsageError, write_text
 from formats.checkpoint import load_checked
-from harness import closed_loop, decode
+from harness import closed_loop, decode, decode_config
 from harness.decode import decode_cache
 from harness.decode_report import header, markdown, plot, results
 from harness.quality import load_docs, load_records, log, model_info, write_record
@@ -158,10 +157,11 @@ def add_arguments(p):
 
 def check_args(p, args):
     """--suite decode's flags on their own, before anything loads (p.error: exit 2)."""
-    bad = [m for m in args.methods if m not in decode.METHODS]
-    if bad:
-        p.error(f"--suite decode: unknown method {bad}: methods are {','.join(decode.METHODS)}")
-    args.methods = list(dict.fromkeys(args.methods))
+    try:  # methods and configurations (METHOD[@LEVEL][/wN]), each named as its rows will be
+        args.methods = list(dict.fromkeys(decode_config.parse(m).name for m in args.methods))
+    except ValueError as e:
+        p.error(f"--suite decode: --methods {e}; a row is METHOD[@LEVEL][/wN] "
+                "(harness/decode_config.py), e.g. fastkvzip@head/w8")
     if not args.decode_budgets:
         p.error("--decode-budgets is empty: give tokens per KV head, e.g. 256,512")
     if not args.decode_gaps and not args.no_quality:
@@ -216,8 +216,9 @@ def experiment(args):
 
 
 def decode_window(method):
-    """The last tokens `method`'s cache always keeps while decoding (its scorer's: gate.METHODS)."""
-    return gate.METHODS[method].decode_window
+    """The last tokens `method`'s cache always keeps while decoding: its configuration's window, by
+    default its scorer's (harness/decode_config.py, gate.METHODS)."""
+    return decode_config.parse(method).window
 
 
 def check_fit(args, cfg, tok):
@@ -302,9 +303,10 @@ def bench_run(args, root, folder, cfg, tok, gates, claim):
     device = torch.device(args.device)
     model = load_checked(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     # before any work; a speed-only run's caches are the gate's at --decode-speed-budgets
+    fill = torch.zeros(len(cfg.compressed_layers), cfg.num_key_value_heads)  # a split's, any
     for m in (m for m in exp.methods if m not in ("full", "cut") and not args.no_quality):
         try:
-            decode.decode_cache(model, m, 0, max(exp.budgets), gates, 0)
+            decode.decode_cache(model, m, 0, max(exp.budgets), gates, 0, fill)
         except (ValueError, AssertionError) as e:
             raise UsageError(f"--methods {m}: this version cannot evict it during decoding ({e}); "
                              "leave it out of --methods") from None

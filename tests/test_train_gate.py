@@ -290,9 +290,9 @@ def test_layer_groups_train_the_gates_of_one_joint_run(tmp_path, recipe, monkeyp
     seen, inside = [], []
     evaluate, acc_per_layer = TG.evaluate, TG.acc_per_layer
 
-    def evaluate_(gates, x, y, segments, device):
+    def evaluate_(gates, x, y, segments, device, **kw):
         inside.append(True)
-        out = evaluate(gates, x, y, segments, device)
+        out = evaluate(gates, x, y, segments, device, **kw)
         inside.pop()
         with torch.no_grad():
             seen[-1]["val"].append(gates(x).float())
