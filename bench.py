@@ -109,7 +109,9 @@ def common_flags(p):
     cli.add_model(p)
     p.add_argument("--gate", help="gate file (default: the bundled gate for the model)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
-                   help="comma list of " + ",".join(METHODS))
+                   help="comma list of " + ",".join(METHODS) + " (--suite decode: also "
+                   "METHOD@LEVEL/wN configurations and the static split of heads, "
+                   "harness/decode_config.py)")
     p.add_argument("--budgets", type=cli.floats, default=list(BUDGETS),
                    help="fractions of the context kept")
     p.add_argument("--extra-levels", type=cli.names,
@@ -308,7 +310,7 @@ def check_suite_flags(p, suite, typed):
         if unread:
             p.error(f"--{unread[0].replace('_', '-')}: --suite decode does not read it"
                     f"{instead.get(unread[0], '')}; leave it out")
-    decode_only = sorted(k for k in typed if k.startswith("decode_"))
+    decode_only = sorted(k for k in typed if k.startswith(("decode_", "loop_")))
     if suite != "decode" and decode_only:
         p.error(f"--{decode_only[0].replace('_', '-')} is a flag of --suite decode; add --suite "
                 "decode, or leave it out")

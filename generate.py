@@ -415,11 +415,11 @@ def check_sampling(call, stop_ids, temperature, top_p):
 # wiring: model, cache, scorer
 
 def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens_per_head=None,
-               seed=0):
+               seed=0, decode_window=None):
     """An empty cache for `method` in model's dtype and device. fastkvzip: scored by `gates` (a
     gate.Gates: formats.gate_file.resolve_gate loads the bundled, a released or a given gate);
     random: scores seeded by seed; level: the eviction structure (default: the scorer's own);
-    decode_tokens_per_head: see EvictingCache."""
+    decode_tokens_per_head, decode_window: see EvictingCache (window default: the scorer's own)."""
     check_method(method, gates, decode_tokens_per_head)
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
@@ -430,7 +430,8 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
     scorer = kind.make(cfg, gates, seed) if kind.prefill else None
     # the authors run the baselines per head, the gate and KVzip with one global threshold
     return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected,
-                         level=level or kind.level, decode_tokens_per_head=decode_tokens_per_head)
+                         level=level or kind.level, decode_tokens_per_head=decode_tokens_per_head,
+                         decode_window=decode_window)
 
 
 def check_method(method, gates, decode_tokens_per_head):

@@ -15,6 +15,8 @@ Wikipedia, State of the Union addresses and the Python reference, offline/README
              --decode-gen-tokens tokens (end of turn masked) after a prompt that states a fact,
              then the question about it: tokens until the first difference from the full cache's
              generation, and whether the answer is the same (and correct)
+    loop     (--loop-seeds) the closed-loop task of harness/closed_loop.py: the model writes a list
+             of codes, a long story, then is asked for each code, scored against what it wrote
 Teacher forcing feeds the stream 128 tokens per forward, aligned with the decode buffer, then calls
 cache.after_step(): tests/test_decode_suite.py proves it gives the logits and kept rows of
 token-by-token decoding (generate.decode_one).
@@ -24,6 +26,12 @@ limited to max_length = the budget): generation stops once the sequence holds B 
 predicts a token past B. Here: no NLL (n/a), a recall probe answered past B counts as wrong, a
 generation's first difference is where it stops, its final answer is never given. Nothing is run
 for it: what it scores before B is the full cache's.
+
+Each row runs a configuration, a method at a level and a local window, or the static split of
+heads (harness/decode_config.py: METHOD[@LEVEL][/wN], e.g. fastkvzip@head/w8, rkv@global/w128,
+split); a split's heads are ranked by the gate's pool teacher-forced on a stream (head_fill): the
+run's calibration document, one more Austen chapter than --contexts that is never evaluated
+(make_streams), or for split-self the evaluated stream itself.
 
 Speed and memory (speed(): one long greedy generation per configuration, ms per decoded token and
 the KV bytes held at each point of --speed-lengths, beside transformers' generate), bench.py's flags,
@@ -40,6 +48,7 @@ import generate
 from cache import EvictingCache
 from formats.gate_file import resolve_gate
 from gate import METHODS as SCORERS
+from harness import closed_loop, decode_config
 from harness.quality import OWNERS, answer_stops, load_docs, log, model_info
 from prompts import encode_prompt, encode_text, prompt_format, question_ids
 
@@ -74,6 +83,7 @@ class DecodeExperiment:
     chat: bool | None = None  # the free generation's prompt format
     device: str = "cpu"
     suite: str = "decode"
+    loop: dict | None = None  # the closed-loop task's settings (loop_settings), None: not run
 
 
 # ---- 1. Streams: a document with facts stated early and asked for later --------------------------
@@ -155,7 +165,9 @@ def make_stream(tok, name, doc, start, length, gaps, n_prompt, rng):
 
 
 def make_streams(tok, fmt, exp):
-    """exp.contexts streams, each from another Austen chapter long enough (shuffled by seed)."""
+    """exp.contexts streams, each from another Austen chapter long enough (shuffled by seed), and
+    one more, the calibration document that ranks a split's heads, when exp.methods holds a split
+    ranked on another document (the first exp.contexts streams are the same either way)."""
     docs = load_docs(tok, "austen")
     random.Random(exp.seed).shuffle(docs)
     start = encode_prompt(tok, fmt.system)
@@ -164,29 +176,59 @@ def make_streams(tok, fmt, exp):
         s = make_stream(tok, name, doc, start, exp.length, exp.gaps, exp.prompt_tokens, rng)
         if s is not None:
             out.append(s)
-        if len(out) == exp.contexts:
+        if len(out) == exp.contexts + calibrates(exp):
             return out
     raise ValueError(f"only {len(out)} Austen chapters hold a stream of {exp.length} tokens with "
                      f"gaps {exp.gaps}; ask fewer contexts or a shorter length")
 
 
+def calibrates(exp):
+    """Whether a configuration of exp ranks a split's heads on a document of its own."""
+    return any(decode_config.parse(m).method == "split" for m in exp.methods)
+
+
 # ---- 2. The decode path: teacher-forced and free -------------------------------------------------
 
-def decode_cache(model, method, n_protected, budget, gates, seed):
-    """An empty cache as `generate.py --method M --decode-tokens-per-head B` makes it."""
-    if method == "full":
-        return generate.make_cache("full", model, n_protected)
-    return generate.make_cache(method, model, n_protected, gates=gates,
-                               decode_tokens_per_head=budget, seed=seed)
+def decode_cache(model, method, n_protected, budget, gates, seed, fill=None):
+    """An empty cache as `generate.py --method M --decode-tokens-per-head B` makes it, for a
+    method or a configuration (harness/decode_config.py: METHOD[@LEVEL][/wN], split); fill: a
+    split's ranking of heads (head_fill)."""
+    return decode_config.make_cache(model, method, n_protected, budget, gates, seed, fill)
+
+
+class HeadFill:
+    """teacher_force's each_block: the rows each compressed head holds after every block (after
+    its eviction, if any) -> mean(): (L_c, H), summed in float64."""
+
+    def __init__(self):
+        self.total, self.blocks = 0, 0
+
+    def __call__(self, cache):
+        lens = [cache.layers[layer].lens.cpu() for layer in cache.compressed]
+        self.total = self.total + torch.stack(lens).double()
+        self.blocks += 1
+
+    def mean(self):
+        return self.total / self.blocks
+
+
+def head_fill(model, gates, stream, budget, window):
+    """How much the gate's pool at `budget` and `window` (fastkvzip@global/wN) fills each head of
+    `stream`, teacher-forced: (L_c, H) mean rows held after each block (a split's ranking)."""
+    fill = HeadFill()
+    cache = decode_cache(model, decode_config.pool(window), stream.n_protected, budget, gates, 0)
+    teacher_force(model, cache, stream.ids, stream.n_prompt, stream.n_protected, each_block=fill)
+    return fill.mean()
 
 
 @torch.no_grad()
-def teacher_force(model, cache, ids, n_prompt, n_protected, block=True):
+def teacher_force(model, cache, ids, n_prompt, n_protected, block=True, each_block=None):
     """Prefill ids[:n_prompt], begin_answer, then feed the rest as decode steps -> (nll, hit): for
     every position p >= n_prompt, -log P(ids[p] | ids[:p]) and whether ids[p] was the argmax
     (float32 tensors of len(ids) - n_prompt). block: 128 tokens (the decode buffer) per forward,
     then cache.after_step() (the same logits and kept rows as token by token: the test); else
-    generate.decode_one for each token."""
+    generate.decode_one for each token. each_block(cache): called after each block's
+    after_step."""
     logits = generate.prefill(model, cache, ids[:n_prompt], n_protected)
     logits = generate.begin_answer(model, cache, [], logits, max_new_tokens=len(ids) - n_prompt)
     nll, hit = [], []
@@ -205,6 +247,8 @@ def teacher_force(model, cache, ids, n_prompt, n_protected, block=True):
             out = model(torch.tensor(chunk, device=cache.device), cache)  # (T, vocab)
             if evicting:  # the buffer is full exactly at a block's end: gate it, evict
                 cache.after_step()
+            if each_block is not None:
+                each_block(cache)
         else:
             out = generate.decode_one(model, cache, chunk[0])[None]
         score(out, torch.tensor(ids[i + 1:i + 1 + len(chunk)], device=out.device))
@@ -286,16 +330,28 @@ def cut_entry(ref, stream, budget, ref_gen, gen_prompt_len):
 def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_context=None,
         streams=None):
     """Every configuration of exp on every document of this shard (contexts c with c % n == k) but
-    those in `done`; on_context(record) after each. streams: make_streams' (made here if None)."""
+    those in `done`; on_context(record) after each. streams: make_streams' (made here if None):
+    the documents, then the calibration document if a split needs one."""
     cfg, _, device = model_info(model)
     fmt_plain = prompt_format(cfg, model_name, chat=False)
     fmt_gen = prompt_format(cfg, model_name, chat=exp.chat)
     gates = (resolve_gate(gate_file, cfg, model_name, device=device)
-             if "fastkvzip" in exp.methods else None)
+             if any(map(decode_config.needs_gate, exp.methods)) else None)
     streams = streams or make_streams(tok, fmt_plain, exp)
+    streams, calibration = streams[:exp.contexts], streams[exp.contexts:]
     stops = answer_stops(cfg, tok)
     banned = set(cfg.eos_token_ids)
-    scored = [m for m in exp.methods if m not in ("full", "cut")]
+    scored = [decode_config.parse(m) for m in exp.methods if m not in ("full", "cut")]
+    fills = {}  # a split's ranking by (the stream ranked on, budget, window): head_fill's
+
+    def fill(conf, budget, c):
+        if conf.method not in decode_config.SPLIT:
+            return None
+        on = c if conf.method == "split-self" else "calibration"
+        if (on, budget, conf.window) not in fills:
+            fills[on, budget, conf.window] = head_fill(
+                model, gates, streams[c] if on == c else calibration[0], budget, conf.window)
+        return fills[on, budget, conf.window]
     k_shard, n_shard = shard
     todo = [c for c in range(len(streams)) if c % n_shard == k_shard and c not in done]
     t_start = time.perf_counter()
@@ -317,18 +373,24 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
                                           correct=value in tok.decode(ans))
         log(f"decode doc {c + 1}/{len(streams)} ({stream.doc}): full cache done in "
             f"{time.perf_counter() - t0:.0f} s")
-        for method in scored:
+        for conf in scored:
+            method = conf.name
             for budget in exp.budgets:
                 t1 = time.perf_counter()
-                cache = decode_cache(model, method, stream.n_protected, budget, gates,
-                                     exp.seed + c)
+                cache = decode_cache(model, conf, stream.n_protected, budget, gates,
+                                     exp.seed + c, fill(conf, budget, c))
+                # the gate's pool on this stream: split-self's ranking, not computed again
+                held = HeadFill() if conf == decode_config.pool(conf.window) else None
                 e = entries[f"{method}@{budget}"] = entry(
-                    *teacher_force(model, cache, stream.ids, stream.n_prompt, stream.n_protected),
-                    ref, stream, budget)
+                    *teacher_force(model, cache, stream.ids, stream.n_prompt, stream.n_protected,
+                                   each_block=held), ref, stream, budget)
                 e["kept_nbytes"], e["nbytes"] = cache.kept_nbytes, cache.nbytes
+                if held is not None:
+                    fills.setdefault((c, budget, conf.window), held.mean())
                 del cache
                 if gen and budget in exp.gen_budgets:
-                    cache = decode_cache(model, method, n_prot, budget, gates, exp.seed + c)
+                    cache = decode_cache(model, conf, n_prot, budget, gates, exp.seed + c,
+                                         fill(conf, budget, c))
                     out, ans = free_generation(model, cache, prompt, n_prot, exp.gen_tokens,
                                                question, stops, banned)
                     same = next((i for i, (a, b) in enumerate(zip(out, ref_gen["out"]))
@@ -342,6 +404,9 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
                 entries[f"cut@{budget}"] = cut_entry(
                     ref, stream, budget, ref_gen if budget in exp.gen_budgets else None,
                     len(task[0]) if gen else 0)
+        for key, samples in loop_samples(model, tok, fmt_gen, exp, c, len(streams), gates,
+                                         lambda conf, budget: fill(conf, budget, c)).items():
+            entries[key]["loop"] = samples
         record = dict(context=c, doc=stream.doc, n_tokens=len(stream.ids),
                       seconds=time.perf_counter() - t0, entries=entries)
         if gen:
@@ -354,6 +419,37 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
             on_context(record)
 
 
+def loop_settings(seeds, tokens, budgets):
+    """DecodeExperiment.loop: the closed-loop task's settings (harness/closed_loop.py), None for
+    no seeds."""
+    return None if not seeds else dict(
+        seeds=seeds, tokens=tokens, budgets=budgets, items=closed_loop.N_ITEMS,
+        temperature=closed_loop.TEMPERATURE, top_p=closed_loop.TOP_P)
+
+
+def loop_samples(model, tok, fmt, exp, c, n_docs, gates, fill=lambda conf, budget: None):
+    """The closed-loop samples document c runs (its share of exp.loop's seeds), every configuration
+    at every loop budget, each cache as the document's (decode_cache; fill: a split's ranking)
+    -> {entry key: [samples]}; {} when it runs none."""
+    seeds = closed_loop.document_seeds(exp.loop["seeds"], c, n_docs) if exp.loop else []
+    if not seeds:
+        return {}
+    confs = {conf.name: conf for conf in map(decode_config.parse, exp.methods)
+             if conf.name != "full"}
+    configs = [("full", None)] + [(name, b) for name in confs for b in exp.loop["budgets"]]
+
+    def new_cache(name, budget, n_protected, seed):
+        conf = confs.get(name, name)
+        return decode_cache(model, conf, n_protected, budget, gates, seed,
+                            None if name == "full" else fill(conf, budget))
+    return closed_loop.run_document(model, tok, fmt, [exp.seed * 1000 + s for s in seeds],
+                                    configs, exp.loop["tokens"], new_cache, log)
+
+
 def run_key(exp, config):
-    """What makes two runs' documents the same experiment (resume, merge)."""
-    return dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])
+    """What makes two runs' documents the same experiment (resume, merge); a run without the
+    closed loop has the key it had before the loop existed (its folder resumes)."""
+    key = dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])
+    if key["loop"] is None:
+        del key["loop"]
+    return key

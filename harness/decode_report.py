@@ -7,6 +7,7 @@ merge).
 import numpy as np
 
 from cli import pyplot, save_figure
+from harness import decode_config
 from harness.quality import ci
 from harness.quality_report import fmt_ci
 from harness.report import shown
@@ -25,6 +26,13 @@ def finite(x):
     return x if np.isfinite(x) else None
 
 
+def row_key(key):
+    """A record's entry key -> (row label, budget): "full", "rkv@512", "rkv@global/w128@512" (a
+    configuration's name may hold an @ itself: the budget is the last one)."""
+    name, at, budget = key.rpartition("@")
+    return (name, int(budget)) if at and budget.isdigit() else (key, None)
+
+
 def results(records, n_boot, seed):
     """The decode part of results.json from the finished documents' records (any order): one row
     per (task, method, budget), a percentile-bootstrap 95% interval over documents (paired: the
@@ -35,8 +43,7 @@ def results(records, n_boot, seed):
     keys = list(dict.fromkeys(k for r in records for k in r["entries"]))
     rows = []
     for key in keys:
-        method, _, budget = key.partition("@")
-        budget = int(budget) if budget else None
+        method, budget = row_key(key)
         es = [r["entries"][key] for r in records]
         base = dict(method=method, budget=budget, n_docs=n)
         if all("kept_nbytes" in e for e in es):  # at the stream's end
@@ -77,9 +84,72 @@ def results(records, n_boot, seed):
                              first_diff_ci=ci(first[g_idx].mean(-1)), same=float(same.mean()),
                              same_ci=ci(same[g_idx].mean(-1)), correct=float(correct.mean()),
                              correct_ci=ci(correct[g_idx].mean(-1))))
+    rows += loop_rows(records)
     return dict(rows=rows, n_contexts=n,
                 generations=[dict(doc=r["doc"], **r["generation"]) for r in records
                              if r.get("generation")])
+
+
+def wilson(k, n, z=1.96):
+    """Wilson score interval of k successes in n trials (95% at z = 1.96); None for n = 0."""
+    if n == 0:
+        return None
+    p, z2 = k / n, z * z
+    mid, half = (p + z2 / (2 * n)), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return [float((mid - half) / (1 + z2 / n)), float((mid + half) / (1 + z2 / n))]
+
+
+def loop_rows(records):
+    """The closed loop's rows (harness/closed_loop.py), one per configuration that ran it: its
+    samples, the invalid ones (a malformed list: never asked), the items asked and answered right,
+    accuracy with a Wilson 95% interval over the items asked (seeds x items, taken as
+    independent), the accuracy of a guess among the list's codes (chance: the models repeat codes
+    within a list) and the share of codes the story wrote out again."""
+    samples = {}
+    for r in sorted(records, key=lambda r: r["context"]):
+        for key, e in r["entries"].items():
+            samples.setdefault(key, []).extend(e.get("loop") or [])
+    rows = []
+    for key, xs in samples.items():
+        if not xs:
+            continue
+        method, _, budget = key.partition("@")
+        valid = [x for x in xs if x["valid"]]
+        right = sum(sum(x["right"]) for x in valid)
+        asked = sum(len(x["right"]) for x in valid)
+        restated = [r for x in valid for r in x.get("restated", [])]
+        # a guess of a code from the list: each item's code is that share of its list
+        chance = [x["codes"].count(c) / len(x["codes"]) for x in valid for c in x["codes"]]
+        rows.append(dict(task="loop", method=method, budget=int(budget) if budget else None,
+                         samples=len(xs), invalid=len(xs) - len(valid), n=asked, right=right,
+                         score=right / asked if asked else None, ci=wilson(right, asked),
+                         chance=float(np.mean(chance)) if chance else None,
+                         restated=float(np.mean(restated)) if restated else None))
+    return rows
+
+
+def loop_markdown(rows):
+    """results.md's closed-loop table (lines), [] when it did not run."""
+    rows = [r for r in rows if r["task"] == "loop"]
+    if not rows:
+        return []
+    out = ["", "## Closed loop: the model's own codes, asked after its own story", "",
+           "Each sample: the model writes a list of codes (the harness writes each line's "
+           "head, the model its code), then a story, then is asked for every code "
+           "(harness/closed_loop.py); right = its answer's number is the code it wrote. "
+           "invalid: samples whose list is malformed (not asked). accuracy: right / asked "
+           "[Wilson 95% interval over the items asked, seeds x items taken as independent]. "
+           "chance: the accuracy of answering a code drawn from the item's list (the models "
+           "repeat codes). restated: the share of codes the story wrote out again. cut: the "
+           "full cache stopped at the budget never reaches the questions.", "",
+           "| method | budget | samples | invalid | asked | right | accuracy | chance | "
+           "restated |", "|---|---|---|---|---|---|---|---|---|"]
+    share = lambda x: "–" if x is None else f"{x:.2f}"
+    for r in rows:
+        out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['samples']} | {r['invalid']} | "
+                   f"{r['n']} | {r['right']} | {fmt_ci(r['score'], r['ci'])} | "
+                   f"{share(r['chance'])} | {share(r['restated'])} |")
+    return out
 
 
 # ---- 2. results.md and decode.png ----------------------------------------------------------------
@@ -110,6 +180,11 @@ def markdown(results):
                        f"{fmt_ci(rec['score'], rec['ci'])} | "
                        f"{fmt_ci(rec['exact'], rec['exact_ci'])} | "
                        f"{fmt_ci(rec.get('nll_ratio'), rec.get('nll_ratio_ci'))} |")
+        named = described(dict.fromkeys(m for m, _ in configs))
+        if named:
+            out += ["", "Rows that are configurations (a method at another level or window, or "
+                    "the static split of heads: harness/decode_config.py):", ""]
+            out += [f"- {line}" for line in named]
         out += ["", "### Recall by distance (answer-token accuracy)", "",
                 "| method | budget | " + " | ".join(f"gap {g}" for g in gaps) + " |",
                 "|---|---|" + "---|" * len(gaps)]
@@ -131,6 +206,7 @@ def markdown(results):
                            f"{fmt_ci(r['first_diff_mean'], r['first_diff_ci'], '{:.0f}')} | "
                            f"{fmt_ci(r['same'], r['same_ci'])} | "
                            f"{fmt_ci(r['correct'], r['correct_ci'])} |")
+    out += loop_markdown(rows)
     speed = results.get("decode_speed") or []
     if speed:
         out += ["", "## Decode speed and KV memory over one long generation", "",
@@ -146,6 +222,19 @@ def markdown(results):
             out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['length']} | "
                        f"{r['ms_per_token']:.1f} | {mib(r['kv_bytes'])} | "
                        f"{mib(r['kv_kept_bytes'])} | {share} |")
+    return out
+
+
+def described(labels):
+    """What each row label that is not a method at its own level and window ran, or the split."""
+    out = []
+    for m in labels:
+        try:
+            c = decode_config.parse(m)
+        except ValueError:  # a label this version does not know: shown as it is
+            continue
+        if c.name != c.method or c.method in decode_config.SPLIT:
+            out.append(decode_config.describe(c))
     return out
 
 
@@ -231,6 +320,11 @@ def header(res):
                 f"budgets {key['budgets']} tokens per KV head; recall gaps {key['gaps']}; "
                 f"{key['generations']} free generations of {key['gen_tokens']} tokens; seed "
                 f"{key['seed']}")
+        if key.get("loop"):
+            loop = key["loop"]
+            ran += (f"; closed loop: {loop['seeds']} samples of {loop['items']} codes and "
+                    f"{loop['tokens']}-token stories (temperature {loop['temperature']}, top-p "
+                    f"{loop['top_p']}) at budgets {loop['budgets']}")
     return [f"# Fast KVzip decode suite ({cfg['started']})", "",
             ran + f". Run time {res.get('seconds', 0) / 60:.1f} min"
             + ("." if res.get("complete") else " (not complete: rerun the command to resume)."),

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import bench
+import gate
 import generate
 import model as M
 from gate import Gates
-from harness import decode, decode_report, decode_suite
+from harness import decode, decode_config, decode_report, decode_suite
 from harness.timing import time_scorer
 from tests.helpers import tiny_checkpoint
 
@@ -254,7 +255,16 @@ def test_scorer_clock_times_the_scorer_and_changes_nothing(tiny, method):
 @pytest.mark.parametrize("flags, words", [
     (["--decode-budgets", "0"], "--decode-budgets is empty"),
     (["--decode-budgets", "-5"], "token counts must be positive"),
-    (["--methods", "full,kvzip"], "unknown method ['kvzip']"),
+    (["--methods", "full,kvzip"], "--methods 'kvzip': 'kvzip' scores the context once and "
+                                  "cannot evict while decoding"),
+    # configurations (harness/decode_config.py): each wrong part named, before any work
+    (["--methods", "fastkvzip@pair"], "--methods 'fastkvzip@pair': unknown level 'pair'"),
+    (["--methods", "rkv/8"], "--methods 'rkv/8': the window is /wN with N >= 1"),
+    (["--methods", "rkv@head/w0"], "--methods 'rkv@head/w0': the window is /wN with N >= 1"),
+    (["--methods", "full@head"], "--methods 'full@head': full evicts nothing"),
+    (["--methods", "cut/w8"], "--methods 'cut/w8': cut evicts nothing"),
+    (["--methods", "split@head"], "--methods 'split@head': split keeps whole heads"),
+    (["--methods", "gate@head"], "--methods 'gate@head': 'gate' is no method"),
     (["--lengths", "2000,3000"], "takes one stream length"),
     (["--lengths", "3000"], "too short for --decode-gaps"),
     (["--decode-gen-tokens", "0"], "--decode-gen-tokens must be >= 1"),
@@ -589,3 +599,167 @@ def test_a_speed_only_run_reports_its_speed_section_alone(tmp_path, monkeypatch)
     titles = [[ax.get_title() for ax in fig.axes] for fig in figures]
     assert titles == [["decode speed", "KV memory"],
                       ["NLL ratio past the budget (1 = full)", "recall: answer tokens right"]]
+
+
+# ------------------------------------------- configurations and the static split (decode_config)
+
+# a stream that ends at an eviction: the prompt, then 7 whole 128-token buffers
+N_PROMPT, N_FED = 40, 40 + 7 * 128
+
+
+def held(cache):
+    """[layer][head] the positions each compressed head holds, as a set."""
+    return [set(h) for layer in kept_positions(cache) for h in layer]
+
+
+def forced(tiny, config, budget, fill=None, seed=7, scorer=None):
+    """config's cache teacher-forced over a random stream of N_FED + 1 tokens (the last eviction
+    comes after the last forward); scorer: put in place of the config's own."""
+    ids = torch.randint(3, tiny.config.vocab_size, (N_FED + 1,),
+                        generator=torch.Generator().manual_seed(seed)).tolist()
+    cache = decode.decode_cache(tiny, config, 2, budget, spread_gates(tiny.config), 0, fill)
+    if scorer is not None:
+        cache.scorer = scorer
+    decode.teacher_force(tiny, cache, ids, N_PROMPT, 2)
+    assert cache.n_seen == N_FED
+    return cache
+
+
+class OldestFirst(gate.Scorer):
+    """Scores that keep the oldest rows: only the cache's protection keeps a recent one."""
+
+    def score(self, li, hidden, q, k, pos):
+        return -pos.float()[None].expand(self._heads(k), -1).contiguous()
+
+
+@pytest.mark.parametrize("window", [8, 128])
+@pytest.mark.parametrize("level", ["head", "global"])
+def test_a_configuration_protects_exactly_its_last_w_tokens(tiny, level, window):
+    """With scores that prefer the oldest rows, what a head keeps past its budget's oldest rows is
+    exactly its first 4 positions and the last `window`: the window is the configuration's."""
+    B = 200
+    config = f"random@{level}/w{window}"
+    cache = forced(tiny, config, B, scorer=OldestFirst(tiny.config.num_key_value_heads))
+    assert cache.decode_window == window and cache.level == level
+    protected = set(range(4)) | set(range(N_FED - window, N_FED))
+    heads = held(cache)
+    assert all(protected <= h for h in heads)
+    assert all(N_FED - window - 1 not in h for h in heads)  # the row before the window: evicted
+    if level == "head":  # the others: the oldest after the sinks, B per head
+        assert all(h == protected | set(range(4, 4 + B - len(protected))) for h in heads)
+    assert sum(map(len, heads)) == B * len(heads)
+
+
+@pytest.mark.parametrize("config, window", [("rkv/w128", 128), ("snapkv@global/w128", 128),
+                                            ("rkv@global", 8)])
+def test_a_rescoring_baseline_rescores_from_its_configured_window(tiny, config, window):
+    """SnapKV and R-KV at another window: the last `window` queries rescore the held rows, and the
+    last `window` rows are kept (their +inf)."""
+    cache = forced(tiny, config, 200)
+    assert cache.decode_window == window
+    assert all(q.shape[0] == window for q in cache.queries.values())
+    assert all(set(range(N_FED - window, N_FED)) <= h for h in held(cache))
+
+
+def test_the_gate_at_each_level_keeps_its_budget(tiny):
+    """fastkvzip@head: B rows in every head; @layer: B·H per layer; the pool (fastkvzip):
+    B·L·H over all, unevenly; the configuration's window is the one kept."""
+    B, H = 200, tiny.config.num_key_value_heads
+    per_head = [len(h) for h in held(forced(tiny, "fastkvzip@head/w8", B))]
+    assert per_head == [B] * len(per_head)
+    layer = forced(tiny, "fastkvzip@layer", B)
+    assert [sum(len(h) for h in x) for x in kept_positions(layer)] == [B * H] * len(per_head[::H])
+    pool = [len(h) for h in held(forced(tiny, "fastkvzip", B))]
+    assert sum(pool) == B * len(pool)
+    if len(pool) > 2:  # one layer of two heads may split evenly by chance
+        assert len(set(pool)) > 1
+
+
+def split_oracle(fill, n, protected, budget, window):
+    """The static split's rule written out: per head, in the order of fill (most first; ties to the
+    earlier head), its protected rows, then whole while the pool's rows last, then the most recent
+    rows of the first head that does not fit, and nothing else."""
+    flat = fill.flatten().tolist()
+    order = sorted(range(len(flat)), key=lambda i: -flat[i])
+    left = budget * len(flat) - len(protected) * len(flat)
+    out = [None] * len(flat)
+    for i in order:
+        extra = min(n - len(protected), left)
+        left -= extra
+        out[i] = protected | set(range(n - window - extra, n - window))
+    return out
+
+
+@pytest.mark.parametrize("budget, window", [(300, 8), (150, 8), (600, 128)])
+def test_the_static_split_keeps_whole_heads_and_windows_with_the_pools_rows(tiny, budget, window):
+    """split/wN ranked on another stream (decode.head_fill of the gate's pool): its heads are the
+    rule's (whole heads in the pool's order, one head's most recent rows, the others their sinks
+    and window), and it holds exactly the rows of the pool at the same budget and window."""
+    cfg = tiny.config
+    other = decode.Stream(ids=torch.randint(3, cfg.vocab_size, (N_FED + 1,), generator=torch
+                                            .Generator().manual_seed(11)).tolist(),
+                          n_prompt=N_PROMPT, n_protected=2, doc_pos=[], probes=[], doc="other")
+    fill = decode.head_fill(tiny, spread_gates(cfg), other, budget, window)
+    assert fill.shape == (len(cfg.compressed_layers), cfg.num_key_value_heads)
+    split = held(forced(tiny, f"split/w{window}", budget, fill))
+    protected = set(range(4)) | set(range(N_FED - window, N_FED))
+    assert split == split_oracle(fill, N_FED, protected, budget, window)
+    pool = held(forced(tiny, decode_config.pool(window), budget))
+    assert sum(map(len, split)) == sum(map(len, pool)) == budget * len(pool)
+    # the ranking is the pool's: the head it filled most is the fullest here too
+    assert len(split[int(fill.flatten().argmax())]) == max(map(len, split))
+
+
+def test_a_split_without_its_ranking_is_refused(tiny):
+    from kernels import ArgumentError
+    for fill in (None, torch.zeros(7, 7)):
+        with pytest.raises(ArgumentError, match="split needs its heads' fill"):
+            decode.decode_cache(tiny, "split", 0, 200, None, 0, fill)
+
+
+def test_configuration_rows_render_with_their_labels_and_old_runs_render_as_committed():
+    """A record's key holds the configuration's name and the budget after its last @; the report
+    says what each configuration ran. Every committed decode run renders the rows it shows."""
+    import json
+    recs = fake_records()
+    for r in recs:
+        e = r["entries"]
+        e["rkv@global/w128@256"], e["split/w8@256"] = e["fastkvzip@256"], e["fastkvzip@256"]
+    res = decode_report.results(recs, n_boot=50, seed=0)
+    labels = {(r["method"], r["budget"]) for r in res["rows"]}
+    assert {("rkv@global/w128", 256), ("split/w8", 256), ("full", None)} <= labels
+    md = "\n".join(decode_report.markdown(res))
+    assert "| rkv@global/w128 | 256 |" in md and "| split/w8 | 256 |" in md
+    assert "`rkv@global/w128`: rkv at level global, window 128; its scorer ranks rows within a " \
+           "head" in md and "- `split/w8`: the static split" in md
+    assert "configurations" not in "\n".join(decode_report.markdown(
+        decode_report.results(fake_records(), n_boot=50, seed=0)))
+    runs = [p.parent for p in (Path(__file__).parents[1] / "benchmarks" / "decode-cpu").glob(
+        "*/results.json")]
+    assert runs
+    for run in runs:
+        res = json.loads((run / "results.json").read_text())
+        shown = (run / "results.md").read_text().splitlines()
+        assert shown[len(decode_report.header(res)):] == decode_report.markdown(res), run
+
+
+def test_configurations_run_through_the_suite(tiny_decode, tmp_path, monkeypatch):
+    """bench.py --suite decode with configurations and the split: a row per configuration, the
+    split ranked on the calibration document (one more chapter than --contexts, never
+    evaluated), the same KV bytes as the pool it is ranked by."""
+    import json
+    monkeypatch.setattr(decode, "load_docs", short_text)
+    out = tmp_path / "out"
+    bench.main([*tiny_decode, "--methods", "fastkvzip/w8,split/w8,split-self/w8,rkv@global/w128,"
+                "fastkvzip@global/w8", "--decode-generations", "0", "--speed-lengths", "0",
+                "--out", str(out)])
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["flags"]["methods"] == ["full", "fastkvzip/w8", "split/w8",
+                                                 "split-self/w8", "rkv@global/w128"]
+    (rec,) = [json.loads(p.read_text()) for p in (out / "contexts").iterdir()]
+    assert rec["doc"] == "c0" and res["n_contexts"] == 1
+    e = rec["entries"]
+    assert e["split/w8@160"]["kept_nbytes"] == e["fastkvzip/w8@160"]["kept_nbytes"] \
+        == e["split-self/w8@160"]["kept_nbytes"]
+    md = (out / "results.md").read_text()
+    assert "| split-self/w8 | 160 |" in md and "on another document, window 8" in md

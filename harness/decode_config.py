@@ -1,0 +1,156 @@
+"""
+What one row of the decode suite runs (bench.py --suite decode --methods): a method, the level its
+budget is kept at and its local window, named
+
+    METHOD[@LEVEL][/wN]
+
+METHOD  full, cut, a scorer of gate.METHODS that evicts while decoding (fastkvzip, snapkv, rkv,
+        streaming, random, knorm), or split / split-self (below)
+LEVEL   cache.LEVELS: global (one pool of B·L·H rows over every compressed layer and head), layer
+        (B·H rows per layer), head (B per head), calibrated (global, each layer's scores divided by
+        their mean first)
+wN      the last N decoded tokens always kept (EvictingCache's decode_window; for SnapKV and R-KV
+        also the queries that rescore the held rows)
+Left out, each is the method's own (gate.METHODS: the gate global with 128, the baselines head with
+8, as the authors run them), and a name is written with only what differs from it: the row
+`fastkvzip@global/w128` is `fastkvzip`, `rkv@head/w128` is `rkv/w128`. A scorer made for one head at
+a time (R-KV, SnapKV: their scores are not comparable across heads) runs at a pooled level if asked,
+and the report says so under its table.
+
+split: the static split of heads that DuoAttention and RazorAttention make by hand ("retrieval
+heads" kept whole, the others only their attention sinks and recent tokens), with the bytes of the
+gate's pool. The heads are ranked by how many rows the gate's pool at the same budget and window
+(fastkvzip@global/wN) held in them, on average over a teacher-forced stream: for `split` another
+document (the run's next Austen chapter, never evaluated: harness/decode.py), for `split-self` the
+evaluated stream itself (an oracle: it has seen the stream's future). At each eviction every head
+keeps what the cache protects (the first tokens or the system prompt, and the last N), then whole
+heads in that order while they fit in the pool's B·L·H rows, then the first that does not fit keeps
+its most recent rows up to what is left, and no other row: after every eviction the split holds as
+many rows as the pool (SplitScorer). No token is chosen by its content, so split against the pool
+is what the gate's token-by-token choice adds beyond finding the heads it fills.
+"""
+from dataclasses import dataclass
+
+import torch
+
+import generate
+from cache import LEVELS, EvictingCache
+from gate import METHODS as SCORERS
+from gate import GateScorer, Scorer
+from kernels import ArgumentError
+
+# the scorers that evict while decoding; "full" and "cut" evict nothing (harness/decode.py)
+SCORED = tuple(m for m, kind in SCORERS.items() if kind and kind.decode)
+# the static split, by where its heads are ranked
+SPLIT = {"split": "another document", "split-self": "the evaluated stream itself"}
+NAMES = ("full",) + SCORED + ("cut",) + tuple(SPLIT)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str           # the row label, with only what differs from the method's own
+    method: str         # one of NAMES
+    level: str = None   # cache.LEVELS (None: full, cut)
+    window: int = None  # decoded tokens always kept (None: full, cut)
+
+
+def own(method):
+    """A method's own level and window: its scorer's (split: the gate's pool's)."""
+    kind = GateScorer if method in SPLIT else SCORERS[method]
+    return kind.level, kind.decode_window
+
+
+def parse(text):
+    """METHOD[@LEVEL][/wN] -> Config, else a ValueError saying what is wrong (one line)."""
+    rest, _, window = text.partition("/")
+    method, at, level = rest.partition("@")
+    if method not in NAMES:
+        why = ("scores the context once and cannot evict while decoding" if method in SCORERS
+               else "is no method")
+        raise ValueError(f"{text!r}: {method!r} {why}: methods are {','.join(NAMES)}")
+    if method in ("full", "cut"):
+        if at or window or "/" in text:
+            raise ValueError(f"{text!r}: {method} evicts nothing: it takes no @level or /wN")
+        return Config(method, method)
+    if at and method in SPLIT:
+        raise ValueError(f"{text!r}: {method} keeps whole heads in one pool by its own rule: it "
+                         "takes no @level (a window /wN only)")
+    if at and level not in LEVELS:
+        raise ValueError(f"{text!r}: unknown level {level!r}: levels are {','.join(LEVELS)}")
+    n = window[1:]
+    if "/" in text and not (window[:1] == "w" and n.isascii() and n.isdigit() and int(n) >= 1):
+        raise ValueError(f"{text!r}: the window is /wN with N >= 1 decoded tokens, e.g. "
+                         f"{rest}/w8")
+    own_level, own_window = own(method)
+    level, window = level or own_level, int(window[1:]) if window else own_window
+    name = (method + (f"@{level}" if level != own_level else "")
+            + (f"/w{window}" if window != own_window else ""))
+    return Config(name, method, level, window)
+
+
+def describe(config):
+    """One line of the report: what a row named config.name ran."""
+    c = parse(config) if isinstance(config, str) else config
+    if c.method in SPLIT:
+        return (f"`{c.name}`: the static split, heads ranked by the gate's pool "
+                f"(fastkvzip@global/w{c.window}) on {SPLIT[c.method]}, window {c.window}")
+    if c.method in ("full", "cut"):
+        return f"`{c.name}`: {'every token' if c.method == 'full' else 'the full cache cut at B'}"
+    note = ("; its scorer ranks rows within a head (its own level: head), pooled here as asked"
+            if SCORERS[c.method].level == "head" and c.level != "head" else "")
+    return f"`{c.name}`: {c.method} at level {c.level}, window {c.window}{note}"
+
+
+def pool(window):
+    """The gate's pool a split with this window is ranked by: fastkvzip@global/w{window}."""
+    return parse(f"fastkvzip@global/w{window}")
+
+
+def needs_gate(name):
+    """Whether a configuration scores with the gate (a split: to rank its heads)."""
+    return parse(name).method in ("fastkvzip",) + tuple(SPLIT)
+
+
+class SplitScorer(Scorer):
+    """The static split (module docstring) as scores for one global cut: a row of head (li, h)
+    scores rank·span + its position, where rank is L·H for the head the pool filled most (`fill`
+    (L_c, H): the rows it held, most first; ties to the earlier layer and head) down to 1, and span
+    is above every position: a whole head outranks every row of the next, and inside the head
+    that does not fit whole the most recent rows win. Exact in float32 (the cache's scores) while
+    (L·H + 1)·span <= 2^24."""
+    level = "global"
+    decode_window = GateScorer.decode_window
+
+    def __init__(self, fill, span):
+        super().__init__(fill.shape[1])
+        L, H = fill.shape
+        order = torch.argsort(-fill.flatten().double(), stable=True)
+        rank = torch.empty(L * H)
+        rank[order] = torch.arange(L * H, 0, -1, dtype=torch.float32)
+        self.rank, self.span = rank.view(L, H), span
+
+    def score(self, li, hidden, q, k, pos):
+        return self.rank[li].to(pos.device)[:, None] * self.span + pos.float()[None]  # (H, T)
+
+
+def make_cache(model, config, n_protected, budget, gates, seed, fill=None):
+    """An empty cache for a configuration (a Config or its name); budget: decode tokens per KV
+    head; fill: a split's ranking, the rows the gate's pool held per head (L_c, H)."""
+    c = parse(config) if isinstance(config, str) else config
+    if c.method in ("full", "cut"):
+        return generate.make_cache("full", model, n_protected)
+    if c.method not in SPLIT:
+        return generate.make_cache(c.method, model, n_protected, gates=gates, level=c.level,
+                                   decode_tokens_per_head=budget, seed=seed,
+                                   decode_window=c.window)
+    cfg, weight = model.config, model.model.embed_tokens.weight
+    shape = (len(cfg.compressed_layers), cfg.num_key_value_heads)
+    span = cfg.max_position_embeddings
+    if fill is None or tuple(fill.shape) != shape or (shape[0] * shape[1] + 1) * span > 2 ** 24:
+        raise ArgumentError(f"make_cache: {c.name} needs its heads' fill, (compressed layers, KV "
+                            f"heads) = {shape} rows the pool held (harness/decode.py: head_fill), "
+                            f"and (L·H + 1)·positions <= 2^24, got "
+                            f"{None if fill is None else tuple(fill.shape)}")
+    return EvictingCache(cfg, SplitScorer(fill, span), weight.dtype, weight.device,
+                         n_protected=n_protected, level="global", decode_tokens_per_head=budget,
+                         decode_window=c.window)
