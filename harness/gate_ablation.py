@@ -85,13 +85,14 @@ def interval(xs):
 
 
 def values(metrics):
-    """{"heldout" | eval folder name: {metric key: value}, "train_s": seconds} of one metrics.json."""
+    """Of one metrics.json: sets, {"heldout" | an --eval-features folder's name: {metric key:
+    value}}; train_s, the training seconds; teacher, the teacher's digit and identifier shares."""
     sets = {"heldout": metrics["agreement"],
             **{k: e["agreement"] for k, e in metrics.get("eval_agreement", {}).items()}}
-    out = {name: {k: f(a) for k, _, f in METRICS} for name, a in sets.items()}
     teacher = {f"{k}@{r}": metrics["agreement"]["all"].get(f"{k}_teacher@{r}")
                for k in ("digits", "identifiers") for r in (0.2, 0.3)}
-    return dict(out, train_s=metrics["seconds"], teacher=teacher)
+    return dict(sets={name: {k: f(a) for k, _, f in METRICS} for name, a in sets.items()},
+                train_s=metrics["seconds"], teacher=teacher)
 
 
 def summarize(runs):
@@ -106,13 +107,13 @@ def summarize(runs):
             first = by_seed[seeds[0]]
             row = dict(seeds=seeds, train_s=interval([by_seed[s]["train_s"] for s in seeds]),
                        teacher=first["teacher"], sets={}, diff={})
-            for name in (k for k in first if k not in ("train_s", "teacher")):
-                row["sets"][name] = {k: interval([by_seed[s][name][k] for s in seeds])
-                                     for k, _, _ in METRICS if first[name][k] is not None}
-                paired = [s for s in seeds if s in base] if variant != "base" else []
+            paired = [s for s in seeds if s in base] if variant != "base" else []
+            for name, got in first["sets"].items():
+                row["sets"][name] = {k: interval([by_seed[s]["sets"][name][k] for s in seeds])
+                                     for k, _, _ in METRICS if got[k] is not None}
                 if paired:
-                    row["diff"][name] = {k: interval([by_seed[s][name][k] - base[s][name][k]
-                                                      for s in paired])
+                    row["diff"][name] = {k: interval([by_seed[s]["sets"][name][k]
+                                                      - base[s]["sets"][name][k] for s in paired])
                                          for k in row["sets"][name]}
             res[recipe][variant] = row
     return res

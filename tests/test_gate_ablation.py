@@ -95,7 +95,7 @@ def test_table_is_the_naive_mean_interval_and_paired_difference(setup, capsys):
 
     def metric(recipe, variant, seed, name):
         m = json.loads((out / recipe / variant / f"seed{seed}" / "metrics.json").read_text())
-        return GA.values(m)[name]
+        return GA.values(m)["sets"][name]
     for recipe in ("paper", "adam-logmse"):
         for variant in ("base", "keep", "clip"):
             for name in ("heldout", "numeric"):
