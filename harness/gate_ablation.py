@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 import cli
+import train_gate
+from commands import train_gate as command
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = {"keep-term": "--keep-term 1", "cut-pairs": "--cut-pairs 1",
@@ -199,8 +201,6 @@ def check_features(features):
 
 def check_flags(argv):
     """train_gate.py's own check of a run's flags; its complaint as one line."""
-    import train_gate
-    from commands import train_gate as command
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -227,10 +227,12 @@ def parse(argv):
     p.add_argument("--eval-features", action="append", default=[], type=Path, metavar="DIR")
     a = p.parse_args(argv)
     try:
-        a.seeds = [int(s) for s in a.seeds.split(",")]
+        a.seeds = list(dict.fromkeys(int(s) for s in a.seeds.split(",")))
     except ValueError:
         raise Bad(f"--seeds {a.seeds!r}: give integers separated by commas, e.g. 0,1,2") from None
-    if len(set(a.seeds)) < 3:
+    if a.steps < 1:
+        raise Bad(f"--steps {a.steps}: train at least 1 step (the features exist already)")
+    if len(a.seeds) < 3:
         raise Bad(f"--seeds {a.seeds}: at least 3 distinct seeds for an interval worth reading")
     pairs = [v.split("=", 1) if "=" in v else [v, None] for v in a.variant or []]
     if any(f is None or not n.strip() or "/" in n for n, f in pairs):

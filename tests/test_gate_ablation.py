@@ -138,7 +138,8 @@ def test_resume_keeps_finished_runs(setup, capsys):
     (["--variant", "bogus=--no-such-flag 3"], "unrecognized arguments: --no-such-flag"),
     (["--variant", "neg=--clip -1"], "--clip must be a number >= 0"),
     (["--variant", "seeded=--seed 4"], "--seed is set by this program"),
-    (["--seeds", "0,1"], "at least 3 distinct seeds"),
+    (["--seeds", "0,1,1"], "at least 3 distinct seeds"),
+    (["--steps", "0"], "train at least 1 step"),
     (["--variant", "keep=--clip 2"], "each once, and not base"),
     (["--features", "/nonexistent/features"], "not a features folder"),
 ])
