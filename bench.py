@@ -310,7 +310,7 @@ def check_suite_flags(p, suite, typed):
         if unread:
             p.error(f"--{unread[0].replace('_', '-')}: --suite decode does not read it"
                     f"{instead.get(unread[0], '')}; leave it out")
-    decode_only = sorted(k for k in typed if k.startswith("decode_"))
+    decode_only = sorted(k for k in typed if k.startswith(("decode_", "loop_")))
     if suite != "decode" and decode_only:
         p.error(f"--{decode_only[0].replace('_', '-')} is a flag of --suite decode; add --suite "
                 "decode, or leave it out")

@@ -15,6 +15,8 @@ Wikipedia, State of the Union addresses and the Python reference, offline/README
              --decode-gen-tokens tokens (end of turn masked) after a prompt that states a fact,
              then the question about it: tokens until the first difference from the full cache's
              generation, and whether the answer is the same (and correct)
+    loop     (--loop-seeds) the closed-loop task of harness/closed_loop.py: the model writes a list
+             of codes, a long story, then is asked for each code, scored against what it wrote
 Teacher forcing feeds the stream 128 tokens per forward, aligned with the decode buffer, then calls
 cache.after_step(): tests/test_decode_suite.py proves it gives the logits and kept rows of
 token-by-token decoding (generate.decode_one).
@@ -53,7 +55,7 @@ import generate
 from cache import EvictingCache
 from formats.gate_file import resolve_gate
 from gate import METHODS as SCORERS
-from harness import decode_config
+from harness import closed_loop, decode_config
 from harness.quality import OWNERS, answer_stops, load_docs, log, model_info
 from prompts import encode_prompt, encode_text, prompt_format, question_ids
 
@@ -88,6 +90,7 @@ class DecodeExperiment:
     chat: bool | None = None  # the free generation's prompt format
     device: str = "cpu"
     suite: str = "decode"
+    loop: dict | None = None  # the closed-loop task's settings (loop_settings), None: not run
 
 
 # ---- 1. Streams: a document with facts stated early and asked for later --------------------------
@@ -444,6 +447,9 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
                                 same=ans == ref_gen["answer"], correct=value in tok.decode(ans),
                                 stopped=len(out) < exp.gen_tokens, generated=len(out))
             log(f"decode doc {c + 1}: cut@{budget} in {time.perf_counter() - t1:.0f} s")
+        for key, samples in loop_samples(model, tok, fmt_gen, exp, c, len(streams), gates,
+                                         lambda conf, budget: fill(conf, budget, c)).items():
+            entries[key]["loop"] = samples
         record = dict(context=c, doc=stream.doc, n_tokens=len(stream.ids),
                       seconds=time.perf_counter() - t0, entries=entries)
         if gen:
@@ -456,6 +462,37 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
             on_context(record)
 
 
+def loop_settings(seeds, tokens, budgets):
+    """DecodeExperiment.loop: the closed-loop task's settings (harness/closed_loop.py), None for
+    no seeds."""
+    return None if not seeds else dict(
+        seeds=seeds, tokens=tokens, budgets=budgets, items=closed_loop.N_ITEMS,
+        temperature=closed_loop.TEMPERATURE, top_p=closed_loop.TOP_P)
+
+
+def loop_samples(model, tok, fmt, exp, c, n_docs, gates, fill=lambda conf, budget: None):
+    """The closed-loop samples document c runs (its share of exp.loop's seeds), every configuration
+    at every loop budget, each cache as the document's (decode_cache; fill: a split's ranking)
+    -> {entry key: [samples]}; {} when it runs none."""
+    seeds = closed_loop.document_seeds(exp.loop["seeds"], c, n_docs) if exp.loop else []
+    if not seeds:
+        return {}
+    confs = {conf.name: conf for conf in map(decode_config.parse, exp.methods)
+             if conf.name != "full"}
+    configs = [("full", None)] + [(name, b) for name in confs for b in exp.loop["budgets"]]
+
+    def new_cache(name, budget, n_protected, seed):
+        conf = confs.get(name, name)
+        return decode_cache(model, conf, n_protected, budget, gates, seed,
+                            None if name == "full" else fill(conf, budget))
+    return closed_loop.run_document(model, tok, fmt, [exp.seed * 1000 + s for s in seeds],
+                                    configs, exp.loop["tokens"], new_cache, log)
+
+
 def run_key(exp, config):
-    """What makes two runs' documents the same experiment (resume, merge)."""
-    return dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])
+    """What makes two runs' documents the same experiment (resume, merge); a run without the
+    closed loop has the key it had before the loop existed (its folder resumes)."""
+    key = dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])
+    if key["loop"] is None:
+        del key["loop"]
+    return key

@@ -192,6 +192,7 @@ def results(records, n_boot, seed):
                              first_diff_mean=first, first_diff_ci=first_ci, same=same,
                              same_ci=clip01(same_ci), correct=correct,
                              correct_ci=clip01(correct_ci)))
+    rows += loop_rows(records)
     return dict(rows=rows, n_contexts=n, paired=paired(records, n_boot, seed),
                 interval=dict(kind="t", n=n, level=0.95, bootstrap=n >= BOOT_MIN),
                 provenance=provenance(records),
@@ -256,6 +257,68 @@ def provenance(records):
     return [dict(commit=c, dirty=d, documents=n) for (c, d), n in seen.items()]
 
 
+def wilson(k, n, z=1.96):
+    """Wilson score interval of k successes in n trials (95% at z = 1.96); None for n = 0."""
+    if n == 0:
+        return None
+    p, z2 = k / n, z * z
+    mid, half = (p + z2 / (2 * n)), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return [float((mid - half) / (1 + z2 / n)), float((mid + half) / (1 + z2 / n))]
+
+
+def loop_rows(records):
+    """The closed loop's rows (harness/closed_loop.py), one per configuration that ran it: its
+    samples, the invalid ones (a malformed list: never asked), the items asked and answered right,
+    accuracy with a Wilson 95% interval over the items asked (seeds x items, taken as
+    independent), the accuracy of a guess among the list's codes (chance: the models repeat codes
+    within a list) and the share of codes the story wrote out again."""
+    samples = {}
+    for r in sorted(records, key=lambda r: r["context"]):
+        for key, e in r["entries"].items():
+            samples.setdefault(key, []).extend(e.get("loop") or [])
+    rows = []
+    for key, xs in samples.items():
+        if not xs:
+            continue
+        method, _, budget = key.partition("@")
+        valid = [x for x in xs if x["valid"]]
+        right = sum(sum(x["right"]) for x in valid)
+        asked = sum(len(x["right"]) for x in valid)
+        restated = [r for x in valid for r in x.get("restated", [])]
+        # a guess of a code from the list: each item's code is that share of its list
+        chance = [x["codes"].count(c) / len(x["codes"]) for x in valid for c in x["codes"]]
+        rows.append(dict(task="loop", method=method, budget=int(budget) if budget else None,
+                         samples=len(xs), invalid=len(xs) - len(valid), n=asked, right=right,
+                         score=right / asked if asked else None, ci=wilson(right, asked),
+                         chance=float(np.mean(chance)) if chance else None,
+                         restated=float(np.mean(restated)) if restated else None))
+    return rows
+
+
+def loop_markdown(rows):
+    """results.md's closed-loop table (lines), [] when it did not run."""
+    rows = [r for r in rows if r["task"] == "loop"]
+    if not rows:
+        return []
+    out = ["", "## Closed loop: the model's own codes, asked after its own story", "",
+           "Each sample: the model writes a list of codes (the harness writes each line's "
+           "head, the model its code), then a story, then is asked for every code "
+           "(harness/closed_loop.py); right = its answer's number is the code it wrote. "
+           "invalid: samples whose list is malformed (not asked). accuracy: right / asked "
+           "[Wilson 95% interval over the items asked, seeds x items taken as independent]. "
+           "chance: the accuracy of answering a code drawn from the item's list (the models "
+           "repeat codes). restated: the share of codes the story wrote out again. cut: the "
+           "full cache stopped at the budget never reaches the questions.", "",
+           "| method | budget | samples | invalid | asked | right | accuracy | chance | "
+           "restated |", "|---|---|---|---|---|---|---|---|---|"]
+    share = lambda x: "–" if x is None else f"{x:.2f}"
+    for r in rows:
+        out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['samples']} | {r['invalid']} | "
+                   f"{r['n']} | {r['right']} | {fmt_ci(r['score'], r['ci'])} | "
+                   f"{share(r['chance'])} | {share(r['restated'])} |")
+    return out
+
+
 # ---- 2. results.md and decode.png ----------------------------------------------------------------
 
 def markdown(results):
@@ -317,6 +380,7 @@ def markdown(results):
                            f"{fmt_ci(r['first_diff_mean'], r['first_diff_ci'], '{:.0f}')} | "
                            f"{fmt_ci(r['same'], r['same_ci'])} | "
                            f"{fmt_ci(r['correct'], r['correct_ci'])} |")
+    out += loop_markdown(rows)
     speed = results.get("decode_speed") or []
     if speed:
         out += ["", "## Decode speed and KV memory over one long generation", "",
@@ -463,6 +527,11 @@ def header(res):
                 f"budgets {key['budgets']} tokens per KV head; recall gaps {key['gaps']}; "
                 f"{key['generations']} free generations of {key['gen_tokens']} tokens; seed "
                 f"{key['seed']}")
+        if key.get("loop"):
+            loop = key["loop"]
+            ran += (f"; closed loop: {loop['seeds']} samples of {loop['items']} codes and "
+                    f"{loop['tokens']}-token stories (temperature {loop['temperature']}, top-p "
+                    f"{loop['top_p']}) at budgets {loop['budgets']}")
     return [f"# Fast KVzip decode suite ({cfg['started']})", "",
             ran + f". Run time {res.get('seconds', 0) / 60:.1f} min"
             + ("." if res.get("complete") else " (not complete: rerun the command to resume)."),

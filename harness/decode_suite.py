@@ -22,7 +22,7 @@ import generate
 from cache import decode_protected
 from cli import UsageError, write_text
 from formats.checkpoint import load_checked
-from harness import decode, decode_config
+from harness import closed_loop, decode, decode_config
 from harness.decode import decode_cache
 from harness.decode_report import header, markdown, plot, results
 from harness.quality import load_docs, load_records, log, model_info, write_record
@@ -144,6 +144,15 @@ def add_arguments(p):
                    "--decode-budgets; each is --decode-gen-tokens decode steps per method)")
     g.add_argument("--decode-speed-budgets", type=cli.ints, default=[512, 1024],
                    help="the gate's budgets in the speed section ('0' = the full cache only)")
+    g.add_argument("--loop-seeds", type=int, default=0,
+                   help="closed-loop samples (harness/closed_loop.py: the model writes a list of "
+                   "codes, a long story, then is asked for each code), spread over the documents; "
+                   "0 = none")
+    g.add_argument("--loop-tokens", type=int, default=closed_loop.TOKENS,
+                   help="tokens of each closed-loop story (between the list and the questions)")
+    g.add_argument("--loop-budgets", type=cli.ints, default=None,
+                   help="the budgets the closed loop runs at (default: every --decode-budgets; "
+                   "each is about --loop-tokens decode steps per method and seed)")
 
 
 def check_args(p, args):
@@ -167,6 +176,7 @@ def check_args(p, args):
     if not set(args.decode_gen_budgets) <= set(args.decode_budgets):
         p.error(f"--decode-gen-budgets {','.join(map(str, args.decode_gen_budgets))}: each must "
                 f"be one of --decode-budgets ({','.join(map(str, args.decode_budgets))})")
+    check_loop_args(p, args)
     for flag, low in (("contexts", 1), ("decode_prompt", 1), ("decode_generations", 0),
                       ("decode_gen_tokens", 1), ("bootstrap", 1)):
         if getattr(args, flag) < low:
@@ -183,13 +193,26 @@ def check_args(p, args):
                 f"shard {args.shard[0]} holds none")
 
 
+def check_loop_args(p, args):
+    """--loop-*: counts, and budgets among --decode-budgets (their entries are the documents')."""
+    if args.loop_budgets is None:
+        args.loop_budgets = list(args.decode_budgets)
+    if not set(args.loop_budgets) <= set(args.decode_budgets):
+        p.error(f"--loop-budgets {','.join(map(str, args.loop_budgets))}: each must be one of "
+                f"--decode-budgets ({','.join(map(str, args.decode_budgets))})")
+    for flag, low in (("loop_seeds", 0), ("loop_tokens", 1)):
+        if getattr(args, flag) < low:
+            p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
+
+
 def experiment(args):
     return decode.DecodeExperiment(
         methods=args.methods, budgets=args.decode_budgets, contexts=args.contexts,
         length=args.lengths[0], gaps=args.decode_gaps, prompt_tokens=args.decode_prompt,
         generations=args.decode_generations, gen_tokens=args.decode_gen_tokens,
         gen_budgets=args.decode_gen_budgets, seed=args.seed,
-        chat=args.chat, device=args.device)
+        chat=args.chat, device=args.device,
+        loop=decode.loop_settings(args.loop_seeds, args.loop_tokens, args.loop_budgets))
 
 
 def decode_window(method):
@@ -208,7 +231,9 @@ def check_fit(args, cfg, tok):
     for flag, need in (("--lengths", 0 if args.no_quality else args.lengths[0]),
                        ("--speed-lengths", max(args.speed_lengths, default=0)),
                        ("--decode-gen-tokens", args.decode_gen_tokens + 400 + decode.ANSWER_TOKENS
-                        if args.decode_generations and not args.no_quality else 0)):
+                        if args.decode_generations and not args.no_quality else 0),
+                       ("--loop-tokens", closed_loop.positions(args.loop_tokens)
+                        if args.loop_seeds and not args.no_quality else 0)):
         if need > n:
             raise UsageError(f"{flag}: {need} positions, more than the model's {n}; use shorter "
                              "sequences")
@@ -223,6 +248,7 @@ def check_fit(args, cfg, tok):
     scored = [m for m in args.methods if m not in ("full", "cut")]
     chat = len(encode_prompt(tok, prompt_format(cfg, args.model, chat=args.chat).system))
     gen = set(args.decode_gen_budgets) if args.decode_generations else set()
+    gen |= set(args.loop_budgets) if args.loop_seeds else set()  # the loop's prompt: the chat's
     for flag, budgets, methods, longest, what in (
             ("--decode-budgets", [] if args.no_quality else args.decode_budgets, scored,
              args.lengths[0], f"--lengths {args.lengths[0]}"),
@@ -260,7 +286,8 @@ def check_streams(args, tok, cfg):
 READS = {"suite", "model", "gate", "methods", "lengths", "contexts", "chat", "device", "bootstrap",
          "no_quality", "speed_lengths", "no_peer", "seed", "threads", "shard", "out", "plot",
          "merge", "decode_budgets", "decode_gaps", "decode_prompt", "decode_generations",
-         "decode_gen_tokens", "decode_gen_budgets", "decode_speed_budgets"}
+         "decode_gen_tokens", "decode_gen_budgets", "decode_speed_budgets", "loop_seeds",
+         "loop_tokens", "loop_budgets"}
 
 
 def bench_run(args, root, folder, cfg, tok, gates, claim):
@@ -359,8 +386,9 @@ def bad_entries(rec):
                 for p in probes)
                 and (nll is None or isinstance(nll, list) and len(nll) == 3
                      and all(map(num, nll)))
-                and (gen is None or isinstance(gen, dict) and num(gen.get("first_diff")))):
-            return f"its entry {name!r} is not a decode entry (probes, nll, gen)"
+                and (gen is None or isinstance(gen, dict) and num(gen.get("first_diff")))
+                and closed_loop.well_formed(e.get("loop"))):
+            return f"its entry {name!r} is not a decode entry (probes, nll, gen, loop)"
     return None
 
 

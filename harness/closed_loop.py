@@ -1,0 +1,222 @@
+"""
+The decode suite's closed-loop task (bench.py --suite decode --loop-seeds S): the model writes what
+it must later use, then generates thousands of tokens of its own, then is asked for it; the answer
+is scored against what the model itself wrote. Every token after the prompt is a decode step
+through generate.decode_one, so the cache evicts (every 128 tokens, back to B per KV head) while
+the model writes its list, its story and its answers.
+
+One sample (a seed):
+    prompt     asks for a numbered list of N_ITEMS things of a theme, each with a secret code of
+               four digits, then a long story about them (SmolLM2's chat turn; plain text for a
+               base model); prefilled
+    list       the harness writes each line's head HEAD, "{i}. {name} (code" (the names drawn by
+               the seed from the theme), the model samples the rest of the line, up to its line
+               break: its code. A line is well-formed when that rest is exactly " CODE)" or
+               ": CODE)", CODE 2 to 12 letters, digits or hyphens (LINE: asked for four digits,
+               the models write "82", "2626-1", "VERZI"); a sample with a malformed line is
+               invalid: counted and reported, never asked
+    story      the harness writes STORY, the model samples --loop-tokens tokens (end of text masked)
+    questions  for every item, on its own copy of the cache the story left: "\n\nQ: What was the
+               code of {name} in the list?\nA: {i}. {name} (code" (question()), answered greedily
+               up to a line break or ANSWER_TOKENS tokens; right when the answer's first code-like
+               word (ANSWER) is the code the model wrote, exactly
+Sampling: generate.sample at TEMPERATURE and TOP_P (end of text masked) with a torch.Generator
+seeded by the sample's seed, so every method starts from the same tokens (up to its first eviction
+that changes a logit) and each is scored against its own list. The harness writes the line heads
+because these small models, asked for a list, write one in their own shape or none (item names
+missing, the example's placeholder copied, prose between lines); the codes are theirs.
+"""
+import copy
+import random
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+import generate
+from prompts import encode_prompt, encode_text
+
+N_ITEMS = 8
+TOKENS = 2000   # the story: the model's own tokens between its list and the questions
+TEMPERATURE = 0.7
+TOP_P = 0.9
+LINE_TOKENS = 16  # a line's tail: ": " and a 12-character code, ")" and its line break
+ANSWER_TOKENS = 12
+AROUND_STORY = 400  # positions besides the story (positions())
+# the model's rest of a list line, its line break removed: its code (the models write digits,
+# letters, hyphens: "2626", "VERZI", "2626-1", whatever the prompt's "four digits") in parentheses
+LINE = re.compile(r":? ([A-Za-z0-9][A-Za-z0-9-]{1,11})\)")
+ANSWER = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?")  # an answer's first code-like word
+HEAD = "{i}. {name} (code"  # written by the harness; the model writes the rest of the line
+STORY = "\n\nNow the story.\n\n"
+THEMES = {
+    "fruits": ("Apple", "Banana", "Cherry", "Mango", "Peach", "Lemon", "Grape", "Plum", "Pear",
+               "Melon", "Orange", "Kiwi"),
+    "animals": ("Tiger", "Rabbit", "Horse", "Eagle", "Otter", "Wolf", "Zebra", "Camel", "Goose",
+                "Mouse", "Panda", "Whale"),
+    "tools": ("Hammer", "Saw", "Drill", "Wrench", "Shovel", "Ladder", "Chisel", "Rake", "Brush",
+              "Axe", "Knife", "Rope"),
+    "cities": ("Paris", "London", "Cairo", "Tokyo", "Lima", "Oslo", "Rome", "Dublin", "Madrid",
+               "Vienna", "Athens", "Berlin"),
+}
+
+
+@dataclass
+class LoopSample:
+    seed: int
+    theme: str
+    names: list     # the items, in list order
+    prompt: list    # ids, prefilled
+    n_protected: int
+
+
+def make_sample(tok, fmt, seed, n_items=N_ITEMS):
+    """The prompt and items of sample `seed`: a theme and n_items of its names, drawn by seed."""
+    rng = random.Random(seed)
+    theme = rng.choice(sorted(THEMES))
+    names = rng.sample(THEMES[theme], n_items)
+    text = (f"Write a numbered list of {n_items} {theme}, each with a secret code of four digits. "
+            f"Then write a long story about them.")
+    system = encode_prompt(tok, fmt.system)
+    # a chat model's turn ends and its answer begins; a base model's text just goes on
+    prompt = system + encode_text(tok, text) + (encode_prompt(tok, fmt.postfix) if fmt.postfix
+                                                else encode_text(tok, "\n\n"))
+    return LoopSample(seed, theme, names, prompt, len(system))
+
+
+def parse_line(text):
+    """The model's rest of a list line (after HEAD, its line break removed) -> its code, or None
+    when it is not exactly LINE."""
+    m = LINE.fullmatch(text)
+    return m.group(1) if m else None
+
+
+def parse_answer(text):
+    """An answer's first code-like word (letters, digits, inner hyphens), or None."""
+    m = ANSWER.search(text)
+    return m.group(0) if m else None
+
+
+def question(i, name):
+    """The question about item i, the answer cued with its list line's head (the needle suite cues
+    an answer with its first words): a cue in words, "The secret code of Hammer was", was taken
+    up by SmolLM2's own story ("the code was made of a special material ...") for all 8 items."""
+    return f"\n\nQ: What was the code of {name} in the list?\nA: " + HEAD.format(i=i, name=name)
+
+
+@torch.no_grad()
+def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top_p=TOP_P):
+    """One closed loop on an empty cache (decode.decode_cache's) -> dict(seed, theme, names, valid,
+    lines, codes, answers, right, story_head, story_tail, restated): the list written, the story
+    generated, every item asked on a copy of the cache. Invalid (a line not LINE): nothing
+    generated after the list, nothing asked."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(sample.seed)
+    banned = list(cfg.eos_token_ids)
+    breaks = {i for s in ("\n", "\n\n") for i in encode_text(tok, s)}
+    logits = generate.prefill(model, cache, sample.prompt, sample.n_protected)
+    # rows for everything fed: the list (heads and tails), the story, a question and its answer
+    most = len(sample.names) * (16 + LINE_TOKENS) + len(STORY) + n_tokens + 64 + ANSWER_TOKENS
+    logits = generate.begin_answer(model, cache, [], logits, max_new_tokens=most)
+
+    def feed(ids, cache=cache):
+        nonlocal logits
+        for t in ids:
+            logits = generate.decode_one(model, cache, t)
+
+    def sampled():  # the model's own next token, never the end of text
+        masked = logits.clone()
+        masked[banned] = -float("inf")
+        return generate.sample(masked, temperature, top_p, gen)
+
+    lines, codes, new_line = [], [], True
+    for i, name in enumerate(sample.names, 1):
+        feed(encode_text(tok, ("" if new_line else "\n") + HEAD.format(i=i, name=name)))
+        tail = []
+        while len(tail) < LINE_TOKENS:  # the model's rest of the line, up to its line break
+            tail.append(sampled())
+            feed(tail[-1:])
+            if "\n" in tok.decode(tail[-1:]):
+                break
+        text = tok.decode(tail)
+        new_line = text.endswith("\n")
+        lines.append(text.partition("\n")[0])
+        codes.append(parse_line(lines[-1]))
+    out = dict(seed=sample.seed, theme=sample.theme, names=sample.names, valid=None not in codes,
+               lines=lines, codes=codes, answers=[], right=[])
+    if not out["valid"]:
+        return out
+    feed(encode_text(tok, STORY))
+    story = []
+    for _ in range(n_tokens):
+        story.append(sampled())
+        feed(story[-1:])
+    text = tok.decode(story)
+    out["story_head"], out["story_tail"] = text[:300], text[-300:]
+    # whether the story wrote a code out again: then it could be read from recent text
+    out["restated"] = [code in text for code in codes]
+    after_story = logits
+    for i, (name, code) in enumerate(zip(sample.names, codes), 1):
+        ask = copy.deepcopy(cache)  # every question on the cache the story left
+        logits = after_story
+        feed(encode_text(tok, question(i, name)), ask)
+        ans = []
+        while len(ans) < ANSWER_TOKENS:
+            t = int(logits.argmax())
+            if t in banned or (t in breaks and tok.decode(ans).strip()):
+                break
+            ans.append(t)
+            feed([t], ask)
+        out["answers"].append(tok.decode(ans))
+        out["right"].append(parse_answer(out["answers"][-1]) == code)
+        del ask
+    return out
+
+
+def positions(n_tokens):
+    """The most positions a sample holds: its story and at most AROUND_STORY more (the prompt,
+    the list, the story's header, a question and its answer, under 300 for N_ITEMS 8)."""
+    return n_tokens + AROUND_STORY
+
+
+def well_formed(samples):
+    """Whether an entry's "loop" (None, or run_document's list for it) is what the report reads."""
+    return samples is None or isinstance(samples, list) and all(
+        isinstance(x, dict) and isinstance(x.get("valid"), bool)
+        and isinstance(x.get("right"), list) and all(isinstance(r, bool) for r in x["right"])
+        and (not x["valid"] or isinstance(x.get("codes"), list) and x["codes"])
+        for x in samples)
+
+
+def document_seeds(n_seeds, c, n_docs):
+    """The loop samples document c of n_docs runs: the seeds s < n_seeds with s % n_docs == c."""
+    return [s for s in range(n_seeds) if s % n_docs == c]
+
+
+def run_document(model, tok, fmt, seeds, configs, n_tokens, new_cache, log=None):
+    """Every configuration on the loop samples of `seeds` -> {"method@budget" (or "full"): [one
+    run_sample dict per seed, with its seconds]}. configs: [(method, budget)], "full" first with
+    budget None; new_cache(method, budget, n_protected, seed) -> an empty cache
+    (decode.decode_cache). "cut" (the full cache stopped at B tokens, harness/decode.py) runs
+    nothing: it never reaches the questions, so every item of the full cache's valid samples is
+    wrong."""
+    out = {}
+    for seed in seeds:
+        sample = make_sample(tok, fmt, seed)
+        for method, budget in configs:
+            key = method if budget is None else f"{method}@{budget}"
+            if method == "cut":
+                full = out["full"][-1]
+                res = dict(full, answers=[], right=[False] * len(full["right"]), stopped=True,
+                           seconds=0.0)
+            else:
+                t0 = time.perf_counter()
+                res = run_sample(model, tok, new_cache(method, budget, sample.n_protected, seed),
+                                 sample, n_tokens)
+                res["seconds"] = time.perf_counter() - t0
+            out.setdefault(key, []).append(res)
+            if log:
+                log(f"closed loop seed {seed}: {key} {sum(res['right'])}/{len(res['right'])} "
+                    f"right{'' if res['valid'] else ' (invalid list)'} in {res['seconds']:.0f} s")
+    return out
