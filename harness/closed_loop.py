@@ -106,12 +106,15 @@ def question(i, name):
 
 
 @torch.no_grad()
-def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top_p=TOP_P):
+def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top_p=TOP_P,
+               stop_at=None):
     """One closed loop on an empty cache (decode.decode_cache's) -> dict(seed, theme, names, valid,
-    lines, codes, answers, right, story_head, story_tail, restated): the list written, the story
-    generated, every item asked on a copy of the cache. Invalid (a line not LINE): nothing
-    generated after the list, nothing asked."""
-    cfg = model.config
+    lines, codes, answers, right, story_head, story_tail, restated, story_tokens): the list
+    written, the story generated, every item asked on a copy of the cache. Invalid (a line not
+    LINE): nothing generated after the list, nothing asked. stop_at=B (`cut`, the authors' early
+    stopping, METHOD.md §11): the story stops where its next token would leave no room for the
+    longest question and its answer under B positions, and the questions are asked there."""
+    cfg, cache_ = model.config, cache
     gen = torch.Generator().manual_seed(sample.seed)
     banned = list(cfg.eos_token_ids)
     breaks = {i for s in ("\n", "\n\n") for i in encode_text(tok, s)}
@@ -120,10 +123,13 @@ def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top
     most = len(sample.names) * (16 + LINE_TOKENS) + len(STORY) + n_tokens + 64 + ANSWER_TOKENS
     logits = generate.begin_answer(model, cache, [], logits, max_new_tokens=most)
 
+    held = len(sample.prompt)  # positions in the main cache
+
     def feed(ids, cache=cache):
-        nonlocal logits
+        nonlocal logits, held
         for t in ids:
             logits = generate.decode_one(model, cache, t)
+        held += len(ids) if cache is cache_ else 0
 
     def sampled():  # the model's own next token, never the end of text
         masked = logits.clone()
@@ -148,12 +154,15 @@ def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top
     if not out["valid"]:
         return out
     feed(encode_text(tok, STORY))
+    room = max(len(encode_text(tok, question(i, name))) for i, name in enumerate(sample.names, 1))
     story = []
     for _ in range(n_tokens):
+        if stop_at is not None and held + 1 + room + ANSWER_TOKENS > stop_at:
+            break
         story.append(sampled())
         feed(story[-1:])
     text = tok.decode(story)
-    out["story_head"], out["story_tail"] = text[:300], text[-300:]
+    out["story_head"], out["story_tail"], out["story_tokens"] = text[:300], text[-300:], len(story)
     # whether the story wrote a code out again: then it could be read from recent text
     out["restated"] = [code in text for code in codes]
     after_story = logits
@@ -198,23 +207,23 @@ def run_document(model, tok, fmt, seeds, configs, n_tokens, new_cache, log=None)
     """Every configuration on the loop samples of `seeds` -> {"method@budget" (or "full"): [one
     run_sample dict per seed, with its seconds]}. configs: [(method, budget)], "full" first with
     budget None; new_cache(method, budget, n_protected, seed) -> an empty cache
-    (decode.decode_cache). "cut" (the full cache stopped at B tokens, harness/decode.py) runs
-    nothing: it never reaches the questions, so every item of the full cache's valid samples is
-    wrong."""
+    (decode.decode_cache). "cut" (the full cache stopped at B tokens, harness/decode.py) runs the
+    full cache with its story stopped where the questions and answers still fit in B positions
+    (run_sample's stop_at, the authors' forced answer): the same list and, up to there, the same
+    story as the full cache's."""
     out = {}
     for seed in seeds:
         sample = make_sample(tok, fmt, seed)
         for method, budget in configs:
             key = method if budget is None else f"{method}@{budget}"
+            t0 = time.perf_counter()
             if method == "cut":
-                full = out["full"][-1]
-                res = dict(full, answers=[], right=[False] * len(full["right"]), stopped=True,
-                           seconds=0.0)
+                res = run_sample(model, tok, new_cache("full", None, sample.n_protected, seed),
+                                 sample, n_tokens, stop_at=budget)
             else:
-                t0 = time.perf_counter()
                 res = run_sample(model, tok, new_cache(method, budget, sample.n_protected, seed),
                                  sample, n_tokens)
-                res["seconds"] = time.perf_counter() - t0
+            res["seconds"] = time.perf_counter() - t0
             out.setdefault(key, []).append(res)
             if log:
                 log(f"closed loop seed {seed}: {key} {sum(res['right'])}/{len(res['right'])} "

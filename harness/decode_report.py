@@ -308,7 +308,8 @@ def loop_markdown(rows):
            "[Wilson 95% interval over the items asked, seeds x items taken as independent]. "
            "chance: the accuracy of answering a code drawn from the item's list (the models "
            "repeat codes). restated: the share of codes the story wrote out again. cut: the "
-           "full cache stopped at the budget never reaches the questions.", "",
+           "full cache, its story stopped where the questions and answers still fit in the "
+           "budget, then asked (the authors' forced answer, METHOD.md §11).", "",
            "| method | budget | samples | invalid | asked | right | accuracy | chance | "
            "restated |", "|---|---|---|---|---|---|---|---|---|"]
     share = lambda x: "–" if x is None else f"{x:.2f}"

@@ -137,12 +137,13 @@ def test_the_story_restating_a_code_is_noted(tiny, monkeypatch):
 def test_each_method_gets_the_suites_decode_cache(tiny, monkeypatch):
     """decode.loop_samples: the full cache, and for each method and loop budget the cache
     decode.decode_cache makes (generate.py --decode-tokens-per-head B), protecting the loop
-    prompt's system prompt; cut runs nothing and answers nothing; seeds spread over documents."""
+    prompt's system prompt; cut runs the full cache stopped at the budget; seeds spread over
+    documents."""
     model, tok = tiny["model"], tiny["tok"]
     got = []
 
-    def run_sample(model_, tok_, cache, sample, n_tokens):
-        got.append((cache, sample, n_tokens))
+    def run_sample(model_, tok_, cache, sample, n_tokens, stop_at=None):
+        got.append((cache, sample, n_tokens, stop_at))
         return dict(seed=sample.seed, valid=True, right=[True, False], codes=["111", "222"])
 
     monkeypatch.setattr(closed_loop, "run_sample", run_sample)
@@ -154,10 +155,11 @@ def test_each_method_gets_the_suites_decode_cache(tiny, monkeypatch):
     assert set(out) == {"full", "fastkvzip@400", "streaming@400", "cut@400"}
     assert [x["seed"] for x in out["full"]] == [1000, 1002]  # documents 0 and 1 take 0,2 and 1
     assert decode.loop_samples(model, tok, tiny["fmt"], exp, 1, 2, tiny["gates"]).keys() == out.keys()
-    assert out["cut@400"][0]["right"] == [False, False] and out["cut@400"][0]["stopped"]
-    for cache, sample, n_tokens in got[:3]:  # seed 1000: full, fastkvzip@400, streaming@400
+    cut_cache, _, _, stop_at = got[3]  # seed 1000's fourth: cut@400
+    assert type(cut_cache) is KVCache and stop_at == 400
+    for cache, sample, n_tokens, stop_at in got[:3]:  # seed 1000: full, fastkvzip@400, streaming@400
         assert n_tokens == 50 and sample.n_protected == len(encode_prompt(tok, tiny["fmt"].system))
-    full, gated, streaming = (c for c, _, _ in got[:3])
+    full, gated, streaming = (c for c, *_ in got[:3])
     assert type(full) is KVCache
     for cache, method in ((gated, "fastkvzip"), (streaming, "streaming")):
         want = decode.decode_cache(model, method, got[0][1].n_protected, 400, tiny["gates"], 1000)
@@ -178,6 +180,28 @@ def test_a_real_loop_runs_through_the_decode_path(tiny, monkeypatch):
     assert cache.n_seen > 200 + len(sample.prompt)  # the story was decoded, and evicted
     assert max(cache.layers[i].lens.max() for i in cache.compressed) <= 160 + 128
     assert out["valid"] and len(out["answers"]) == 3 and len(out["right"]) == 3
+
+
+def test_cut_asks_where_the_questions_still_fit_the_budget(tiny, monkeypatch):
+    """cut (run_sample's stop_at=B, the authors' forced answer): on the full cache, the same list
+    and a prefix of the full run's story (one seed, one generator), stopped so that the longest
+    question and its answer fit in B positions, and only just (one more story token would not)."""
+    monkeypatch.setattr(closed_loop, "LINE", __import__("re").compile(r"((?s:.*))"))
+    model, tok = tiny["model"], tiny["tok"]
+    sample = closed_loop.make_sample(tok, tiny["fmt"], seed=0, n_items=3)
+    room = max(len(encode_text(tok, closed_loop.question(i, n)))
+               for i, n in enumerate(sample.names, 1)) + closed_loop.ANSWER_TOKENS
+    runs = []
+    for stop_at in (None, "B"):
+        cache = decode.decode_cache(model, "full", sample.n_protected, None, None, 0)
+        budget = None if stop_at is None else runs[0][1] + room - 120  # a story of ~120 tokens
+        runs.append((closed_loop.run_sample(model, tok, cache, sample, 200, stop_at=budget),
+                     cache.n_seen, budget))
+    (full, _, _), (cut, held, budget) = runs
+    assert cut["lines"] == full["lines"] and full["story_tokens"] == 200
+    assert 0 < cut["story_tokens"] < 200 and full["story_head"].startswith(cut["story_head"][:40])
+    assert held + room <= budget < held + 1 + room
+    assert len(cut["answers"]) == 3
 
 
 def loop_records():
