@@ -390,16 +390,17 @@ def _finite_mean(per_head):
 LEVELS = ("global", "layer", "head", "calibrated")
 
 
-def check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head):
+def check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head, decode_window=128):
     """What an EvictingCache is built from, else an ArgumentError: a level, a system prompt length,
-    a decode budget, and a gate shaped for this model (another model's fails later in a matmul)."""
+    a decode budget and window, and a gate shaped for this model (another model's fails later in a
+    matmul)."""
     if level not in LEVELS:
         raise ArgumentError(f"EvictingCache: level {level!r} is not one of {LEVELS}")
-    if not is_count(n_protected) or not (decode_tokens_per_head is None
-                                         or is_count(decode_tokens_per_head, 1)):
-        raise ArgumentError(f"EvictingCache: n_protected must be an integer >= 0 and "
-                            f"decode_tokens_per_head None or an integer >= 1, got {n_protected!r} "
-                            f"and {decode_tokens_per_head!r}")
+    if not is_count(n_protected) or not is_count(decode_window, 1) or not (
+            decode_tokens_per_head is None or is_count(decode_tokens_per_head, 1)):
+        raise ArgumentError(f"EvictingCache: n_protected must be an integer >= 0, decode_window "
+                            f"an integer >= 1 and decode_tokens_per_head None or an integer >= 1, "
+                            f"got {n_protected!r}, {decode_window!r} and {decode_tokens_per_head!r}")
     if scorer is None and decode_tokens_per_head is not None:
         raise ArgumentError("EvictingCache: decode-time eviction (decode_tokens_per_head "
                             f"{decode_tokens_per_head}) needs a scorer, got None")
@@ -432,13 +433,13 @@ class EvictingCache(KVCache):
                  level="global", decode_tokens_per_head=None, decode_buffer=128,
                  decode_window=None, decode_sinks=4):
         super().__init__(cfg, dtype, device)
-        check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head)
+        if decode_window is None:
+            decode_window = getattr(scorer, "decode_window", 128)
+        check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head, decode_window)
         self.scorer, self.level, self.n_protected = scorer, level, n_protected
         self.compressed = list(cfg.compressed_layers)
         # model layer -> gate index
         self.index = {layer: li for li, layer in enumerate(self.compressed)}
-        if decode_window is None:
-            decode_window = getattr(scorer, "decode_window", 128)
         self.decode_tokens_per_head, self.decode_buffer = decode_tokens_per_head, decode_buffer
         self.decode_window, self.decode_sinks = decode_window, decode_sinks
         if decode_tokens_per_head is not None:

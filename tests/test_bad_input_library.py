@@ -176,6 +176,9 @@ def cases():
         ("make_cache n_protected", lambda: cache(-1), ["n_protected", "-1"]),
         ("EvictingCache level", lambda: EvictingCache(cfg, GateScorer(gates), level="pair"),
          ["level 'pair'"]),
+        ("make_cache decode window 0",  # [-0:] would keep every query: refused, not run
+         lambda: make_cache("snapkv", model, 0, decode_tokens_per_head=200, decode_window=0),
+         ["decode_window an integer >= 1", "got 0, 0 and 200"]),
         ("EvictingCache gate of another model",
          lambda: EvictingCache(cfg, GateScorer(other), n_protected=4),
          ["the gate has", "48", "this model's gate"]),
