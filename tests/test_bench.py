@@ -6,6 +6,7 @@ Austen assets; together they take about 2.5 minutes on 2 cores.
 """
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -446,9 +447,14 @@ def test_shards_resume_and_merge_equal_one_run(real, quick, tmp_path):
     merged = json.loads((tmp_path / "merged" / "results.json").read_text())
     assert (merged["complete"] and merged["n_contexts"] == 2
             and untimed(merged["rows"]) == rows(quick))
-    run("b")  # b as one whole run: resumes, runs only the context it lacks
-    assert (sorted(p.name for p in (tmp_path / "b" / "contexts").iterdir())
-            == ["context-000.json", "context-001.json"])
+    # b as one whole run, given a's context: resumes from both shards' records and runs nothing
+    # (a resume that runs the contexts it lacks: test_run_folders' kill -9 test)
+    shutil.copy(tmp_path / "a" / "contexts" / "context-000.json", tmp_path / "b" / "contexts")
+    records = lambda: {p.name: (p.stat().st_mtime_ns, p.read_bytes())
+                       for p in (tmp_path / "b" / "contexts").iterdir()}
+    before = records()
+    run("b")
+    assert sorted(before) == ["context-000.json", "context-001.json"] and records() == before
     assert rows(tmp_path / "b") == rows(quick)
     # other flags: refused, not mixed
     with pytest.raises(UsageError, match="another configuration"):
