@@ -31,6 +31,7 @@ from pathlib import Path
 import cli
 import train_gate
 from commands import train_gate as command
+from harness.stats import t_quantile
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = {"keep-term": "--keep-term 1", "cut-pairs": "--cut-pairs 1",
@@ -53,36 +54,13 @@ class Bad(Exception):
     """Bad input: one line, exit 2."""
 
 
-def t975(df):
-    """The 0.975 quantile of Student's t with df (>= 1, an integer) degrees of freedom: bisection
-    on the exact closed-form CDF for integer df (Abramowitz & Stegun 26.7.3-4, A(t|df) = P(|T| <
-    t)); t975(1) = 12.706, t975(2) = 4.303, t975(30) = 2.042."""
-    def within(t):
-        th = math.atan(t / math.sqrt(df))
-        c2, s = math.cos(th) ** 2, 0.0
-        if df % 2:  # odd: 2/pi (th + sin th cos th (1 + 2/3 c^2 + 2*4/(3*5) c^4 ...))
-            term = math.cos(th)
-            for k in range(1, (df - 1) // 2 + 1):
-                s, term = s + term, term * c2 * 2 * k / (2 * k + 1)
-            return 2 / math.pi * (th + math.sin(th) * s)
-        term = 1.0  # even: sin th (1 + 1/2 c^2 + 1*3/(2*4) c^4 ...)
-        for k in range(1, df // 2 + 1):
-            s, term = s + term, term * c2 * (2 * k - 1) / (2 * k)
-        return math.sin(th) * s
-    lo, hi = 0.0, 1e3
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if within(mid) < 0.95 else (lo, mid)
-    return (lo + hi) / 2
-
-
 def interval(xs):
     """{mean, lo, hi, n} of the values xs: the 95% Student-t interval of their mean (lo, hi None
     below 2 values)."""
     n, mean = len(xs), sum(xs) / len(xs)
     if n < 2:
         return dict(mean=mean, lo=None, hi=None, n=n)
-    half = t975(n - 1) * math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
+    half = t_quantile(0.975, n - 1) * math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
     return dict(mean=mean, lo=mean - half, hi=mean + half, n=n)
 
 

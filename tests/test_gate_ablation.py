@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness import gate_ablation as GA
+from harness.stats import t_quantile
 
 RATES = (0.1, 0.2, 0.3, 0.5)
 
@@ -76,13 +77,13 @@ def naive(xs):
 
 def test_t_quantile_is_the_integral_of_the_t_density():
     for df in (1, 2, 3, 4, 7, 30):
-        t = GA.t975(df)
+        t = t_quantile(0.975, df)
         c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
         n = 20000  # Simpson's rule on [0, t]: P(0 < T < t) = 0.475
         f = [c * (1 + (t * i / n) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
         area = t / n / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
         assert area == pytest.approx(0.475, abs=1e-7)
-    assert GA.t975(2) == pytest.approx(4.302653, abs=1e-6)
+    assert t_quantile(0.975, 2) == pytest.approx(4.302653, abs=1e-6)
 
 
 def test_table_is_the_naive_mean_interval_and_paired_difference(setup, capsys):
