@@ -114,7 +114,7 @@ def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top
     LINE): nothing generated after the list, nothing asked. stop_at=B (`cut`, the authors' early
     stopping, METHOD.md §11): the story stops where its next token would leave no room for the
     longest question and its answer under B positions, and the questions are asked there."""
-    cfg, cache_ = model.config, cache
+    cfg = model.config
     gen = torch.Generator().manual_seed(sample.seed)
     banned = list(cfg.eos_token_ids)
     breaks = {i for s in ("\n", "\n\n") for i in encode_text(tok, s)}
@@ -123,13 +123,10 @@ def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top
     most = len(sample.names) * (16 + LINE_TOKENS) + len(STORY) + n_tokens + 64 + ANSWER_TOKENS
     logits = generate.begin_answer(model, cache, [], logits, max_new_tokens=most)
 
-    held = len(sample.prompt)  # positions in the main cache
-
     def feed(ids, cache=cache):
-        nonlocal logits, held
+        nonlocal logits
         for t in ids:
             logits = generate.decode_one(model, cache, t)
-        held += len(ids) if cache is cache_ else 0
 
     def sampled():  # the model's own next token, never the end of text
         masked = logits.clone()
@@ -157,7 +154,7 @@ def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top
     room = max(len(encode_text(tok, question(i, name))) for i, name in enumerate(sample.names, 1))
     story = []
     for _ in range(n_tokens):
-        if stop_at is not None and held + 1 + room + ANSWER_TOKENS > stop_at:
+        if stop_at is not None and cache.n_seen + 1 + room + ANSWER_TOKENS > stop_at:
             break
         story.append(sampled())
         feed(story[-1:])
