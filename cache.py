@@ -322,12 +322,17 @@ def plan_prefill(n_context, ratio, chunk_size, window):
 
 
 def top_k_mask(scores, k):
-    """Keep exactly the k highest scores; ties go to the earlier entry (stable sort):
-    deterministic."""
-    keep = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
-    if k > 0:
-        order = torch.sort(scores.flatten(), descending=True, stable=True).indices
-        keep[order[:k]] = True
+    """Keep exactly the k highest scores; ties go to the earlier entry: deterministic, the set a
+    stable descending sort keeps in its first k, found without sorting (the k-th highest value,
+    then the ties at it in order; NaN ranks as +inf)."""
+    flat = scores.flatten().nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    n = flat.numel()
+    if k <= 0 or k >= n:
+        return torch.full(scores.shape, k > 0, dtype=torch.bool, device=scores.device)
+    cut = flat.kthvalue(n - k + 1).values  # the k-th highest score
+    keep = flat > cut
+    at_cut = flat == cut
+    keep |= at_cut & (at_cut.cumsum(0) <= k - keep.sum())  # the earliest ties fill the rest
     return keep.view(scores.shape)
 
 

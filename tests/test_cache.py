@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import model as M
-from cache import Budget, EvictingCache, KVCache, plan_prefill
+from cache import Budget, EvictingCache, KVCache, plan_prefill, top_k_mask
 from gate import Gates, GateScorer
 from generate import answer, prefill
 from tests.helpers import assert_close, tiny_checkpoint
@@ -75,6 +75,31 @@ def random_gate_scorer(cfg, seed=0):
 def tiny(request, tmp_path_factory):
     folder = tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     return M.load_model(folder, "cpu", torch.float32)
+
+
+def test_top_k_mask_keeps_what_a_stable_sort_keeps():
+    """The eviction's selection against its definition: the first k of a stable descending sort
+    (ties to the earlier entry), over few distinct values (many ties), +inf (protected pairs),
+    -inf, k from 0 past n, and NaN ranked as +inf."""
+    def by_sort(x, k):
+        keep = torch.zeros(x.numel(), dtype=torch.bool)
+        keep[torch.sort(x.flatten(), descending=True, stable=True).indices[:max(k, 0)]] = True
+        return keep.view(x.shape)
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n = int(torch.randint(1, 60, (), generator=g))
+        x = torch.randint(0, 4, (n,), generator=g).float()
+        x[torch.rand(n, generator=g) < 0.2] = math.inf
+        x[torch.rand(n, generator=g) < 0.1] = -math.inf
+        shape = (3, n) if trial % 2 else (n,)
+        x = x.repeat(3).view(3, n) if trial % 2 else x
+        for k in (0, 1, n // 2, x.numel() - 1, x.numel(), x.numel() + 3):
+            assert torch.equal(top_k_mask(x, k), by_sort(x, k)), (x, k)
+            assert top_k_mask(x, k).shape == shape
+    x = torch.tensor([1.0, math.nan, math.inf, 2.0])
+    assert torch.equal(top_k_mask(x, 1), by_sort(torch.tensor([1.0, math.inf, math.inf, 2.0]), 1))
+    assert top_k_mask(x, 2).tolist() == [False, True, True, False]
 
 
 def test_eviction_equals_masked_dense_attention(tiny):
