@@ -9,22 +9,23 @@ One sample (a seed):
     prompt     asks for a numbered list of N_ITEMS things of a theme, each with a secret code of
                four digits, then a long story about them (SmolLM2's chat turn; plain text for a
                base model); prefilled
-    list       the harness writes each line's head HEAD, "{i}. {name} (code" (the names drawn by
-               the seed from the theme), the model samples the rest of the line, up to its line
-               break: its code. A line is well-formed when that rest is exactly " CODE)" or
-               ": CODE)", CODE 2 to 12 letters, digits or hyphens (LINE: asked for four digits,
-               the models write "82", "2626-1", "VERZI"); a sample with a malformed line is
-               invalid: counted and reported, never asked
+    list       the harness writes each line, "{i}. {name} (code " (HEAD, the names drawn by the
+               seed from the theme), CODE_DIGITS digits that the model samples (its own
+               next-token distribution over the ten digit tokens, at CODE_TEMPERATURE) and ")\n".
+               A sample whose list repeats a code is invalid: counted and reported, never asked
+               (a repeated code could be answered without the item)
     story      the harness writes STORY, the model samples --loop-tokens tokens (end of text masked)
     questions  for every item, on its own copy of the cache the story left: "\n\nQ: What was the
-               code of {name} in the list?\nA: {i}. {name} (code" (question()), answered greedily
-               up to a line break or ANSWER_TOKENS tokens; right when the answer's first code-like
-               word (ANSWER) is the code the model wrote, exactly
+               code of {name} in the list?\nA: {name} (code " (question(): the line's head without
+               its number, which a pattern of codes could follow), answered greedily up to a line
+               break or ANSWER_TOKENS tokens; right when the answer's first code-like word (ANSWER)
+               is the code the model wrote, exactly
 Sampling: generate.sample at TEMPERATURE and TOP_P (end of text masked) with a torch.Generator
 seeded by the sample's seed, so every method starts from the same tokens (up to its first eviction
-that changes a logit) and each is scored against its own list. The harness writes the line heads
-because these small models, asked for a list, write one in their own shape or none (item names
-missing, the example's placeholder copied, prose between lines); the codes are theirs.
+that changes a logit) and each is scored against its own list. The harness writes the lines' words
+and only the digits are the model's: asked for a list, these small models write one in their own
+shape or none, and left to write their codes they write patterns that follow the item's number
+("2626-1", "2626-3", ... or "1062" ... "1069") or repeat one code (the benchmark's README).
 """
 import copy
 import random
@@ -41,14 +42,12 @@ N_ITEMS = 8
 TOKENS = 2000   # the story: the model's own tokens between its list and the questions
 TEMPERATURE = 0.7
 TOP_P = 0.9
-LINE_TOKENS = 16  # a line's tail: ": " and a 12-character code, ")" and its line break
+CODE_DIGITS = 4
+CODE_TEMPERATURE = 1.0  # the digits: the model's own distribution, untempered, so codes differ
 ANSWER_TOKENS = 12
 AROUND_STORY = 400  # positions besides the story (positions())
-# the model's rest of a list line, its line break removed: its code (the models write digits,
-# letters, hyphens: "2626", "VERZI", "2626-1", whatever the prompt's "four digits") in parentheses
-LINE = re.compile(r":? ([A-Za-z0-9][A-Za-z0-9-]{1,11})\)")
 ANSWER = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?")  # an answer's first code-like word
-HEAD = "{i}. {name} (code"  # written by the harness; the model writes the rest of the line
+HEAD = "{i}. {name} (code "  # written by the harness; the model writes the digits after it
 STORY = "\n\nNow the story.\n\n"
 THEMES = {
     "fruits": ("Apple", "Banana", "Cherry", "Mango", "Peach", "Lemon", "Grape", "Plum", "Pear",
@@ -85,11 +84,13 @@ def make_sample(tok, fmt, seed, n_items=N_ITEMS):
     return LoopSample(seed, theme, names, prompt, len(system))
 
 
-def parse_line(text):
-    """The model's rest of a list line (after HEAD, its line break removed) -> its code, or None
-    when it is not exactly LINE."""
-    m = LINE.fullmatch(text)
-    return m.group(1) if m else None
+def digit_ids(tok):
+    """The ten digit tokens, "0" to "9" as the tokenizer writes them alone (one token each in
+    SmolLM2's, Gemma 3's and Qwen3's tokenizers), else ValueError."""
+    ids = [encode_text(tok, str(d)) for d in range(10)]
+    if any(len(x) != 1 for x in ids):
+        raise ValueError("closed loop: this tokenizer writes a digit as several tokens")
+    return [x[0] for x in ids]
 
 
 def parse_answer(text):
@@ -98,11 +99,13 @@ def parse_answer(text):
     return m.group(0) if m else None
 
 
-def question(i, name):
-    """The question about item i, the answer cued with its list line's head (the needle suite cues
-    an answer with its first words): a cue in words, "The secret code of Hammer was", was taken
-    up by SmolLM2's own story ("the code was made of a special material ...") for all 8 items."""
-    return f"\n\nQ: What was the code of {name} in the list?\nA: " + HEAD.format(i=i, name=name)
+def question(name):
+    """The question about an item, the answer cued with its list line's head without the item's
+    number (the needle suite cues an answer with its first words): a cue in words, "The secret
+    code of Hammer was", was taken up by SmolLM2's own story ("the code was made of a special
+    material ...") for all 8 items; the line's head with its number, "3. Hammer (code", let a
+    list whose codes follow the numbers be answered from the pattern."""
+    return f"\n\nQ: What was the code of {name} in the list?\nA: {name} (code "
 
 
 @torch.no_grad()
@@ -110,17 +113,18 @@ def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top
                stop_at=None):
     """One closed loop on an empty cache (decode.decode_cache's) -> dict(seed, theme, names, valid,
     lines, codes, answers, right, story_head, story_tail, restated, story_tokens): the list
-    written, the story generated, every item asked on a copy of the cache. Invalid (a line not
-    LINE): nothing generated after the list, nothing asked. stop_at=B (`cut`, the authors' early
+    written, the story generated, every item asked on a copy of the cache. Invalid (a code
+    repeated): nothing generated after the list, nothing asked. stop_at=B (`cut`, the authors' early
     stopping, METHOD.md §11): the story stops where its next token would leave no room for the
     longest question and its answer under B positions, and the questions are asked there."""
     cfg = model.config
     gen = torch.Generator().manual_seed(sample.seed)
     banned = list(cfg.eos_token_ids)
     breaks = {i for s in ("\n", "\n\n") for i in encode_text(tok, s)}
+    digits = digit_ids(tok)
     logits = generate.prefill(model, cache, sample.prompt, sample.n_protected)
     # rows for everything fed: the list (heads and tails), the story, a question and its answer
-    most = len(sample.names) * (16 + LINE_TOKENS) + len(STORY) + n_tokens + 64 + ANSWER_TOKENS
+    most = len(sample.names) * (16 + CODE_DIGITS + 2) + len(STORY) + n_tokens + 64 + ANSWER_TOKENS
     logits = generate.begin_answer(model, cache, [], logits, max_new_tokens=most)
 
     def feed(ids, cache=cache):
@@ -128,30 +132,32 @@ def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top
         for t in ids:
             logits = generate.decode_one(model, cache, t)
 
-    def sampled():  # the model's own next token, never the end of text
+    def sampled(among=None, temperature=temperature, top_p=top_p):
+        """The model's own next token, never the end of text (among: only those tokens)."""
         masked = logits.clone()
-        masked[banned] = -float("inf")
+        if among is None:
+            masked[banned] = -float("inf")
+        else:
+            masked = torch.full_like(masked, -float("inf")).index_copy_(0, among, masked[among])
         return generate.sample(masked, temperature, top_p, gen)
 
-    lines, codes, new_line = [], [], True
+    lines, codes, among = [], [], torch.tensor(digits, device=logits.device)
     for i, name in enumerate(sample.names, 1):
-        feed(encode_text(tok, ("" if new_line else "\n") + HEAD.format(i=i, name=name)))
-        tail = []
-        while len(tail) < LINE_TOKENS:  # the model's rest of the line, up to its line break
-            tail.append(sampled())
-            feed(tail[-1:])
-            if "\n" in tok.decode(tail[-1:]):
-                break
-        text = tok.decode(tail)
-        new_line = text.endswith("\n")
-        lines.append(text.partition("\n")[0])
-        codes.append(parse_line(lines[-1]))
-    out = dict(seed=sample.seed, theme=sample.theme, names=sample.names, valid=None not in codes,
-               lines=lines, codes=codes, answers=[], right=[])
+        head = HEAD.format(i=i, name=name)
+        feed(encode_text(tok, head))
+        code = []
+        for _ in range(CODE_DIGITS):
+            code.append(sampled(among, CODE_TEMPERATURE, 1.0))
+            feed(code[-1:])
+        feed(encode_text(tok, ")\n"))
+        codes.append(tok.decode(code))
+        lines.append(f"{head}{codes[-1]})")
+    out = dict(seed=sample.seed, theme=sample.theme, names=sample.names,
+               valid=len(set(codes)) == len(codes), lines=lines, codes=codes, answers=[], right=[])
     if not out["valid"]:
         return out
     feed(encode_text(tok, STORY))
-    room = max(len(encode_text(tok, question(i, name))) for i, name in enumerate(sample.names, 1))
+    room = max(len(encode_text(tok, question(name))) for name in sample.names)
     story = []
     for _ in range(n_tokens):
         if stop_at is not None and cache.n_seen + 1 + room + ANSWER_TOKENS > stop_at:
@@ -163,10 +169,10 @@ def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top
     # whether the story wrote a code out again: then it could be read from recent text
     out["restated"] = [code in text for code in codes]
     after_story = logits
-    for i, (name, code) in enumerate(zip(sample.names, codes), 1):
+    for name, code in zip(sample.names, codes):
         ask = copy.deepcopy(cache)  # every question on the cache the story left
         logits = after_story
-        feed(encode_text(tok, question(i, name)), ask)
+        feed(encode_text(tok, question(name)), ask)
         ans = []
         while len(ans) < ANSWER_TOKENS:
             t = int(logits.argmax())

@@ -467,7 +467,8 @@ def loop_settings(seeds, tokens, budgets):
     no seeds."""
     return None if not seeds else dict(
         seeds=seeds, tokens=tokens, budgets=budgets, items=closed_loop.N_ITEMS,
-        temperature=closed_loop.TEMPERATURE, top_p=closed_loop.TOP_P)
+        temperature=closed_loop.TEMPERATURE, top_p=closed_loop.TOP_P,
+        code_digits=closed_loop.CODE_DIGITS, code_temperature=closed_loop.CODE_TEMPERATURE)
 
 
 def loop_samples(model, tok, fmt, exp, c, n_docs, gates, fill=lambda conf, budget: None):

@@ -228,10 +228,11 @@ def wilson(k, n, z=1.96):
 
 def loop_rows(records):
     """The closed loop's rows (harness/closed_loop.py), one per configuration that ran it: its
-    samples, the invalid ones (a malformed list: never asked), the items asked and answered right,
+    samples, the invalid ones (a code repeated in the list: never asked), the items asked and
+    answered right,
     accuracy with a Wilson 95% interval over the items asked (seeds x items, taken as
-    independent), the accuracy of a guess among the list's codes (chance: the models repeat codes
-    within a list) and the share of codes the story wrote out again."""
+    independent), the accuracy of a guess among the list's codes (chance) and the share of codes
+    the story wrote out again."""
     samples = {}
     for r in sorted(records, key=lambda r: r["context"]):
         for key, e in r["entries"].items():
@@ -262,12 +263,12 @@ def loop_markdown(rows):
         return []
     out = ["", "## Closed loop: the model's own codes, asked after its own story", "",
            "Each sample: the model writes a list of codes (the harness writes each line's "
-           "head, the model its code), then a story, then is asked for every code "
-           "(harness/closed_loop.py); right = its answer's number is the code it wrote. "
-           "invalid: samples whose list is malformed (not asked). accuracy: right / asked "
+           "words, the model samples its four digits), then a story, then is asked for every "
+           "code (harness/closed_loop.py); right = its answer's number is the code it wrote. "
+           "invalid: samples whose list repeats a code (not asked). accuracy: right / asked "
            "[Wilson 95% interval over the items asked, seeds x items taken as independent]. "
-           "chance: the accuracy of answering a code drawn from the item's list (the models "
-           "repeat codes). restated: the share of codes the story wrote out again. cut: the "
+           "chance: the accuracy of answering a code drawn from the item's list. restated: "
+           "the share of codes the story wrote out again. cut: the "
            "full cache, its story stopped where the questions and answers still fit in the "
            "budget, then asked (the authors' forced answer, METHOD.md §11).", "",
            "| method | budget | samples | invalid | asked | right | accuracy | chance | "

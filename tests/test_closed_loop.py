@@ -19,14 +19,18 @@ def tiny(tmp_path_factory):
     return tiny_setup("qwen3", tmp_path_factory.mktemp("qwen3"))
 
 
-@pytest.mark.parametrize("tail, code", [
-    (" 4821)", "4821"), (": 262)", "262"), (" 12)", "12"), (": VERZI)", "VERZI"),  # well-formed
-    (": 2626-1)", "2626-1"), (" A1B2C3D4E5F6)", "A1B2C3D4E5F6"),
-    ("", None), (" 1)", None), (" A1B2C3D4E5F6G)", None), (" 4821", None), (" code 4821)", None),
-    (":4821)", None), (" 48 21)", None), (" -4821)", None), (" 4821).", None), (")", None),
-    (": 12345678", None)])
-def test_a_list_line_is_its_code_or_malformed(tail, code):
-    assert closed_loop.parse_line(tail) == code
+def test_a_code_is_written_with_the_digit_tokens_the_tokenizer_uses(tiny, monkeypatch):
+    """The digits the model samples are the tokens the tokenizer writes in a list line, so a code
+    in the cache reads as the same text it would encode to; a tokenizer that writes a digit in
+    several tokens is refused."""
+    tok = tiny["tok"]
+    ids = closed_loop.digit_ids(tok)
+    assert [tok.decode([i]) for i in ids] == list("0123456789")
+    line = encode_text(tok, closed_loop.HEAD.format(i=3, name="Hammer") + "5172)")
+    assert line[-5:-1] == [ids[5], ids[1], ids[7], ids[2]]
+    monkeypatch.setattr(closed_loop, "encode_text", lambda tok, text: [1, 2])  # two per digit
+    with pytest.raises(ValueError, match="several tokens"):
+        closed_loop.digit_ids(tok)
 
 
 def test_an_answer_is_its_first_code_like_word():
@@ -41,15 +45,14 @@ class Scripted:
     """A fake model for generate's prefill / begin_answer / decode_one: the cache is the list of
     ids fed; after a list line's head it says `codes[i]` and a line break, after the story header
     `story`, after a question's cue `answers[name]`, else "x". Peaked logits: the harness's
-    sampling at temperature 0.7 takes what it says."""
+    sampling (at temperature 0.7, its digits among the digit tokens) takes what it says."""
 
     def __init__(self, tok, sample, codes, story, answers):
         self.tok, self.sample, self.story = tok, sample, story
-        self.says = {closed_loop.HEAD.format(i=i, name=n): c + "\n"
+        self.says = {closed_loop.HEAD.format(i=i, name=n): c
                      for i, (n, c) in enumerate(zip(sample.names, codes), 1)}
         self.says[closed_loop.STORY] = story
-        self.says.update({closed_loop.question(i, n): answers[n] + "\n"
-                          for i, n in enumerate(sample.names, 1)})
+        self.says.update({closed_loop.question(n): answers[n] + "\n" for n in sample.names})
         self.eos = tok.token_to_id("<|im_end|>")
         self.config = type("Cfg", (), dict(eos_token_ids=[self.eos]))()
         self.asked = []  # the text each question's copy of the cache was fed
@@ -63,8 +66,7 @@ class Scripted:
                 done = text[text.rindex(head) + len(head):]
                 if what.startswith(done) and done != what:  # part of what it says is left
                     say = what[len(done):]
-        if any(text.endswith(closed_loop.question(i, n))
-               for i, n in enumerate(self.sample.names, 1)):
+        if any(text.endswith(closed_loop.question(n)) for n in self.sample.names):
             self.asked.append(text)
         out = torch.full((vocab,), -1e4)
         out[encode_text(self.tok, say)[0]] = 0.0
@@ -94,12 +96,14 @@ def scripted_run(tiny, monkeypatch, codes, answers, story=" It rained all day.")
 
 
 def test_each_answer_is_scored_against_the_code_the_model_wrote(tiny, monkeypatch):
-    codes = [" 4821)", ": 262)", " 9090)"]
+    codes = ["4821", "2627", "9090"]
     sample = closed_loop.make_sample(tiny["tok"], tiny["fmt"], seed=3, n_items=3)
     a, b, c = sample.names
-    answers = {a: ": 4821).", b: " 2620)", c: " 9090 or 12"}  # 2620 is not 262
+    answers = {a: "4821).", b: "2620)", c: "9090 or 12"}  # 2620 is not 2627
     _, fake, out = scripted_run(tiny, monkeypatch, codes, answers)
-    assert out["valid"] and out["lines"] == codes and out["codes"] == ["4821", "262", "9090"]
+    assert out["valid"] and out["codes"] == codes
+    assert out["lines"] == [closed_loop.HEAD.format(i=i, name=n) + f"{x})"
+                            for i, (n, x) in enumerate(zip(sample.names, codes), 1)]
     assert out["answers"] == [answers[a], answers[b], answers[c]]
     assert out["right"] == [True, False, True]
     assert out["story_tail"] == " It rained all day." and out["restated"] == [False] * 3
@@ -107,29 +111,30 @@ def test_each_answer_is_scored_against_the_code_the_model_wrote(tiny, monkeypatc
 
 def test_every_question_is_asked_of_the_cache_the_story_left(tiny, monkeypatch):
     """Each question on its own copy: its cue follows the story directly, no earlier question or
-    answer in between."""
+    answer in between, and it does not say the item's number."""
     sample = closed_loop.make_sample(tiny["tok"], tiny["fmt"], seed=3, n_items=3)
-    answers = {n: " 1111" for n in sample.names}
-    _, fake, out = scripted_run(tiny, monkeypatch, [" 1111)", " 2222)", " 3333)"], answers)
+    answers = {n: "1111" for n in sample.names}
+    _, fake, out = scripted_run(tiny, monkeypatch, ["1111", "2222", "3333"], answers)
     assert out["right"] == [True, False, False]
     assert len(fake.asked) == 3
     for i, (text, name) in enumerate(zip(fake.asked, sample.names), 1):
-        assert text.endswith("It rained all day." + closed_loop.question(i, name))
+        assert text.endswith("It rained all day." + closed_loop.question(name))
+        assert f"{i}." not in closed_loop.question(name)
 
 
-def test_a_malformed_list_is_invalid_and_never_asked(tiny, monkeypatch):
+def test_a_list_that_repeats_a_code_is_invalid_and_never_asked(tiny, monkeypatch):
     sample = closed_loop.make_sample(tiny["tok"], tiny["fmt"], seed=3, n_items=3)
-    answers = {n: " 1111" for n in sample.names}
-    _, fake, out = scripted_run(tiny, monkeypatch, [" 1111)", " 2222", " 3333)"], answers)
-    assert not out["valid"] and out["codes"] == ["1111", None, "3333"]
-    assert out["lines"][1] == " 2222"
+    answers = {n: "1111" for n in sample.names}
+    _, fake, out = scripted_run(tiny, monkeypatch, ["1234", "2222", "1234"], answers)
+    assert not out["valid"] and out["codes"] == ["1234", "2222", "1234"]
     assert out["right"] == [] and out["answers"] == [] and "story_tail" not in out
+    assert not fake.asked
 
 
 def test_the_story_restating_a_code_is_noted(tiny, monkeypatch):
     sample = closed_loop.make_sample(tiny["tok"], tiny["fmt"], seed=3, n_items=3)
-    answers = {n: " 1111" for n in sample.names}
-    _, _, out = scripted_run(tiny, monkeypatch, [" 1111)", " 2222)", " 3333)"], answers,
+    answers = {n: "1111" for n in sample.names}
+    _, _, out = scripted_run(tiny, monkeypatch, ["1111", "2222", "3333"], answers,
                              story=" The code 2222 was lost.")
     assert out["restated"] == [False, True, False]
 
@@ -170,9 +175,7 @@ def test_each_method_gets_the_suites_decode_cache(tiny, monkeypatch):
 
 def test_a_real_loop_runs_through_the_decode_path(tiny, monkeypatch):
     """The tiny random model through generate's real decode path, evicting at 160 per head: its
-    list tails taken as codes whatever they are (a random model writes no digits), every item
-    asked on a deep copy of the evicting cache."""
-    monkeypatch.setattr(closed_loop, "LINE", __import__("re").compile(r"((?s:.*))"))
+    codes sampled among the digit tokens, every item asked on a deep copy of the evicting cache."""
     model, tok = tiny["model"], tiny["tok"]
     sample = closed_loop.make_sample(tok, tiny["fmt"], seed=0, n_items=3)
     cache = decode.decode_cache(model, "streaming", sample.n_protected, 160, None, 0)
@@ -186,11 +189,10 @@ def test_cut_asks_where_the_questions_still_fit_the_budget(tiny, monkeypatch):
     """cut (run_sample's stop_at=B, the authors' forced answer): on the full cache, the same list
     and a prefix of the full run's story (one seed, one generator), stopped so that the longest
     question and its answer fit in B positions, and only just (one more story token would not)."""
-    monkeypatch.setattr(closed_loop, "LINE", __import__("re").compile(r"((?s:.*))"))
     model, tok = tiny["model"], tiny["tok"]
     sample = closed_loop.make_sample(tok, tiny["fmt"], seed=0, n_items=3)
-    room = max(len(encode_text(tok, closed_loop.question(i, n)))
-               for i, n in enumerate(sample.names, 1)) + closed_loop.ANSWER_TOKENS
+    room = max(len(encode_text(tok, closed_loop.question(n)))
+               for n in sample.names) + closed_loop.ANSWER_TOKENS
     runs = []
     for stop_at in (None, "B"):
         cache = decode.decode_cache(model, "full", sample.n_protected, None, None, 0)
@@ -274,7 +276,8 @@ def test_loop_flags_make_the_experiment_key_and_a_run_without_keeps_its_old_key(
     key = decode.run_key(decode_suite.experiment(args), config)
     assert key["loop"] == dict(seeds=3, tokens=closed_loop.TOKENS, budgets=[256],
                                items=closed_loop.N_ITEMS, temperature=closed_loop.TEMPERATURE,
-                               top_p=closed_loop.TOP_P)
+                               top_p=closed_loop.TOP_P, code_digits=closed_loop.CODE_DIGITS,
+                               code_temperature=closed_loop.CODE_TEMPERATURE)
 
 
 def test_bench_runs_the_loop_and_reports_it(tiny_decode, tmp_path, monkeypatch):  # noqa: F811
