@@ -538,13 +538,13 @@ class EvictingCache(KVCache):
         layers = [self.layers[layer] for layer in self.compressed]
         # per layer, every head's used rows at once, head after head (RaggedKV.rows)
         rows = [kv.rows() for kv in layers]
-        pos = [kv.pos[r] for kv, r in zip(layers, rows)]
+        pos = [kv.pos.index_select(0, r) for kv, r in zip(layers, rows)]
         in_seg = [(p >= start) & (p < end) for p in pos]
         check_segment(start, end, self.n_seen, torch.stack([m.sum() for m in in_seg]).cpu(),
                       self.cfg.num_key_value_heads)
         # every head still holds every position of the segment, in order (nothing there was
         # evaluated yet): the segment's scores of a layer are an (H, s) block
-        scores = torch.stack([kv.score[r][m].view(kv.n_heads, -1)
+        scores = torch.stack([kv.score.index_select(0, r)[m].view(kv.n_heads, -1)
                               for kv, r, m in zip(layers, rows, in_seg)])
         # context pairs each layer holds outside this segment (older kept ones, and the window)
         others = torch.stack([((p >= self.n_protected) & ~m).sum() for p, m in zip(pos, in_seg)])

@@ -552,12 +552,12 @@ class RaggedKV:
             for new, o in zip((self.k, self.v, self.pos, self.score), old):
                 self.heads(new, new_cap)[:, :n - s] = self.heads(o, cap)[:, s:n]
         elif torch.equal(new_lens, new_caps):  # no slack (eviction): the gathered rows are all
-            self.k, self.v, self.pos, self.score = (o[src_rows] for o in old)
+            self.k, self.v, self.pos, self.score = (o.index_select(0, src_rows) for o in old)
         else:
             dst_rows = _ranges(new_starts, new_lens).to(self.device)
             self._alloc(int(new_caps.sum()))  # the old tensors are freed with `old`
             for new, o in zip((self.k, self.v, self.pos, self.score), old):
-                new[dst_rows] = o[src_rows]
+                new.index_copy_(0, dst_rows, o.index_select(0, src_rows))
         self.lens, self.caps, self.starts = new_lens.clone(), new_caps.clone(), new_starts
 
     def reserve(self, n):
@@ -681,7 +681,7 @@ class RaggedKV:
         moved = src != dst  # x[src] is gathered before x[dst] is written: overlaps are safe
         src, dst = src[moved], dst[moved]
         for x in (self.k, self.v, self.pos, self.score):
-            x[dst] = x[src]
+            x.index_copy_(0, dst, x.index_select(0, src))
         self.transient = max(self.transient, 2 * len(src) * self.head_dim * self.k.element_size())
         self.lens, self.caps, self.starts = new_lens, caps, starts
 
