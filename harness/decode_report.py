@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from cli import pyplot, save_figure
-from harness import decode_config
+from harness import closed_loop, decode_config
 from harness.quality import ci
 from harness.quality_report import fmt_ci
 from harness.report import shown
@@ -231,8 +231,9 @@ def loop_rows(records):
     samples, the invalid ones (a code repeated in the list: never asked), the items asked and
     answered right,
     accuracy with a Wilson 95% interval over the items asked (seeds x items, taken as
-    independent), the accuracy of a guess among the list's codes (chance) and the share of codes
-    the story wrote out again."""
+    independent), the accuracy of a guess among the list's codes (chance), the share of answers
+    that name some code of the list, right or not (in list: the list was still there to read) and
+    the share of codes the story wrote out again."""
     samples = {}
     for r in sorted(records, key=lambda r: r["context"]):
         for key, e in r["entries"].items():
@@ -246,12 +247,15 @@ def loop_rows(records):
         right = sum(sum(x["right"]) for x in valid)
         asked = sum(len(x["right"]) for x in valid)
         restated = [r for x in valid for r in x.get("restated", [])]
+        listed = [closed_loop.parse_answer(a) in x["codes"] for x in valid
+                  for a in x.get("answers", [])]
         # a guess of a code from the list: each item's code is that share of its list
         chance = [x["codes"].count(c) / len(x["codes"]) for x in valid for c in x["codes"]]
         rows.append(dict(task="loop", method=method, budget=int(budget) if budget else None,
                          samples=len(xs), invalid=len(xs) - len(valid), n=asked, right=right,
                          score=right / asked if asked else None, ci=wilson(right, asked),
                          chance=float(np.mean(chance)) if chance else None,
+                         listed=float(np.mean(listed)) if listed else None,
                          restated=float(np.mean(restated)) if restated else None))
     return rows
 
@@ -267,17 +271,18 @@ def loop_markdown(rows):
            "code (harness/closed_loop.py); right = its answer's number is the code it wrote. "
            "invalid: samples whose list repeats a code (not asked). accuracy: right / asked "
            "[Wilson 95% interval over the items asked, seeds x items taken as independent]. "
-           "chance: the accuracy of answering a code drawn from the item's list. restated: "
-           "the share of codes the story wrote out again. cut: the "
+           "chance: the accuracy of answering a code drawn from the item's list. in list: the "
+           "share of answers that name a code of the list, right or not. restated: the share "
+           "of codes the story wrote out again. cut: the "
            "full cache, its story stopped where the questions and answers still fit in the "
            "budget, then asked (the authors' forced answer, METHOD.md §11).", "",
            "| method | budget | samples | invalid | asked | right | accuracy | chance | "
-           "restated |", "|---|---|---|---|---|---|---|---|---|"]
+           "in list | restated |", "|---|---|---|---|---|---|---|---|---|---|"]
     share = lambda x: "–" if x is None else f"{x:.2f}"
     for r in rows:
         out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['samples']} | {r['invalid']} | "
                    f"{r['n']} | {r['right']} | {fmt_ci(r['score'], r['ci'])} | "
-                   f"{share(r['chance'])} | {share(r['restated'])} |")
+                   f"{share(r['chance'])} | {share(r.get('listed'))} | {share(r['restated'])} |")
     return out
 
 

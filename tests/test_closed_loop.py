@@ -208,17 +208,20 @@ def test_cut_asks_where_the_questions_still_fit_the_budget(tiny, monkeypatch):
 
 def loop_records():
     """Two documents, three samples of the full cache and the gate; one gate sample invalid."""
-    s = lambda valid, right, restated=None, codes=("1", "2", "3"): dict(
-        valid=valid, right=right, restated=restated or [False] * len(right), codes=list(codes))
+    s = lambda valid, right, restated=None, codes=("1", "2", "3"), answers=None: dict(
+        valid=valid, right=right, restated=restated or [False] * len(right), codes=list(codes),
+        **({} if answers is None else dict(answers=answers)))
     return [dict(context=0, entries={
                 "full": dict(probes=[], loop=[s(True, [True, True, False], [True, False, False],
                                                 ("12", "12", "34")),
                                               s(True, [True] * 3)]),
-                "fastkvzip@256": dict(probes=[], loop=[s(True, [True, False, False]),
+                "fastkvzip@256": dict(probes=[], loop=[s(True, [True, False, False],
+                                                         answers=["1)", "3.", "9"]),
                                                        s(False, [])])}),
             dict(context=1, entries={
                 "full": dict(probes=[], loop=[s(True, [False, True, True])]),
-                "fastkvzip@256": dict(probes=[], loop=[s(True, [False] * 3)])})]
+                "fastkvzip@256": dict(probes=[], loop=[s(True, [False] * 3,
+                                                         answers=["x", "22", "2)"])])})]
 
 
 def test_the_loop_table_is_accuracy_over_items_with_a_wilson_interval():
@@ -231,6 +234,8 @@ def test_the_loop_table_is_accuracy_over_items_with_a_wilson_interval():
     assert math.isclose(full["restated"], 1 / 9)
     assert math.isclose(full["chance"], (2 / 3 + 2 / 3 + 1 / 3 + 6 * (1 / 3)) / 9)
     assert math.isclose(gate_["chance"], 1 / 3)
+    assert full["listed"] is None  # no answers recorded
+    assert math.isclose(gate_["listed"], 3 / 6)  # "1", "3", "2" of the list; "9", "x", "22" not
     for r, k, n in ((full, 7, 9), (gate_, 1, 6)):
         # the Wilson score interval written out: (p + z²/2n ± z·sqrt(p(1-p)/n + z²/4n²)) / (1+z²/n)
         p, z = k / n, 1.959963984540054
@@ -241,8 +246,8 @@ def test_the_loop_table_is_accuracy_over_items_with_a_wilson_interval():
     assert decode_report.wilson(0, 0) is None
     assert decode_report.wilson(10, 10)[1] == pytest.approx(1.0)
     md = "\n".join(decode_report.loop_markdown(rows))
-    assert "| full | – | 3 | 0 | 9 | 7 | 0.78 [0.45, 0.94] | 0.41 | 0.11 |" in md
-    assert "| fastkvzip | 256 | 3 | 1 | 6 | 1 | 0.17 [0.03, 0.56] | 0.33 | 0.00 |" in md
+    assert "| full | – | 3 | 0 | 9 | 7 | 0.78 [0.45, 0.94] | 0.41 | – | 0.11 |" in md
+    assert "| fastkvzip | 256 | 3 | 1 | 6 | 1 | 0.17 [0.03, 0.56] | 0.33 | 0.50 | 0.00 |" in md
     assert decode_report.loop_markdown([]) == []
 
 
