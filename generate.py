@@ -62,6 +62,8 @@ def prefill(model, cache, ids, n_protected, budget=Budget()):
     n_context = len(ids) - n_protected
     evicting = isinstance(cache, EvictingCache) and n_context > 0
     plan = budget.plan(n_context) if evicting else None
+    if not isinstance(cache, EvictingCache) and len(ids) > budget.chunk_size:
+        cache.reserve(len(ids))  # every row it will hold: later chunks append without a re-layout
     start = n_protected  # first position not evaluated yet
     for i in range(0, len(ids), budget.chunk_size):
         chunk = torch.tensor(ids[i:i + budget.chunk_size], device=cache.device)
