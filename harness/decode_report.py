@@ -229,9 +229,8 @@ def wilson(k, n, z=1.96):
 def loop_rows(records):
     """The closed loop's rows (harness/closed_loop.py), one per configuration that ran it: its
     samples, the invalid ones (a code repeated in the list: never asked), the items asked and
-    answered right,
-    accuracy with a Wilson 95% interval over the items asked (seeds x items, taken as
-    independent), the accuracy of a guess among the list's codes (chance), the share of answers
+    answered right, accuracy with a Wilson 95% interval over the items asked (seeds x items, taken
+    as independent), the accuracy of a guess among the list's codes (chance), the share of answers
     that name some code of the list, right or not (in list: the list was still there to read) and
     the share of codes the story wrote out again."""
     samples = {}
@@ -282,7 +281,7 @@ def loop_markdown(rows):
     for r in rows:
         out.append(f"| {r['method']} | {r['budget'] or '–'} | {r['samples']} | {r['invalid']} | "
                    f"{r['n']} | {r['right']} | {fmt_ci(r['score'], r['ci'])} | "
-                   f"{share(r['chance'])} | {share(r.get('listed'))} | {share(r['restated'])} |")
+                   f"{share(r['chance'])} | {share(r['listed'])} | {share(r['restated'])} |")
     return out
 
 
