@@ -6,9 +6,9 @@ through generate.decode_one, so the cache evicts (every 128 tokens, back to B pe
 the model writes its list, its story and its answers.
 
 One sample (a seed):
-    prompt     asks for a numbered list of N_ITEMS things of a theme, each with a secret code of
-               four digits, then a long story about them (SmolLM2's chat turn; plain text for a
-               base model); prefilled
+    prompt     asks for a numbered list of n things of a theme (--loop-items, default N_ITEMS),
+               each with a secret code of four digits, then a long story about them (SmolLM2's
+               chat turn; plain text for a base model); prefilled
     list       the harness writes each line, "{i}. {name} (code " (HEAD, the names drawn by the
                seed from the theme), CODE_DIGITS digits that the model samples (its own
                next-token distribution over the ten digit tokens, at CODE_TEMPERATURE) and ")\n".
@@ -59,6 +59,7 @@ THEMES = {
     "cities": ("Paris", "London", "Cairo", "Tokyo", "Lima", "Oslo", "Rome", "Dublin", "Madrid",
                "Vienna", "Athens", "Berlin"),
 }
+MAX_ITEMS = min(map(len, THEMES.values()))  # a list names each item once
 
 
 @dataclass
@@ -188,7 +189,7 @@ def run_sample(model, tok, cache, sample, n_tokens, temperature=TEMPERATURE, top
 
 def positions(n_tokens):
     """The most positions a sample holds: its story and at most AROUND_STORY more (the prompt,
-    the list, the story's header, a question and its answer, under 300 for N_ITEMS 8)."""
+    the list, the story's header, a question and its answer, under 300 for MAX_ITEMS)."""
     return n_tokens + AROUND_STORY
 
 
@@ -206,9 +207,10 @@ def document_seeds(n_seeds, c, n_docs):
     return [s for s in range(n_seeds) if s % n_docs == c]
 
 
-def run_document(model, tok, fmt, seeds, configs, n_tokens, new_cache, log=None):
-    """Every configuration on the loop samples of `seeds` -> {"method@budget" (or "full"): [one
-    run_sample dict per seed, with its seconds]}. configs: [(method, budget)], "full" first with
+def run_document(model, tok, fmt, seeds, configs, n_tokens, new_cache, log=None,
+                 n_items=N_ITEMS):
+    """Every configuration on the loop samples of `seeds`, lists of n_items -> {"method@budget" (or
+    "full"): [one run_sample dict per seed, with its seconds]}. configs: [(method, budget)], "full" first with
     budget None; new_cache(method, budget, n_protected, seed) -> an empty cache
     (decode.decode_cache). "cut" (the full cache stopped at B tokens, harness/decode.py) runs the
     full cache with its story stopped where the questions and answers still fit in B positions
@@ -216,7 +218,7 @@ def run_document(model, tok, fmt, seeds, configs, n_tokens, new_cache, log=None)
     story as the full cache's."""
     out = {}
     for seed in seeds:
-        sample = make_sample(tok, fmt, seed)
+        sample = make_sample(tok, fmt, seed, n_items)
         for method, budget in configs:
             key = method if budget is None else f"{method}@{budget}"
             t0 = time.perf_counter()

@@ -462,11 +462,11 @@ def run(model, tok, exp, model_name, gate_file, shard=(0, 1), done=(), on_contex
             on_context(record)
 
 
-def loop_settings(seeds, tokens, budgets):
+def loop_settings(seeds, tokens, budgets, items=closed_loop.N_ITEMS):
     """DecodeExperiment.loop: the closed-loop task's settings (harness/closed_loop.py), None for
     no seeds."""
     return None if not seeds else dict(
-        seeds=seeds, tokens=tokens, budgets=budgets, items=closed_loop.N_ITEMS,
+        seeds=seeds, tokens=tokens, budgets=budgets, items=items,
         temperature=closed_loop.TEMPERATURE, top_p=closed_loop.TOP_P,
         code_digits=closed_loop.CODE_DIGITS, code_temperature=closed_loop.CODE_TEMPERATURE)
 
@@ -487,7 +487,8 @@ def loop_samples(model, tok, fmt, exp, c, n_docs, gates, fill=lambda conf, budge
         return decode_cache(model, conf, n_protected, budget, gates, seed,
                             None if name == "full" else fill(conf, budget))
     return closed_loop.run_document(model, tok, fmt, [exp.seed * 1000 + s for s in seeds],
-                                    configs, exp.loop["tokens"], new_cache, log)
+                                    configs, exp.loop["tokens"], new_cache, log,
+                                    exp.loop["items"])
 
 
 def run_key(exp, config):

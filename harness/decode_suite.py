@@ -148,6 +148,8 @@ def add_arguments(p):
                    help="closed-loop samples (harness/closed_loop.py: the model writes a list of "
                    "codes, a long story, then is asked for each code), spread over the documents; "
                    "0 = none")
+    g.add_argument("--loop-items", type=int, default=closed_loop.N_ITEMS,
+                   help=f"items (codes) in each closed-loop list, 2 to {closed_loop.MAX_ITEMS}")
     g.add_argument("--loop-tokens", type=int, default=closed_loop.TOKENS,
                    help="tokens of each closed-loop story (between the list and the questions)")
     g.add_argument("--loop-budgets", type=cli.ints, default=None,
@@ -200,9 +202,12 @@ def check_loop_args(p, args):
     if not set(args.loop_budgets) <= set(args.decode_budgets):
         p.error(f"--loop-budgets {','.join(map(str, args.loop_budgets))}: each must be one of "
                 f"--decode-budgets ({','.join(map(str, args.decode_budgets))})")
-    for flag, low in (("loop_seeds", 0), ("loop_tokens", 1)):
+    for flag, low in (("loop_seeds", 0), ("loop_tokens", 1), ("loop_items", 2)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
+    if args.loop_items > closed_loop.MAX_ITEMS:
+        p.error(f"--loop-items {args.loop_items}: a list holds at most {closed_loop.MAX_ITEMS} "
+                f"items (the names of a theme)")
 
 
 def experiment(args):
@@ -212,7 +217,8 @@ def experiment(args):
         generations=args.decode_generations, gen_tokens=args.decode_gen_tokens,
         gen_budgets=args.decode_gen_budgets, seed=args.seed,
         chat=args.chat, device=args.device,
-        loop=decode.loop_settings(args.loop_seeds, args.loop_tokens, args.loop_budgets))
+        loop=decode.loop_settings(args.loop_seeds, args.loop_tokens, args.loop_budgets,
+                                  args.loop_items))
 
 
 def decode_window(method):
@@ -287,7 +293,7 @@ READS = {"suite", "model", "gate", "methods", "lengths", "contexts", "chat", "de
          "no_quality", "speed_lengths", "no_peer", "seed", "threads", "shard", "out", "plot",
          "merge", "decode_budgets", "decode_gaps", "decode_prompt", "decode_generations",
          "decode_gen_tokens", "decode_gen_budgets", "decode_speed_budgets", "loop_seeds",
-         "loop_tokens", "loop_budgets"}
+         "loop_tokens", "loop_budgets", "loop_items"}
 
 
 def bench_run(args, root, folder, cfg, tok, gates, claim):

@@ -171,6 +171,12 @@ def test_each_method_gets_the_suites_decode_cache(tiny, monkeypatch):
         assert isinstance(cache, EvictingCache) and cache.decode_tokens_per_head == 400
         assert type(cache.scorer) is type(want.scorer) and cache.level == want.level
         assert cache.n_protected == got[0][1].n_protected
+    assert all(len(sample.names) == closed_loop.N_ITEMS for _, sample, *_ in got)
+    got.clear()  # --loop-items: every sample's list, and its prompt, has that many items
+    exp.loop = decode.loop_settings(3, 50, [400], items=5)
+    decode.loop_samples(model, tok, tiny["fmt"], exp, 0, 2, tiny["gates"])
+    assert got and all(len(sample.names) == 5 for _, sample, *_ in got)
+    assert "list of 5 " in tok.decode(got[0][1].prompt)
 
 
 def test_a_real_loop_runs_through_the_decode_path(tiny, monkeypatch):
@@ -256,6 +262,9 @@ def test_the_loop_table_is_accuracy_over_items_with_a_wilson_interval():
     (["--loop-seeds", "2", "--loop-tokens", "0"], "--loop-tokens must be >= 1"),
     (["--decode-budgets", "256,512", "--loop-budgets", "1024"],
      "--loop-budgets 1024: each must be one of --decode-budgets"),
+    (["--loop-seeds", "2", "--loop-items", "1"], "--loop-items must be >= 2"),
+    (["--loop-seeds", "2", "--loop-items", str(closed_loop.MAX_ITEMS + 1)],
+     f"a list holds at most {closed_loop.MAX_ITEMS} items"),
 ])
 def test_bad_loop_flags_exit_2(capsys, flags, words):
     with pytest.raises(SystemExit) as e:
@@ -279,6 +288,8 @@ def test_loop_flags_make_the_experiment_key_and_a_run_without_keeps_its_old_key(
     args = bench.parse_args(["--suite", "decode", "--decode-budgets", "256,512", "--loop-seeds",
                              "3", "--loop-budgets", "256"])
     key = decode.run_key(decode_suite.experiment(args), config)
+    args.loop_items = 5
+    assert decode.run_key(decode_suite.experiment(args), config)["loop"]["items"] == 5
     assert key["loop"] == dict(seeds=3, tokens=closed_loop.TOKENS, budgets=[256],
                                items=closed_loop.N_ITEMS, temperature=closed_loop.TEMPERATURE,
                                top_p=closed_loop.TOP_P, code_digits=closed_loop.CODE_DIGITS,
