@@ -395,12 +395,14 @@ def _finite_mean(per_head):
 LEVELS = ("global", "layer", "head", "calibrated")
 
 
-def check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head, decode_window=128):
-    """What an EvictingCache is built from, else an ArgumentError: a level, a system prompt length,
+def check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head, decode_window=128,
+                   decode_level=None):
+    """What an EvictingCache is built from, else an ArgumentError: levels, a system prompt length,
     a decode budget and window, and a gate shaped for this model (another model's fails later in a
     matmul)."""
-    if level not in LEVELS:
-        raise ArgumentError(f"EvictingCache: level {level!r} is not one of {LEVELS}")
+    for name, value in (("level", level), ("decode_level", decode_level or level)):
+        if value not in LEVELS:
+            raise ArgumentError(f"EvictingCache: {name} {value!r} is not one of {LEVELS}")
     if not is_count(n_protected) or not is_count(decode_window, 1) or not (
             decode_tokens_per_head is None or is_count(decode_tokens_per_head, 1)):
         raise ArgumentError(f"EvictingCache: n_protected must be an integer >= 0, decode_window "
@@ -432,16 +434,20 @@ class EvictingCache(KVCache):
     with `level` "global", B·H per layer with "layer", B per head with "head" (METHOD.md §7).
     decode_window: the last tokens decoding always keeps (default: the scorer's, 128 for the gate
     and 8 for the baselines, as the authors run them).
+    decode_level: the level of decode-time eviction (default: `level`; generate.make_cache gives
+    the gate "calibrated" on a hybrid model, gate.GateScorer.level_at_decode).
     """
 
     def __init__(self, cfg, scorer, dtype=torch.float32, device="cpu", n_protected=0,
                  level="global", decode_tokens_per_head=None, decode_buffer=128,
-                 decode_window=None, decode_sinks=4):
+                 decode_window=None, decode_sinks=4, decode_level=None):
         super().__init__(cfg, dtype, device)
         if decode_window is None:
             decode_window = getattr(scorer, "decode_window", 128)
-        check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head, decode_window)
+        check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head, decode_window,
+                       decode_level)
         self.scorer, self.level, self.n_protected = scorer, level, n_protected
+        self.decode_level = decode_level or level
         self.compressed = list(cfg.compressed_layers)
         # model layer -> gate index
         self.index = {layer: li for li, layer in enumerate(self.compressed)}
@@ -568,8 +574,8 @@ class EvictingCache(KVCache):
     def after_step(self):
         """Call after every decode forward. Every `decode_buffer` buffered tokens their scores are
         computed in one call per layer (the gate on the buffer; SnapKV and R-KV rescore every held
-        row from the last queries); then each budget group of the level that holds more than its
-        budget keeps its best rows, always with the first 4 tokens, the system prompt and the last
+        row from the last queries); then each budget group of `decode_level` that holds more than
+        its budget keeps its best rows, always with the first 4 tokens, the system prompt and the last
         `decode_window` tokens. Every compressed head is left room for the next buffer."""
         if self.decode_tokens_per_head is None:
             return
@@ -594,8 +600,8 @@ class EvictingCache(KVCache):
 
     def _evict_to_budget(self):
         """Keep the best rows of each budget group (all compressed heads, a layer or a head, as
-        `level` says) and leave room for the next buffer; a group within its budget is left as it
-        is. Protected rows count inside the budget (check_decode_budget keeps them below it)."""
+        `decode_level` says) and leave room for the next buffer; a group within its budget is left
+        as it is. Protected rows count inside the budget (check_decode_budget keeps them below it)."""
         kvs = [self.layers[layer] for layer in self.compressed]
         first, recent = max(self.n_protected, self.decode_sinks), self.n_seen - self.decode_window
         scores = []  # [layer][head] (rows,): +inf where the row is protected
@@ -606,7 +612,7 @@ class EvictingCache(KVCache):
                 s = kv.head_score(h).clone()
                 s[(p < first) | (p >= recent)] = math.inf
                 scores[-1].append(s)
-        keep = keep_within_budget(scores, self.decode_tokens_per_head, self.level)
+        keep = keep_within_budget(scores, self.decode_tokens_per_head, self.decode_level)
         for li, kv in enumerate(kvs):
             if all(bool(k.all()) for k in keep[li]):
                 kv.reserve(self.decode_buffer)  # nothing evicted: room for the next buffer only

@@ -237,6 +237,11 @@ class Scorer:
     def make(cls, cfg, gates=None, seed=0):
         return cls(n_kv_heads=cfg.num_key_value_heads)
 
+    @classmethod
+    def level_at_decode(cls, cfg):
+        """The level of decode-time eviction on cfg's model when the caller names none: `level`."""
+        return cls.level
+
     def _heads(self, k):
         if k is not None:
             return k.shape[1]
@@ -267,6 +272,15 @@ class GateScorer(Scorer):
     @classmethod
     def make(cls, cfg, gates=None, seed=0):
         return cls(gates)
+
+    @classmethod
+    def level_at_decode(cls, cfg):
+        """One pool where every layer is compressed, as the authors run it; "calibrated" (each
+        layer's scores over their mean before the one cut, METHOD.md §13.9) on a hybrid model,
+        whose few compressed layers score on scales far apart (Gemma 3 270M: layer 17's ~50x below
+        layer 5's), so that one pool starves the lowest of them: ours, measured in
+        benchmarks/decode-cpu/ablation-gemma3-270m (METHOD.md §7)."""
+        return "global" if len(cfg.compressed_layers) == cfg.num_hidden_layers else "calibrated"
 
     @torch.no_grad()
     def score(self, li, hidden, q, k, pos):

@@ -216,6 +216,7 @@ class Compression:
     teacher: object = None  # kvzip: the teacher.KVzipTeacher that scores the context
     level: str = None  # eviction structure (cache.LEVELS); None: the scorer's own
     decode_tokens_per_head: int = None  # decode-time eviction (EvictingCache); None: keep all
+    decode_level: str = None  # decode-time eviction's structure; None: make_cache's default
     # scorer -> the scorer to use: how a caller measures it from outside the method (the command
     # line's gate_seconds: harness/timing.py); None: the scorer as made
     wrap_scorer: object = None
@@ -257,7 +258,7 @@ def prefill_request(model, req, compression=Compression(), seed=0):
                             "(Compression(teacher=KVzipTeacher(...)))")
     cache = make_cache(method, model, n_protected, level=how.level,
                        decode_tokens_per_head=how.decode_tokens_per_head, seed=seed,
-                       gates=how.gates)
+                       gates=how.gates, decode_level=how.decode_level)
     if how.wrap_scorer is not None and getattr(cache, "scorer", None) is not None:
         cache.scorer = how.wrap_scorer(cache.scorer)
     if method == "kvzip":
@@ -417,11 +418,13 @@ def check_sampling(call, stop_ids, temperature, top_p):
 # wiring: model, cache, scorer
 
 def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens_per_head=None,
-               seed=0, decode_window=None):
+               seed=0, decode_window=None, decode_level=None):
     """An empty cache for `method` in model's dtype and device. fastkvzip: scored by `gates` (a
     gate.Gates: formats.gate_file.resolve_gate loads the bundled, a released or a given gate);
     random: scores seeded by seed; level: the eviction structure (default: the scorer's own);
-    decode_tokens_per_head, decode_window: see EvictingCache (window default: the scorer's own)."""
+    decode_level: decode-time eviction's (default: `level` if given, else the scorer's own on this
+    model, Scorer.level_at_decode); decode_tokens_per_head, decode_window: see EvictingCache
+    (window default: the scorer's own)."""
     check_method(method, gates, decode_tokens_per_head)
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
@@ -430,10 +433,12 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
         return KVCache(cfg, dtype, device)
     # KVzip's teacher scores the whole context after prefill (prefill_kvzip): no scorer in the cache
     scorer = kind.make(cfg, gates, seed) if kind.prefill else None
-    # the authors run the baselines per head, the gate and KVzip with one global threshold
+    # the authors run the baselines per head, the gate and KVzip with one global threshold; a
+    # level named applies at decode too
+    decode_level = decode_level or level or kind.level_at_decode(cfg)
     return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected,
                          level=level or kind.level, decode_tokens_per_head=decode_tokens_per_head,
-                         decode_window=decode_window)
+                         decode_window=decode_window, decode_level=decode_level)
 
 
 def check_method(method, gates, decode_tokens_per_head):
@@ -462,7 +467,8 @@ def main(argv=None):
         job = command.prepare(args)  # flags checked, requests read, the gate and model loaded
         model, seed = job.model, args.seed
         compression = Compression(args.method, job.gates, job.teacher, args.level,
-                                  args.decode_tokens_per_head, job.time_scorer)
+                                  args.decode_tokens_per_head, args.decode_level,
+                                  wrap_scorer=job.time_scorer)
 
         def start(req, i):  # prefilled alone, or loaded from the file it was saved to
             if "cache_file" not in req:

@@ -104,7 +104,13 @@ def parse_args(argv=None):
                    "--budget is a fraction)")
     p.add_argument("--level", choices=LEVELS, default=None,
                    help="eviction structure: one global threshold over layers x heads (fastkvzip "
-                   "default), uniform per layer, or uniform per head (baselines' default)")
+                   "default), uniform per layer, or uniform per head (baselines' default); at "
+                   "decode time too unless --decode-level says otherwise")
+    p.add_argument("--decode-level", choices=LEVELS, default=None,
+                   help="with --decode-tokens-per-head: the structure of decode-time eviction "
+                   "(default: --level if given, else the method's own: fastkvzip pools every "
+                   "compressed layer and head, and is calibrated on a model with sliding-window "
+                   "layers, Gemma 3)")
     p.add_argument("--kvzip-softmax", choices=["float32", "model"], default="float32",
                    help="--method kvzip: softmax dtype of the teacher (the authors use the model "
                    "dtype, bf16; fp32 avoids rounding ties among small probabilities)")
@@ -154,7 +160,7 @@ def check_args(args):
         # silently ignored)
         flags = ("--prompt", "--context-file", "--budget", "--batch", "--save-cache", "--method",
                  "--level", "--chunk-size", "--window", "--decode-tokens-per-head",
-                 "--kvzip-softmax")
+                 "--decode-level", "--kvzip-softmax")
         valued = ("method", "chunk_size", "window", "kvzip_softmax")  # their defaults are values
         dest = lambda f: f[2:].replace("-", "_")
         given = [f for f in flags if dest(f) in typed
@@ -188,6 +194,9 @@ def check_args(args):
     if args.decode_tokens_per_head is not None and (kind is None or not kind.decode):
         why = "keeps every pair" if kind is None else "scores the context once"
         raise UsageError(f"--method {args.method} {why}; drop --decode-tokens-per-head")
+    if args.decode_level is not None and args.decode_tokens_per_head is None:
+        raise UsageError(f"--decode-level is the structure of decode-time eviction: give "
+                         f"--decode-tokens-per-head N, or drop --decode-level {args.decode_level}")
     if args.method == "rkv" and (args.decode_tokens_per_head is None or args.budget < 1):
         raise UsageError("--method rkv evicts during decoding only (R-KV): give "
                          "--decode-tokens-per-head N and --budget 1")

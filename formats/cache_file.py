@@ -195,7 +195,8 @@ def _saved(cache):
     if generator is not None:
         tensors["scorer.generator"] = generator.get_state()
     gates = getattr(cache.scorer, "gates", None)
-    state.update(cache="EvictingCache", level=cache.level, decoding=cache.decoding,
+    state.update(cache="EvictingCache", level=cache.level, decode_level=cache.decode_level,
+                 decoding=cache.decoding,
                  decode_tokens_per_head=cache.decode_tokens_per_head,
                  decode_buffer=cache.decode_buffer, decode_window=cache.decode_window,
                  decode_sinks=cache.decode_sinks,
@@ -339,7 +340,8 @@ STATE = {  # every field of the state: what a valid value is
                                  and math.isfinite(x) and x >= 0),
 }
 EVICTING_STATE = {
-    "level": lambda x: x in LEVELS, "decoding": lambda x: isinstance(x, bool),
+    "level": lambda x: x in LEVELS, "decode_level": lambda x: x in LEVELS,
+    "decoding": lambda x: isinstance(x, bool),
     "decode_tokens_per_head": _optional(lambda x: _int(x, 1)),
     "decode_buffer": lambda x: _int(x, 1), "decode_window": lambda x: _int(x, 0),
     "decode_sinks": lambda x: _int(x, 0),
@@ -354,6 +356,8 @@ def _check_state(state, header, bad):
     if not isinstance(state, dict):
         raise bad("its state is not a JSON object")
     fields = dict(STATE, **(EVICTING_STATE if state.get("cache") == "EvictingCache" else {}))
+    if "decode_level" in fields and "decode_level" not in state:
+        state["decode_level"] = state.get("level")  # saved before it had its own: decoded at level
     for key, valid in fields.items():
         if key not in state:
             raise bad(f"its state lacks {key!r}")
@@ -500,6 +504,7 @@ def load_cache(path, model, scorer=None, verify=True):
     if evicting:
         cache = EvictingCache(model.config, scorer, weight.dtype, weight.device,
                               n_protected=state["n_protected"], level=state["level"],
+                              decode_level=state["decode_level"],
                               decode_tokens_per_head=state["decode_tokens_per_head"],
                               decode_buffer=state["decode_buffer"],
                               decode_window=state["decode_window"],

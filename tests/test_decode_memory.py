@@ -142,6 +142,38 @@ def test_a_budget_above_the_length_is_the_full_cache(tiny):
                                                 for i in evicting.compressed)
 
 
+def test_decode_level_is_the_structure_at_decode_and_its_default_follows_the_model(tiny):
+    """EvictingCache(decode_level=L): decode-time eviction keeps exactly what a cache of level L
+    keeps (the prefill evicts nothing here, so its level plays no part). make_cache's default: a
+    level named applies at decode too, else the scorer's own on this model: the gate's one pool
+    where every layer is compressed (Llama), calibrated beside sliding layers (Gemma 3); the
+    baselines per head."""
+    cfg = tiny.config
+    held = []
+    for level, decode_level in (("global", "head"), ("head", None), ("global", None)):
+        cache = EvictingCache(cfg, random_gate_scorer(cfg), level=level, decode_level=decode_level,
+                              decode_tokens_per_head=150)
+        assert cache.decode_level == decode_level or level
+        stream(tiny, cache, 400, max_new_tokens=8)
+        held.append([cache.layers[i].head_pos(h).tolist() for i in cache.compressed
+                     for h in range(cfg.num_key_value_heads)])
+    assert held[0] == held[1]
+    if len(held[0]) > 1:  # several heads: one pool keeps another set than per head
+        assert held[2] != held[1]
+    gates = random_gate_scorer(cfg).gates
+    hybrid = len(cfg.compressed_layers) < cfg.num_hidden_layers
+    assert hybrid == (cfg.arch == "gemma3")
+    made = lambda method, **kw: make_cache(method, tiny, 0, gates=gates, decode_tokens_per_head=150,
+                                           **kw)
+    assert (made("fastkvzip").level, made("fastkvzip").decode_level) == \
+        ("global", "calibrated" if hybrid else "global")
+    assert made("fastkvzip", level="layer").decode_level == "layer"
+    assert made("fastkvzip", level="layer", decode_level="head").decode_level == "head"
+    assert made("snapkv").decode_level == "head"
+    with pytest.raises(ArgumentError, match="decode_level 'pool' is not one of"):
+        EvictingCache(cfg, random_gate_scorer(cfg), decode_level="pool")
+
+
 def test_levels_keep_their_budget_groups():
     """keep_within_budget against sorting by hand: B per head ("head"), B·H per layer ("layer"),
     B·L·H over all ("global"), +inf rows always kept, groups within their budget untouched."""

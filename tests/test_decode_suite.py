@@ -44,7 +44,12 @@ def kept_positions(cache):
 
 
 def budget_groups(per_layer, level):
-    """cache.keep_within_budget's groups of [layer][head] rows, each flattened: one top-k each."""
+    """cache.keep_within_budget's groups of [layer][head] rows, each flattened: one top-k each.
+    "calibrated" (one cut over each layer's scores divided by their mean) is one group of the
+    same order as "global" where one layer is compressed (the tiny Gemma3's)."""
+    if level == "calibrated":
+        assert len(per_layer) == 1, "calibrated: a group of scores rescaled per layer"
+        level = "global"
     assert level in ("global", "layer", "head"), level
     heads = [s for per_head in per_layer for s in per_head]
     return (heads if level == "head" else [torch.cat(p) for p in per_layer] if level == "layer"

@@ -150,6 +150,7 @@ def test_loaded_cache_answers_as_the_saved_one(tiny, tmp_path, method, budget, d
     assert info["ids"] == ids and info["budget"] == kept_budget and info["method"] == name
     assert torch.equal(info["last_logits"], last)
     assert kept(loaded) == kept(cache)
+    assert getattr(loaded, "decode_level", None) == getattr(cache, "decode_level", None)
     want, want_logits = greedy(model, cache, last, N_NEW, QUESTION)
     got, got_logits = greedy(model, loaded, info["last_logits"], N_NEW, QUESTION)
     assert got == want
@@ -191,6 +192,32 @@ def test_the_file_holds_the_kept_rows_and_what_made_them(tiny, tmp_path):
     assert state["n_context"] == N_CONTEXT and state["n_protected"] == len(ids) - N_CONTEXT
     assert state["plan"] == vars(C.plan_prefill(N_CONTEXT, 0.3, CHUNK, WINDOW))
     assert state["gate_sha256"] == gate_sha256(tiny["gates"])
+
+
+def test_decode_level_is_saved_and_a_file_without_it_decodes_at_its_level(tiny, tmp_path,
+                                                                          monkeypatch):
+    """The file keeps decode-time eviction's level; one saved before the field existed (its caches
+    decoded at their level) loads with decode_level = level."""
+    from formats import cache_file
+    model = tiny["model"]
+    cache, ids, last = compressed(tiny, "fastkvzip", 0.3, DECODE)
+    cache.decode_level = "head"
+    save_cache(tmp_path / "new.kv", cache, model, ids, last, method="fastkvzip", budget=0.3)
+    assert read_header(tmp_path / "new.kv")[1]["decode_level"] == "head"
+    scorer = scorer_for(tiny, "fastkvzip", DECODE)
+    loaded, _ = load_cache(tmp_path / "new.kv", model, scorer)
+    assert (loaded.level, loaded.decode_level) == ("global", "head")
+    saved = cache_file._saved
+
+    def before(cache):  # the state as it was written before decode_level
+        tensors, state = saved(cache)
+        del state["decode_level"]
+        return tensors, state
+    monkeypatch.setattr(cache_file, "_saved", before)
+    save_cache(tmp_path / "old.kv", cache, model, ids, last, method="fastkvzip", budget=0.3)
+    assert b"decode_level" not in (tmp_path / "old.kv").read_bytes()
+    loaded, _ = load_cache(tmp_path / "old.kv", model, scorer)
+    assert (loaded.level, loaded.decode_level) == ("global", "global")
 
 
 SUBPROCESS = """
