@@ -395,12 +395,12 @@ def _finite_mean(per_head):
 LEVELS = ("global", "layer", "head", "calibrated")
 
 
-def check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head, decode_window=128,
-                   decode_level=None):
+def check_evicting(cfg, scorer, n_protected, level, decode_level, decode_tokens_per_head,
+                   decode_window=128):
     """What an EvictingCache is built from, else an ArgumentError: levels, a system prompt length,
     a decode budget and window, and a gate shaped for this model (another model's fails later in a
     matmul)."""
-    for name, value in (("level", level), ("decode_level", decode_level or level)):
+    for name, value in (("level", level), ("decode_level", decode_level)):
         if value not in LEVELS:
             raise ArgumentError(f"EvictingCache: {name} {value!r} is not one of {LEVELS}")
     if not is_count(n_protected) or not is_count(decode_window, 1) or not (
@@ -444,10 +444,11 @@ class EvictingCache(KVCache):
         super().__init__(cfg, dtype, device)
         if decode_window is None:
             decode_window = getattr(scorer, "decode_window", 128)
-        check_evicting(cfg, scorer, n_protected, level, decode_tokens_per_head, decode_window,
-                       decode_level)
+        decode_level = decode_level or level
+        check_evicting(cfg, scorer, n_protected, level, decode_level, decode_tokens_per_head,
+                       decode_window)
         self.scorer, self.level, self.n_protected = scorer, level, n_protected
-        self.decode_level = decode_level or level
+        self.decode_level = decode_level
         self.compressed = list(cfg.compressed_layers)
         # model layer -> gate index
         self.index = {layer: li for li, layer in enumerate(self.compressed)}
