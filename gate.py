@@ -214,7 +214,8 @@ class Scorer:
     At decode time (METHOD.md §7) the cache always keeps the last `decode_window` tokens: 128 for
     the gate, 8 for the baselines, as the authors run them
     (Janghyun1230/FastKVzip:math/run_math.py, `args.window_size = 8` for every method but
-    fastkvzip). A scorer with `rescores` set scores every held row again at each decode-time
+    fastkvzip); `window_at_decode(cfg)` may choose per model (the gate's is 8 on a hybrid one).
+    A scorer with `rescores` set scores every held row again at each decode-time
     eviction from the last decode_window queries (`rescore`); the others score each new token
     once.
 
@@ -241,6 +242,12 @@ class Scorer:
     def level_at_decode(cls, cfg):
         """The level of decode-time eviction on cfg's model when the caller names none: `level`."""
         return cls.level
+
+    @classmethod
+    def window_at_decode(cls, cfg):
+        """The last tokens decode-time eviction always keeps on cfg's model when the caller names
+        no window: `decode_window`."""
+        return cls.decode_window
 
     def _heads(self, k):
         if k is not None:
@@ -281,6 +288,15 @@ class GateScorer(Scorer):
         layer 5's), so that one pool starves the lowest of them: ours, measured in
         benchmarks/decode-cpu/ablation-gemma3-270m (METHOD.md §7)."""
         return "global" if len(cfg.compressed_layers) == cfg.num_hidden_layers else "calibrated"
+
+    @classmethod
+    def window_at_decode(cls, cfg):
+        """128 where every layer is compressed, as the authors run it; 8 on a hybrid model, whose
+        sliding-window layers hold the recent tokens already, so that the few compressed layers
+        spend their budget on older ones: ours, measured with the calibrated level in
+        benchmarks/decode-cpu/ablation-gemma3-270m (METHOD.md §7; on SmolLM2, where every layer is
+        compressed, a window of 8 loses both NLL and recall)."""
+        return cls.decode_window if len(cfg.compressed_layers) == cfg.num_hidden_layers else 8
 
     @torch.no_grad()
     def score(self, li, hidden, q, k, pos):

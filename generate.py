@@ -217,6 +217,7 @@ class Compression:
     level: str = None  # eviction structure (cache.LEVELS); None: the scorer's own
     decode_tokens_per_head: int = None  # decode-time eviction (EvictingCache); None: keep all
     decode_level: str = None  # decode-time eviction's structure; None: make_cache's default
+    decode_window: int = None  # the last tokens decoding keeps; None: make_cache's default
     # scorer -> the scorer to use: how a caller measures it from outside the method (the command
     # line's gate_seconds: harness/timing.py); None: the scorer as made
     wrap_scorer: object = None
@@ -258,7 +259,8 @@ def prefill_request(model, req, compression=Compression(), seed=0):
                             "(Compression(teacher=KVzipTeacher(...)))")
     cache = make_cache(method, model, n_protected, level=how.level,
                        decode_tokens_per_head=how.decode_tokens_per_head, seed=seed,
-                       gates=how.gates, decode_level=how.decode_level)
+                       gates=how.gates, decode_level=how.decode_level,
+                       decode_window=how.decode_window)
     if how.wrap_scorer is not None and getattr(cache, "scorer", None) is not None:
         cache.scorer = how.wrap_scorer(cache.scorer)
     if method == "kvzip":
@@ -423,8 +425,9 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
     gate.Gates: formats.gate_file.resolve_gate loads the bundled, a released or a given gate);
     random: scores seeded by seed; level: the eviction structure (default: the scorer's own);
     decode_level: decode-time eviction's (default: `level` if given, else the scorer's own on this
-    model, Scorer.level_at_decode); decode_tokens_per_head, decode_window: see EvictingCache
-    (window default: the scorer's own)."""
+    model, Scorer.level_at_decode); decode_window: the last tokens decoding always keeps (default:
+    the scorer's own on this model, Scorer.window_at_decode); decode_tokens_per_head: see
+    EvictingCache."""
     check_method(method, gates, decode_tokens_per_head)
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
@@ -436,6 +439,8 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
     # the authors run the baselines per head, the gate and KVzip with one global threshold; a
     # level named applies at decode too
     decode_level = decode_level or level or kind.level_at_decode(cfg)
+    if decode_window is None:
+        decode_window = kind.window_at_decode(cfg)
     return EvictingCache(cfg, scorer, dtype, device, n_protected=n_protected,
                          level=level or kind.level, decode_tokens_per_head=decode_tokens_per_head,
                          decode_window=decode_window, decode_level=decode_level)
@@ -468,7 +473,7 @@ def main(argv=None):
         model, seed = job.model, args.seed
         compression = Compression(args.method, job.gates, job.teacher, args.level,
                                   args.decode_tokens_per_head, args.decode_level,
-                                  wrap_scorer=job.time_scorer)
+                                  args.decode_window, wrap_scorer=job.time_scorer)
 
         def start(req, i):  # prefilled alone, or loaded from the file it was saved to
             if "cache_file" not in req:

@@ -111,6 +111,10 @@ def parse_args(argv=None):
                    "(default: --level if given, else the method's own: fastkvzip pools every "
                    "compressed layer and head, and is calibrated on a model with sliding-window "
                    "layers, Gemma 3)")
+    p.add_argument("--decode-window", type=int, default=None, metavar="N",
+                   help="with --decode-tokens-per-head: the last N tokens decoding always keeps "
+                   "(default: the method's own: 8 for the baselines; 128 for fastkvzip, as the "
+                   "authors, and 8 on a model with sliding-window layers, Gemma 3)")
     p.add_argument("--kvzip-softmax", choices=["float32", "model"], default="float32",
                    help="--method kvzip: softmax dtype of the teacher (the authors use the model "
                    "dtype, bf16; fp32 avoids rounding ties among small probabilities)")
@@ -160,7 +164,7 @@ def check_args(args):
         # silently ignored)
         flags = ("--prompt", "--context-file", "--budget", "--batch", "--save-cache", "--method",
                  "--level", "--chunk-size", "--window", "--decode-tokens-per-head",
-                 "--decode-level", "--kvzip-softmax")
+                 "--decode-level", "--decode-window", "--kvzip-softmax")
         valued = ("method", "chunk_size", "window", "kvzip_softmax")  # their defaults are values
         dest = lambda f: f[2:].replace("-", "_")
         given = [f for f in flags if dest(f) in typed
@@ -182,7 +186,8 @@ def check_args(args):
                          f"got {args.budget}")
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 0),
                              ("--chunk-size", args.chunk_size, 1), ("--window", args.window, 0),
-                             ("--decode-tokens-per-head", args.decode_tokens_per_head, 1)):
+                             ("--decode-tokens-per-head", args.decode_tokens_per_head, 1),
+                             ("--decode-window", args.decode_window, 1)):
         if value is not None and value < low:
             raise UsageError(f"{flag} must be {'positive' if low else '>= 0'}, got {value}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -197,6 +202,9 @@ def check_args(args):
     if args.decode_level is not None and args.decode_tokens_per_head is None:
         raise UsageError(f"--decode-level is the structure of decode-time eviction: give "
                          f"--decode-tokens-per-head N, or drop --decode-level {args.decode_level}")
+    if args.decode_window is not None and args.decode_tokens_per_head is None:
+        raise UsageError(f"--decode-window is the window of decode-time eviction: give "
+                         f"--decode-tokens-per-head N, or drop --decode-window {args.decode_window}")
     if args.method == "rkv" and (args.decode_tokens_per_head is None or args.budget < 1):
         raise UsageError("--method rkv evicts during decoding only (R-KV): give "
                          "--decode-tokens-per-head N and --budget 1")
@@ -227,14 +235,16 @@ _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
           (stat.S_ISSOCK, "a socket"))
 
 
-def check_decode_tokens(n, method, requests, max_positions):
-    """--decode-tokens-per-head against the model and the prompts, before the weights load."""
+def check_decode_tokens(n, method, requests, cfg, window=None):
+    """--decode-tokens-per-head against the model (its config cfg), the prompts and the window
+    (--decode-window; None: the method's own), before the weights load."""
     if n is None:
         return
-    if n > max_positions:
+    if n > cfg.max_position_embeddings:
         raise UsageError(f"--decode-tokens-per-head {n} is above the model's maximum of "
-                         f"{max_positions} positions: it would never evict")
-    window = (METHODS[method] or gate.Scorer).decode_window  # the scorer's; full: none evicts
+                         f"{cfg.max_position_embeddings} positions: it would never evict")
+    # else the scorer's window on this model (generate.make_cache's default); full: none evicts
+    window = window or (METHODS[method] or gate.Scorer).window_at_decode(cfg)
     for r in requests:
         try:
             check_decode_budget(n, decode_protected(r["n_protected"], window))
@@ -539,7 +549,8 @@ def prepare(args):
         reqs = [make_request(tok, fmt, context, questions, budget, args.max_new_tokens, n_pos,
                              method=args.method)]
     prefills = [r for r in reqs if "cache_file" not in r]
-    check_decode_tokens(args.decode_tokens_per_head, args.method, prefills, n_pos)
+    check_decode_tokens(args.decode_tokens_per_head, args.method, prefills, cfg,
+                        args.decode_window)
     evicting = any(args.decode_tokens_per_head is not None or r["budget"].ratio < 1
                    for r in prefills)
     gated_files = any(r["cache_state"]["method"] == "fastkvzip" and r["cache_state"].get(

@@ -255,7 +255,7 @@ def test_batch_cache_file_corrupt_at_load_names_the_line(capsys, tiny, tmp_path)
 @pytest.mark.parametrize("flags", [["--method", "kvzip"], ["--method", "fastkvzip"],
                                    ["--chunk-size", "512"], ["--window", "8"],
                                    ["--kvzip-softmax", "model"], ["--level", "head"],
-                                   ["--decode-level", "head"]])
+                                   ["--decode-level", "head"], ["--decode-window", "8"]])
 def test_load_cache_refuses_what_the_file_decided(capsys, tmp_path, flags, no_loading):
     res = run_main(capsys, "--load-cache", str(tmp_path / "x.kv"), "--question", "q", *flags)
     one_line(*res[::2], "--load-cache", f"drop {flags[0]}")
@@ -278,6 +278,8 @@ def test_method_full_takes_no_level(capsys, level, no_loading):
 def test_decode_level_needs_decode_time_eviction(capsys, no_loading):
     res = run_main(capsys, "--prompt", "hi", "--decode-level", "head")
     one_line(*res[::2], "--decode-level", "give --decode-tokens-per-head N")
+    res = run_main(capsys, "--prompt", "hi", "--decode-window", "8")
+    one_line(*res[::2], "--decode-window", "give --decode-tokens-per-head N")
 
 
 def test_check_save_target_alone(tmp_path):

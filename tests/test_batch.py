@@ -196,7 +196,8 @@ def test_batch_with_decode_time_eviction(tiny, method, budget):
     tokens."""
     model, tok, fmt, _ = tiny
     system = len(tok.encode(fmt.system, add_special_tokens=False).ids)
-    window = (gate.GateScorer if method == "fastkvzip" else gate.Scorer).decode_window
+    window = (gate.GateScorer if method == "fastkvzip" else gate.Scorer).window_at_decode(
+        model.config)
     results = check_batch_equals_alone(tiny, method, budget, system + window + 20, [90, 130, 60],
                                        [140, 5, 135], batch_size=3)
     assert all(len(a["output_ids"]) == 140 for a in results[0])

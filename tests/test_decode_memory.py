@@ -13,7 +13,7 @@ import cache as C
 import gate
 import model as M
 from cache import Budget, DecodeBudgetError, EvictingCache, keep_within_budget
-from generate import begin_answer, decode_one, make_cache, prefill
+from generate import Compression, begin_answer, decode_one, make_cache, prefill, prefill_request
 from kernels import ArgumentError
 from tests.helpers import tiny_checkpoint
 from tests.test_cache import random_gate_scorer
@@ -147,7 +147,7 @@ def test_decode_level_is_the_structure_at_decode_and_its_default_follows_the_mod
     keeps (the prefill evicts nothing here, so its level plays no part). make_cache's default: a
     level named applies at decode too, else the scorer's own on this model: the gate's one pool
     where every layer is compressed (Llama), calibrated beside sliding layers (Gemma 3); the
-    baselines per head."""
+    baselines per head. Its window likewise: the gate's 128, 8 beside sliding layers."""
     cfg = tiny.config
     held = []
     for level, decode_level in (("global", "head"), ("head", None), ("global", None)):
@@ -170,6 +170,14 @@ def test_decode_level_is_the_structure_at_decode_and_its_default_follows_the_mod
     assert made("fastkvzip", level="layer").decode_level == "layer"
     assert made("fastkvzip", level="layer", decode_level="head").decode_level == "head"
     assert made("snapkv").decode_level == "head"
+    # the window: the gate's 128 where every layer is compressed, 8 beside sliding layers
+    assert made("fastkvzip").decode_window == (8 if hybrid else 128)
+    assert made("fastkvzip", decode_window=64).decode_window == 64
+    assert made("snapkv").decode_window == 8
+    req = dict(ids=list(range(10, 60)), n_protected=0, questions=[], budget=Budget(1.0),
+               max_new_tokens=1)  # the command line's --decode-window reaches the cache
+    how = Compression("random", decode_tokens_per_head=150, decode_window=64)
+    assert prefill_request(tiny, req, how).cache.decode_window == 64
     with pytest.raises(ArgumentError, match="decode_level 'pool' is not one of"):
         EvictingCache(cfg, random_gate_scorer(cfg), decode_level="pool")
 
@@ -261,10 +269,12 @@ def test_decode_baselines_keep_the_authors_rows(method):
 def test_budgets_the_protected_rows_fill_are_refused(tiny):
     """A budget of no more than the rows decode-time eviction always keeps (system prompt or first
     4, and the window) leaves nothing to the scorer: DecodeBudgetError naming the smallest that
-    does, for the gate (window 128) and a baseline (window 8)."""
+    does, for the gate (window 128; 8 beside sliding layers) and a baseline (window 8)."""
     cfg = tiny.config
     gates = random_gate_scorer(cfg).gates
-    for method, n_protected, least in [("fastkvzip", 29, 158), ("fastkvzip", 0, 133),
+    gate_window = 8 if cfg.arch == "gemma3" else 128
+    for method, n_protected, least in [("fastkvzip", 29, 30 + gate_window),
+                                       ("fastkvzip", 0, 5 + gate_window),
                                        ("streaming", 29, 38), ("snapkv", 2, 13)]:
         with pytest.raises(DecodeBudgetError, match=f"use at least {least}"):
             make_cache(method, tiny, n_protected, gates=gates, decode_tokens_per_head=least - 1)

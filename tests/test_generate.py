@@ -99,6 +99,7 @@ def no_weights(tiny_folder, tmp_path_factory):
     (["--window", "-5"], ["--window", "-5"]),
     (["--decode-tokens-per-head", "-5"], ["--decode-tokens-per-head", "-5"]),
     (["--decode-tokens-per-head", "0"], ["--decode-tokens-per-head", "positive"]),
+    (["--decode-tokens-per-head", "200", "--decode-window", "0"], ["--decode-window", "positive"]),
     (["--chunk-size", "0"], ["--chunk-size", "positive"]),
     (["--max-new-tokens", "-1"], ["--max-new-tokens", "-1"]),
     (["--temperature", "-1"], ["--temperature", "-1"]),
@@ -112,6 +113,8 @@ def no_weights(tiny_folder, tmp_path_factory):
     # the system prompt (or the first 4 tokens) and the local window are always kept
     (["--decode-tokens-per-head", "64"], ["--decode-tokens-per-head 64", "use at least"]),
     (["--method", "streaming", "--decode-tokens-per-head", "8"], ["use at least"]),
+    (["--method", "streaming", "--decode-tokens-per-head", "20", "--decode-window", "16"],
+     ["use at least"]),  # 20 fits the method's own window of 8
     (["--decode-tokens-per-head", str(10**9)], ["above the model's maximum"]),
     (["--method", "rkv"], ["rkv", "--decode-tokens-per-head"]),
     (["--method", "rkv", "--decode-tokens-per-head", "300", "--budget", "0.5"], ["--budget 1"]),

@@ -76,7 +76,7 @@ def decode_until_eviction(model, cache, logits):
 
 def prefilled(model, method, ratio, decode_extra=None):
     """make_cache(method), its chunked prefill of prompt() at `ratio`, the question begun."""
-    window = (gate.METHODS[method] or gate.Scorer).decode_window
+    window = (gate.METHODS[method] or gate.Scorer).window_at_decode(model.config)
     budget = None if decode_extra is None else decode_protected(N_PROTECTED, window) + decode_extra
     cache = make_cache(method, model, N_PROTECTED, decode_tokens_per_head=budget)
     with torch.no_grad():

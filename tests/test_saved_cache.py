@@ -73,11 +73,12 @@ def prompt(t):
     return system + torch.randint(40, 200, (N_CONTEXT,), generator=g).tolist(), len(system)
 
 
-def decode_budget(method, n_protected, decode):
-    """DECODE as a decode_tokens_per_head: that many rows per head beyond the protected ones."""
+def decode_budget(method, n_protected, decode, cfg):
+    """DECODE as a decode_tokens_per_head: that many rows per head beyond the protected ones (the
+    window: make_cache's default on cfg's model)."""
     if decode is None:
         return None
-    window = (gate.GateScorer if method == "fastkvzip" else gate.Scorer).decode_window
+    window = (gate.GateScorer if method == "fastkvzip" else gate.Scorer).window_at_decode(cfg)
     return decode_protected(n_protected, window) + decode
 
 
@@ -85,7 +86,8 @@ def prefilled(t, method, name, ids, n_protected, budget, decode):
     """make_cache, then the method's prefill (KVzip's with its teacher) -> (cache, the last logits)."""
     model, plan = t["model"], Budget(budget, CHUNK, WINDOW)
     cache = make_cache(method, model, n_protected,
-                       decode_tokens_per_head=decode_budget(method, n_protected, decode),
+                       decode_tokens_per_head=decode_budget(method, n_protected, decode,
+                                                           model.config),
                        gates=t["gates"])
     with torch.no_grad():
         if method == "kvzip":
@@ -122,8 +124,9 @@ def kept(cache):
 
 def scorer_for(t, method, decode):
     """The scorer generate.py would give load_cache: the one make_cache builds for the method."""
-    cache = make_cache(method, t["model"], 0, decode_tokens_per_head=decode_budget(method, 0, decode),
-                       gates=t["gates"])
+    cfg = t["model"].config
+    cache = make_cache(method, t["model"], 0,
+                       decode_tokens_per_head=decode_budget(method, 0, decode, cfg), gates=t["gates"])
     return getattr(cache, "scorer", None)  # a full cache has none
 
 
@@ -250,7 +253,7 @@ def test_another_process_answers_the_same(tiny, tmp_path):
         save_cache(tmp_path / f"{i}.kv", cache, tiny["model"], ids, last)  # what it is: derived
         want.append(greedy(tiny["model"], cache, last, N_NEW, QUESTION)[0])
         cases.append(dict(file=str(tmp_path / f"{i}.kv"), method=method,
-                          decode=decode_budget(method, 0, decode), n=N_NEW,
+                          decode=decode_budget(method, 0, decode, tiny["model"].config), n=N_NEW,
                           question=QUESTION))
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(dict(folder=str(tiny["folder"]), gate=str(tiny["gate_file"]),
@@ -355,7 +358,8 @@ def test_refuses_another_scorer_or_gate(saved):
     refused(path, t["model"], scorer_for(t, "random", DECODE), "GateScorer", "RandomScorer")
     other = Gates(1, t["model"].config.hidden_size, 2, 2)
     made = make_cache("fastkvzip", t["model"], 0,
-                      decode_tokens_per_head=decode_budget("fastkvzip", 0, DECODE), gates=other)
+                      decode_tokens_per_head=decode_budget("fastkvzip", 0, DECODE,
+                                                           t["model"].config), gates=other)
     refused(path, t["model"], made.scorer, "another gate")
 
 
