@@ -260,6 +260,11 @@ class Scorer:
         raise NotImplementedError
 
 
+def every_layer_compressed(cfg):
+    """Whether cfg's model compresses every layer (no sliding-window layers beside, METHOD.md §9)."""
+    return len(cfg.compressed_layers) == cfg.num_hidden_layers
+
+
 class GateScorer(Scorer):
     """Fast KVzip: the gate's output. Meant for "global" (one threshold over all layers × heads,
     §6): gate scores are comparable across layers and heads because they are trained to the same
@@ -287,7 +292,7 @@ class GateScorer(Scorer):
         whose few compressed layers score on scales far apart (Gemma 3 270M: layer 17's ~50x below
         layer 5's), so that one pool starves the lowest of them: ours, measured in
         benchmarks/decode-cpu/ablation-gemma3-270m (METHOD.md §7)."""
-        return "global" if len(cfg.compressed_layers) == cfg.num_hidden_layers else "calibrated"
+        return "global" if every_layer_compressed(cfg) else "calibrated"
 
     @classmethod
     def window_at_decode(cls, cfg):
@@ -296,7 +301,7 @@ class GateScorer(Scorer):
         spend their budget on older ones: ours, measured with the calibrated level in
         benchmarks/decode-cpu/ablation-gemma3-270m (METHOD.md §7; on SmolLM2, where every layer is
         compressed, a window of 8 loses both NLL and recall)."""
-        return cls.decode_window if len(cfg.compressed_layers) == cfg.num_hidden_layers else 8
+        return cls.decode_window if every_layer_compressed(cfg) else 8
 
     @torch.no_grad()
     def score(self, li, hidden, q, k, pos):
