@@ -145,12 +145,6 @@ def markdown(res, config):
     return "\n".join(lines)
 
 
-def write_atomic(path, text):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def link_features(features, run):
     """run: a copy of the features folder, its files hard links, made whole or not at all."""
     tmp = run.with_name(run.name + ".tmp")
@@ -258,7 +252,7 @@ def main(argv=None, train=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(marker, json.dumps(config, indent=1))
+    cli.write_text(marker, json.dumps(config, indent=1))
     try:
         return ablate(a, out, config, train or run_train_gate)
     except KeyboardInterrupt:
@@ -288,7 +282,7 @@ def ablate(a, out, config, train):
             if not folder.exists():
                 folder.parent.mkdir(parents=True, exist_ok=True)
                 link_features(a.features, folder)
-            write_atomic(folder / "run.json", json.dumps(dict(argv=argv_)))
+            cli.write_text(folder / "run.json", json.dumps(dict(argv=argv_)))
             print(f"[{i}/{len(jobs)}] {recipe} {variant} seed {seed} ...", end=" ", flush=True)
             t0 = time.perf_counter()
             rc = train(argv_, folder, folder / "train.log")
@@ -297,13 +291,13 @@ def ablate(a, out, config, train):
                       "rerun this command to resume", file=sys.stderr)
                 return 1
             wall = time.perf_counter() - t0
-            write_atomic(folder / "run.json", json.dumps(dict(argv=argv_, wall_seconds=wall)))
+            cli.write_text(folder / "run.json", json.dumps(dict(argv=argv_, wall_seconds=wall)))
             print(f"{wall:.0f} s")
         metrics = json.loads((folder / "metrics.json").read_text())
         runs.setdefault(recipe, {}).setdefault(variant, {})[seed] = values(metrics)
         res = summarize(runs)
-        write_atomic(out / "results.json", json.dumps(dict(config=config, results=res), indent=1))
-        write_atomic(out / "results.md", markdown(res, config))
+        cli.write_text(out / "results.json", json.dumps(dict(config=config, results=res), indent=1))
+        cli.write_text(out / "results.md", markdown(res, config))
     print(f"results -> {out / 'results.md'}")
     return 0
 
