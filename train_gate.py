@@ -42,6 +42,7 @@ RANK_WEIGHT = 1.0  # --loss rank's pairwise term beside BCE: weight 1, not tuned
 LOG_FLOOR = 1e-6   # logmse: scores below count as this (a teacher score is a max attention, > 0)
 CUT_BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5)  # --keep-term, --cut-pairs: the cuts trained at (§13.15)
 SELECT_BUDGET = 0.2  # --select overlap: the budget whose kept set is compared
+CALIBRATE_BUDGETS, CALIBRATE_ITERS = (0.2, 0.3), 3  # --calibrate-heads (§13.17)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class Recipe:
     cut_pairs: float = 0.0     # weight of a ranking term over pairs across the teacher's cut
     final_chunk: str = "keep"  # "drop": no training target in a document's short last teacher chunk
     clip: float = 0.0          # clip each layer's gradient norm to this (0: no clipping)
+    calibrate_heads: bool = False  # after training, shift each head's bias b so that the cache's
+                                   # cut keeps the teacher's share of each head (calibrate_heads)
 
 
 RECIPES = {
@@ -158,6 +161,8 @@ def train(store, cfg, device, steps, batch_tokens, seed=0, log=print, recipe=Rec
             metrics[k] = (v if k == "step" else
                           [sum(rows, []) for rows in zip(*(m[k] for m in parts))]
                           if isinstance(v[0], list) else sum((m[k] for m in parts), []))
+    if recipe.calibrate_heads:
+        metrics["head_calibration"] = calibrate_heads(gates, store, device, log)
     metrics.update(layers=list(cfg.compressed_layers), n_train=len(train_idx), n_val=len(val_idx),
                    recipe=asdict(recipe), layer_groups=groups, seconds=time.perf_counter() - t0)
     metrics["steps_per_s"] = steps / max(metrics["seconds"], 1e-9)
@@ -717,6 +722,64 @@ def overlap_per_layer(pred, kept, segments):
     return [int(x) / int(t) if t else None for x, t in zip(both, total)]
 
 
+def head_shares(scores, starts, lengths, docs, ratio):
+    """(L, H): the share of each head's pairs that the cache's cut keeps (teacher.kept_by_rule: one
+    global threshold per document, the document as one context), outside each document's window,
+    pooled over the documents `docs` (indices into starts/lengths) by sums."""
+    kept = total = 0
+    for d in docs:
+        a, n = int(starts[d]), int(lengths[d])
+        keep, w = kept_by_rule(scores[..., a:a + n].float(), ratio)
+        kept, total = kept + keep[..., :n - w].sum(-1), total + (n - w)
+    return kept.double() / max(total, 1)
+
+
+@torch.no_grad()
+def calibrate_heads(gates, store, device, log=print, budgets=CALIBRATE_BUDGETS,
+                    iters=CALIBRATE_ITERS, eps=1e-3, block=8192):
+    """--calibrate-heads (ours, METHOD.md §13.17), after training: the cut's allocation among the
+    heads made the teacher's. The cache keeps the pairs above one threshold over all layers and
+    heads, so a head whose scores sit too low loses pairs the teacher keeps, whatever its ranking
+    inside the head. On the training documents (all, where none is held out), per head:
+        k_T(r), k_G(r) = the share of the head the cut keeps at budget r, teacher and gate
+        b[l, h, :] += mean over r in budgets of  log((k_T(r) + eps) / (k_G(r) + eps))
+    `iters` times (each shift moves the common threshold). A gate score is about exp(b) times a
+    factor where it is small (sigmoid(z) ≈ exp(z)), so a shift of b scales the head's scores; the
+    order inside a head stays the gate's (the same b for its G groups). Returns per iteration the
+    mean absolute per-head share error at each budget, on the training documents and on the held-out
+    ones (None without)."""
+    starts, lengths = store.starts, doc_lengths(store)
+    val = store.is_val_doc[starts]
+    train_docs = [d for d in range(len(starts)) if not val[d]]
+    val_docs = [d for d in range(len(starts)) if val[d]]
+    teacher = {r: (head_shares(store.scores, starts, lengths, train_docs, r),
+                   head_shares(store.scores, starts, lengths, val_docs, r) if val_docs else None)
+               for r in budgets}
+    rows = []
+    for it in range(iters + 1):
+        pred = torch.empty_like(store.scores)
+        for li in range(store.n_layers):  # one layer's features in memory at a time
+            x = store.load_layers(slice(li, li + 1))[0]
+            for a in range(0, x.shape[0], block):
+                pred[li, :, a:a + block] = gates.score_layer(
+                    li, x[a:a + block].to(device, gates.dtype)).float().cpu()
+        shift, row = 0, dict(iteration=it)
+        for r in budgets:
+            kt, kv = teacher[r]
+            kg = head_shares(pred, starts, lengths, train_docs, r)
+            row[f"train@{r:g}"] = float((kg - kt).abs().mean())
+            row[f"val@{r:g}"] = (float((head_shares(pred, starts, lengths, val_docs, r) - kv)
+                                       .abs().mean()) if kv is not None else None)
+            shift = shift + torch.log((kt + eps) / (kg + eps)) / len(budgets)
+        rows.append(row)
+        log(f"--calibrate-heads {'before' if it == 0 else f'step {it}'}: mean abs per-head share "
+            "error " + ", ".join(f"@{r:g} {row[f'train@{r:g}']:.4f}" + (
+                f" (held out {row[f'val@{r:g}']:.4f})" if val_docs else "") for r in budgets))
+        if it < iters:
+            gates.b += shift.to(gates.b)[..., None]
+    return rows
+
+
 @torch.no_grad()
 def clip_per_layer(params, max_norm):
     """--clip: each layer's gradient (its rows of every parameter) scaled to a norm of at most
@@ -772,7 +835,9 @@ def recipe_settings(recipe):
     """The recipe and the constants it trained with, for the gate file's training summary."""
     return {**asdict(recipe), **(dict(momentum=MOMENTUM) if recipe.optimizer == "sgd" else {}),
             **(dict(rank_weight=RANK_WEIGHT) if recipe.loss == "rank" else {}),
-            **(dict(cut_budgets=CUT_BUDGETS) if recipe.keep_term or recipe.cut_pairs else {})}
+            **(dict(cut_budgets=CUT_BUDGETS) if recipe.keep_term or recipe.cut_pairs else {}),
+            **(dict(calibrate_budgets=CALIBRATE_BUDGETS, calibrate_iters=CALIBRATE_ITERS)
+               if recipe.calibrate_heads else {})}
 
 
 if __name__ == "__main__":

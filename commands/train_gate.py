@@ -25,7 +25,9 @@ three steps (train_gate.py's main runs them in order):
                SmolLM2 gate's) and one flag per field of the recipe plug in other losses, optimisers
                and selections (train_gate.Recipe, METHOD.md §13.14), and terms aimed at the cache's
                cut (--keep-term, --cut-pairs, --final-chunk, --select overlap, --clip; METHOD.md
-               §13.15); --ridge-ceiling reports a linear ceiling beside the gate.
+               §13.15); --calibrate-heads (§13.17) shifts each head's bias after training so that
+               the cut gives each head the teacher's share; --ridge-ceiling reports a linear
+               ceiling beside the gate.
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors
 (formats.gate_file.save_gate, with a training summary in its metadata), metrics.json (per-layer
@@ -89,6 +91,8 @@ def summary_table(m):
         rows.append(f"{layer:>5}  {m['val_loss'][-1][j]:8.4f}  {m['const_val_loss'][j]:9.4f}  "
                     f"{m['floor_val_loss'][j]:6.4f}  {100 * m['val_acc'][-1][j]:6.1f}%  "
                     f"{m['train_loss'][-1][j]:9.4f}  {100 * m['train_acc'][-1][j]:8.1f}%")
+    if m.get("head_calibration"):
+        rows.append(calibration_line(m["head_calibration"]))
     if m["agreement"]:  # the held-out documents, --mix-features', each --eval-features folder
         rows.append(agreement_table(m["agreement"], m["layers"],
                                     f"the {m['n_val_docs']} held-out documents"))
@@ -101,6 +105,18 @@ def summary_table(m):
             where = f"the {e['documents']} documents of --eval-features {name}"
             rows.append(agreement_table(e["agreement"], m["layers"], where))
     return "\n".join(rows)
+
+
+def calibration_line(rows):
+    """--calibrate-heads in one line: the mean absolute per-head share error at each budget, before
+    and after (train_gate.calibrate_heads' first and last rows)."""
+    first, last = rows[0], rows[-1]
+    budgets = [k.split("@")[1] for k in first if k.startswith("train@")]
+    held = lambda r: ("" if first[f"val@{r}"] is None else
+                      f" (held out {first[f'val@{r}']:.4f} -> {last[f'val@{r}']:.4f})")
+    return ("--calibrate-heads: mean abs per-head share error " + ", ".join(
+        f"@{r} {first[f'train@{r}']:.4f} -> {last[f'train@{r}']:.4f}{held(r)}" for r in budgets)
+        + " on the training documents")
 
 
 def agreement_table(a, layers, where):
@@ -662,6 +678,10 @@ def parse_args(argv, recipes, parts):
                    "scores come out inflated); keep (default): train on every token")
     p.add_argument("--clip", type=float, metavar="NORM", help="clip each layer's gradient norm to "
                    "NORM (per layer: the layers train on their own; default 0: off)")
+    p.add_argument("--calibrate-heads", action="store_true", default=None, help="after training, "
+                   "shift each KV head's gate bias so that the cache's cut keeps the teacher's "
+                   "share of each head on the training documents at budgets 0.2 and 0.3 "
+                   "(train_gate.calibrate_heads; ours, not the paper's; default off)")
     p.add_argument("--ridge-ceiling", action="store_true", help="also report, per layer, a ridge "
                    "regression of the log teacher score on the gate's input (fit on the training "
                    "tokens) beside the gate on the held-out tokens: Spearman and overlap at 0.2. "

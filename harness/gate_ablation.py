@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = {"keep-term": "--keep-term 1", "cut-pairs": "--cut-pairs 1",
            "final-chunk-drop": "--final-chunk drop", "select-overlap": "--select overlap",
            "clip": "--clip 1"}
-VARIANTS = {"base": "", **OPTIONS, "all": " ".join(OPTIONS.values())}
+# the training options one by one and together; --calibrate-heads, a step after training, apart
+VARIANTS = {"base": "", **OPTIONS, "all": " ".join(OPTIONS.values()),
+            "calibrate-heads": "--calibrate-heads"}
 OWN = ("--out", "--seed", "--steps", "--recipe", "--eval-features", "--threads")  # set per run here
 # (key, label, value from an agreement dict: metrics.json's "agreement" or one --eval-features')
 METRICS = ([("spearman", "mean Spearman", lambda a: a["all"]["spearman"])]
@@ -46,8 +48,16 @@ METRICS = ([("spearman", "mean Spearman", lambda a: a["all"]["spearman"])]
            + [("worst_ovl@0.2", "worst layer's overlap @0.2", lambda a: min(a["topk_overlap@0.2"]))]
            + [(f"abs_err@{r}", f"mean abs share error @{r}",
                lambda a, r=r: a["all"][f"abs_share_error@{r}"]) for r in (0.2, 0.3)]
+           + [(f"head_err@{r}", f"mean abs per-head share error @{r}",
+               lambda a, r=r: mean_abs(a.get("heads", {}).get(f"share_error@{r}"))) for r in (0.2, 0.3)]
            + [(f"{k}@{r}", f"{k} kept @{r}", lambda a, k=k, r=r: a["all"].get(f"{k}_student@{r}"))
               for k in ("digits", "identifiers") for r in (0.2, 0.3)])
+
+
+def mean_abs(rows):
+    """The mean |x| over a per-layer list of per-head lists (None entries left out), or None."""
+    xs = [abs(x) for row in rows or [] for x in row if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 class Bad(Exception):

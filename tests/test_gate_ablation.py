@@ -25,8 +25,10 @@ def fake_features(folder, n=2):
 
 
 def fake_agreement(rng):
-    a = {"all": {"spearman": rng.random()}, "topk_overlap@0.2": [rng.random() for _ in range(3)]}
+    a = {"all": {"spearman": rng.random()}, "topk_overlap@0.2": [rng.random() for _ in range(3)],
+         "heads": {}}
     for r in RATES:
+        a["heads"][f"share_error@{r}"] = [[rng.random() - 0.5, None] for _ in range(3)]
         a["all"][f"topk_overlap@{r}"] = rng.random()
         a["all"][f"abs_share_error@{r}"] = rng.random()
         for k in ("digits", "identifiers"):
@@ -160,3 +162,11 @@ def test_never_writes_into_a_users_folder_or_a_half_features_folder(setup, capsy
     (setup / "feat" / "features" / "doc00001.safetensors").unlink()
     assert GA.main(args(setup, "--out", str(setup / "abl2")), FakeTrain(setup / "feat")) == 2
     assert "1 shards missing" in capsys.readouterr().err
+
+
+def test_per_head_share_error_is_the_mean_absolute_value_over_heads():
+    """The per-head row: |share error| averaged over every layer's heads, missing heads left out."""
+    heads = {"share_error@0.2": [[0.1, -0.3], [None, 0.2]], "share_error@0.3": [[None]]}
+    got = {k: f({"heads": heads}) for k, _, f in GA.METRICS if k.startswith("head_err")}
+    assert got == {"head_err@0.2": pytest.approx(0.2), "head_err@0.3": None}
+    assert GA.mean_abs(None) is None

@@ -281,6 +281,48 @@ def test_ridge_ceiling_is_lstsq_with_an_unpenalised_intercept():
 # -------------------------------------------------------------------------------------------------
 # the options together, and the recipes without them
 
+def test_head_shares_are_naive_global_cuts(tmp_path):
+    """Per head, the pairs each document's global cut keeps outside its window over those it could
+    keep, summed over the documents asked for."""
+    store = make_store(tmp_path, docs=((300, "train"), (150, "val"), (420, "train")))
+    starts, lengths = store.starts, TG.doc_lengths(store)
+    for ratio in (0.2, 0.3):
+        kept, total = torch.zeros(3, 2), 0
+        for start, n in ((0, 300), (450, 420)):
+            got, s, _ = naive_cut(store.scores[:, :, start:start + n], ratio)
+            for q in got:
+                kept[q[:2]] += 1
+            total += s
+        shares = TG.head_shares(store.scores, starts, lengths, [0, 2], ratio)
+        torch.testing.assert_close(shares, (kept / total).double())
+
+
+def test_calibrate_heads_gives_each_head_the_teachers_share(tmp_path):
+    """A gate whose heads sit exp(c) below or above its teacher (the teacher: the gate's own scores
+    scaled per head, G = 1): the shifts bring the heads' kept shares to the teacher's at both
+    budgets, the order inside every head stays the gate's, and each step is logged."""
+    store = make_store(tmp_path, docs=((900, "train"), (400, "val"), (1100, "train")))
+    torch.manual_seed(0)
+    gates = Gates(3, 16, 2, 1)
+    with torch.no_grad():
+        gates.b -= 4  # small scores: sigmoid(z) ≈ exp(z)
+        c = torch.tensor([[1.5, -1.0], [0.0, 2.0], [-1.5, 0.5]])
+        x = store.load_layers(slice(None))
+        before = torch.stack([gates.score_layer(li, x[li]) for li in range(3)])
+        store.scores = before * c.exp()[..., None]
+    logged = []
+    rows = TG.calibrate_heads(gates, store, CPU, log=logged.append)
+    assert len(rows) == len(logged) == TG.CALIBRATE_ITERS + 1
+    for r in TG.CALIBRATE_BUDGETS:
+        assert rows[0][f"train@{r:g}"] > 0.02 and rows[0][f"val@{r:g}"] > 0.02, rows[0]
+        assert rows[-1][f"train@{r:g}"] < rows[0][f"train@{r:g}"] / 5, rows
+        assert rows[-1][f"val@{r:g}"] < rows[0][f"val@{r:g}"] / 5, rows
+    with torch.no_grad():
+        after = torch.stack([gates.score_layer(li, x[li]) for li in range(3)])
+    order = before.argsort(-1)
+    assert (after.gather(-1, order).diff(dim=-1) >= -1e-6).all()  # monotone in each head
+
+
 def test_the_options_together_train_the_gates_of_one_joint_run(tmp_path):
     """Every option on, a ridge ceiling beside: layer groups give the gates and metrics of one
     joint run (the pairs are drawn for all layers, clipping and both terms are per layer); each
@@ -347,6 +389,7 @@ def test_the_cut_flags():
                               {f: getattr(args, f) for f in TG.Recipe.__dataclass_fields__}), args
     assert recipe()[0] == TG.RECIPES["paper"] and not recipe()[1].ridge_ceiling
     assert recipe("--keep-term", "0.5")[0] == TG.Recipe(keep_term=0.5)
+    assert recipe("--calibrate-heads")[0] == TG.Recipe(calibrate_heads=True)
     both, args = recipe("--recipe", "adam-logmse", "--keep-term", "1", "--cut-pairs", "2",
                         "--final-chunk", "drop", "--select", "overlap", "--clip", "1.5",
                         "--ridge-ceiling")
@@ -371,7 +414,8 @@ def test_the_command_line_trains_with_every_option_and_prints_the_ceiling(tmp_pa
     flags = ["--model", folder, "--data", data, "--tokens", 3000, "--long-doc-tokens", 0,
              "--batch-tokens", 100, *SMALL]
     run_main([*flags, "--out", out, "--steps", 60, "--keep-term", 1, "--cut-pairs", 1,
-              "--final-chunk", "drop", "--select", "overlap", "--clip", 1, "--ridge-ceiling"])
+              "--final-chunk", "drop", "--select", "overlap", "--clip", 1, "--ridge-ceiling",
+              "--calibrate-heads"])
     printed = capsys.readouterr().out
     assert "the gate against a linear ceiling" in printed
     m = json.loads((out / "metrics.json").read_text())
@@ -386,6 +430,10 @@ def test_the_command_line_trains_with_every_option_and_prints_the_ceiling(tmp_pa
     assert (training["keep_term"], training["cut_pairs"], training["final_chunk"],
             training["select"], training["clip"]) == (1.0, 1.0, "drop", "overlap", 1.0)
     assert list(training["cut_budgets"]) == list(TG.CUT_BUDGETS)
+    assert training["calibrate_heads"] and list(training["calibrate_budgets"]) == list(
+        TG.CALIBRATE_BUDGETS)
+    assert len(m["head_calibration"]) == TG.CALIBRATE_ITERS + 1
+    assert "--calibrate-heads: mean abs per-head share error @0.2" in printed
     lengths = [d["tokens"] for d in json.loads((out / "manifest.json").read_text())["documents"]
                if d["split"] == "train"]
     batch = sum(n - n % 128 for n in lengths) + 1  # one token more than the drop leaves
