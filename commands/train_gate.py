@@ -109,14 +109,14 @@ def summary_table(m):
 
 def calibration_line(rows):
     """--calibrate-heads in one line: the mean absolute per-head share error at each budget, before
-    and after (train_gate.calibrate_heads' first and last rows)."""
-    first, last = rows[0], rows[-1]
+    and after (train_gate.calibrate_heads' first row and the one it kept)."""
+    first, last = rows[0], next(r for r in rows if r["kept"])
     budgets = [k.split("@")[1] for k in first if k.startswith("train@")]
     held = lambda r: ("" if first[f"val@{r}"] is None else
                       f" (held out {first[f'val@{r}']:.4f} -> {last[f'val@{r}']:.4f})")
     return ("--calibrate-heads: mean abs per-head share error " + ", ".join(
         f"@{r} {first[f'train@{r}']:.4f} -> {last[f'train@{r}']:.4f}{held(r)}" for r in budgets)
-        + " on the training documents")
+        + f" on the training documents (step {last['step']} of {len(rows) - 1} kept)")
 
 
 def agreement_table(a, layers, where):

@@ -281,20 +281,27 @@ def test_ridge_ceiling_is_lstsq_with_an_unpenalised_intercept():
 # -------------------------------------------------------------------------------------------------
 # the options together, and the recipes without them
 
-def test_head_shares_are_naive_global_cuts(tmp_path):
-    """Per head, the pairs each document's global cut keeps outside its window over those it could
-    keep, summed over the documents asked for."""
+def test_cut_margins_are_naive_global_cuts(tmp_path):
+    """Per head, the pairs each document's global cut keeps outside its window, summed over the
+    documents asked for; their number; and every such pair's logit distance to its document's
+    weakest kept pair, >= 0 exactly where the pair is kept."""
     store = make_store(tmp_path, docs=((300, "train"), (150, "val"), (420, "train")))
     starts, lengths = store.starts, TG.doc_lengths(store)
+    logit = lambda p: math.log(max(p, 1e-12) / (1 - p))  # floored as cut_margins
     for ratio in (0.2, 0.3):
-        kept, total = torch.zeros(3, 2), 0
+        kept, total, margins = torch.zeros(3, 2), 0, []
         for start, n in ((0, 300), (450, 420)):
             got, s, _ = naive_cut(store.scores[:, :, start:start + n], ratio)
+            tau = min(float(store.scores[l, h, start + p]) for l, h, p in got)
+            m = torch.tensor([[[logit(float(store.scores[l, h, start + p])) - logit(tau)
+                                for p in range(s)] for h in range(2)] for l in range(3)])
+            assert {tuple(q) for q in (m >= 0).nonzero().tolist()} == got
             for q in got:
                 kept[q[:2]] += 1
-            total += s
-        shares = TG.head_shares(store.scores, starts, lengths, [0, 2], ratio)
-        torch.testing.assert_close(shares, (kept / total).double())
+            total, margins = total + s, margins + [m]
+        k, n, m = TG.cut_margins(store.scores, starts, lengths, [0, 2], ratio)
+        assert k.tolist() == kept.tolist() and n == total
+        torch.testing.assert_close(m, torch.cat(margins, -1).double(), rtol=0, atol=1e-6)
 
 
 def test_calibrate_heads_gives_each_head_the_teachers_share(tmp_path):
@@ -312,11 +319,13 @@ def test_calibrate_heads_gives_each_head_the_teachers_share(tmp_path):
         store.scores = before * c.exp()[..., None]
     logged = []
     rows = TG.calibrate_heads(gates, store, CPU, log=logged.append)
-    assert len(rows) == len(logged) == TG.CALIBRATE_ITERS + 1
+    assert len(rows) == len(logged) - 1 == TG.CALIBRATE_ITERS + 1
+    (kept,) = [row for row in rows if row["kept"]]
+    assert kept["step"] > 0 and f"kept step {kept['step']}" in logged[-1]
     for r in TG.CALIBRATE_BUDGETS:
         assert rows[0][f"train@{r:g}"] > 0.02 and rows[0][f"val@{r:g}"] > 0.02, rows[0]
-        assert rows[-1][f"train@{r:g}"] < rows[0][f"train@{r:g}"] / 5, rows
-        assert rows[-1][f"val@{r:g}"] < rows[0][f"val@{r:g}"] / 5, rows
+        assert kept[f"train@{r:g}"] < rows[0][f"train@{r:g}"] / 5, rows
+        assert kept[f"val@{r:g}"] < rows[0][f"val@{r:g}"] / 5, rows
     with torch.no_grad():
         after = torch.stack([gates.score_layer(li, x[li]) for li in range(3)])
     order = before.argsort(-1)
@@ -444,3 +453,41 @@ def test_the_command_line_trains_with_every_option_and_prints_the_ceiling(tmp_pa
                   "--batch-tokens", batch])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--final-chunk drop leaves out" in err, err
+
+
+def test_calibrate_gate_shifts_only_the_bias_of_a_trained_gate(tmp_path, capsys):
+    """python -m harness.calibrate_gate on a gate train_gate.py trained and its features: the new
+    gate differs from the old in the biases b only, b moves by one shift per head (its G groups
+    alike), the shares come closer to the teacher's, the metadata says where it came from; an
+    existing --out and a folder without features are refused in one line, exit 2."""
+    from formats.checkpoint import read_config
+    from formats.gate_file import load_gate
+    from harness import calibrate_gate
+    folder = tiny_model_folder(tmp_path / "models", "qwen3", seed=1)
+    sharpen(folder)
+    data, out = write_docs(tmp_path / "data", 8), tmp_path / "out"
+    run_main(["--model", folder, "--data", data, "--tokens", 3000, "--long-doc-tokens", 0,
+              "--batch-tokens", 100, *SMALL, "--out", out, "--steps", 30])
+    cal = tmp_path / "cal.safetensors"
+    argv = ["--gate", out / "gate.safetensors", "--features", out, "--out", cal, "--model", folder]
+    calibrate_gate.main([str(a) for a in argv])
+    assert f"calibrated gate -> {cal}" in capsys.readouterr().out
+    cfg = read_config(folder)
+    old, new = load_gate(out / "gate.safetensors", cfg), load_gate(cal, cfg)
+    for (name, a), b in zip(old.named_parameters(), new.parameters()):
+        if name != "b":
+            assert torch.equal(a, b), name
+    shift = new.b - old.b
+    assert shift.abs().max() > 0
+    torch.testing.assert_close(shift, shift[..., :1].expand_as(shift), rtol=0, atol=1e-6)
+    c = new.meta["calibration"]
+    assert c["source"] == str(out / "gate.safetensors") and len(c["share_error"]) == 4
+    (kept,) = [row for row in c["share_error"] if row["kept"]]
+    assert sum(kept[f"train@{r:g}"] for r in TG.CALIBRATE_BUDGETS) <= sum(
+        c["share_error"][0][f"train@{r:g}"] for r in TG.CALIBRATE_BUDGETS)
+    for bad, says in ((argv, "exists"), ([*argv[:3], tmp_path / "data", "--out", tmp_path / "x"],
+                                         "not a complete features folder")):
+        with pytest.raises(SystemExit) as e:
+            calibrate_gate.main([str(a) for a in bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and err.count("\n") == 1, err

@@ -1,0 +1,79 @@
+"""
+Calibrate a gate that is already trained: `train_gate.py --calibrate-heads` (METHOD.md §13.17)
+applied to an existing gate file, on the teacher's scores and hidden states of a features folder
+(one that `train_gate.py --steps 0 --out DIR` made for the same model). Each KV head's bias b is
+shifted so that the cache's global cut keeps the teacher's share of every head on the folder's
+training documents; the order inside each head stays the gate's. The new gate is written to --out
+(never over an existing file), its metadata recording the source gate and the calibration.
+
+    python -m harness.calibrate_gate --gate gates/smollm2-135m-gguf.safetensors \\
+        --features out/smollm2 --out smollm2-calibrated.safetensors
+
+(run from the repository root: `-m` puts it on the import path.)
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import cli
+import train_gate
+from cli import UsageError
+from commands.features import FeatureStore
+from formats.checkpoint import read_config
+from formats.gate_file import GateError, load_gate, save_gate
+from model import ModelError
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gate", required=True, help="the trained gate file (ours or the authors' .pt)")
+    p.add_argument("--features", required=True, help="a train_gate.py features folder of the "
+                   "gate's model (manifest.json and features/)")
+    p.add_argument("--out", required=True, help="the calibrated gate (.safetensors, or .pt for "
+                   "the authors' layout); must not exist")
+    p.add_argument("--model", help="the model, as train_gate.py --model takes it (default: the "
+                   "one the features folder was made from)")
+    cli.add_threads(p)
+    return p.parse_args(argv)
+
+
+def run(args):
+    torch.set_num_threads(args.threads)
+    out, folder = Path(args.out), Path(args.features)
+    if out.exists():
+        raise UsageError(f"--out {out} exists; pass a new file name (a gate is never overwritten)")
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        store = FeatureStore(folder, manifest)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        raise UsageError(f"--features {folder}: not a complete features folder ({e}); make one "
+                         "with train_gate.py --steps 0 --out DIR") from None
+    cfg = read_config(cli.resolve_model(args.model or manifest["model"]) / "config.json")
+    if list(cfg.compressed_layers) != list(manifest["compressed_layers"]):
+        raise UsageError(f"--features {folder} was made for another model (its compressed "
+                         "layers differ from the model's); pass --model, or that model's features")
+    gates = load_gate(args.gate, cfg)
+    if gates.n_layers != store.n_layers or gates.n_kv_heads != store.scores.shape[1]:
+        raise UsageError(f"--gate {args.gate} does not fit the features of {folder} "
+                         f"({gates.n_layers} layers x {gates.n_kv_heads} heads against "
+                         f"{store.n_layers} x {store.scores.shape[1]})")
+    rows = train_gate.calibrate_heads(gates, store, torch.device("cpu"),
+                                      log=lambda s: print(s, file=sys.stderr))
+    meta = dict(gates.meta, calibration=dict(
+        source=str(args.gate), source_sha256=cli.file_sha256(args.gate), features=str(folder),
+        budgets=list(train_gate.CALIBRATE_BUDGETS), iterations=train_gate.CALIBRATE_ITERS,
+        share_error=rows))
+    save_gate(out, gates, meta=meta)
+    print(f"calibrated gate -> {out}")
+
+
+def main(argv=None):
+    return cli.main(run, parse_args(argv), ModelError, GateError)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
