@@ -723,6 +723,7 @@ def overlap_per_layer(pred, kept, segments):
 
 
 def logit(p, floor=1e-12):
+    """log(p / (1 - p)) in float64, p kept inside [floor, 1 - 1e-9] (a score of 0 or 1 stays finite)."""
     p = p.double().clamp(floor, 1 - 1e-9)
     return torch.log(p) - torch.log1p(-p)
 

@@ -14,6 +14,7 @@ training documents; the order inside each head stays the gate's. The new gate is
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ def parse_args(argv=None):
 
 def run(args):
     torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
     out, folder = Path(args.out), Path(args.features)
     if out.exists():
         raise UsageError(f"--out {out} exists; pass a new file name (a gate is never overwritten)")
@@ -68,7 +70,7 @@ def run(args):
         budgets=list(train_gate.CALIBRATE_BUDGETS), iterations=train_gate.CALIBRATE_ITERS,
         share_error=rows))
     save_gate(out, gates, meta=meta)
-    print(f"calibrated gate -> {out}")
+    print(f"calibrated gate -> {out} ({time.perf_counter() - t0:.0f} s)")
 
 
 def main(argv=None):
