@@ -15,7 +15,7 @@ results.json and results.md are rewritten after every run: per variant, the mean
 95% Student-t interval (n - 1 degrees of freedom) of the held-out agreement (train_gate.py's report,
 see metrics.json's "agreement"), and each variant minus base paired by seed ("tie": the interval
 spans 0). Default variants: base, each option alone, all of them (weights 1: the first look of
-METHOD.md §13.15)."""
+METHOD.md §13.15), and --calibrate-heads (§13.17, a step after training, not part of "all")."""
 import argparse
 import contextlib
 import io
