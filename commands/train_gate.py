@@ -109,7 +109,7 @@ def summary_table(m):
 
 def calibration_line(rows):
     """--calibrate-heads in one line: the mean absolute per-head share error at each budget, before
-    and after (train_gate.calibrate_heads' first row and the one it kept)."""
+    and after (teacher.calibrate_heads' first row and the one it kept)."""
     first, last = rows[0], next(r for r in rows if r["kept"])
     budgets = [k.split("@")[1] for k in first if k.startswith("train@")]
     held = lambda r: ("" if first[f"val@{r}"] is None else
@@ -681,7 +681,7 @@ def parse_args(argv, recipes, parts):
     p.add_argument("--calibrate-heads", action="store_true", default=None, help="after training, "
                    "shift each KV head's gate bias so that the cache's cut keeps the teacher's "
                    "share of each head on the training documents at budgets 0.2 and 0.3 "
-                   "(train_gate.calibrate_heads; ours, not the paper's; default off)")
+                   "(teacher.calibrate_heads; ours, not the paper's; default off)")
     p.add_argument("--ridge-ceiling", action="store_true", help="also report, per layer, a ridge "
                    "regression of the log teacher score on the gate's input (fit on the training "
                    "tokens) beside the gate on the held-out tokens: Spearman and overlap at 0.2. "

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import cli
-import train_gate
+import teacher
 from cli import UsageError
 from commands.features import FeatureStore
 from formats.checkpoint import read_config
@@ -36,8 +36,7 @@ def parse_args(argv=None):
                    "gate's model (manifest.json and features/)")
     p.add_argument("--out", required=True, help="the calibrated gate (.safetensors, or .pt for "
                    "the authors' layout); must not exist")
-    p.add_argument("--model", help="the model, as train_gate.py --model takes it (default: the "
-                   "one the features folder was made from)")
+    cli.add_model(p, default=None, default_note="the model the features folder was made from")
     cli.add_threads(p)
     return p.parse_args(argv)
 
@@ -63,11 +62,11 @@ def run(args):
         raise UsageError(f"--gate {args.gate} does not fit the features of {folder} "
                          f"({gates.n_layers} layers x {gates.n_kv_heads} heads against "
                          f"{store.n_layers} x {store.scores.shape[1]})")
-    rows = train_gate.calibrate_heads(gates, store, torch.device("cpu"),
+    rows = teacher.calibrate_heads(gates, store, torch.device("cpu"),
                                       log=lambda s: print(s, file=sys.stderr))
     meta = dict(gates.meta, calibration=dict(
         source=str(args.gate), source_sha256=cli.file_sha256(args.gate), features=str(folder),
-        budgets=list(train_gate.CALIBRATE_BUDGETS), iterations=train_gate.CALIBRATE_ITERS,
+        budgets=list(teacher.CALIBRATE_BUDGETS), iterations=teacher.CALIBRATE_ITERS,
         share_error=rows))
     save_gate(out, gates, meta=meta)
     print(f"calibrated gate -> {out} ({time.perf_counter() - t0:.0f} s)")

@@ -13,6 +13,7 @@ import torch
 from test_teacher import tiny_model_folder
 from test_train_gate import SMALL, run_main, sharpen, write_docs
 
+import teacher as T
 import train_gate as TG
 from cache import plan_prefill
 from commands import features
@@ -299,7 +300,7 @@ def test_cut_margins_are_naive_global_cuts(tmp_path):
             for q in got:
                 kept[q[:2]] += 1
             total, margins = total + s, margins + [m]
-        k, n, m = TG.cut_margins(store.scores, starts, lengths, [0, 2], ratio)
+        k, n, m = T.cut_margins(store.scores, starts, lengths, [0, 2], ratio)
         assert k.tolist() == kept.tolist() and n == total
         torch.testing.assert_close(m, torch.cat(margins, -1).double(), rtol=0, atol=1e-6)
 
@@ -318,11 +319,11 @@ def test_calibrate_heads_gives_each_head_the_teachers_share(tmp_path):
         before = torch.stack([gates.score_layer(li, x[li]) for li in range(3)])
         store.scores = before * c.exp()[..., None]
     logged = []
-    rows = TG.calibrate_heads(gates, store, CPU, log=logged.append)
-    assert len(rows) == len(logged) - 1 == TG.CALIBRATE_ITERS + 1
+    rows = T.calibrate_heads(gates, store, CPU, log=logged.append)
+    assert len(rows) == len(logged) - 1 == T.CALIBRATE_ITERS + 1
     (kept,) = [row for row in rows if row["kept"]]
     assert kept["step"] > 0 and f"kept step {kept['step']}" in logged[-1]
-    for r in TG.CALIBRATE_BUDGETS:
+    for r in T.CALIBRATE_BUDGETS:
         assert rows[0][f"train@{r:g}"] > 0.02 and rows[0][f"val@{r:g}"] > 0.02, rows[0]
         assert kept[f"train@{r:g}"] < rows[0][f"train@{r:g}"] / 5, rows
         assert kept[f"val@{r:g}"] < rows[0][f"val@{r:g}"] / 5, rows
@@ -440,8 +441,8 @@ def test_the_command_line_trains_with_every_option_and_prints_the_ceiling(tmp_pa
             training["select"], training["clip"]) == (1.0, 1.0, "drop", "overlap", 1.0)
     assert list(training["cut_budgets"]) == list(TG.CUT_BUDGETS)
     assert training["calibrate_heads"] and list(training["calibrate_budgets"]) == list(
-        TG.CALIBRATE_BUDGETS)
-    assert len(m["head_calibration"]) == TG.CALIBRATE_ITERS + 1
+        T.CALIBRATE_BUDGETS)
+    assert len(m["head_calibration"]) == T.CALIBRATE_ITERS + 1
     assert "--calibrate-heads: mean abs per-head share error @0.2" in printed
     lengths = [d["tokens"] for d in json.loads((out / "manifest.json").read_text())["documents"]
                if d["split"] == "train"]
@@ -483,8 +484,8 @@ def test_calibrate_gate_shifts_only_the_bias_of_a_trained_gate(tmp_path, capsys)
     c = new.meta["calibration"]
     assert c["source"] == str(out / "gate.safetensors") and len(c["share_error"]) == 4
     (kept,) = [row for row in c["share_error"] if row["kept"]]
-    assert sum(kept[f"train@{r:g}"] for r in TG.CALIBRATE_BUDGETS) <= sum(
-        c["share_error"][0][f"train@{r:g}"] for r in TG.CALIBRATE_BUDGETS)
+    assert sum(kept[f"train@{r:g}"] for r in T.CALIBRATE_BUDGETS) <= sum(
+        c["share_error"][0][f"train@{r:g}"] for r in T.CALIBRATE_BUDGETS)
     for bad, says in ((argv, "exists"), ([*argv[:3], tmp_path / "data", "--out", tmp_path / "x"],
                                          "not a complete features folder")):
         with pytest.raises(SystemExit) as e:
