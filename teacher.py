@@ -387,7 +387,7 @@ def logit(p, floor=1e-12):
 
 
 def cut_margins(scores, starts, lengths, docs, ratio):
-    """The cache's cut (teacher.kept_by_rule: one global threshold per document, the document as
+    """The cache's cut (kept_by_rule: one global threshold per document, the document as
     one context) at budget `ratio`, for each document of `docs` -> (kept (L, H), total pairs,
     margins (L, H, M)): the pairs kept outside each document's window, per head, summed over the
     documents; their count; and each such pair's logit(score) - logit(threshold), the threshold
