@@ -422,8 +422,7 @@ def calibrate_heads(gates, store, device, log=print, budgets=CALIBRATE_BUDGETS,
     documents (the first, unshifted, included: never worse there). Returns per step the mean
     absolute per-head share error at each budget, on the training documents and on the held-out
     ones (None without), and which step was kept."""
-    starts = store.starts
-    lengths = torch.diff(starts, append=torch.tensor([store.n_tokens]))
+    starts, lengths = store.starts, store.lengths
     val = store.is_val_doc[starts]
     train_docs = [d for d in range(len(starts)) if not val[d]]
     val_docs = [d for d in range(len(starts)) if val[d]]

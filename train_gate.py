@@ -110,7 +110,7 @@ def split(store, drop_final=False):
         is_val = (torch.arange(store.n_tokens) + 1) % VAL_EVERY == 0
     is_train = ~is_val
     if drop_final:
-        is_train &= ~short_final_chunk(doc_lengths(store), store.teacher_chunk)
+        is_train &= ~short_final_chunk(store.lengths, store.teacher_chunk)
     return is_train.nonzero().squeeze(1), is_val.nonzero().squeeze(1)
 
 
@@ -536,11 +536,6 @@ PARTS = dict(optimizer=("sgd", *OPTIMIZERS), loss=("bce", *LOSSES), select=("las
 #    the teacher's short final chunk, its keep/drop decisions as labels (--keep-term) and as pairs
 #    (--cut-pairs), the held-out overlap of the kept sets (--select overlap), gradient clipping
 
-def doc_lengths(store):
-    """(documents,) the token count of each document of the store, in its order."""
-    return torch.diff(store.starts, append=torch.tensor([store.n_tokens]))
-
-
 def short_final_chunk(lengths, chunk):
     """(N,) bool over the documents' tokens end to end: True in each document's last teacher chunk
     where it is shorter than `chunk`. The teacher scores each chunk of `chunk` context tokens in a
@@ -583,7 +578,7 @@ def cut_targets(store, drop_final, train_idx):
     log_tau = torch.zeros(R, D)
     decided = torch.zeros(R, D, dtype=torch.long)
     log = lambda x: math.log(max(float(x), LOG_FLOOR))
-    for d, (s, n) in enumerate(zip(store.starts.tolist(), doc_lengths(store).tolist())):
+    for d, (s, n) in enumerate(zip(store.starts.tolist(), store.lengths.tolist())):
         if store.is_val_doc[s]:
             continue  # held out: never trained on
         m = n - n % store.teacher_chunk if drop_final else n

@@ -549,6 +549,7 @@ class FeatureStore:
         self.scores = torch.cat(
             [safetensors.torch.load_file(str(p))["scores"].float() for p in paths], dim=-1)
         lens = torch.tensor([h.shape[1] for h in self.hidden])
+        self.lengths = lens  # (documents,) each document's token count, in manifest order
         self.starts = torch.cumsum(lens, 0) - lens
         # held-out whole documents (none with --val-docs 0)
         self.is_val_doc = torch.repeat_interleave(

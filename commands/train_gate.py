@@ -408,39 +408,40 @@ def mix_held_out(args, job):
     return store, documents
 
 
-def eval_folders(folders, model_name, cfg):
-    """--eval-features, checked before any work: each folder must hold features of this model that
-    train_gate.py wrote (its manifest.json and every shard; --steps 0 writes only these) ->
-    [(name, folder, manifest)]; the folder's name keys its agreement in metrics.json."""
+def eval_folders(folders, model_name, cfg, flag="--eval-features"):
+    """--eval-features (or another `flag` naming features folders), checked before any work: each
+    folder must hold features of this model that train_gate.py wrote (its manifest.json and every
+    shard; --steps 0 writes only these) -> [(name, folder, manifest)]; the folder's name keys its
+    agreement in metrics.json."""
     out = []
     for folder in folders:
         path = Path(folder)
         fix = (f"write one with train_gate.py --model {model_name} --data ... --steps 0 --out DIR "
-               f"and pass --eval-features DIR")
+               f"and pass {flag} DIR")
         try:
             m = json.loads((path / "manifest.json").read_text("utf-8"))
         except (OSError, ValueError) as e:
             why = getattr(e, "strerror", None) or type(e).__name__
-            raise UsageError(f"--eval-features {folder} is not a features folder (manifest.json: "
+            raise UsageError(f"{flag} {folder} is not a features folder (manifest.json: "
                              f"{why}); {fix}") from None
         ours = dict(model=model_name, compressed_layers=list(cfg.compressed_layers),
                     n_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size)
         if not (isinstance(m, dict) and isinstance(m.get("documents"), list)
                 and ours.keys() <= m.keys()):
-            raise UsageError(f"--eval-features {folder}: its manifest.json is not one "
+            raise UsageError(f"{flag} {folder}: its manifest.json is not one "
                              f"train_gate.py wrote; {fix}")
         differ = [k for k, v in ours.items() if m[k] != v]
         if differ:
-            raise UsageError(f"--eval-features {folder} holds features of model {m['model']}, not "
+            raise UsageError(f"{flag} {folder} holds features of model {m['model']}, not "
                              f"of {model_name} ({', '.join(differ)} differ); {fix}")
         missing = [d["shard"] for d in m["documents"] if not (path / d["shard"]).is_file()]
         if missing:
-            raise UsageError(f"--eval-features {folder}: {len(missing)} of {len(m['documents'])} "
+            raise UsageError(f"{flag} {folder}: {len(missing)} of {len(m['documents'])} "
                              f"feature shards are missing ({missing[0]}); rerun the train_gate.py "
                              f"--steps 0 command that wrote it to finish them")
         name = path.resolve().name
         if name in [n for n, _, _ in out]:
-            raise UsageError(f"--eval-features: two folders are named {name}, which names each "
+            raise UsageError(f"{flag}: two folders are named {name}, which names each "
                              f"one's report in metrics.json; rename one")
         out.append((name, str(folder), m))
     return out

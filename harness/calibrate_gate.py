@@ -22,6 +22,7 @@ import torch
 import cli
 import teacher
 from cli import UsageError
+from commands import train_gate as command
 from commands.features import FeatureStore
 from formats.checkpoint import read_config
 from formats.gate_file import GateError, load_gate, save_gate
@@ -41,29 +42,31 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def manifest_model(folder):
+    """The model a features folder was made from (its manifest's "model"), the default --model."""
+    try:
+        return json.loads((Path(folder) / "manifest.json").read_text("utf-8"))["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = getattr(e, "strerror", None) or type(e).__name__
+        raise UsageError(f"--features {folder} is not a features folder (manifest.json: {why}); "
+                         "make one with train_gate.py --steps 0 --out DIR, or pass --model") from None
+
+
 def run(args):
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     out, folder = Path(args.out), Path(args.features)
     if out.exists():
         raise UsageError(f"--out {out} exists; pass a new file name (a gate is never overwritten)")
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        store = FeatureStore(folder, manifest)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-        raise UsageError(f"--features {folder}: not a complete features folder ({e}); make one "
-                         "with train_gate.py --steps 0 --out DIR") from None
-    cfg = read_config(cli.resolve_model(args.model or manifest["model"]) / "config.json")
-    if list(cfg.compressed_layers) != list(manifest["compressed_layers"]):
-        raise UsageError(f"--features {folder} was made for another model (its compressed "
-                         "layers differ from the model's); pass --model, or that model's features")
-    gates = load_gate(args.gate, cfg)
-    if gates.n_layers != store.n_layers or gates.n_kv_heads != store.scores.shape[1]:
-        raise UsageError(f"--gate {args.gate} does not fit the features of {folder} "
-                         f"({gates.n_layers} layers x {gates.n_kv_heads} heads against "
-                         f"{store.n_layers} x {store.scores.shape[1]})")
+    model = args.model or manifest_model(folder)
+    cfg = read_config(cli.resolve_model(model))
+    # the folder checked as train_gate.py --eval-features checks it: this model's, every shard there
+    [(_, _, manifest)] = command.eval_folders([folder], command.names(model, None)[0], cfg,
+                                              flag="--features")
+    store = FeatureStore(folder, manifest)
+    gates = load_gate(args.gate, cfg)  # refused unless shaped for cfg, as the features are
     rows = teacher.calibrate_heads(gates, store, torch.device("cpu"),
-                                      log=lambda s: print(s, file=sys.stderr))
+                                   log=lambda s: print(s, file=sys.stderr))
     meta = dict(gates.meta, calibration=dict(
         source=str(args.gate), source_sha256=cli.file_sha256(args.gate), features=str(folder),
         budgets=list(teacher.CALIBRATE_BUDGETS), iterations=teacher.CALIBRATE_ITERS,

@@ -60,7 +60,7 @@ def test_short_final_chunk_is_each_documents_short_tail(tmp_path):
         want += [n % 4 != 0 and p >= full for p in range(n)]
     assert TG.short_final_chunk(lengths, 4).tolist() == want
     store = make_store(tmp_path, docs=((300, "train"), (256, "train"), (200, "val")))
-    assert store.teacher_chunk == 128 and TG.doc_lengths(store).tolist() == [300, 256, 200]
+    assert store.teacher_chunk == 128 and store.lengths.tolist() == [300, 256, 200]
     keep, _ = TG.split(store)
     drop, val = TG.split(store, drop_final=True)
     assert set(keep.tolist()) - set(drop.tolist()) == set(range(256, 300))  # 300 = 2·128 + 44
@@ -287,7 +287,7 @@ def test_cut_margins_are_naive_global_cuts(tmp_path):
     documents asked for; their number; and every such pair's logit distance to its document's
     weakest kept pair, >= 0 exactly where the pair is kept."""
     store = make_store(tmp_path, docs=((300, "train"), (150, "val"), (420, "train")))
-    starts, lengths = store.starts, TG.doc_lengths(store)
+    starts, lengths = store.starts, store.lengths
     logit = lambda p: math.log(max(p, 1e-12) / (1 - p))  # floored as cut_margins
     for ratio in (0.2, 0.3):
         kept, total, margins = torch.zeros(3, 2), 0, []
@@ -487,7 +487,7 @@ def test_calibrate_gate_shifts_only_the_bias_of_a_trained_gate(tmp_path, capsys)
     assert sum(kept[f"train@{r:g}"] for r in T.CALIBRATE_BUDGETS) <= sum(
         c["share_error"][0][f"train@{r:g}"] for r in T.CALIBRATE_BUDGETS)
     for bad, says in ((argv, "exists"), ([*argv[:3], tmp_path / "data", "--out", tmp_path / "x"],
-                                         "not a complete features folder")):
+                                         "is not a features folder")):
         with pytest.raises(SystemExit) as e:
             calibrate_gate.main([str(a) for a in bad])
         err = capsys.readouterr().err
