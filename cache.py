@@ -556,6 +556,9 @@ class EvictingCache(KVCache):
                               for kv, r, m in zip(layers, rows, in_seg)])
         # context pairs each layer holds outside this segment (older kept ones, and the window)
         others = torch.stack([((p >= self.n_protected) & ~m).sum() for p, m in zip(pos, in_seg)])
+        cut = getattr(self.scorer, "cut_scores", None)  # a Scorer's; KVzip's cache holds none
+        if cut is not None:  # a calibrated gate's heads moved at the cut (METHOD.md §13.17)
+            scores = cut(scores)
         keep = select_segment(scores, ratio, level, others.to(scores.device))
         for li, m in enumerate(in_seg):
             mask = ~m  # rows outside the segment stay; inside it, what select_segment keeps

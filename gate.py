@@ -104,6 +104,8 @@ class Gates(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(L, Dp, **kw))  # k_norm.weight
         self.k_base = nn.Parameter(torch.zeros(L, H, S, Dp, **kw))  # the S sink keys, zeros at init
         self.b = nn.Parameter(torch.zeros(L, H, G, dtype=dtype, **kw))  # own-key bias, zero at init
+        # ours (METHOD.md §13.17): each head's logit offset at the prefill's cut, set after training
+        self.register_buffer("cut_offset", torch.zeros(L, H, **kw))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -144,10 +146,22 @@ class Gates(nn.Module):
         params = self._params(slice(li, li + 1))  # views, no copy
         return sink_gate(hidden.unsqueeze(0), *params)[0]
 
+    def cut_scores(self, scores):
+        """What the prefill's cut compares (ours, METHOD.md §13.17): scores (L, H, N), each head's
+        moved by its offset o, sigmoid(logit(s) + o) in float64 (+inf, a protected row, stays):
+        monotone inside each head, so only where the heads sit against each other moves. Without
+        offsets (an uncalibrated gate), `scores` itself."""
+        if not self.cut_offset.any():
+            return scores
+        p = scores.double()
+        z = torch.log(p) - torch.log1p(-p) + self.cut_offset.double().unsqueeze(-1)
+        return torch.where(p.isinf(), p, torch.sigmoid(z))
+
     # -- per-layer state dicts in the authors' key names and shapes (§1.2): both file formats --
     def layer_state_dict(self, li):
-        """Layer li as the authors' `Weight` state dict."""
-        return {
+        """Layer li as the authors' `Weight` state dict, and its heads' "cut_offset" (H,) where the
+        gate has offsets (ours: the authors' layout has no place for it)."""
+        sd = {
             "q_proj.weight": self.q_weight[li].detach(),
             "q_proj.bias": self.q_bias[li].detach(),
             "k_proj.weight": self.k_weight[li].detach(),
@@ -156,6 +170,9 @@ class Gates(nn.Module):
             "k_base": self.k_base[li].detach().unsqueeze(1),                    # (H, 1, S, D')
             "b": self.b[li].detach().unsqueeze(1),                              # (H, 1, G)
         }
+        if self.cut_offset.any():
+            sd["cut_offset"] = self.cut_offset[li].detach()                     # (H,)
+        return sd
 
     @classmethod
     def from_layer_state_dicts(cls, layers, dtype=None, device=None):
@@ -180,6 +197,8 @@ class Gates(nn.Module):
         gates.k_weight = stack("k_proj.weight", dtype)
         gates.q_norm, gates.k_norm = stack("q_norm.weight", f32), stack("k_norm.weight", f32)
         gates.k_base, gates.b = stack("k_base", f32, squeeze=True), stack("b", dtype, squeeze=True)
+        gates.cut_offset = (torch.stack([sd["cut_offset"] for sd in layers]).to(device, f32)
+                            if "cut_offset" in first else torch.zeros(len(layers), H, device=device))
         return gates
 
 
@@ -306,6 +325,11 @@ class GateScorer(Scorer):
     @torch.no_grad()
     def score(self, li, hidden, q, k, pos):
         return self.gates.score_layer(li, hidden)  # (H, T) fp32
+
+    def cut_scores(self, scores):
+        """The prefill's cut (cache.EvictingCache.evict) on Gates.cut_scores; rows keep the gate's
+        own scores, so decoding compares those."""
+        return self.gates.cut_scores(scores)
 
 
 class StreamingScorer(Scorer):

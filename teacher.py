@@ -386,42 +386,42 @@ def logit(p, floor=1e-12):
     return torch.log(p) - torch.log1p(-p)
 
 
-def cut_margins(scores, starts, lengths, docs, ratio):
-    """The cache's cut (kept_by_rule: one global threshold per document, the document as
-    one context) at budget `ratio`, for each document of `docs` -> (kept (L, H), total pairs,
-    margins (L, H, M)): the pairs kept outside each document's window, per head, summed over the
-    documents; their count; and each such pair's logit(score) - logit(threshold), the threshold
-    being the document's weakest kept pair (a pair is kept where its margin is >= 0), the
-    documents' pairs end to end."""
+def cut_margins(scores, starts, lengths, docs, ratio, offset=None):
+    """The cache's cut (kept_by_rule, each document one context) at budget `ratio` on
+    z = logit(scores) + offset (L, H) (a calibrated gate's cut, Gates.cut_scores) -> (kept (L, H),
+    total pairs, margins (L, H, M)): per head, the pairs kept outside each document's window,
+    summed over `docs`; their count; each such pair's z − z(its document's weakest kept pair),
+    >= 0 where kept, the documents' pairs end to end."""
     kept, total, margins = 0, 0, []
     for d in docs:
         a, n = int(starts[d]), int(lengths[d])
-        s = scores[..., a:a + n].float()
+        s = logit(scores[..., a:a + n])  # the same cut as on the scores: logit is monotone
+        if offset is not None:
+            s = s + offset[..., None]
         keep, w = kept_by_rule(s, ratio)
         keep, s = keep[..., :n - w], s[..., :n - w]
         tau = s[keep].min() if keep.any() else s.max()
         kept, total = kept + keep.sum(-1), total + (n - w)
-        margins.append(logit(s) - logit(tau))
+        margins.append(s - tau)
     return kept, total, torch.cat(margins, -1)
 
 
 @torch.no_grad()
 def calibrate_heads(gates, store, device, log=print, budgets=CALIBRATE_BUDGETS,
                     iters=CALIBRATE_ITERS, max_step=4.0, block=8192):
-    """train_gate.py --calibrate-heads (ours, METHOD.md §13.17), after training: the cut's allocation among the
-    heads made the teacher's. The cache keeps the pairs above one threshold over all layers and
-    heads, so a head whose scores sit too low loses pairs the teacher keeps, whatever its ranking
-    inside the head. On the training documents (all, where none is held out), for each budget r:
-    k_T, the share of each head the teacher's cut keeps (each document one context); then per head
-    the shift c_r that would give the head that share against the gate's own current thresholds,
-    c_r = -(the (1 - k_T)-quantile of the head's margins logit(score) - logit(threshold)), and
-        b[l, h, :] += clamp(mean over r of c_r, ±max_step)
-    (the same b for the head's G groups: the gate's order inside the head stays, exactly for G = 1,
-    as logit(sigmoid(z + c)) = z + c). The thresholds move with every shift, so this repeats `iters`
-    times and the gate keeps the step with the least per-head share error on the training
-    documents (the first, unshifted, included: never worse there). Returns per step the mean
-    absolute per-head share error at each budget, on the training documents and on the held-out
-    ones (None without), and which step was kept."""
+    """train_gate.py --calibrate-heads (ours, METHOD.md §13.17), after training: the prefill cut's
+    allocation among the heads made the teacher's. The cache keeps the pairs above one threshold
+    over all layers and heads, so a head whose scores sit too low loses pairs the teacher keeps,
+    whatever its order inside. On the training documents (all, where none is held out), at each
+    budget r: k_T, each head's share kept by the teacher's cut; per head the shift giving it that
+    share at the gate's current thresholds, c_r = -(the (1 - k_T)-quantile of its cut_margins), and
+        gates.cut_offset[l, h] += clamp(mean over r of c_r, ±max_step)
+    The offsets move the prefill's cut only (Gates.cut_scores, monotone inside each head); the
+    gate's scores, and decoding, stay as trained. The thresholds move with every shift: this
+    repeats `iters` times and keeps the step with the least per-head share error on the training
+    documents (the gate's own offsets included: never worse there). Returns per step the mean
+    absolute per-head share error at each budget, on the training and the held-out documents (None
+    without), and which step was kept."""
     starts, lengths = store.starts, store.lengths
     val = store.is_val_doc[starts]
     train_docs = [d for d in range(len(starts)) if not val[d]]
@@ -433,21 +433,22 @@ def calibrate_heads(gates, store, device, log=print, budgets=CALIBRATE_BUDGETS,
         kv, nv, _ = (cut_margins(store.scores, starts, lengths, val_docs, r) if val_docs
                      else (None, 0, None))
         teacher[r] = share(kt, nt), None if kv is None else share(kv, nv)
+    pred = torch.empty_like(store.scores, dtype=torch.float32)  # the gate's own scores, once
+    for li in range(store.n_layers):  # one layer's features in memory at a time
+        x = store.load_layers(slice(li, li + 1))[0]
+        for a in range(0, x.shape[0], block):
+            pred[li, :, a:a + block] = gates.score_layer(
+                li, x[a:a + block].to(device, gates.dtype)).float().cpu()
+    offset = gates.cut_offset.detach().double().cpu().clone()  # (L, H): where the gate starts
     rows, best = [], None
     for it in range(iters + 1):
-        pred = torch.empty_like(store.scores)
-        for li in range(store.n_layers):  # one layer's features in memory at a time
-            x = store.load_layers(slice(li, li + 1))[0]
-            for a in range(0, x.shape[0], block):
-                pred[li, :, a:a + block] = gates.score_layer(
-                    li, x[a:a + block].to(device, gates.dtype)).float().cpu()
         shift, row = 0, dict(step=it)
         for r in budgets:
             kt, kv = teacher[r]
-            kg, n, margins = cut_margins(pred, starts, lengths, train_docs, r)
+            kg, n, margins = cut_margins(pred, starts, lengths, train_docs, r, offset)
             row[f"train@{r:g}"] = float((share(kg, n) - kt).abs().mean())
             if kv is not None:
-                k, m, _ = cut_margins(pred, starts, lengths, val_docs, r)
+                k, m, _ = cut_margins(pred, starts, lengths, val_docs, r, offset)
                 row[f"val@{r:g}"] = float((share(k, m) - kv).abs().mean())
             else:
                 row[f"val@{r:g}"] = None
@@ -457,14 +458,14 @@ def calibrate_heads(gates, store, device, log=print, budgets=CALIBRATE_BUDGETS,
             shift = shift - top.gather(-1, rank[..., None] - 1)[..., 0] / len(budgets)
         error = sum(row[f"train@{r:g}"] for r in budgets)
         if best is None or error < best[0]:
-            best = error, it, gates.b.detach().clone()
+            best = error, it, offset.clone()
         rows.append(row)
         log(f"--calibrate-heads step {it}: mean abs per-head share error " + ", ".join(
             f"@{r:g} {row[f'train@{r:g}']:.4f}" + (
                 f" (held out {row[f'val@{r:g}']:.4f})" if val_docs else "") for r in budgets))
         if it < iters:
-            gates.b += shift.clamp(-max_step, max_step).to(gates.b)[..., None]
-    gates.b.copy_(best[2])
+            offset += shift.clamp(-max_step, max_step)
+    gates.cut_offset.copy_(best[2])
     log(f"--calibrate-heads: kept step {best[1]}")
     for row in rows:
         row["kept"] = row["step"] == best[1]

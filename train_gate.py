@@ -73,8 +73,8 @@ class Recipe:
     cut_pairs: float = 0.0     # weight of a ranking term over pairs across the teacher's cut
     final_chunk: str = "keep"  # "drop": no training target in a document's short last teacher chunk
     clip: float = 0.0          # clip each layer's gradient norm to this (0: no clipping)
-    calibrate_heads: bool = False  # after training, shift each head's bias b so that the cache's
-                                   # cut keeps the teacher's share of each head (calibrate_heads)
+    calibrate_heads: bool = False  # after training, set each head's cut offset so that the
+                                   # prefill's cut keeps the teacher's share of it (calibrate_heads)
 
 
 RECIPES = {
@@ -366,7 +366,7 @@ def agreement_with_teacher(gates, store, documents, tokenizer, device):
     for i, ids in documents:
         start, n = int(store.starts[i]), store.hidden[i].shape[1]
         with torch.no_grad():
-            pred = gates(store.hidden[i].to(device)).float().cpu()  # (L, H, n)
+            pred = gates.cut_scores(gates(store.hidden[i].to(device)).float()).cpu()  # as cut
         is_digit, is_identifier = (token_marks(tokenizer, ids) if ids is not None
                                    else (torch.zeros(n, dtype=torch.bool),) * 2)
         per_doc.append(agreement(pred, store.scores[:, :, start:start + n], is_digit,

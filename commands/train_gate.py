@@ -25,9 +25,9 @@ three steps (train_gate.py's main runs them in order):
                SmolLM2 gate's) and one flag per field of the recipe plug in other losses, optimisers
                and selections (train_gate.Recipe, METHOD.md §13.14), and terms aimed at the cache's
                cut (--keep-term, --cut-pairs, --final-chunk, --select overlap, --clip; METHOD.md
-               §13.15); --calibrate-heads (§13.17) shifts each head's bias after training so that
-               the cut gives each head the teacher's share; --ridge-ceiling reports a linear
-               ceiling beside the gate.
+               §13.15); --calibrate-heads (§13.17) sets each head's offset at the prefill's cut
+               after training so that the cut gives each head the teacher's share;
+               --ridge-ceiling reports a linear ceiling beside the gate.
 
 Outputs in --out (default ./out/<model>): features/ + manifest.json, gate.safetensors
 (formats.gate_file.save_gate, with a training summary in its metadata), metrics.json (per-layer
@@ -680,9 +680,10 @@ def parse_args(argv, recipes, parts):
     p.add_argument("--clip", type=float, metavar="NORM", help="clip each layer's gradient norm to "
                    "NORM (per layer: the layers train on their own; default 0: off)")
     p.add_argument("--calibrate-heads", action="store_true", default=None, help="after training, "
-                   "shift each KV head's gate bias so that the cache's cut keeps the teacher's "
-                   "share of each head on the training documents at budgets 0.2 and 0.3 "
-                   "(teacher.calibrate_heads; ours, not the paper's; default off)")
+                   "give each KV head an offset at the prefill's cut so that the cut keeps the "
+                   "teacher's share of each head on the training documents at budgets 0.2 and 0.3; "
+                   "the gate's scores, and decoding, stay as trained (teacher.calibrate_heads; "
+                   "ours, not the paper's; default off; the gate must be saved as .safetensors)")
     p.add_argument("--ridge-ceiling", action="store_true", help="also report, per layer, a ridge "
                    "regression of the log teacher score on the gate's input (fit on the training "
                    "tokens) beside the gate on the held-out tokens: Spearman and overlap at 0.2. "
@@ -742,6 +743,9 @@ def parse_args(argv, recipes, parts):
         p.error("--mix-features joins features at training: it needs --steps > 0")
     if args.steps < 0 or args.long_doc_tokens < 0 or args.layer_groups < 0:
         p.error("--steps, --long-doc-tokens and --layer-groups must be >= 0")
+    if args.export_pt and (args.calibrate_heads or recipes[args.recipe].calibrate_heads):
+        p.error("--export-pt writes the authors' layout, which has no place for the cut offsets "
+                "of --calibrate-heads (METHOD.md §13.17): drop one of the two")
     if args.eval_features and args.steps == 0:
         p.error("--eval-features evaluates the trained gate: it needs --steps above 0")
     if not 0 <= args.val_docs <= 0.5:

@@ -3,7 +3,8 @@ Gate files: what a gate (gate.Gates) looks like on disk, and how a program finds
 model.
 
 - Our format: safetensors, per-layer tensors `layers.{i}.<authors' key>` in the authors' shapes
-  and dtypes, with JSON metadata (model, layers, training summary) under "fastkvzip" (save_gate,
+  and dtypes (and `layers.{i}.cut_offset` (H,) in a calibrated gate, METHOD.md §13.17), with JSON
+  metadata (model, layers, training summary) under "fastkvzip" (save_gate,
   load_gate, gate_metadata).
 - The authors' released `.pt` files (METHOD.md §2), read with torch.load(weights_only=True) and a
   short list of numpy globals: a pickle that would import anything else is refused before it runs.
@@ -77,6 +78,14 @@ def infer_dims(layers):
             if got != shape:
                 raise GateError(f"gate layer {i}: {key} has shape {got}, expected {shape} "
                                 f"(D'={Dp}, H={H}, G={G}, S={S}, hidden {D})")
+    if any("cut_offset" in layer for layer in layers):  # ours: a calibrated gate (METHOD.md §13.17)
+        for i, layer in enumerate(layers):
+            t = layer.get("cut_offset")
+            if not (torch.is_tensor(t) and t.dtype == torch.float32 and tuple(t.shape) == (H,)):
+                got = (f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+                       if torch.is_tensor(t) else "missing")
+                raise GateError(f"gate layer {i}: cut_offset is {got}, expected float32 ({H},) in "
+                                "every layer of a calibrated gate")
     if S < 1:
         raise GateError("gate has no sink keys (the authors' unused sink=0 variant): not supported")
     return dict(dim=Dp, n_kv_heads=H, group=G, sinks=S, hidden=D)
@@ -113,17 +122,22 @@ def authors_file_name(gates):
 def save_gate(path, gates, meta=None, curves=None):
     """Write `gates` to `path`, atomically (cli.atomic_path), in one of two layouts:
     - safetensors (any other suffix): per-layer tensors `layers.{i}.<authors' key>` in the authors'
-      shapes and dtypes, plus JSON metadata in the header under "fastkvzip". meta: free-form
+      shapes and dtypes (a calibrated gate's `layers.{i}.cut_offset` beside them), plus JSON
+      metadata in the header under "fastkvzip". meta: free-form
       JSON-able dict; conventional keys "model" (id), "layers" (compressed layer ids), "training"
       (summary).
     - the authors' layout (`path` ends in .pt, METHOD.md §2), which their code and kvpress's
       FastKVzipPress load: torch.save({"module": [layer l's state dict, in their key order]}), with
       the validation curves "loss" and "acc", (evaluations, layers), when `curves` = (loss, acc) is
       given. Only tensors inside, so torch.load(weights_only=True) reads it; `meta` does not travel
-      in this layout."""
+      in this layout, and a calibrated gate is refused (GateError: no place for its offsets)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".pt":
+        if gates.cut_offset.any():
+            raise GateError(f"cannot save {path}: the authors' .pt layout has no place for a "
+                            "calibrated gate's cut offsets (METHOD.md §13.17); save it as "
+                            ".safetensors")
         layers = []
         for l in range(gates.n_layers):
             sd = gates.layer_state_dict(l)
@@ -319,8 +333,8 @@ def load_gate(path, cfg, dtype=None, device=None):
     dims = infer_dims(layers)
     # a diverged training writes NaN; a NaN score would evict at random
     for i, layer in enumerate(layers):
-        for key in LAYER_KEYS:
-            if not torch.isfinite(layer[key]).all():
+        for key in (*LAYER_KEYS, "cut_offset"):
+            if key in layer and not torch.isfinite(layer[key]).all():
                 raise GateError(f"gate {path}: layer {i} {key} holds NaN or inf values; the gate "
                                 f"is broken (retrain it, or pass another --gate)")
     check_fits(dims, len(layers), cfg, path)

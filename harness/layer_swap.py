@@ -46,10 +46,10 @@ TASKS = ("passkey", "kv", "nll_next", "nll_repeat", "agreement")
 def capture(model, sample, teacher, scorer, chunk_size):
     """One full prefill of the context -> (full cache, {"T": teacher's, "G": gate's scores}), each
     (L, H, n_context): the gate scores the prefill's attention inputs, as the benchmark's replay
-    does."""
+    does, as the prefill's cut compares them (GateScorer.cut_scores: a calibrated gate's offsets)."""
     full, _, tscores = quality.capture_prefill(model, sample.ids, chunk_size, teacher,
                                                sample.n_protected)
-    gscores = quality.captured_scores(model, scorer, full).float().cpu()
+    gscores = scorer.cut_scores(quality.captured_scores(model, scorer, full).float()).cpu()
     p = sample.n_protected
     return full, dict(T=tscores[..., p:].float(), G=gscores[..., p:])
 

@@ -303,14 +303,15 @@ def captured_scores(model, scorer, full):
 
 def gate_agreement(model, tok, full, tscores, sample, model_name, gate_file, chunk_size, window):
     """The gate's (gate_file, or model_name's bundled gate) agreement with its teacher on this
-    context (agreement), from the captured full prefill; counts, pooled over contexts in the
+    context (agreement), from the captured full prefill, its scores as the prefill's cut compares
+    them (GateScorer.cut_scores: a calibrated gate's offsets); counts, pooled over contexts in the
     report."""
     scorer = method_cache(model, "fastkvzip", "global", sample.n_protected, model_name, gate_file,
                           0).scorer
     p = sample.n_protected
-    student = captured_scores(model, scorer, full)
+    student = scorer.cut_scores(captured_scores(model, scorer, full).float())
     is_digit, is_identifier = token_marks(tok, sample.ids[p:])
-    return agreement(student[..., p:].float().cpu(), tscores[..., p:].float(), is_digit,
+    return agreement(student[..., p:].cpu(), tscores[..., p:].float(), is_digit,
                      chunk_size=chunk_size, window=window, is_identifier=is_identifier)
 
 

@@ -304,6 +304,51 @@ def test_kept_by_rule_is_what_the_cache_keeps(tiny, budget):
                     == keep[li, h].nonzero().squeeze(1).tolist())
 
 
+def test_a_calibrated_gate_moves_the_prefill_cut_and_leaves_decoding_alone(tiny):
+    """Cut offsets (METHOD.md §13.17): the prefill keeps what the cache's rule keeps on the moved
+    scores (Gates.cut_scores), which is another set than the plain gate's, while every row keeps the
+    gate's own score; decoding after an unevicted prefill is the plain gate's, logits and rows."""
+    from teacher import kept_by_rule
+    cfg = tiny.config
+    n, L, H = 100, len(cfg.compressed_layers), cfg.num_key_value_heads
+    plain, calibrated = random_gate_scorer(cfg, seed=7), random_gate_scorer(cfg, seed=7)
+    calibrated.gates.cut_offset.copy_(torch.linspace(-3, 3, L * H).view(L, H))
+    torch.manual_seed(8)
+    ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
+
+    def run(scorer, budget, steps=0):
+        cache = EvictingCache(cfg, scorer, decode_tokens_per_head=20, decode_buffer=8,
+                              decode_window=6)
+        with torch.no_grad():
+            logits = [prefill(tiny, cache, ids, 0, Budget(budget, chunk_size=128, window=16))]
+            cache.start_decoding()
+            for _ in range(steps):
+                logits.append(tiny(torch.tensor([int(logits[-1].argmax())]), cache)[-1])
+                cache.after_step()
+        return cache, logits
+
+    full, _ = run(plain, 1.0)
+    raw = torch.stack([torch.stack([full.layers[layer].head_score(h) for h in range(H)])
+                       for layer in full.compressed])  # (L, H, n): the gate's own scores
+    held = lambda c: [[c.layers[layer].head_pos(h).tolist() for h in range(H)]
+                      for layer in c.compressed]
+    kept = {}
+    for name, scorer in (("plain", plain), ("calibrated", calibrated)):
+        cache, _ = run(scorer, 0.3)
+        keep, _ = kept_by_rule(scorer.cut_scores(raw), 0.3, chunk_size=128, window=16)
+        kept[name] = held(cache)
+        assert kept[name] == [[keep[li, h].nonzero().squeeze(1).tolist() for h in range(H)]
+                              for li in range(L)], name
+        for li, layer in enumerate(cache.compressed):
+            for h in range(H):
+                kv = cache.layers[layer]
+                assert torch.equal(kv.head_score(h), raw[li, h, kv.head_pos(h)])
+    assert kept["plain"] != kept["calibrated"]
+    (a, la), (b, lb) = run(plain, 1.0, steps=40), run(calibrated, 1.0, steps=40)
+    assert held(a) == held(b) and all(torch.equal(x, y) for x, y in zip(la, lb))
+    assert sum(len(p) for row in held(a) for p in row) < a.n_seen * L * H  # decoding did evict
+
+
 class InputsCache(KVCache):
     """A full cache that also keeps each compressed layer's attention input, q, k and positions."""
 

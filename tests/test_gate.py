@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 import torch.nn as nn
 
@@ -270,6 +271,52 @@ def test_safetensors_round_trip(tmp_path, dtype):
     x = torch.randn(3, 4, 32)
     assert torch.equal(g(x), h(x))
     assert load_gate(path, make_cfg(), dtype=torch.float32).dtype == torch.float32
+
+
+def test_cut_offsets_move_each_head_at_the_cut_and_nothing_else(tmp_path):
+    """A calibrated gate (METHOD.md §13.17): cut_scores is sigmoid(logit(s) + o) per head, written
+    literally, +inf stays; without offsets it is the scores themselves. The offsets travel in our
+    format (their tensor named, the hash moved) and an uncalibrated gate's file holds none (its
+    hash as before offsets existed); the authors' .pt layout refuses them."""
+    g = random_gates()
+    s = torch.rand(3, 2, 7) * 0.98 + 0.01
+    s[0, 1, 3] = math.inf
+    assert g.cut_scores(s) is s and GateScorer(g).cut_scores(s) is s
+    plain = gate_file.gate_sha256(g)
+    assert all("cut_offset" not in g.layer_state_dict(li) for li in range(3))
+    o = torch.tensor([[1.5, -2.0], [0.0, 3.0], [-0.5, 0.25]])
+    g.cut_offset.copy_(o)
+    got = GateScorer(g).cut_scores(s)
+    for l, h, i in np.ndindex(3, 2, 7):
+        p = float(s[l, h, i])
+        want = p if math.isinf(p) else 1 / (1 + math.exp(-(math.log(p / (1 - p)) + float(o[l, h]))))
+        assert got[l, h, i].item() == pytest.approx(want, rel=1e-12), (l, h, i)
+    assert got.dtype == torch.float64
+    assert torch.equal(got[1:].argsort(-1), s[1:].argsort(-1))  # the order inside each head
+    x = torch.randn(3, 5, 32)
+    path = tmp_path / "cal.safetensors"
+    save_gate(path, g, {"layers": [0, 1, 2]})
+    h = load_gate(path, make_cfg())
+    assert torch.equal(h.cut_offset, o) and torch.equal(h(x), g(x))
+    assert h.meta["tensors_sha256"] == gate_file.gate_sha256(g) != plain
+    with pytest.raises(GateError, match="no place for a calibrated gate's cut offsets"):
+        save_gate(tmp_path / "q3_dim8_sink5.pt", g)
+    assert not (tmp_path / "q3_dim8_sink5.pt").exists()
+    tensors = safetensors.torch.load_file(path)
+    for name, bad, says in (("layers.1.cut_offset", torch.zeros(3), r"layer 1: cut_offset is "
+                             r"float32 \(3,\), expected float32 \(2,\)"),
+                            ("layers.2.cut_offset", None, "layer 2: cut_offset is missing"),
+                            ("layers.0.cut_offset", torch.tensor([0.0, math.nan]),
+                             "layer 0 cut_offset holds NaN or inf")):
+        t = dict(tensors)
+        if bad is None:
+            del t[name]
+        else:
+            t[name] = bad
+        safetensors.torch.save_file(t, tmp_path / "bad.safetensors")
+        with pytest.raises(GateError, match=says) as err:
+            load_gate(tmp_path / "bad.safetensors", make_cfg())
+        assert "\n" not in str(err.value)
 
 
 def test_gate_that_does_not_fit_is_refused(tmp_path):

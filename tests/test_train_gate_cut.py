@@ -307,8 +307,9 @@ def test_cut_margins_are_naive_global_cuts(tmp_path):
 
 def test_calibrate_heads_gives_each_head_the_teachers_share(tmp_path):
     """A gate whose heads sit exp(c) below or above its teacher (the teacher: the gate's own scores
-    scaled per head, G = 1): the shifts bring the heads' kept shares to the teacher's at both
-    budgets, the order inside every head stays the gate's, and each step is logged."""
+    scaled per head, G = 1): the cut offsets bring the heads' kept shares to the teacher's at both
+    budgets, near -c; the gate's parameters and scores are untouched, the order inside every head
+    at the cut stays the gate's, and each step is logged."""
     store = make_store(tmp_path, docs=((900, "train"), (400, "val"), (1100, "train")))
     torch.manual_seed(0)
     gates = Gates(3, 16, 2, 1)
@@ -318,6 +319,7 @@ def test_calibrate_heads_gives_each_head_the_teachers_share(tmp_path):
         x = store.load_layers(slice(None))
         before = torch.stack([gates.score_layer(li, x[li]) for li in range(3)])
         store.scores = before * c.exp()[..., None]
+    params = {k: p.clone() for k, p in gates.named_parameters()}
     logged = []
     rows = T.calibrate_heads(gates, store, CPU, log=logged.append)
     assert len(rows) == len(logged) - 1 == T.CALIBRATE_ITERS + 1
@@ -327,10 +329,15 @@ def test_calibrate_heads_gives_each_head_the_teachers_share(tmp_path):
         assert rows[0][f"train@{r:g}"] > 0.02 and rows[0][f"val@{r:g}"] > 0.02, rows[0]
         assert kept[f"train@{r:g}"] < rows[0][f"train@{r:g}"] / 5, rows
         assert kept[f"val@{r:g}"] < rows[0][f"val@{r:g}"] / 5, rows
+    for k, p in gates.named_parameters():
+        assert torch.equal(p, params[k]), k
     with torch.no_grad():
-        after = torch.stack([gates.score_layer(li, x[li]) for li in range(3)])
-    order = before.argsort(-1)
-    assert (after.gather(-1, order).diff(dim=-1) >= -1e-6).all()  # monotone in each head
+        assert torch.equal(torch.stack([gates.score_layer(li, x[li]) for li in range(3)]), before)
+    # the offsets undo the teacher's scaling, up to a constant the global cut cannot see
+    o = gates.cut_offset - gates.cut_offset.mean()
+    torch.testing.assert_close(o, c - c.mean(), rtol=0, atol=0.3)
+    after = gates.cut_scores(before)
+    assert (after.gather(-1, before.argsort(-1)).diff(dim=-1) >= 0).all()  # monotone in each head
 
 
 def test_the_options_together_train_the_gates_of_one_joint_run(tmp_path):
@@ -407,7 +414,8 @@ def test_the_cut_flags():
                              keep_term=1.0, cut_pairs=2.0, final_chunk="drop")
     assert args.ridge_ceiling
     for bad in (["--keep-term", "-1"], ["--cut-pairs", "inf"], ["--clip", "nan"],
-                ["--final-chunk", "cut"], ["--select", "overlap@0.3"]):
+                ["--final-chunk", "cut"], ["--select", "overlap@0.3"],
+                ["--calibrate-heads", "--export-pt"]):
         with pytest.raises(SystemExit) as e:
             cmd.parse_args(["--data", "d", *bad], TG.RECIPES, TG.PARTS)
         assert e.value.code == 2, bad
@@ -456,11 +464,11 @@ def test_the_command_line_trains_with_every_option_and_prints_the_ceiling(tmp_pa
     assert e.value.code == 2 and "--final-chunk drop leaves out" in err, err
 
 
-def test_calibrate_gate_shifts_only_the_bias_of_a_trained_gate(tmp_path, capsys):
+def test_calibrate_gate_sets_only_the_cut_offsets_of_a_trained_gate(tmp_path, capsys):
     """python -m harness.calibrate_gate on a gate train_gate.py trained and its features: the new
-    gate differs from the old in the biases b only, b moves by one shift per head (its G groups
-    alike), the shares come closer to the teacher's, the metadata says where it came from; an
-    existing --out and a folder without features are refused in one line, exit 2."""
+    gate holds the old one's parameters bit for bit and cut offsets beside them, the shares come
+    closer to the teacher's, the metadata says where it came from; an existing --out, a .pt --out
+    and a folder without features are refused in one line, exit 2."""
     from formats.checkpoint import read_config
     from formats.gate_file import load_gate
     from harness import calibrate_gate
@@ -476,18 +484,19 @@ def test_calibrate_gate_shifts_only_the_bias_of_a_trained_gate(tmp_path, capsys)
     cfg = read_config(folder)
     old, new = load_gate(out / "gate.safetensors", cfg), load_gate(cal, cfg)
     for (name, a), b in zip(old.named_parameters(), new.parameters()):
-        if name != "b":
-            assert torch.equal(a, b), name
-    shift = new.b - old.b
-    assert shift.abs().max() > 0
-    torch.testing.assert_close(shift, shift[..., :1].expand_as(shift), rtol=0, atol=1e-6)
+        assert torch.equal(a, b), name
+    assert not old.cut_offset.any() and new.cut_offset.abs().max() > 0
     c = new.meta["calibration"]
     assert c["source"] == str(out / "gate.safetensors") and len(c["share_error"]) == 4
+    assert c["source_tensors_sha256"] == old.meta["tensors_sha256"] != new.meta["tensors_sha256"]
+    assert not {"source", "tensors_sha256"} & set(gate_metadata(cal))  # not the source's, stale
     (kept,) = [row for row in c["share_error"] if row["kept"]]
     assert sum(kept[f"train@{r:g}"] for r in T.CALIBRATE_BUDGETS) <= sum(
         c["share_error"][0][f"train@{r:g}"] for r in T.CALIBRATE_BUDGETS)
-    for bad, says in ((argv, "exists"), ([*argv[:3], tmp_path / "data", "--out", tmp_path / "x"],
-                                         "is not a features folder")):
+    for bad, says in ((argv, "exists"), ([*argv[:5], tmp_path / "x.pt", *argv[6:]],
+                                         "no place for the cut offsets"),
+                      ([*argv[:3], tmp_path / "data", "--out", tmp_path / "x"],
+                       "is not a features folder")):
         with pytest.raises(SystemExit) as e:
             calibrate_gate.main([str(a) for a in bad])
         err = capsys.readouterr().err
