@@ -4,7 +4,7 @@ the same threads, in one process: speed ratios, where the time goes, and how clo
 the CPU's fp32 matmul peak.
 
     python -m harness.profile_prefill --models smollm2-135m-gguf --lengths 2048 --threads 1 --repeats 1
-    python -m harness.profile_prefill --lengths 2048,8192 --threads 1,2 --repeats 3 --parts \\
+    python -m harness.profile_prefill --lengths 2048,8192 --threads 1,2 --repeats 3 --parts 1 \\
         --json prefill.json          # both offline models: the full benchmark
 
 (run from the repository root: `-m` puts it on the import path.)
@@ -19,7 +19,7 @@ FLOPs), and each prefill's fraction of the fp32 peak: its FLOPs over its seconds
 `prefill_flops`: the linear layers (2 per multiply-add, the logits of each chunk's last token
 included) and causal attention (q.k and p.v over the visible pairs only, a window's included).
 
---parts adds one more round of each under timers around the parts of a prefill (QKV and output
+--parts N adds N more rounds of each under timers around the parts of a prefill (QKV and output
 projections, MLP, norms, rotary, attention, cache writes, masks, the gate, the eviction; the rest is
 "other"), side by side. --ops adds torch's profiler's operator table.
 
