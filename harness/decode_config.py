@@ -28,6 +28,13 @@ heads in that order while they fit in the pool's B·L·H rows, then the first th
 its most recent rows up to what is left, and no other row: after every eviction the split holds as
 many rows as the pool (SplitScorer). No token is chosen by its content, so split against the pool
 is what the gate's token-by-token choice adds beyond finding the heads it fills.
+
+fastkvzip+attn: ours, a rescoring term beside the paper's gate (GateAttentionScorer): at every
+decode-time eviction each held row scores g·(1 + λ·a/ā), g its gate score (computed once, when the
+row arrived), a the attention the last N queries give it (SnapKV's decode-time attention, as R-KV
+and SnapKV rescore), ā the mean of a over the head's rows, λ = 1: rows the current text attends to
+are lifted, and the gate's scale across heads and layers is kept. Its own level and window are the
+gate's.
 """
 from dataclasses import dataclass
 
@@ -36,14 +43,16 @@ import torch
 import generate
 from cache import LEVELS, EvictingCache
 from gate import METHODS as SCORERS
-from gate import GateScorer, Scorer
+from gate import GateScorer, Scorer, SnapKVScorer
 from kernels import ArgumentError
 
 # the scorers that evict while decoding; "full" and "cut" evict nothing (harness/decode.py)
 SCORED = tuple(m for m, kind in SCORERS.items() if kind and kind.decode)
 # the static split, by where its heads are ranked
 SPLIT = {"split": "another document", "split-self": "the evaluated stream itself"}
-NAMES = ("full",) + SCORED + ("cut",) + tuple(SPLIT)
+# ours beside the paper's gate: the gate's score lifted by the attention of the last queries
+MIXED = ("fastkvzip+attn",)
+NAMES = ("full",) + SCORED + MIXED + ("cut",) + tuple(SPLIT)
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class Config:
 
 def own(method):
     """A method's own level and window: its scorer's (split: the gate's pool's)."""
-    kind = GateScorer if method in SPLIT else SCORERS[method]
+    kind = GateScorer if method in (*SPLIT, *MIXED) else SCORERS[method]
     return kind.level, kind.decode_window
 
 
@@ -96,6 +105,9 @@ def describe(config):
                 f"(fastkvzip@global/w{c.window}) on {SPLIT[c.method]}, window {c.window}")
     if c.method in ("full", "cut"):
         return f"`{c.name}`: {'every token' if c.method == 'full' else 'the full cache cut at B'}"
+    if c.method in MIXED:
+        return (f"`{c.name}`: the gate's scores times 1 + λ·(attention of the last {c.window} "
+                f"queries over its head's mean), λ = {GateAttentionScorer.mix}, level {c.level}")
     note = ("; its scorer ranks rows within a head (its own level: head), pooled here as asked"
             if SCORERS[c.method].level == "head" and c.level != "head" else "")
     return f"`{c.name}`: {c.method} at level {c.level}, window {c.window}{note}"
@@ -108,7 +120,7 @@ def pool(window):
 
 def needs_gate(name):
     """Whether a configuration scores with the gate (a split: to rank its heads)."""
-    return parse(name).method in ("fastkvzip",) + tuple(SPLIT)
+    return parse(name).method in ("fastkvzip",) + MIXED + tuple(SPLIT)
 
 
 class SplitScorer(Scorer):
@@ -133,17 +145,82 @@ class SplitScorer(Scorer):
         return self.rank[li].to(pos.device)[:, None] * self.span + pos.float()[None]  # (H, T)
 
 
+class GateAttentionScorer(GateScorer):
+    """fastkvzip+attn (module docstring): the gate scores every token once, as it arrives (score:
+    kept by position); at every decode-time eviction RescoringGateCache asks `mixed` for each held
+    row's g·(1 + λ·a/ā)."""
+    rescores = True  # the cache keeps the last decode_window queries of each compressed layer
+    mix = 1.0        # λ
+
+    def __init__(self, gates, scale):
+        super().__init__(gates)
+        self.attention = SnapKVScorer(scale).attention
+        self.by_pos = {}  # compressed layer -> (H, positions seen) the gate's scores
+
+    @classmethod
+    def make(cls, cfg, gates=None, seed=0):
+        return cls(gates, cfg.attn_scale)
+
+    @torch.no_grad()
+    def score(self, li, hidden, q, k, pos):
+        s = super().score(li, hidden, q, k, pos)
+        old = self.by_pos.get(li, s.new_zeros(s.shape[0], 0))
+        if old.shape[1] <= int(pos[-1]):
+            old = torch.cat([old, old.new_zeros(old.shape[0], int(pos[-1]) + 1 - old.shape[1])], 1)
+        old[:, pos] = s
+        self.by_pos[li] = old
+        return s
+
+    @torch.no_grad()
+    def mixed(self, li, h, pos, keys, queries):
+        """Head h of compressed layer li: its held rows' positions (n,) and keys (n, d), its group's
+        last w queries (w, G, d) -> (n,) g·(1 + λ·a/ā) for the rows before the last w, +inf for
+        those (the cache keeps the last w anyway)."""
+        w = queries.shape[0]
+        a = self.attention(keys, queries)                               # (n - w,)
+        g = self.by_pos[li][h, pos[:keys.shape[0] - w]]
+        lifted = g * (1 + self.mix * a / a.mean().clamp_min(1e-30))
+        return torch.cat([lifted, lifted.new_full((w,), float("inf"))])
+
+
+class RescoringGateCache(EvictingCache):
+    """The evicting cache for fastkvzip+attn: at every decode-time eviction the gate scores the
+    buffered tokens (as EvictingCache.after_step does for the gate), then every held row of every
+    compressed head is rescored by GateAttentionScorer.mixed from the last decode_window queries."""
+
+    def after_step(self):
+        if self.decode_tokens_per_head is None:
+            return
+        if sum(h.shape[0] for h in self.buffer[self.compressed[0]]) < self.decode_buffer:
+            return
+        for li, layer in enumerate(self.compressed):
+            hidden, self.buffer[layer] = torch.cat(self.buffer[layer]), []
+            kv, t = self.layers[layer], hidden.shape[0]
+            pos = torch.arange(self.n_seen - t, self.n_seen, device=self.device)
+            kv.set_tail_scores(self.scorer.score(li, hidden, None, None, pos).float())
+            q = self.queries[layer]
+            q = q.view(q.shape[0], kv.n_heads, -1, kv.head_dim)  # (w, H, G, d): query head h·G + g
+            for h in range(kv.n_heads):
+                kv.head_score(h)[:] = self.scorer.mixed(li, h, kv.head_pos(h), kv.head_keys(h),
+                                                        q[:, h])
+        self._evict_to_budget()
+
+
 def make_cache(model, config, n_protected, budget, gates, seed, fill=None):
     """An empty cache for a configuration (a Config or its name); budget: decode tokens per KV
     head; fill: a split's ranking, the rows the gate's pool held per head (L_c, H)."""
     c = parse(config) if isinstance(config, str) else config
     if c.method in ("full", "cut"):
         return generate.make_cache("full", model, n_protected)
+    cfg, weight = model.config, model.model.embed_tokens.weight
+    if c.method in MIXED:
+        return RescoringGateCache(cfg, GateAttentionScorer.make(cfg, gates), weight.dtype,
+                                  weight.device, n_protected=n_protected, level=c.level,
+                                  decode_tokens_per_head=budget, decode_window=c.window)
     if c.method not in SPLIT:
         return generate.make_cache(c.method, model, n_protected, gates=gates, level=c.level,
                                    decode_tokens_per_head=budget, seed=seed,
                                    decode_window=c.window)
-    cfg, weight = model.config, model.model.embed_tokens.weight
     shape = (len(cfg.compressed_layers), cfg.num_key_value_heads)
     span = cfg.max_position_embeddings
     if fill is None or tuple(fill.shape) != shape or (shape[0] * shape[1] + 1) * span > 2 ** 24:

@@ -984,3 +984,58 @@ def test_configurations_run_through_the_suite(tiny_decode, tmp_path, monkeypatch
         == e["split-self/w8@160"]["kept_nbytes"]
     md = (out / "results.md").read_text()
     assert "| split-self/w8 | 160 |" in md and "on another document, window 8" in md
+
+
+# ------------------------------------------- fastkvzip+attn: ours, the gate lifted by attention
+
+def test_the_gate_lifted_by_attention_without_its_term_is_the_gate(tiny, monkeypatch):
+    """λ = 0: fastkvzip+attn keeps, at every level, exactly the rows of the gate at the same level
+    and window (the gate's scores, kept by position, are the rows' scores)."""
+    monkeypatch.setattr(decode_config.GateAttentionScorer, "mix", 0.0)
+    for level, window in (("global", 128), ("calibrated", 8), ("head", 8)):
+        plain = held(forced(tiny, f"fastkvzip@{level}/w{window}", 200))
+        mixed = forced(tiny, f"fastkvzip+attn@{level}/w{window}", 200)
+        assert mixed.decode_window == window and mixed.decode_level == level
+        assert held(mixed) == plain, (level, window)
+
+
+def test_the_attention_term_is_the_literal_formula(tiny):
+    """mixed(): g·(1 + λ·a/ā) for each row before the last w, a the mean over the w queries of the
+    softmax over those rows of the group's largest logit, max-pooled over 7 neighbours; +inf for
+    the last w. Written out row by row here."""
+    import math
+    scorer = decode_config.GateAttentionScorer.make(tiny.config, spread_gates(tiny.config))
+    g = torch.Generator().manual_seed(3)
+    n, w, G, d = 37, 5, 2, 8
+    keys, queries = torch.randn(n, d, generator=g), torch.randn(w, G, d, generator=g)
+    pos = torch.arange(100, 100 + 2 * n, 2)
+    scorer.by_pos[0] = torch.rand(2, 200, generator=g)
+    out = scorer.mixed(0, 1, pos, keys, queries)
+    scale = tiny.config.attn_scale
+    m = n - w
+    attn = [0.0] * m
+    for i in range(w):
+        logit = [max(float(queries[i, j] @ keys[r]) for j in range(G)) * scale for r in range(m)]
+        z = sum(math.exp(x) for x in logit)
+        for r in range(m):
+            attn[r] += math.exp(logit[r]) / z / w
+    pooled = [max(attn[max(0, r - 3):r + 4]) for r in range(m)]
+    mean = sum(pooled) / m
+    want = [float(scorer.by_pos[0][1, int(pos[r])]) * (1 + scorer.mix * pooled[r] / mean)
+            for r in range(m)]
+    torch.testing.assert_close(out[:m].double(), torch.tensor(want, dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+    assert out[m:].isinf().all() and out.shape == (n,)
+
+
+def test_the_gate_lifted_by_attention_keeps_its_budget_and_moves_rows(tiny):
+    """λ = 1: every head keeps its budget (head level) with its sinks and last w, and some kept rows
+    differ from the plain gate's: the term changes the choice. The last w queries are kept."""
+    B = 200
+    mixed = forced(tiny, "fastkvzip+attn@head/w8", B)
+    heads = held(mixed)
+    assert all(len(h) == B for h in heads)
+    protected = set(range(4)) | set(range(N_FED - 8, N_FED))
+    assert all(protected <= h for h in heads)
+    assert all(q.shape[0] == 8 for q in mixed.queries.values())
+    assert heads != held(forced(tiny, "fastkvzip@head/w8", B))
