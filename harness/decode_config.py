@@ -29,12 +29,12 @@ its most recent rows up to what is left, and no other row: after every eviction 
 many rows as the pool (SplitScorer). No token is chosen by its content, so split against the pool
 is what the gate's token-by-token choice adds beyond finding the heads it fills.
 
-fastkvzip+attn: ours, a rescoring term beside the paper's gate (GateAttentionScorer): at every
+fastkvzip+attn[λ]: ours, a rescoring term beside the paper's gate (GateAttentionScorer): at every
 decode-time eviction each held row scores g·(1 + λ·a/ā), g its gate score (computed once, when the
 row arrived), a the attention the last N queries give it (SnapKV's decode-time attention, as R-KV
-and SnapKV rescore), ā the mean of a over the head's rows, λ = 1: rows the current text attends to
-are lifted, and the gate's scale across heads and layers is kept. Its own level and window are the
-gate's.
+and SnapKV rescore), ā the mean of a over the head's rows; λ 1 when left out
+(`fastkvzip+attn0.1@calibrated/w8`: λ = 0.1): rows the current text attends to are lifted, and the
+gate's scale across heads and layers is kept. Its own level and window are the gate's.
 """
 from dataclasses import dataclass
 
@@ -51,8 +51,8 @@ SCORED = tuple(m for m, kind in SCORERS.items() if kind and kind.decode)
 # the static split, by where its heads are ranked
 SPLIT = {"split": "another document", "split-self": "the evaluated stream itself"}
 # ours beside the paper's gate: the gate's score lifted by the attention of the last queries
-MIXED = ("fastkvzip+attn",)
-NAMES = ("full",) + SCORED + MIXED + ("cut",) + tuple(SPLIT)
+MIXED = "fastkvzip+attn"
+NAMES = ("full",) + SCORED + (MIXED + "[λ]", "cut") + tuple(SPLIT)
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,18 @@ class Config:
     window: int = None  # decoded tokens always kept (None: full, cut)
 
 
+def mix_of(method):
+    """fastkvzip+attn[λ] -> λ (1 when left out), None for any other name (or a λ that is not a
+    finite number >= 0)."""
+    tail = method[len(MIXED):]
+    if not method.startswith(MIXED) or not (tail == "" or tail.replace(".", "", 1).isdigit()):
+        return None
+    return float(tail) if tail else 1.0
+
+
 def own(method):
     """A method's own level and window: its scorer's (split: the gate's pool's)."""
-    kind = GateScorer if method in (*SPLIT, *MIXED) else SCORERS[method]
+    kind = GateScorer if method in SPLIT or mix_of(method) is not None else SCORERS[method]
     return kind.level, kind.decode_window
 
 
@@ -73,7 +82,7 @@ def parse(text):
     """METHOD[@LEVEL][/wN] -> Config, else a ValueError saying what is wrong (one line)."""
     rest, _, window = text.partition("/")
     method, at, level = rest.partition("@")
-    if method not in NAMES:
+    if method not in NAMES and mix_of(method) is None:
         why = ("scores the context once and cannot evict while decoding" if method in SCORERS
                else "is no method")
         raise ValueError(f"{text!r}: {method!r} {why}: methods are {','.join(NAMES)}")
@@ -105,9 +114,9 @@ def describe(config):
                 f"(fastkvzip@global/w{c.window}) on {SPLIT[c.method]}, window {c.window}")
     if c.method in ("full", "cut"):
         return f"`{c.name}`: {'every token' if c.method == 'full' else 'the full cache cut at B'}"
-    if c.method in MIXED:
+    if mix_of(c.method) is not None:
         return (f"`{c.name}`: the gate's scores times 1 + λ·(attention of the last {c.window} "
-                f"queries over its head's mean), λ = {GateAttentionScorer.mix}, level {c.level}")
+                f"queries over its head's mean), λ = {mix_of(c.method):g}, level {c.level}")
     note = ("; its scorer ranks rows within a head (its own level: head), pooled here as asked"
             if SCORERS[c.method].level == "head" and c.level != "head" else "")
     return f"`{c.name}`: {c.method} at level {c.level}, window {c.window}{note}"
@@ -120,7 +129,8 @@ def pool(window):
 
 def needs_gate(name):
     """Whether a configuration scores with the gate (a split: to rank its heads)."""
-    return parse(name).method in ("fastkvzip",) + MIXED + tuple(SPLIT)
+    method = parse(name).method
+    return method in ("fastkvzip",) + tuple(SPLIT) or mix_of(method) is not None
 
 
 class SplitScorer(Scorer):
@@ -150,16 +160,12 @@ class GateAttentionScorer(GateScorer):
     kept by position); at every decode-time eviction RescoringGateCache asks `mixed` for each held
     row's g·(1 + λ·a/ā)."""
     rescores = True  # the cache keeps the last decode_window queries of each compressed layer
-    mix = 1.0        # λ
 
-    def __init__(self, gates, scale):
+    def __init__(self, gates, scale, mix=1.0):
         super().__init__(gates)
-        self.attention = SnapKVScorer(scale).attention
+        self.attention, self.mix = SnapKVScorer(scale).attention, mix
         self.by_pos = {}  # compressed layer -> (H, positions seen) the gate's scores
 
-    @classmethod
-    def make(cls, cfg, gates=None, seed=0):
-        return cls(gates, cfg.attn_scale)
 
     @torch.no_grad()
     def score(self, li, hidden, q, k, pos):
@@ -213,8 +219,9 @@ def make_cache(model, config, n_protected, budget, gates, seed, fill=None):
     if c.method in ("full", "cut"):
         return generate.make_cache("full", model, n_protected)
     cfg, weight = model.config, model.model.embed_tokens.weight
-    if c.method in MIXED:
-        return RescoringGateCache(cfg, GateAttentionScorer.make(cfg, gates), weight.dtype,
+    if mix_of(c.method) is not None:
+        scorer = GateAttentionScorer(gates, cfg.attn_scale, mix_of(c.method))
+        return RescoringGateCache(cfg, scorer, weight.dtype,
                                   weight.device, n_protected=n_protected, level=c.level,
                                   decode_tokens_per_head=budget, decode_window=c.window)
     if c.method not in SPLIT:

@@ -988,13 +988,12 @@ def test_configurations_run_through_the_suite(tiny_decode, tmp_path, monkeypatch
 
 # ------------------------------------------- fastkvzip+attn: ours, the gate lifted by attention
 
-def test_the_gate_lifted_by_attention_without_its_term_is_the_gate(tiny, monkeypatch):
-    """λ = 0: fastkvzip+attn keeps, at every level, exactly the rows of the gate at the same level
+def test_the_gate_lifted_by_attention_without_its_term_is_the_gate(tiny):
+    """λ = 0: fastkvzip+attn0 keeps, at every level, exactly the rows of the gate at the same level
     and window (the gate's scores, kept by position, are the rows' scores)."""
-    monkeypatch.setattr(decode_config.GateAttentionScorer, "mix", 0.0)
     for level, window in (("global", 128), ("calibrated", 8), ("head", 8)):
         plain = held(forced(tiny, f"fastkvzip@{level}/w{window}", 200))
-        mixed = forced(tiny, f"fastkvzip+attn@{level}/w{window}", 200)
+        mixed = forced(tiny, f"fastkvzip+attn0@{level}/w{window}", 200)
         assert mixed.decode_window == window and mixed.decode_level == level
         assert held(mixed) == plain, (level, window)
 
@@ -1004,7 +1003,8 @@ def test_the_attention_term_is_the_literal_formula(tiny):
     softmax over those rows of the group's largest logit, max-pooled over 7 neighbours; +inf for
     the last w. Written out row by row here."""
     import math
-    scorer = decode_config.GateAttentionScorer.make(tiny.config, spread_gates(tiny.config))
+    scorer = decode_config.GateAttentionScorer(spread_gates(tiny.config), tiny.config.attn_scale,
+                                               mix=0.3)
     g = torch.Generator().manual_seed(3)
     n, w, G, d = 37, 5, 2, 8
     keys, queries = torch.randn(n, d, generator=g), torch.randn(w, G, d, generator=g)
@@ -1039,3 +1039,17 @@ def test_the_gate_lifted_by_attention_keeps_its_budget_and_moves_rows(tiny):
     assert all(protected <= h for h in heads)
     assert all(q.shape[0] == 8 for q in mixed.queries.values())
     assert heads != held(forced(tiny, "fastkvzip@head/w8", B))
+
+
+def test_the_gate_lifted_by_attention_is_named_with_its_weight():
+    """fastkvzip+attn[λ]: λ 1 when left out, the gate's own level and window; a λ that is no number
+    is refused in one line naming the methods."""
+    c = decode_config.parse("fastkvzip+attn0.25@calibrated/w8")
+    assert (c.name, c.level, c.window) == ("fastkvzip+attn0.25@calibrated/w8", "calibrated", 8)
+    assert decode_config.mix_of(c.method) == 0.25 and decode_config.mix_of("fastkvzip+attn") == 1
+    assert decode_config.parse("fastkvzip+attn").name == "fastkvzip+attn"
+    assert decode_config.needs_gate("fastkvzip+attn2/w8")
+    assert "λ = 0.25, level calibrated" in decode_config.describe(c)
+    for bad in ("fastkvzip+attnx", "fastkvzip+attn-1", "fastkvzip+attn1.2.3"):
+        with pytest.raises(ValueError, match="is no method: methods are .*fastkvzip\\+attn\\[λ\\]"):
+            decode_config.parse(bad)
