@@ -29,12 +29,18 @@ its most recent rows up to what is left, and no other row: after every eviction 
 many rows as the pool (SplitScorer). No token is chosen by its content, so split against the pool
 is what the gate's token-by-token choice adds beyond finding the heads it fills.
 
-fastkvzip+attn[λ]: ours, a rescoring term beside the paper's gate (GateAttentionScorer): at every
-decode-time eviction each held row scores g·(1 + λ·a/ā), g its gate score (computed once, when the
-row arrived), a the attention the last N queries give it (SnapKV's decode-time attention, as R-KV
-and SnapKV rescore), ā the mean of a over the head's rows; λ 1 when left out
-(`fastkvzip+attn0.1@calibrated/w8`: λ = 0.1): rows the current text attends to are lifted, and the
-gate's scale across heads and layers is kept. Its own level and window are the gate's.
+fastkvzip+attn[λ] and fastkvzip+red[λ]: ours, rescoring terms beside the paper's gate
+(RescoredGateScorer). At every decode-time eviction each held row scores, g its gate score (computed
+once, when the row arrived):
+    +attn  g·(1 + λ·a/ā), a the attention the last N queries give the row (SnapKV's decode-time
+           attention, as R-KV and SnapKV rescore), ā its mean over the head's rows: rows the current
+           text attends to are lifted;
+    +red   g·(r̄/r)^λ, r the row's redundancy (R-KV's: the softmax over the head's rows of each
+           key's mean cosine similarity to the others), r̄ its mean: rows whose keys repeat others'
+           are lowered.
+Each factor is 1 on the head's average row, so the gate's scale across heads and layers is kept. λ
+is 1 when left out (`fastkvzip+attn0.1@calibrated/w8`: λ = 0.1); the level and window are the
+gate's own.
 """
 from dataclasses import dataclass
 
@@ -43,16 +49,16 @@ import torch
 import generate
 from cache import LEVELS, EvictingCache
 from gate import METHODS as SCORERS
-from gate import GateScorer, Scorer, SnapKVScorer
+from gate import GateScorer, RKVScorer, Scorer
 from kernels import ArgumentError
 
 # the scorers that evict while decoding; "full" and "cut" evict nothing (harness/decode.py)
 SCORED = tuple(m for m, kind in SCORERS.items() if kind and kind.decode)
 # the static split, by where its heads are ranked
 SPLIT = {"split": "another document", "split-self": "the evaluated stream itself"}
-# ours beside the paper's gate: the gate's score lifted by the attention of the last queries
-MIXED = "fastkvzip+attn"
-NAMES = ("full",) + SCORED + (MIXED + "[λ]", "cut") + tuple(SPLIT)
+# ours beside the paper's gate: its scores rescored at every eviction, by term
+RESCORED = {"fastkvzip+attn": "attention", "fastkvzip+red": "redundancy"}
+NAMES = ("full",) + SCORED + tuple(m + "[λ]" for m in RESCORED) + ("cut",) + tuple(SPLIT)
 
 
 @dataclass(frozen=True)
@@ -64,12 +70,13 @@ class Config:
 
 
 def mix_of(method):
-    """fastkvzip+attn[λ] -> λ (1 when left out), None for any other name (or a λ that is not a
-    finite number >= 0)."""
-    tail = method[len(MIXED):]
-    if not method.startswith(MIXED) or not (tail == "" or tail.replace(".", "", 1).isdigit()):
-        return None
-    return float(tail) if tail else 1.0
+    """fastkvzip+attn[λ] or fastkvzip+red[λ] -> (its term, λ), λ 1 when left out; None for any
+    other name (or a λ that is not a finite number >= 0)."""
+    for base, term in RESCORED.items():
+        tail = method[len(base):]
+        if method.startswith(base) and (tail == "" or tail.replace(".", "", 1).isdigit()):
+            return term, float(tail) if tail else 1.0
+    return None
 
 
 def own(method):
@@ -115,8 +122,10 @@ def describe(config):
     if c.method in ("full", "cut"):
         return f"`{c.name}`: {'every token' if c.method == 'full' else 'the full cache cut at B'}"
     if mix_of(c.method) is not None:
-        return (f"`{c.name}`: the gate's scores times 1 + λ·(attention of the last {c.window} "
-                f"queries over its head's mean), λ = {mix_of(c.method):g}, level {c.level}")
+        term, mix = mix_of(c.method)
+        factor = (f"1 + λ·(attention of the last {c.window} queries over its head's mean)"
+                  if term == "attention" else "(the head's mean redundancy over the row's)^λ")
+        return f"`{c.name}`: the gate's scores times {factor}, λ = {mix:g}, level {c.level}"
     note = ("; its scorer ranks rows within a head (its own level: head), pooled here as asked"
             if SCORERS[c.method].level == "head" and c.level != "head" else "")
     return f"`{c.name}`: {c.method} at level {c.level}, window {c.window}{note}"
@@ -155,17 +164,18 @@ class SplitScorer(Scorer):
         return self.rank[li].to(pos.device)[:, None] * self.span + pos.float()[None]  # (H, T)
 
 
-class GateAttentionScorer(GateScorer):
-    """fastkvzip+attn (module docstring): the gate scores every token once, as it arrives (score:
-    kept by position); at every decode-time eviction RescoringGateCache asks `mixed` for each held
-    row's g·(1 + λ·a/ā)."""
+class RescoredGateScorer(GateScorer):
+    """fastkvzip+attn and fastkvzip+red (module docstring): the gate scores every token once, as it
+    arrives (score: kept by position); at every decode-time eviction RescoringGateCache asks
+    `mixed` for each held row's g·(1 + λ·a/ā) (term "attention") or g·(r̄/r)^λ ("redundancy")."""
     rescores = True  # the cache keeps the last decode_window queries of each compressed layer
 
-    def __init__(self, gates, scale, mix=1.0):
+    def __init__(self, gates, scale, term="attention", mix=1.0):
         super().__init__(gates)
-        self.attention, self.mix = SnapKVScorer(scale).attention, mix
+        rkv = RKVScorer(scale)
+        self.attention, self.redundancy = rkv.attention, rkv.redundancy
+        self.term, self.mix = term, mix
         self.by_pos = {}  # compressed layer -> (H, positions seen) the gate's scores
-
 
     @torch.no_grad()
     def score(self, li, hidden, q, k, pos):
@@ -180,19 +190,24 @@ class GateAttentionScorer(GateScorer):
     @torch.no_grad()
     def mixed(self, li, h, pos, keys, queries):
         """Head h of compressed layer li: its held rows' positions (n,) and keys (n, d), its group's
-        last w queries (w, G, d) -> (n,) g·(1 + λ·a/ā) for the rows before the last w, +inf for
-        those (the cache keeps the last w anyway)."""
-        w = queries.shape[0]
-        a = self.attention(keys, queries)                               # (n - w,)
-        g = self.by_pos[li][h, pos[:keys.shape[0] - w]]
-        lifted = g * (1 + self.mix * a / a.mean().clamp_min(1e-30))
-        return torch.cat([lifted, lifted.new_full((w,), float("inf"))])
+        last w queries (w, G, d) -> (n,) the rescored gate score of the rows before the last w,
+        +inf for those (the cache keeps the last w anyway)."""
+        n, w = keys.shape[0], queries.shape[0]
+        g = self.by_pos[li][h, pos[:n - w]]
+        if self.term == "attention":
+            a = self.attention(keys, queries)                           # (n - w,)
+            moved = g * (1 + self.mix * a / a.mean().clamp_min(1e-30))
+        else:
+            r = self.redundancy(keys)[:n - w]  # over every held key, as R-KV's
+            moved = g * (r.mean() / r) ** self.mix
+        return torch.cat([moved, moved.new_full((w,), float("inf"))])
 
 
 class RescoringGateCache(EvictingCache):
-    """The evicting cache for fastkvzip+attn: at every decode-time eviction the gate scores the
+    """The evicting cache for fastkvzip+attn and +red: at every decode-time eviction the gate scores the
     buffered tokens (as EvictingCache.after_step does for the gate), then every held row of every
-    compressed head is rescored by GateAttentionScorer.mixed from the last decode_window queries."""
+    compressed head is rescored by RescoredGateScorer.mixed (from the last decode_window queries
+    for the attention term)."""
 
     def after_step(self):
         if self.decode_tokens_per_head is None:
@@ -220,7 +235,7 @@ def make_cache(model, config, n_protected, budget, gates, seed, fill=None):
         return generate.make_cache("full", model, n_protected)
     cfg, weight = model.config, model.model.embed_tokens.weight
     if mix_of(c.method) is not None:
-        scorer = GateAttentionScorer(gates, cfg.attn_scale, mix_of(c.method))
+        scorer = RescoredGateScorer(gates, cfg.attn_scale, *mix_of(c.method))
         return RescoringGateCache(cfg, scorer, weight.dtype,
                                   weight.device, n_protected=n_protected, level=c.level,
                                   decode_tokens_per_head=budget, decode_window=c.window)

@@ -988,14 +988,45 @@ def test_configurations_run_through_the_suite(tiny_decode, tmp_path, monkeypatch
 
 # ------------------------------------------- fastkvzip+attn: ours, the gate lifted by attention
 
-def test_the_gate_lifted_by_attention_without_its_term_is_the_gate(tiny):
-    """λ = 0: fastkvzip+attn0 keeps, at every level, exactly the rows of the gate at the same level
-    and window (the gate's scores, kept by position, are the rows' scores)."""
+@pytest.mark.parametrize("term", ["attn", "red"])
+def test_the_rescored_gate_without_its_term_is_the_gate(tiny, term):
+    """λ = 0: fastkvzip+attn0 and +red0 keep, at every level, exactly the rows of the gate at the
+    same level and window (the gate's scores, kept by position, are the rows' scores)."""
     for level, window in (("global", 128), ("calibrated", 8), ("head", 8)):
         plain = held(forced(tiny, f"fastkvzip@{level}/w{window}", 200))
-        mixed = forced(tiny, f"fastkvzip+attn0@{level}/w{window}", 200)
+        mixed = forced(tiny, f"fastkvzip+{term}0@{level}/w{window}", 200)
         assert mixed.decode_window == window and mixed.decode_level == level
         assert held(mixed) == plain, (level, window)
+
+
+def test_the_redundancy_term_is_the_literal_formula(tiny):
+    """+red: g·(r̄/r)^λ for each row before the last w, r the softmax over all held rows of each
+    key's mean cosine similarity to the others (R-KV's, its most recent similar key, above 0.5,
+    zeroed first, else its similarity to row 0), r̄ the mean of r over the rows before w; +inf for
+    the last w. Written out row by row here."""
+    import math
+    scorer = decode_config.RescoredGateScorer(spread_gates(tiny.config), tiny.config.attn_scale,
+                                              term="redundancy", mix=2.0)
+    g = torch.Generator().manual_seed(4)
+    n, w, d = 23, 4, 8
+    keys = torch.randn(n, d, generator=g)
+    keys[5] = keys[2] + 0.1 * torch.randn(d, generator=g)  # a near-duplicate: a similarity > 0.5
+    pos = torch.arange(50, 50 + n)
+    scorer.by_pos[0] = torch.rand(1, 100, generator=g)
+    out = scorer.mixed(0, 0, pos, keys, torch.randn(w, 2, d, generator=g))
+    unit = [k / (float(k.norm()) + 1e-8) for k in keys.double()]
+    sim = [[float(unit[i] @ unit[j]) if i != j else 0.0 for j in range(n)] for i in range(n)]
+    for i in range(n):
+        similar = [j for j in range(n) if sim[i][j] > 0.5]
+        sim[i][max(similar) if similar else 0] = 0.0
+    mean = [sum(sim[i][j] for i in range(n)) / n for j in range(n)]
+    z = sum(math.exp(m) for m in mean)
+    r = [math.exp(m) / z for m in mean][:n - w]
+    rbar = sum(r) / len(r)
+    want = [float(scorer.by_pos[0][0, int(pos[i])]) * (rbar / r[i]) ** 2 for i in range(n - w)]
+    torch.testing.assert_close(out[:n - w].double(), torch.tensor(want, dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+    assert out[n - w:].isinf().all()
 
 
 def test_the_attention_term_is_the_literal_formula(tiny):
@@ -1003,8 +1034,8 @@ def test_the_attention_term_is_the_literal_formula(tiny):
     softmax over those rows of the group's largest logit, max-pooled over 7 neighbours; +inf for
     the last w. Written out row by row here."""
     import math
-    scorer = decode_config.GateAttentionScorer(spread_gates(tiny.config), tiny.config.attn_scale,
-                                               mix=0.3)
+    scorer = decode_config.RescoredGateScorer(spread_gates(tiny.config), tiny.config.attn_scale,
+                                              mix=0.3)
     g = torch.Generator().manual_seed(3)
     n, w, G, d = 37, 5, 2, 8
     keys, queries = torch.randn(n, d, generator=g), torch.randn(w, G, d, generator=g)
@@ -1046,10 +1077,12 @@ def test_the_gate_lifted_by_attention_is_named_with_its_weight():
     is refused in one line naming the methods."""
     c = decode_config.parse("fastkvzip+attn0.25@calibrated/w8")
     assert (c.name, c.level, c.window) == ("fastkvzip+attn0.25@calibrated/w8", "calibrated", 8)
-    assert decode_config.mix_of(c.method) == 0.25 and decode_config.mix_of("fastkvzip+attn") == 1
+    assert decode_config.mix_of(c.method) == ("attention", 0.25)
+    assert decode_config.mix_of("fastkvzip+attn") == ("attention", 1)
+    assert decode_config.mix_of("fastkvzip+red4") == ("redundancy", 4)
     assert decode_config.parse("fastkvzip+attn").name == "fastkvzip+attn"
     assert decode_config.needs_gate("fastkvzip+attn2/w8")
     assert "λ = 0.25, level calibrated" in decode_config.describe(c)
     for bad in ("fastkvzip+attnx", "fastkvzip+attn-1", "fastkvzip+attn1.2.3"):
-        with pytest.raises(ValueError, match="is no method: methods are .*fastkvzip\\+attn\\[λ\\]"):
+        with pytest.raises(ValueError, match=r"is no method: methods are .*fastkvzip\+red\[λ\]"):
             decode_config.parse(bad)
