@@ -425,10 +425,8 @@ def check_evicting(cfg, scorer, n_protected, level, decode_level, decode_tokens_
 class EvictingCache(KVCache):
     """A KV cache whose compressed layers score every new KV pair and evict on request.
 
-    scorer: gate.Scorer, called as scorer.score(li, hidden, q, k, pos) -> (H, T) for compressed
-    layer li.
-    n_protected: the first n_protected positions (the system prompt) are never evicted
-    (METHOD.md §4.4).
+    scorer: gate.Scorer, scorer.score(li, hidden, q, k, pos) -> (H, T) for compressed layer li.
+    n_protected: the first n_protected positions (the system prompt) are never evicted (§4.4).
     decode_tokens_per_head: B, the average kept tokens per compressed head during decoding (a
     count, not a fraction; None = keep generated tokens): B·L·H pairs over all compressed layers
     with `level` "global", B·H per layer with "layer", B per head with "head" (METHOD.md §7).
@@ -609,6 +607,7 @@ class EvictingCache(KVCache):
         as it is. Protected rows count inside the budget (check_decode_budget keeps them below it)."""
         kvs = [self.layers[layer] for layer in self.compressed]
         first, recent = max(self.n_protected, self.decode_sinks), self.n_seen - self.decode_window
+        at_decode = getattr(self.scorer, "at_decode", None)  # METHOD.md §13.18
         scores = []  # [layer][head] (rows,): +inf where the row is protected
         for kv in kvs:
             scores.append([])
@@ -616,7 +615,7 @@ class EvictingCache(KVCache):
                 p = kv.head_pos(h)
                 s = kv.head_score(h).clone()
                 s[(p < first) | (p >= recent)] = math.inf
-                scores[-1].append(s)
+                scores[-1].append(at_decode(s, kv.head_keys(h)) if at_decode else s)
         keep = keep_within_budget(scores, self.decode_tokens_per_head, self.decode_level)
         for li, kv in enumerate(kvs):
             if all(bool(k.all()) for k in keep[li]):

@@ -79,11 +79,10 @@ class Gates(nn.Module):
 
     Per layer this is exactly the authors' `Weight` module (METHOD.md §1.2): q_proj (with bias) and
     k_proj (no bias) in `dtype` (the LLM's dtype: bf16 for released gates), q_norm/k_norm weights
-    and the S sink keys k_base in fp32, the per-group bias b in `dtype`. Index li is the position in
-    cfg.compressed_layers (Qwen3: every layer; Gemma3: the global layers only, §9).
-    The bias b is added once, as in every inference path of the authors (their training script adds
-    it twice, §1.5): a gate trained here computes at inference exactly the function that was
-    trained.
+    and the S sink keys k_base in fp32, the per-group bias b in `dtype`. Index li is the position
+    in cfg.compressed_layers (Qwen3: every layer; Gemma3: the global layers only, §9). The bias b
+    is added once, as in every inference path of the authors (their training script adds it twice,
+    §1.5): a gate trained here computes at inference exactly the function that was trained.
     """
 
     def __init__(self, n_layers, hidden, n_kv_heads, group, dim=16, sinks=16, dtype=torch.float32,
@@ -122,8 +121,8 @@ class Gates(nn.Module):
 
     @property
     def dtype(self):
-        """The projections' dtype. (Module.to(dtype) would also cast the fp32 norms and sinks: to
-        change it, reload with formats.gate_file.load_gate(..., dtype=...) instead.)"""
+        """The projections' dtype (Module.to(dtype) would cast the fp32 norms and sinks too: reload
+        with formats.gate_file.load_gate(..., dtype=...) to change it)."""
         return self.q_weight.dtype
 
     def extra_repr(self):
@@ -226,17 +225,15 @@ class Scorer:
     post-RoPE; pos (T,) absolute positions. During decoding the cache scores its buffered hidden
     states without q/k (q = k = None); scorers that need them say so.
 
-    `level` names the eviction structure the scorer is meant for, in cache.EvictingCache's terms:
-    "global" = one threshold over all layers × heads (the authors' "pair"), "head" = per-head top-k
-    ("pair-head", uniform budget per head).
+    `level` names the eviction structure the scorer is meant for (cache.EvictingCache): "global" =
+    one threshold over all layers × heads (the authors' "pair"), "head" = per head ("pair-head").
 
     At decode time (METHOD.md §7) the cache always keeps the last `decode_window` tokens: 128 for
     the gate, 8 for the baselines, as the authors run them
     (Janghyun1230/FastKVzip:math/run_math.py, `args.window_size = 8` for every method but
-    fastkvzip); `window_at_decode(cfg)` may choose per model (the gate's is 8 on a hybrid one).
-    A scorer with `rescores` set scores every held row again at each decode-time
-    eviction from the last decode_window queries (`rescore`); the others score each new token
-    once.
+    fastkvzip); `window_at_decode(cfg)` may choose per model (the gate's is 8 on a hybrid one). A
+    scorer with `rescores` set scores every held row again at each decode-time eviction from the
+    last decode_window queries (`rescore`); the others score each new token once.
 
     `prefill`: it scores each prefill chunk as the chunk arrives (False: KVzip, whose teacher
     scores the whole context after prefill, so its cache holds no scorer). `decode`: it can evict
@@ -284,6 +281,20 @@ def every_layer_compressed(cfg):
     return len(cfg.compressed_layers) == cfg.num_hidden_layers
 
 
+@torch.no_grad()
+def key_redundancy(keys, threshold=0.5):
+    """R-KV's redundancy (Janghyun1230/FastKVzip:math/method/utils.py:cal_similarity): keys (n, d)
+    of one head -> (n,) softmax over rows of each key's mean cosine similarity to the others, after
+    zeroing each row's similarity to its last key above `threshold` (none: to row 0, as theirs)."""
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = k @ k.T                                                              # (n, n)
+    sim.fill_diagonal_(0.0)
+    rows = torch.arange(sim.shape[0], device=sim.device)
+    sim[rows, torch.where(sim > threshold, rows, 0).amax(-1)] = 0
+    return sim.mean(0).softmax(-1)
+
+
 class GateScorer(Scorer):
     """Fast KVzip: the gate's output. Meant for "global" (one threshold over all layers × heads,
     §6): gate scores are comparable across layers and heads because they are trained to the same
@@ -291,7 +302,7 @@ class GateScorer(Scorer):
     level = "global"
     decode_window = 128  # the authors' local window for Fast KVzip at decode (METHOD.md §7)
 
-    def __init__(self, gates):
+    def __init__(self, gates, redundancy=0.0):
         # a path or a state dict: formats.gate_file loads one. TypeError, not kernels.ArgumentError:
         # gate.py imports nothing of the project (it lifts out alone)
         if not isinstance(gates, Gates):
@@ -299,10 +310,12 @@ class GateScorer(Scorer):
                             f"(formats.gate_file.load_gate), got {type(gates).__name__}")
         super().__init__(gates.n_kv_heads)
         self.gates = gates
+        self.redundancy = redundancy  # λ of the decode-time factor (ours: at_decode); 0: none
 
     @classmethod
     def make(cls, cfg, gates=None, seed=0):
-        return cls(gates)
+        """The authors' gate; on a hybrid model, our redundancy factor at decode: λ = 4."""
+        return cls(gates, redundancy=0.0 if every_layer_compressed(cfg) else 4.0)
 
     @classmethod
     def level_at_decode(cls, cfg):
@@ -327,16 +340,23 @@ class GateScorer(Scorer):
         return self.gates.score_layer(li, hidden)  # (H, T) fp32
 
     def cut_scores(self, scores):
-        """The prefill's cut (cache.EvictingCache.evict) on Gates.cut_scores; rows keep the gate's
-        own scores, so decoding compares those."""
+        """The prefill's cut on Gates.cut_scores (EvictingCache.evict); rows keep raw scores."""
         return self.gates.cut_scores(scores)
+
+    def at_decode(self, scores, keys):
+        """What decode-time eviction compares for one head (ours, METHOD.md §13.18): its held rows'
+        scores (n,), +inf where protected, times (r̄/r)^λ, r each key's key_redundancy, r̄ its mean:
+        rows whose keys repeat others' are lowered, the average row unmoved; λ = 0: the scores."""
+        if not self.redundancy:
+            return scores
+        r = key_redundancy(keys)
+        return scores * (r.mean() / r) ** self.redundancy
 
 
 class StreamingScorer(Scorer):
-    """StreamingLLM: score = absolute position, so the most recent tokens survive; the first tokens
-    (attention sinks, the system prompt) are protected by the cache itself. Identical across layers
-    and heads, so every level gives the same result; "head" matches the baseline's per-head budget
-    (§10). fp32 holds positions exactly up to 2^24 tokens."""
+    """StreamingLLM: score = absolute position, so the most recent tokens survive; the cache itself
+    protects the first (sinks, the system prompt). The same in every layer and head, so every level
+    gives one result; "head" as the baseline's budget (§10). fp32 holds positions up to 2^24."""
     level = "head"
 
     def score(self, li, hidden, q, k, pos):
@@ -356,8 +376,7 @@ class RandomScorer(Scorer):
         return cls(seed, n_kv_heads=cfg.num_key_value_heads)
 
     def score(self, li, hidden, q, k, pos):
-        s = torch.rand(self._heads(k), pos.shape[0], generator=self.generator)
-        return s.to(pos.device)
+        return torch.rand(self._heads(k), pos.shape[0], generator=self.generator).to(pos.device)
 
 
 class SnapKVScorer(Scorer):
@@ -366,8 +385,7 @@ class SnapKVScorer(Scorer):
     last queries (the observation window) vote for the chunk's keys.
 
     - window = the last 32 queries of the chunk (16 while the sequence, current chunk included, is
-      shorter than 1000 tokens: the authors test the key length of their retain cache, = pos[-1] +
-      1);
+      shorter than 1000 tokens: the authors test their retain cache's key length, pos[-1] + 1);
     - keys = the first 4 keys of the sequence (chunks after the first only) ⊕ the chunk's keys. The
       cache hands a scorer only the new keys, so the scorer remembers each layer's first 4 keys when
       it sees the chunk that starts at position 0 (post-RoPE keys never change, so this is exact);
@@ -444,37 +462,21 @@ class SnapKVScorer(Scorer):
 
 
 class RKVScorer(SnapKVScorer):
-    """R-KV at decode time, as the authors run it (Janghyun1230/FastKVzip:
-    math/method/compression/r1_kv.py with math/method/utils.py:cal_similarity; λ = 0.1, the
-    default of math/run_math.py): λ·(decode-time SnapKV attention) − (1 − λ)·redundancy, where a
-    row's redundancy is the softmax over rows of its mean cosine similarity to the other keys of
-    its head. Before the mean, each row's similarity to its most recent key with similarity > 0.5
-    is zeroed (that pair counts as one), and for a row with no such key its similarity to row 0
-    (the authors' index default). A decode-time method: prefill chunks get SnapKV's chunk scores
-    (R-KV compresses only the reasoning trace)."""
+    """R-KV at decode time, as the authors run it (Janghyun1230/FastKVzip:math/method/compression/
+    r1_kv.py; λ = 0.1, the default of math/run_math.py): λ·(decode-time SnapKV attention) − (1 − λ)·
+    key_redundancy. A decode-time method: prefill chunks get SnapKV's chunk scores (R-KV
+    compresses only the reasoning trace)."""
     level = "head"
 
     def __init__(self, scale=None, mix=0.1, threshold=0.5, **kwargs):
         super().__init__(scale, **kwargs)
         self.mix, self.threshold = mix, threshold
 
-    @torch.no_grad()
-    def redundancy(self, keys):
-        """keys (n, d) -> (n,) softmax over rows of their mean cosine similarity (cal_similarity)."""
-        k = keys.float()
-        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
-        sim = k @ k.T                                                          # (n, n)
-        sim.fill_diagonal_(0.0)
-        n = sim.shape[0]
-        idx = torch.where(sim > self.threshold, torch.arange(n), torch.zeros((), dtype=torch.long))
-        sim[torch.arange(n), idx.amax(-1)] = 0  # each row's most recent similar key (else row 0)
-        return sim.mean(0).softmax(-1)
-
     def held(self, keys, queries):
         """R-KV's score of the rows before the last w (rescore pads the last w with +inf)."""
         n, w = keys.shape[0], queries.shape[0]
         return self.mix * self.attention(keys, queries) \
-            - (1 - self.mix) * self.redundancy(keys)[:n - w]
+            - (1 - self.mix) * key_redundancy(keys, self.threshold)[:n - w]
 
 
 class KVzipScorer(Scorer):

@@ -24,9 +24,8 @@ whole context's. Compressed layers: all for Qwen3, only the global ones for Gemm
 Softmax dtype: fp32 by default. The authors compute the logits and the softmax in the model dtype
 (bf16, METHOD.md §4.3, §12.10), whose rounding errors the max over a chunk's queries picks when
 they went up (METHOD.md §13.5). In fp32 the targets depend only on the model, not on the device
-(CPU fp32 and GPU bf16 runs agree up to the model's own rounding), at the cost of one fp32
-(Hq, 2K, 4K) matrix per layer, small next to the forward pass. softmax_dtype="model" reproduces the
-authors.
+(CPU fp32 and GPU bf16 runs agree up to the model's own rounding), at the cost of one fp32 (Hq, 2K,
+4K) matrix per layer, small next to the forward pass. softmax_dtype="model" reproduces the authors.
 
 Cost: one prefill plus one forward of (context + ~1.1% prompt tokens) on top of the full cache, i.e.
 about two prefills (the cost Fast KVzip's gate removes at inference).

@@ -29,18 +29,18 @@ its most recent rows up to what is left, and no other row: after every eviction 
 many rows as the pool (SplitScorer). No token is chosen by its content, so split against the pool
 is what the gate's token-by-token choice adds beyond finding the heads it fills.
 
-fastkvzip+attn[λ] and fastkvzip+red[λ]: ours, rescoring terms beside the paper's gate
-(RescoredGateScorer). At every decode-time eviction each held row scores, g its gate score (computed
-once, when the row arrived):
+fastkvzip+attn[λ] and fastkvzip+red[λ]: ours, terms that move the gate's scores at every
+decode-time eviction, g a held row's gate score (computed once, when the row arrived):
     +attn  g·(1 + λ·a/ā), a the attention the last N queries give the row (SnapKV's decode-time
            attention, as R-KV and SnapKV rescore), ā its mean over the head's rows: rows the current
-           text attends to are lifted;
-    +red   g·(r̄/r)^λ, r the row's redundancy (R-KV's: the softmax over the head's rows of each
-           key's mean cosine similarity to the others), r̄ its mean: rows whose keys repeat others'
-           are lowered.
+           text attends to are lifted (RescoredGateScorer, here);
+    +red   g·(r̄/r)^λ, r the row's redundancy (R-KV's: gate.key_redundancy), r̄ its mean over the
+           head: rows whose keys repeat others' are lowered. The method's own (gate.GateScorer
+           .at_decode, METHOD.md §13.18): λ = 4 is the gate's decode default on a hybrid model.
 Each factor is 1 on the head's average row, so the gate's scale across heads and layers is kept. λ
 is 1 when left out (`fastkvzip+attn0.1@calibrated/w8`: λ = 0.1); the level and window are the
-gate's own.
+gate's own. A row named `fastkvzip...` runs the gate without either term (λ = 0), whatever the
+model's default.
 """
 from dataclasses import dataclass
 
@@ -49,7 +49,7 @@ import torch
 import generate
 from cache import LEVELS, EvictingCache
 from gate import METHODS as SCORERS
-from gate import GateScorer, RKVScorer, Scorer
+from gate import GateScorer, Scorer, SnapKVScorer
 from kernels import ArgumentError
 
 # the scorers that evict while decoding; "full" and "cut" evict nothing (harness/decode.py)
@@ -165,16 +165,14 @@ class SplitScorer(Scorer):
 
 
 class RescoredGateScorer(GateScorer):
-    """fastkvzip+attn and fastkvzip+red (module docstring): the gate scores every token once, as it
-    arrives (score: kept by position); at every decode-time eviction RescoringGateCache asks
-    `mixed` for each held row's g·(1 + λ·a/ā) (term "attention") or g·(r̄/r)^λ ("redundancy")."""
+    """fastkvzip+attn (module docstring): the gate scores every token once, as it arrives (score:
+    kept by position); at every decode-time eviction RescoringGateCache asks `mixed` for each held
+    row's g·(1 + λ·a/ā)."""
     rescores = True  # the cache keeps the last decode_window queries of each compressed layer
 
-    def __init__(self, gates, scale, term="attention", mix=1.0):
+    def __init__(self, gates, scale, mix=1.0):
         super().__init__(gates)
-        rkv = RKVScorer(scale)
-        self.attention, self.redundancy = rkv.attention, rkv.redundancy
-        self.term, self.mix = term, mix
+        self.attention, self.mix = SnapKVScorer(scale).attention, mix
         self.by_pos = {}  # compressed layer -> (H, positions seen) the gate's scores
 
     @torch.no_grad()
@@ -194,20 +192,15 @@ class RescoredGateScorer(GateScorer):
         +inf for those (the cache keeps the last w anyway)."""
         n, w = keys.shape[0], queries.shape[0]
         g = self.by_pos[li][h, pos[:n - w]]
-        if self.term == "attention":
-            a = self.attention(keys, queries)                           # (n - w,)
-            moved = g * (1 + self.mix * a / a.mean().clamp_min(1e-30))
-        else:
-            r = self.redundancy(keys)[:n - w]  # over every held key, as R-KV's
-            moved = g * (r.mean() / r) ** self.mix
+        a = self.attention(keys, queries)                               # (n - w,)
+        moved = g * (1 + self.mix * a / a.mean().clamp_min(1e-30))
         return torch.cat([moved, moved.new_full((w,), float("inf"))])
 
 
 class RescoringGateCache(EvictingCache):
-    """The evicting cache for fastkvzip+attn and +red: at every decode-time eviction the gate scores the
+    """The evicting cache for fastkvzip+attn: at every decode-time eviction the gate scores the
     buffered tokens (as EvictingCache.after_step does for the gate), then every held row of every
-    compressed head is rescored by RescoredGateScorer.mixed (from the last decode_window queries
-    for the attention term)."""
+    compressed head is rescored by RescoredGateScorer.mixed from the last decode_window queries."""
 
     def after_step(self):
         if self.decode_tokens_per_head is None:
@@ -234,15 +227,19 @@ def make_cache(model, config, n_protected, budget, gates, seed, fill=None):
     if c.method in ("full", "cut"):
         return generate.make_cache("full", model, n_protected)
     cfg, weight = model.config, model.model.embed_tokens.weight
-    if mix_of(c.method) is not None:
-        scorer = RescoredGateScorer(gates, cfg.attn_scale, *mix_of(c.method))
-        return RescoringGateCache(cfg, scorer, weight.dtype,
+    term, mix = mix_of(c.method) or (None, 0.0)
+    if term == "attention":
+        return RescoringGateCache(cfg, RescoredGateScorer(gates, cfg.attn_scale, mix), weight.dtype,
                                   weight.device, n_protected=n_protected, level=c.level,
                                   decode_tokens_per_head=budget, decode_window=c.window)
     if c.method not in SPLIT:
-        return generate.make_cache(c.method, model, n_protected, gates=gates, level=c.level,
-                                   decode_tokens_per_head=budget, seed=seed,
-                                   decode_window=c.window)
+        method = "fastkvzip" if term else c.method
+        cache = generate.make_cache(method, model, n_protected, gates=gates, level=c.level,
+                                    decode_tokens_per_head=budget, seed=seed,
+                                    decode_window=c.window)
+        if method == "fastkvzip":  # the gate's redundancy factor: the row's λ, else none
+            cache.scorer.redundancy = mix
+        return cache
     shape = (len(cfg.compressed_layers), cfg.num_key_value_heads)
     span = cfg.max_position_embeddings
     if fill is None or tuple(fill.shape) != shape or (shape[0] * shape[1] + 1) * span > 2 ** 24:

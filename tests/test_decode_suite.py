@@ -989,7 +989,7 @@ def test_configurations_run_through_the_suite(tiny_decode, tmp_path, monkeypatch
 # ------------------------------------------- fastkvzip+attn: ours, the gate lifted by attention
 
 @pytest.mark.parametrize("term", ["attn", "red"])
-def test_the_rescored_gate_without_its_term_is_the_gate(tiny, term):
+def test_the_gate_with_a_term_of_weight_0_is_the_gate(tiny, term):
     """λ = 0: fastkvzip+attn0 and +red0 keep, at every level, exactly the rows of the gate at the
     same level and window (the gate's scores, kept by position, are the rows' scores)."""
     for level, window in (("global", 128), ("calibrated", 8), ("head", 8)):
@@ -999,21 +999,20 @@ def test_the_rescored_gate_without_its_term_is_the_gate(tiny, term):
         assert held(mixed) == plain, (level, window)
 
 
-def test_the_redundancy_term_is_the_literal_formula(tiny):
-    """+red: g·(r̄/r)^λ for each row before the last w, r the softmax over all held rows of each
+def test_the_redundancy_factor_is_the_literal_formula(tiny):
+    """gate.GateScorer.at_decode: scores·(r̄/r)^λ, r the softmax over the head's held rows of each
     key's mean cosine similarity to the others (R-KV's, its most recent similar key, above 0.5,
-    zeroed first, else its similarity to row 0), r̄ the mean of r over the rows before w; +inf for
-    the last w. Written out row by row here."""
+    zeroed first, else its similarity to row 0), r̄ the mean of r; +inf stays; λ = 0 the scores
+    themselves. Written out row by row here."""
     import math
-    scorer = decode_config.RescoredGateScorer(spread_gates(tiny.config), tiny.config.attn_scale,
-                                              term="redundancy", mix=2.0)
+    scorer = gate.GateScorer(spread_gates(tiny.config), redundancy=2.0)
     g = torch.Generator().manual_seed(4)
-    n, w, d = 23, 4, 8
+    n, d = 23, 8
     keys = torch.randn(n, d, generator=g)
     keys[5] = keys[2] + 0.1 * torch.randn(d, generator=g)  # a near-duplicate: a similarity > 0.5
-    pos = torch.arange(50, 50 + n)
-    scorer.by_pos[0] = torch.rand(1, 100, generator=g)
-    out = scorer.mixed(0, 0, pos, keys, torch.randn(w, 2, d, generator=g))
+    scores = torch.rand(n, generator=g)
+    scores[[0, 21, 22]] = math.inf  # protected rows
+    out = scorer.at_decode(scores, keys)
     unit = [k / (float(k.norm()) + 1e-8) for k in keys.double()]
     sim = [[float(unit[i] @ unit[j]) if i != j else 0.0 for j in range(n)] for i in range(n)]
     for i in range(n):
@@ -1021,42 +1020,47 @@ def test_the_redundancy_term_is_the_literal_formula(tiny):
         sim[i][max(similar) if similar else 0] = 0.0
     mean = [sum(sim[i][j] for i in range(n)) / n for j in range(n)]
     z = sum(math.exp(m) for m in mean)
-    r = [math.exp(m) / z for m in mean][:n - w]
-    rbar = sum(r) / len(r)
-    want = [float(scorer.by_pos[0][0, int(pos[i])]) * (rbar / r[i]) ** 2 for i in range(n - w)]
-    torch.testing.assert_close(out[:n - w].double(), torch.tensor(want, dtype=torch.float64),
-                               rtol=1e-5, atol=0)
-    assert out[n - w:].isinf().all()
+    r = [math.exp(m) / z for m in mean]
+    want = [float(scores[i]) * (sum(r) / n / r[i]) ** 2 for i in range(n)]
+    torch.testing.assert_close(out.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5,
+                               atol=0)
+    assert out[[0, 21, 22]].isinf().all()
+    assert gate.GateScorer(scorer.gates).at_decode(scores, keys) is scores  # λ = 0
 
 
-def test_the_attention_term_is_the_literal_formula(tiny):
-    """mixed(): g·(1 + λ·a/ā) for each row before the last w, a the mean over the w queries of the
-    softmax over those rows of the group's largest logit, max-pooled over 7 neighbours; +inf for
-    the last w. Written out row by row here."""
-    import math
-    scorer = decode_config.RescoredGateScorer(spread_gates(tiny.config), tiny.config.attn_scale,
-                                              mix=0.3)
-    g = torch.Generator().manual_seed(3)
-    n, w, G, d = 37, 5, 2, 8
-    keys, queries = torch.randn(n, d, generator=g), torch.randn(w, G, d, generator=g)
-    pos = torch.arange(100, 100 + 2 * n, 2)
-    scorer.by_pos[0] = torch.rand(2, 200, generator=g)
-    out = scorer.mixed(0, 1, pos, keys, queries)
-    scale = tiny.config.attn_scale
-    m = n - w
-    attn = [0.0] * m
-    for i in range(w):
-        logit = [max(float(queries[i, j] @ keys[r]) for j in range(G)) * scale for r in range(m)]
-        z = sum(math.exp(x) for x in logit)
-        for r in range(m):
-            attn[r] += math.exp(logit[r]) / z / w
-    pooled = [max(attn[max(0, r - 3):r + 4]) for r in range(m)]
-    mean = sum(pooled) / m
-    want = [float(scorer.by_pos[0][1, int(pos[r])]) * (1 + scorer.mix * pooled[r] / mean)
-            for r in range(m)]
-    torch.testing.assert_close(out[:m].double(), torch.tensor(want, dtype=torch.float64),
-                               rtol=1e-5, atol=0)
-    assert out[m:].isinf().all() and out.shape == (n,)
+def test_the_gates_decode_default_holds_the_redundancy_factor_on_a_hybrid_model(tiny, monkeypatch):
+    """generate.make_cache's gate: λ = 4 on Gemma 3 (sliding-window layers beside), 0 where every
+    layer is compressed; decode-time eviction compares at_decode's scores (the rows' own scores
+    stay the gate's); a decode-suite row named fastkvzip runs without it."""
+    import cache as C
+    hybrid = len(tiny.config.compressed_layers) < tiny.config.num_hidden_layers
+    made = generate.make_cache("fastkvzip", tiny, 2, gates=spread_gates(tiny.config),
+                               decode_tokens_per_head=200)
+    assert made.scorer.redundancy == (4.0 if hybrid else 0.0)
+    assert forced(tiny, "fastkvzip@calibrated/w8", 200).scorer.redundancy == 0
+    seen, before = [], []
+    keep, evict = C.keep_within_budget, C.EvictingCache._evict_to_budget
+
+    def keep_(scores, budget, level):
+        seen.append([s.clone() for per_head in scores for s in per_head])
+        return keep(scores, budget, level)
+
+    def evict_(self):
+        before.append([(kv.head_score(h).clone(), kv.head_keys(h).clone(), kv.head_pos(h).clone())
+                       for kv in (self.layers[x] for x in self.compressed)
+                       for h in range(kv.n_heads)])
+        return evict(self)
+
+    monkeypatch.setattr(C, "keep_within_budget", keep_)
+    monkeypatch.setattr(C.EvictingCache, "_evict_to_budget", evict_)
+    cache = forced(tiny, "fastkvzip+red4@calibrated/w8", 200)
+    assert cache.scorer.redundancy == 4.0 and len(seen) == len(before) > 1
+    for (g, keys, pos), s in zip(before[-1], seen[-1]):
+        protected = (pos < 4) | (pos >= N_FED - 8)
+        r = gate.key_redundancy(keys)
+        want = torch.where(protected, torch.tensor(math.inf), g * (r.mean() / r) ** 4)
+        torch.testing.assert_close(s, want)
+    assert held(cache) != held(forced(tiny, "fastkvzip@calibrated/w8", 200))
 
 
 def test_the_gate_lifted_by_attention_keeps_its_budget_and_moves_rows(tiny):
