@@ -353,8 +353,12 @@ def test_the_options_together_train_the_gates_of_one_joint_run(tmp_path):
     for k in ("train_keep_loss", "train_cut_pair_loss", "train_grad_norm", "val_overlap"):
         assert len(m1[k]) == len(m1["step"]) and len(m1[k][-1]) == 3, k
         torch.testing.assert_close(torch.tensor(m3[k]), torch.tensor(m1[k]), rtol=1e-4, atol=1e-5)
-    for k in ("ceiling_val_spearman", "ceiling_val_overlap", "gate_val_spearman"):
+    for k in ("ceiling_val_spearman", "ceiling_val_overlap"):  # the ridge fit, of the features alone
         assert len(m1[k]) == 3 and m1[k] == pytest.approx(m3[k], abs=1e-6), k
+    # the two gates agree to 1e-5 (above), and a near-tie of their scores that goes the other way
+    # moves a Spearman by ~1e-5 (8e-6 seen on an AMD EPYC): ranks flip with the summation order
+    assert len(m1["gate_val_spearman"]) == 3
+    assert m1["gate_val_spearman"] == pytest.approx(m3["gate_val_spearman"], abs=1e-4)
     assert m1["n_train"] < sum(n for n, s in ((900, "train"), (1100, "train")))  # final chunks
     assert max(max(row) for row in m1["train_grad_norm"]) > CUTS["clip"]  # clipping did act
     plain, _ = run(store, TG.Recipe(optimizer="adam", lr=3e-3))
