@@ -14,6 +14,7 @@ from gate import Gates
 from harness import decode, decode_config, decode_report, decode_suite, stats
 from harness.timing import time_scorer
 from tests.helpers import tiny_checkpoint
+from tests.test_decode_memory import authors_attention, authors_redundancy
 
 # tokens per KV head: above the 4 sinks + 128-token window (else no score is ever used), far below
 # the streams, so that the scorer chooses at every 128-token eviction
@@ -999,13 +1000,31 @@ def test_the_gate_with_a_term_of_weight_0_is_the_gate(tiny, term):
         assert held(mixed) == plain, (level, window)
 
 
-def test_the_redundancy_factor_is_the_literal_formula(tiny):
-    """gate.GateScorer.at_decode: scores·(r̄/r)^λ, r the softmax over the head's held rows of each
-    key's mean cosine similarity to the others (R-KV's, its most recent similar key, above 0.5,
-    zeroed first, else its similarity to row 0), r̄ the mean of r; +inf stays; λ = 0 the scores
-    themselves. Written out row by row here."""
-    import math
-    scorer = gate.GateScorer(spread_gates(tiny.config), redundancy=2.0)
+def test_the_attention_term_is_its_formula_on_the_authors_attention():
+    """mixed(): g·(1 + λ·a/ā) for each row before the last w, a the authors' decode-time SnapKV
+    attention of those rows (tests/test_decode_memory.py: authors_attention), ā its mean, g the
+    gate's score kept for the row's position; +inf for the last w."""
+    torch.manual_seed(0)
+    gates = Gates(1, 32, 2, 2)
+    scorer = decode_config.RescoredGateScorer(gates, scale=None, mix=0.3)  # 1/√d, as the authors'
+    g = torch.Generator().manual_seed(3)
+    n, w, G, d = 37, 5, 2, 8
+    keys, queries = torch.randn(n, d, generator=g), torch.randn(w, G, d, generator=g)
+    pos = torch.arange(100, 100 + 2 * n, 2)
+    scorer.by_pos[0] = torch.rand(2, 200, generator=g)
+    out = scorer.mixed(0, 1, pos, keys, queries)
+    a = authors_attention(queries.transpose(0, 1)[None], keys[None, None], w=w)[0, 0]  # (n - w,)
+    want = scorer.by_pos[0][1, pos[:n - w]] * (1 + 0.3 * a / a.mean())
+    torch.testing.assert_close(out[:n - w], want, rtol=1e-5, atol=0)
+    assert out[n - w:].isinf().all() and out.shape == (n,)
+
+
+def test_the_redundancy_factor_is_its_formula_on_the_authors_redundancy():
+    """gate.GateScorer.at_decode: scores·(r̄/r)^λ, r the authors' redundancy of the head's held keys
+    (tests/test_decode_memory.py: authors_redundancy, their cal_similarity), r̄ its mean; +inf
+    stays; λ = 0 the scores themselves."""
+    torch.manual_seed(0)
+    scorer = gate.GateScorer(Gates(1, 32, 2, 2), redundancy=2.0)
     g = torch.Generator().manual_seed(4)
     n, d = 23, 8
     keys = torch.randn(n, d, generator=g)
@@ -1013,17 +1032,8 @@ def test_the_redundancy_factor_is_the_literal_formula(tiny):
     scores = torch.rand(n, generator=g)
     scores[[0, 21, 22]] = math.inf  # protected rows
     out = scorer.at_decode(scores, keys)
-    unit = [k / (float(k.norm()) + 1e-8) for k in keys.double()]
-    sim = [[float(unit[i] @ unit[j]) if i != j else 0.0 for j in range(n)] for i in range(n)]
-    for i in range(n):
-        similar = [j for j in range(n) if sim[i][j] > 0.5]
-        sim[i][max(similar) if similar else 0] = 0.0
-    mean = [sum(sim[i][j] for i in range(n)) / n for j in range(n)]
-    z = sum(math.exp(m) for m in mean)
-    r = [math.exp(m) / z for m in mean]
-    want = [float(scores[i]) * (sum(r) / n / r[i]) ** 2 for i in range(n)]
-    torch.testing.assert_close(out.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5,
-                               atol=0)
+    r = authors_redundancy(keys[None, None])[0]                                  # (n,)
+    torch.testing.assert_close(out, scores * (r.mean() / r) ** 2, rtol=1e-5, atol=0)
     assert out[[0, 21, 22]].isinf().all()
     assert gate.GateScorer(scorer.gates).at_decode(scores, keys) is scores  # λ = 0
 
