@@ -164,9 +164,10 @@ def needle_flags(p):
     """--suite needle: what each context hides and asks."""
     g = p.add_argument_group("--suite needle (harness/quality.py)")
     g.add_argument("--text", choices=quality.TEXTS, default="austen",
-                   help="the documents the quality contexts are cut from: austen (the novels, by "
-                   "chapters) or prose (held-out documents of the gates' training corpus: "
-                   "Wikipedia, State of the Union addresses, the Python library reference)")
+                   help="the documents the quality contexts (and --suite decode's streams) are "
+                   "cut from: austen (the novels, by chapters) or prose (held-out documents of the "
+                   "gates' training corpus: Wikipedia, State of the Union addresses, the Python "
+                   "library reference)")
     g.add_argument("--passkeys", type=int, default=quality.NEEDLES["passkeys"],
                    help="pass keys hidden per context, at stratified depths")
     g.add_argument("--kv-pairs", type=int, default=quality.NEEDLES["kv_pairs"],

@@ -91,6 +91,7 @@ class DecodeExperiment:
     device: str = "cpu"
     suite: str = "decode"
     loop: dict | None = None  # the closed-loop task's settings (loop_settings), None: not run
+    text: str = "austen"    # the documents (quality.load_docs): "austen" or "prose"
 
 
 # ---- 1. Streams: a document with facts stated early and asked for later --------------------------
@@ -176,10 +177,11 @@ def make_stream(tok, name, doc, start, length, gaps, n_prompt, rng):
 
 
 def make_streams(tok, fmt, exp):
-    """exp.contexts streams, each from another Austen chapter long enough (shuffled by seed), and
-    one more, the calibration document that ranks a split's heads, when exp.methods holds a split
-    ranked on another document (the first exp.contexts streams are the same either way)."""
-    docs = load_docs(tok, "austen")
+    """exp.contexts streams, each from another document of exp.text long enough (an Austen chapter,
+    or a held-out prose text: quality.prose_texts; shuffled by seed), and one more, the
+    calibration document that ranks a split's heads, when exp.methods holds a split ranked on
+    another document (the first exp.contexts streams are the same either way)."""
+    docs = load_docs(tok, exp.text)
     random.Random(exp.seed).shuffle(docs)
     start = encode_prompt(tok, fmt.system)
     rng, out = random.Random(exp.seed), []
@@ -189,7 +191,8 @@ def make_streams(tok, fmt, exp):
             out.append(s)
         if len(out) == exp.contexts + calibrates(exp):
             return out
-    raise ValueError(f"only {len(out)} Austen chapters hold a stream of {exp.length} tokens with "
+    what = "Austen chapters" if exp.text == "austen" else "held-out prose texts"
+    raise ValueError(f"only {len(out)} {what} hold a stream of {exp.length} tokens with "
                      f"gaps {exp.gaps}; ask fewer contexts or a shorter length")
 
 
@@ -493,8 +496,11 @@ def loop_samples(model, tok, fmt, exp, c, n_docs, gates, fill=lambda conf, budge
 
 def run_key(exp, config):
     """What makes two runs' documents the same experiment (resume, merge); a run without the
-    closed loop has the key it had before the loop existed (its folder resumes)."""
+    closed loop, or on Austen, has the key it had before either option existed (its folder
+    resumes)."""
     key = dict(asdict(exp), model=config["model"]["sha256"], gate=config["gate"]["sha256"])
     if key["loop"] is None:
         del key["loop"]
+    if key["text"] == "austen":
+        del key["text"]
     return key

@@ -216,7 +216,7 @@ def experiment(args):
         length=args.lengths[0], gaps=args.decode_gaps, prompt_tokens=args.decode_prompt,
         generations=args.decode_generations, gen_tokens=args.decode_gen_tokens,
         gen_budgets=args.decode_gen_budgets, seed=args.seed,
-        chat=args.chat, device=args.device,
+        chat=args.chat, device=args.device, text=args.text,
         loop=decode.loop_settings(args.loop_seeds, args.loop_tokens, args.loop_budgets,
                                   args.loop_items))
 
@@ -290,7 +290,7 @@ def check_streams(args, tok, cfg):
 # what --suite decode reads of bench.py's flags, beside its own (--decode-*): bench.py refuses the
 # others typed with it
 READS = {"suite", "model", "gate", "methods", "lengths", "contexts", "chat", "device", "bootstrap",
-         "no_quality", "speed_lengths", "no_peer", "seed", "threads", "shard", "out", "plot",
+         "no_quality", "speed_lengths", "no_peer", "seed", "threads", "shard", "out", "plot", "text",
          "merge", "decode_budgets", "decode_gaps", "decode_prompt", "decode_generations",
          "decode_gen_tokens", "decode_gen_budgets", "decode_speed_budgets", "loop_seeds",
          "loop_tokens", "loop_budgets", "loop_items"}

@@ -202,6 +202,27 @@ def test_streams_hold_their_facts_where_they_claim(smollm2_tok):
         assert not inside & set(s.doc_pos) and s.doc_pos == sorted(s.doc_pos)
 
 
+def test_streams_come_from_the_text_asked_and_an_austen_run_keeps_its_key(smollm2_tok):
+    """--text prose: every stream's document tokens are a held-out prose text's, in order; the
+    experiment's key names the text only when it is not Austen (earlier folders resume)."""
+    from dataclasses import replace
+
+    from harness import quality
+    from prompts import PromptFormat
+    args = bench.parse_args(["--suite", "decode", "--text", "prose", "--lengths", "2000",
+                             "--decode-gaps", "300,900", "--contexts", "2"])
+    exp = decode_suite.experiment(args)
+    assert exp.text == "prose"
+    prose = dict(quality.load_docs(smollm2_tok, "prose"))
+    streams = decode.make_streams(smollm2_tok, PromptFormat("", ""), exp)
+    assert len(streams) == 2
+    for s in streams:
+        assert [s.ids[p] for p in s.doc_pos] == prose[s.doc][:len(s.doc_pos)]
+    config = dict(model=dict(sha256="m"), gate=dict(sha256="g"))
+    assert decode.run_key(exp, config)["text"] == "prose"
+    assert "text" not in decode.run_key(replace(exp, text="austen"), config)
+
+
 def fake_records():
     """Three documents: the gate at 256 loses NLL and one answer; cut answers nothing (as records
     written before cut was run held it), and its generation stopped at 200 tokens."""
