@@ -436,20 +436,22 @@ def test_quick_smoke(quick):
 def test_shards_resume_and_merge_equal_one_run(real, quick, tmp_path):
     """An experiment split into shards, interrupted and resumed, then merged, gives exactly the rows
     of one uninterrupted run (same contexts, same scores, same bootstrap intervals; decode speed
-    aside)."""
+    aside). The second shard runs alone (its context made with nothing run before it); the first
+    shard's record is the uninterrupted run's, which shard 0/2 would recompute."""
     flags = ["--quick", "--gate", real["gate"], "--no-gpu", "--speed-lengths", "0"]
     run = lambda out, *a: bench.main(flags + ["--out", str(tmp_path / out), *a])
     untimed = lambda rows: [{k: v for k, v in r.items() if k != "decode_tok_s"} for r in rows]
     rows = lambda out: untimed(json.loads((out / "results.json").read_text())["rows"])
-    run("a", "--shard", "0/2"), run("b", "--shard", "1/2")  # context 0 in a, context 1 in b
-    assert [p.name for p in (tmp_path / "a" / "contexts").iterdir()] == ["context-000.json"]
-    bench.main(["--merge", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--out", str(tmp_path / "merged")])
+    run("b", "--shard", "1/2")  # context 1 only
+    assert [p.name for p in (tmp_path / "b" / "contexts").iterdir()] == ["context-001.json"]
+    # the shard's record first: merge keeps the first folder's record of a context
+    bench.main(["--merge", f"{tmp_path / 'b'},{quick}", "--out", str(tmp_path / "merged")])
     merged = json.loads((tmp_path / "merged" / "results.json").read_text())
     assert (merged["complete"] and merged["n_contexts"] == 2
             and untimed(merged["rows"]) == rows(quick))
-    # b as one whole run, given a's context: resumes from both shards' records and runs nothing
+    # b as one whole run, given context 0's record: resumes from both records and runs nothing
     # (a resume that runs the contexts it lacks: test_run_folders' kill -9 test)
-    shutil.copy(tmp_path / "a" / "contexts" / "context-000.json", tmp_path / "b" / "contexts")
+    shutil.copy(quick / "contexts" / "context-000.json", tmp_path / "b" / "contexts")
     records = lambda: {p.name: (p.stat().st_mtime_ns, p.read_bytes())
                        for p in (tmp_path / "b" / "contexts").iterdir()}
     before = records()
