@@ -487,8 +487,10 @@ def header(res):
                 f"{speed.get('lengths')}, the full cache and budgets {speed.get('budgets')} "
                 f"tokens per KV head")
     else:
-        ran += (f"{res.get('n_contexts', 0)} of {key['contexts']} documents (held-out Austen "
-                f"chapters) of {key['length']} tokens: {key['prompt_tokens']} prefilled, every "
+        docs = ("held-out prose texts of the gates' corpus" if key.get("text") == "prose"
+                else "held-out Austen chapters")
+        ran += (f"{res.get('n_contexts', 0)} of {key['contexts']} documents ({docs}) of "
+                f"{key['length']} tokens: {key['prompt_tokens']} prefilled, every "
                 f"later token a decode step (128 per forward, aligned with the decode buffer); "
                 f"budgets {key['budgets']} tokens per KV head; recall gaps {key['gaps']}; "
                 f"{key['generations']} free generations of {key['gen_tokens']} tokens; seed "

@@ -218,9 +218,13 @@ def test_streams_come_from_the_text_asked_and_an_austen_run_keeps_its_key(smollm
     assert len(streams) == 2
     for s in streams:
         assert [s.ids[p] for p in s.doc_pos] == prose[s.doc][:len(s.doc_pos)]
-    config = dict(model=dict(sha256="m"), gate=dict(sha256="g"))
-    assert decode.run_key(exp, config)["text"] == "prose"
-    assert "text" not in decode.run_key(replace(exp, text="austen"), config)
+    config = dict(model=dict(sha256="m"), gate=dict(sha256="g", source="g"), flags=dict(model="m"),
+                  git_commit="c" * 40, git_dirty=False, started="t")
+    for text, words in (("prose", "(held-out prose texts of the gates' corpus)"),
+                        ("austen", "(held-out Austen chapters)")):
+        key = decode.run_key(replace(exp, text=text), config)
+        assert key.get("text") == (None if text == "austen" else text)
+        assert words in decode_report.header(dict(config=dict(config, quality_key=key)))[2]
 
 
 def fake_records():
