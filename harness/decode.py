@@ -91,7 +91,9 @@ class DecodeExperiment:
     device: str = "cpu"
     suite: str = "decode"
     loop: dict | None = None  # the closed-loop task's settings (loop_settings), None: not run
-    text: str = "austen"    # the documents (quality.load_docs): "austen" or "prose"
+    # the streams' documents (quality.load_docs): "austen" or "prose" (a free generation's prompt
+    # calls its excerpt "a story" either way)
+    text: str = "austen"
 
 
 # ---- 1. Streams: a document with facts stated early and asked for later --------------------------
