@@ -56,7 +56,7 @@ from cache import EvictingCache
 from formats.gate_file import resolve_gate
 from gate import METHODS as SCORERS
 from harness import closed_loop, decode_config
-from harness.quality import OWNERS, answer_stops, load_docs, log, model_info
+from harness.quality import OWNERS, TEXT_NAMES, answer_stops, load_docs, log, model_info
 from prompts import encode_prompt, encode_text, prompt_format, question_ids
 
 # the full cache, every method of gate.METHODS that evicts while decoding, and "cut", no cache of
@@ -193,8 +193,7 @@ def make_streams(tok, fmt, exp):
             out.append(s)
         if len(out) == exp.contexts + calibrates(exp):
             return out
-    what = "Austen chapters" if exp.text == "austen" else "held-out prose texts"
-    raise ValueError(f"only {len(out)} {what} hold a stream of {exp.length} tokens with "
+    raise ValueError(f"only {len(out)} {TEXT_NAMES[exp.text]} hold a stream of {exp.length} tokens with "
                      f"gaps {exp.gaps}; ask fewer contexts or a shorter length")
 
 

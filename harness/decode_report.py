@@ -15,7 +15,7 @@ import numpy as np
 
 from cli import pyplot, save_figure
 from harness import closed_loop, decode_config
-from harness.quality import ci
+from harness.quality import TEXT_NAMES, ci
 from harness.quality_report import fmt_ci
 from harness.report import shown
 from harness.stats import t_quantile
@@ -487,9 +487,8 @@ def header(res):
                 f"{speed.get('lengths')}, the full cache and budgets {speed.get('budgets')} "
                 f"tokens per KV head")
     else:
-        docs = ("held-out prose texts of the gates' corpus" if key.get("text") == "prose"
-                else "held-out Austen chapters")
-        ran += (f"{res.get('n_contexts', 0)} of {key['contexts']} documents ({docs}) of "
+        docs = TEXT_NAMES[key.get("text", "austen")]
+        ran += (f"{res.get('n_contexts', 0)} of {key['contexts']} documents (held-out {docs}) of "
                 f"{key['length']} tokens: {key['prompt_tokens']} prefilled, every "
                 f"later token a decode step (128 per forward, aligned with the decode buffer); "
                 f"budgets {key['budgets']} tokens per KV head; recall gaps {key['gaps']}; "

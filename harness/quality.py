@@ -173,6 +173,8 @@ class SampleMaker:
 
 
 TEXTS = ("austen", "prose")  # bench.py --text: the haystack the needles are hidden in
+# what each text's documents are called in messages and reports ("held-out ..." there)
+TEXT_NAMES = {"austen": "Austen chapters", "prose": "prose texts of the gates' corpus"}
 # what each context holds and is asked, by default (bench.py's --passkeys ... --continue-tokens)
 NEEDLES = dict(passkeys=3, kv_pairs=8, kv_questions=3, probe_tokens=64, continue_tokens=12)
 # held-out prose: the last 45 corpus documents of each source, 3 to a text
