@@ -218,6 +218,7 @@ class Compression:
     decode_tokens_per_head: int = None  # decode-time eviction (EvictingCache); None: keep all
     decode_level: str = None  # decode-time eviction's structure; None: make_cache's default
     decode_window: int = None  # the last tokens decoding keeps; None: make_cache's default
+    decode_redundancy: float = None  # fastkvzip's decode-time factor λ; None: make_cache's default
     # scorer -> the scorer to use: how a caller measures it from outside the method (the command
     # line's gate_seconds: harness/timing.py); None: the scorer as made
     wrap_scorer: object = None
@@ -260,7 +261,8 @@ def prefill_request(model, req, compression=Compression(), seed=0):
     cache = make_cache(method, model, n_protected, level=how.level,
                        decode_tokens_per_head=how.decode_tokens_per_head, seed=seed,
                        gates=how.gates, decode_level=how.decode_level,
-                       decode_window=how.decode_window)
+                       decode_window=how.decode_window,
+                       decode_redundancy=None if keeps_all else how.decode_redundancy)
     if how.wrap_scorer is not None and getattr(cache, "scorer", None) is not None:
         cache.scorer = how.wrap_scorer(cache.scorer)
     if method == "kvzip":
@@ -280,7 +282,8 @@ def load_request(model, req, compression, seed, load):
     if state.get("decode_tokens_per_head") is not None:
         scorer = make_cache(state["method"], model, state["n_protected"],
                             decode_tokens_per_head=state["decode_tokens_per_head"], seed=seed,
-                            gates=how.gates).scorer
+                            gates=how.gates,
+                            decode_redundancy=state.get("decode_redundancy")).scorer
         scorer = how.wrap_scorer(scorer) if how.wrap_scorer else scorer
     cache, info = load(scorer)
     return Request(cache, req["questions"], req["max_new_tokens"], info["last_logits"],
@@ -420,15 +423,16 @@ def check_sampling(call, stop_ids, temperature, top_p):
 # wiring: model, cache, scorer
 
 def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens_per_head=None,
-               seed=0, decode_window=None, decode_level=None):
+               seed=0, decode_window=None, decode_level=None, decode_redundancy=None):
     """An empty cache for `method` in model's dtype and device. fastkvzip: scored by `gates` (a
     gate.Gates: formats.gate_file.resolve_gate loads the bundled, a released or a given gate);
     random: scores seeded by seed; level: the eviction structure (default: the scorer's own);
     decode_level: decode-time eviction's (default: `level` if given, else the scorer's own on this
     model, Scorer.level_at_decode); decode_window: the last tokens decoding always keeps (default:
-    the scorer's own on this model, Scorer.window_at_decode); decode_tokens_per_head: see
-    EvictingCache."""
-    check_method(method, gates, decode_tokens_per_head)
+    the scorer's own on this model, Scorer.window_at_decode); decode_redundancy: fastkvzip's λ of
+    the decode-time redundancy factor (ours, gate.GateScorer.at_decode; default: the gate's own on
+    this model, GateScorer.make; 0: the authors' gate); decode_tokens_per_head: see EvictingCache."""
+    check_method(method, gates, decode_tokens_per_head, decode_redundancy)
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
     kind = METHODS[method]  # gate.py: each method's Scorer class, None for the full cache
@@ -436,6 +440,8 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
         return KVCache(cfg, dtype, device)
     # KVzip's teacher scores the whole context after prefill (prefill_kvzip): no scorer in the cache
     scorer = kind.make(cfg, gates, seed) if kind.prefill else None
+    if decode_redundancy is not None:
+        scorer.redundancy = float(decode_redundancy)
     # the authors run the baselines per head, the gate and KVzip with one global threshold; a
     # level named applies at decode too
     decode_level = decode_level or level or kind.level_at_decode(cfg)
@@ -446,9 +452,10 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
                          decode_window=decode_window, decode_level=decode_level)
 
 
-def check_method(method, gates, decode_tokens_per_head):
+def check_method(method, gates, decode_tokens_per_head, decode_redundancy=None):
     """What make_cache needs, else an ArgumentError: a method, the gates fastkvzip scores with, no
-    decode-time eviction for KVzip, which scores the prompt only (the rest: EvictingCache)."""
+    decode-time eviction for KVzip, which scores the prompt only, a redundancy factor for the gate
+    only, λ >= 0 (the rest: EvictingCache)."""
     if method not in METHODS:
         raise ArgumentError(f"make_cache: method {method!r} is not one of {tuple(METHODS)}")
     if method == "fastkvzip" and not isinstance(gates, gate.Gates):
@@ -458,6 +465,15 @@ def check_method(method, gates, decode_tokens_per_head):
             and decode_tokens_per_head is not None:
         raise ArgumentError(f"make_cache: {method} scores the context once: it cannot evict during "
                             "decoding; give decode_tokens_per_head=None")
+    if decode_redundancy is not None:
+        if method != "fastkvzip":
+            raise ArgumentError(f"make_cache: decode_redundancy is the gate's (fastkvzip), not "
+                                f"{method}'s; give decode_redundancy=None")
+        lam = decode_redundancy
+        if not (isinstance(lam, numbers.Real) and not isinstance(lam, bool) and math.isfinite(lam)
+                and lam >= 0):
+            raise ArgumentError(f"make_cache: decode_redundancy must be a finite number >= 0 "
+                                f"(0: none), got {decode_redundancy!r}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -473,7 +489,8 @@ def main(argv=None):
         model, seed = job.model, args.seed
         compression = Compression(args.method, job.gates, job.teacher, args.level,
                                   args.decode_tokens_per_head, args.decode_level,
-                                  args.decode_window, wrap_scorer=job.time_scorer)
+                                  args.decode_window, args.decode_redundancy,
+                                  wrap_scorer=job.time_scorer)
 
         def start(req, i):  # prefilled alone, or loaded from the file it was saved to
             if "cache_file" not in req:

@@ -115,6 +115,10 @@ def parse_args(argv=None):
                    help="with --decode-tokens-per-head: the last N tokens decoding always keeps "
                    "(default: the method's own: 8 for the baselines; 128 for fastkvzip, as the "
                    "authors, and 8 on a model with sliding-window layers, Gemma 3)")
+    p.add_argument("--decode-redundancy", type=float, default=None, metavar="λ",
+                   help="with --method fastkvzip and --decode-tokens-per-head: the exponent of our "
+                   "decode-time redundancy factor on the gate's scores (0: the authors' gate; "
+                   "default: 4 on a model with sliding-window layers, Gemma 3, else 0)")
     p.add_argument("--kvzip-softmax", choices=["float32", "model"], default="float32",
                    help="--method kvzip: softmax dtype of the teacher (the authors use the model "
                    "dtype, bf16; fp32 avoids rounding ties among small probabilities)")
@@ -164,7 +168,7 @@ def check_args(args):
         # silently ignored)
         flags = ("--prompt", "--context-file", "--budget", "--batch", "--save-cache", "--method",
                  "--level", "--chunk-size", "--window", "--decode-tokens-per-head",
-                 "--decode-level", "--decode-window", "--kvzip-softmax")
+                 "--decode-level", "--decode-window", "--decode-redundancy", "--kvzip-softmax")
         valued = ("method", "chunk_size", "window", "kvzip_softmax")  # their defaults are values
         dest = lambda f: f[2:].replace("-", "_")
         given = [f for f in flags if dest(f) in typed
@@ -205,6 +209,14 @@ def check_args(args):
     if args.decode_window is not None and args.decode_tokens_per_head is None:
         raise UsageError(f"--decode-window is the window of decode-time eviction: give "
                          f"--decode-tokens-per-head N, or drop --decode-window {args.decode_window}")
+    if args.decode_redundancy is not None:
+        if args.method != "fastkvzip" or args.decode_tokens_per_head is None:
+            raise UsageError(f"--decode-redundancy is the gate's factor at decode time: give "
+                             f"--method fastkvzip --decode-tokens-per-head N, or drop "
+                             f"--decode-redundancy {args.decode_redundancy:g}")
+        if not (math.isfinite(args.decode_redundancy) and args.decode_redundancy >= 0):
+            raise UsageError(f"--decode-redundancy must be a finite number >= 0 (0: none), got "
+                             f"{args.decode_redundancy}")
     if args.method == "rkv" and (args.decode_tokens_per_head is None or args.budget < 1):
         raise UsageError("--method rkv evicts during decoding only (R-KV): give "
                          "--decode-tokens-per-head N and --budget 1")

@@ -201,6 +201,7 @@ def _saved(cache):
                  decode_buffer=cache.decode_buffer, decode_window=cache.decode_window,
                  decode_sinks=cache.decode_sinks,
                  scorer=type(cache.scorer).__name__ if cache.scorer is not None else None,
+                 decode_redundancy=getattr(cache.scorer, "redundancy", None),
                  gate_sha256=gate_sha256(gates) if gates is not None else None)
     return tensors, state
 
@@ -347,6 +348,8 @@ EVICTING_STATE = {
     "decode_sinks": lambda x: _int(x, 0),
     "scorer": _optional(lambda x: isinstance(x, str) and x.isidentifier()),
     "gate_sha256": _optional(lambda x: isinstance(x, str) and len(x) == 64),
+    "decode_redundancy": _optional(lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+                                   and math.isfinite(x) and x >= 0),
 }
 
 
@@ -358,6 +361,8 @@ def _check_state(state, header, bad):
     fields = dict(STATE, **(EVICTING_STATE if state.get("cache") == "EvictingCache" else {}))
     if "decode_level" in fields and "decode_level" not in state:
         state["decode_level"] = state.get("level")  # saved before it had its own: decoded at level
+    if "decode_redundancy" in fields:  # saved before it was recorded: the gate's default
+        state.setdefault("decode_redundancy", None)
     for key, valid in fields.items():
         if key not in state:
             raise bad(f"its state lacks {key!r}")
@@ -382,6 +387,8 @@ def _check_state(state, header, bad):
             raise bad("decode-time eviction without a scorer")
         if (state["gate_sha256"] is None) != (scorer != "GateScorer"):
             raise bad("a gate hash without a gate, or a gate without one")
+        if state["decode_redundancy"] is not None and scorer != "GateScorer":
+            raise bad("a redundancy factor without a gate")
     dtype = KV_DTYPES[state["dtype"]]
     want = {"ids": ("I64", 1), "last_logits": ("F32", 1)}
     for i, spec in enumerate(state["layers"]):
@@ -479,6 +486,11 @@ def load_cache(path, model, scorer=None, verify=True):
             if gates is not None and gate_sha256(gates) != state["gate_sha256"]:
                 raise CacheFileError(f"cache file {path} was made with another gate (gate sha256 "
                                      f"{state['gate_sha256'][:12]}): give that gate")
+            lam = state["decode_redundancy"]
+            if lam is not None and getattr(scorer, "redundancy", None) != lam:
+                raise CacheFileError(f"cache file {path} decodes with the gate's redundancy factor "
+                                     f"λ = {lam:g}: give a scorer with that λ (generate.make_cache's "
+                                     f"decode_redundancy)")
         digest = hashlib.sha256(raw) if verify else None
         try:
             tensors = read_tensors(f, header, len(raw), weight.device, digest)

@@ -15,10 +15,22 @@ from safetensors.torch import load_file
 from cache import Budget, EvictingCache
 from formats.cache_file import CacheFileError, load_cache, read_header, save_cache
 from formats.tensor_file import write_safetensors
-from generate import answer, make_cache, prefill
+from generate import Compression, answer, load_request, make_cache, prefill
 from kernels import ArgumentError
 from tests.helpers import run_main
-from tests.test_saved_cache import DECODE, compressed, damaged, kept, refused, scorer_for, tiny_setup
+from tests.test_saved_cache import (
+    CHUNK,
+    DECODE,
+    WINDOW,
+    compressed,
+    damaged,
+    decode_budget,
+    kept,
+    prompt,
+    refused,
+    scorer_for,
+    tiny_setup,
+)
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +123,42 @@ def test_a_file_replaced_while_it_loads_is_read_from_the_one_opened(saved, tmp_p
     (lambda s: s.update(budget=7.5), ["corrupt", "'budget'"]),
     (lambda s: s.update(budget=0), ["corrupt", "'budget'"]),
     (lambda s: s.update(decode_window=-5), ["corrupt", "'decode_window'"]),
+    (lambda s: s.update(decode_redundancy=-1.0), ["corrupt", "'decode_redundancy'"]),
+    (lambda s: s.update(decode_redundancy="4"), ["corrupt", "'decode_redundancy'"]),
+    (lambda s: s.update(decode_redundancy=2.0, scorer="RandomScorer", gate_sha256=None,
+                        method="random"), ["corrupt", "redundancy factor without a gate"]),
     (lambda s: s.update(n_context=3), ["corrupt", "n_context"]),
 ])
 def test_crafted_state_values_are_refused(saved, tmp_path, edit, words):
     t, path = saved
     refuse(t, craft(path, tmp_path / "x.kv", edit), *words)
+
+
+def test_the_redundancy_factor_is_the_files(saved, tmp_path):
+    """The gate's decode-time factor λ (generate.py --decode-redundancy) is saved with the cache;
+    generate.load_request gives it back to the scorer, and a scorer with another λ is refused (it
+    would evict other rows than the saved cache's own decoding); a file saved before the field
+    existed loads with the gate's default."""
+    t, path = saved
+    assert read_header(path)[1]["decode_redundancy"] == 4.0  # a hybrid model: the gate's default
+    model, cfg = t["model"], t["model"].config
+    ids, n_protected = prompt(t)
+    n = decode_budget("fastkvzip", n_protected, DECODE, cfg)
+    cache = make_cache("fastkvzip", model, n_protected, decode_tokens_per_head=n, gates=t["gates"],
+                       decode_redundancy=0)
+    with torch.no_grad():
+        last = prefill(model, cache, ids, n_protected, Budget(0.3, CHUNK, WINDOW))
+    save_cache(tmp_path / "authors.kv", cache, model, ids, last)
+    assert read_header(tmp_path / "authors.kv")[1]["decode_redundancy"] == 0.0
+    refused(tmp_path / "authors.kv", model, scorer_for(t, "fastkvzip", DECODE), "λ = 0")
+    req = dict(cache_state=read_header(tmp_path / "authors.kv")[1], questions=[],
+               max_new_tokens=1)
+    got = load_request(model, req, Compression(gates=t["gates"]), 0,
+                       lambda scorer: load_cache(tmp_path / "authors.kv", model, scorer))
+    assert got.cache.scorer.redundancy == 0.0 and kept(got.cache) == kept(cache)
+    older = craft(path, tmp_path / "older.kv", lambda s: {k: v for k, v in s.items()
+                                                        if k != "decode_redundancy"})
+    load_cache(older, model, scorer_for(t, "fastkvzip", DECODE))
 
 
 def test_positions_past_n_seen_are_refused(saved, tmp_path):

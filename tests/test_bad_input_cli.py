@@ -255,7 +255,8 @@ def test_batch_cache_file_corrupt_at_load_names_the_line(capsys, tiny, tmp_path)
 @pytest.mark.parametrize("flags", [["--method", "kvzip"], ["--method", "fastkvzip"],
                                    ["--chunk-size", "512"], ["--window", "8"],
                                    ["--kvzip-softmax", "model"], ["--level", "head"],
-                                   ["--decode-level", "head"], ["--decode-window", "8"]])
+                                   ["--decode-level", "head"], ["--decode-window", "8"],
+                                   ["--decode-redundancy", "0"]])
 def test_load_cache_refuses_what_the_file_decided(capsys, tmp_path, flags, no_loading):
     res = run_main(capsys, "--load-cache", str(tmp_path / "x.kv"), "--question", "q", *flags)
     one_line(*res[::2], "--load-cache", f"drop {flags[0]}")

@@ -176,6 +176,13 @@ def cases():
         ("make_cache n_protected", lambda: cache(-1), ["n_protected", "-1"]),
         ("EvictingCache level", lambda: EvictingCache(cfg, GateScorer(gates), level="pair"),
          ["level 'pair'"]),
+        ("make_cache redundancy of a baseline",
+         lambda: make_cache("snapkv", model, 0, decode_tokens_per_head=200, decode_redundancy=1),
+         ["decode_redundancy is the gate's (fastkvzip), not snapkv's"]),
+        ("make_cache redundancy nan",
+         lambda: make_cache("fastkvzip", model, 0, gates=gates, decode_tokens_per_head=200,
+                            decode_redundancy=float("nan")),
+         ["decode_redundancy must be a finite number >= 0", "nan"]),
         ("make_cache decode window 0",  # [-0:] would keep every query: refused, not run
          lambda: make_cache("snapkv", model, 0, decode_tokens_per_head=200, decode_window=0),
          ["decode_window an integer >= 1", "got 0, 0 and 200"]),

@@ -178,6 +178,11 @@ def test_decode_level_is_the_structure_at_decode_and_its_default_follows_the_mod
                max_new_tokens=1)  # the command line's --decode-window reaches the cache
     how = Compression("random", decode_tokens_per_head=150, decode_window=64)
     assert prefill_request(tiny, req, how).cache.decode_window == 64
+    # the gate's redundancy factor: λ = 4 beside sliding layers, none elsewhere; --decode-redundancy
+    assert made("fastkvzip").scorer.redundancy == (4.0 if hybrid else 0.0)
+    assert made("fastkvzip", decode_redundancy=0).scorer.redundancy == 0.0
+    how = Compression("fastkvzip", gates, decode_tokens_per_head=150, decode_redundancy=2)
+    assert prefill_request(tiny, req, how).cache.scorer.redundancy == 2.0
     with pytest.raises(ArgumentError, match="decode_level 'pool' is not one of"):
         EvictingCache(cfg, random_gate_scorer(cfg), decode_level="pool")
 

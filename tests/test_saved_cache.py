@@ -479,14 +479,17 @@ def one_line_error(code, err, *words):
 QUESTIONS = ["What is the code?", "Where does Emma live?"]
 
 
-@pytest.mark.parametrize("decode", [None, "270"])
+@pytest.mark.parametrize("decode", [None, "270", "270 λ 0"])
 def test_cli_answers_from_a_saved_cache_as_from_the_prefill(capsys, cli_model, tmp_path, decode):
     """--save-cache answers and saves in one run; --load-cache (no context, no prefill) answers the
-    same questions with the same tokens; --json stats say where the cache came from and the time."""
+    same questions with the same tokens; --json stats say where the cache came from and the time.
+    --decode-redundancy is the file's too: the loaded cache decodes with the saved λ."""
     t, folder = cli_model
     kv = tmp_path / "doc.kv"
+    decode, lam = (decode.split(" λ ") + [None])[:2] if decode else (None, None)
     flags = ["--model", str(t["folder"]), "--gate", str(t["gate_file"]), "--max-new-tokens",
              "140", "--json"] + (["--decode-tokens-per-head", decode] if decode else [])
+    flags += ["--decode-redundancy", lam] if lam else []
     qs = [w for q in QUESTIONS for w in ("--question", q)]
     code, out, err = run_main(capsys, *flags, "--context-file", str(folder / "doc.txt"), "--budget",
                               "0.3", "--window", "8", "--save-cache", str(kv), *qs)
@@ -494,7 +497,9 @@ def test_cli_answers_from_a_saved_cache_as_from_the_prefill(capsys, cli_model, t
     made = json.loads(out)
     assert made["stats"]["cache_source"] == "prefill" and made["stats"]["cache_file"] == str(kv)
     assert made["stats"]["save_seconds"] > 0 and kv.is_file()
-    load_flags = [f for f in flags if f not in ("--decode-tokens-per-head", decode)]
+    assert read_header(kv)[1]["decode_redundancy"] == float(lam or 4)  # Gemma's default: 4
+    load_flags = [f for f in flags if f not in ("--decode-tokens-per-head", decode,
+                                                "--decode-redundancy", lam)]
     code, out, err = run_main(capsys, *load_flags, "--load-cache", str(kv), *qs)
     assert code == 0, err
     got = json.loads(out)
