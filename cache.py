@@ -431,8 +431,8 @@ class EvictingCache(KVCache):
     count, not a fraction; None = keep generated tokens): B·L·H pairs over all compressed layers
     with `level` "global", B·H per layer with "layer", B per head with "head" (METHOD.md §7).
     decode_window: the last tokens decoding always keeps (default: the scorer's, 128 for the gate
-    and 8 for the baselines, as the authors run them; generate.make_cache gives the gate 8 on a
-    hybrid model, gate.GateScorer.window_at_decode).
+    and 8 for the baselines, as the authors run them; generate.make_cache asks the scorer's
+    window_at_decode).
     decode_level: the level of decode-time eviction (default: `level`; generate.make_cache gives
     the gate "calibrated" on a hybrid model, gate.GateScorer.level_at_decode).
     """

@@ -231,9 +231,9 @@ class Scorer:
     At decode time (METHOD.md §7) the cache always keeps the last `decode_window` tokens: 128 for
     the gate, 8 for the baselines, as the authors run them
     (Janghyun1230/FastKVzip:math/run_math.py, `args.window_size = 8` for every method but
-    fastkvzip); `window_at_decode(cfg)` may choose per model (the gate's is 8 on a hybrid one). A
-    scorer with `rescores` set scores every held row again at each decode-time eviction from the
-    last decode_window queries (`rescore`); the others score each new token once.
+    fastkvzip); `window_at_decode(cfg)` may choose per model. A scorer with `rescores` set scores
+    every held row again at each decode-time eviction from the last decode_window queries
+    (`rescore`); the others score each new token once.
 
     `prefill`: it scores each prefill chunk as the chunk arrives (False: KVzip, whose teacher
     scores the whole context after prefill, so its cache holds no scorer). `decode`: it can evict
@@ -300,7 +300,9 @@ class GateScorer(Scorer):
     §6): gate scores are comparable across layers and heads because they are trained to the same
     targets."""
     level = "global"
-    decode_window = 128  # the authors' local window for Fast KVzip at decode (METHOD.md §7)
+    # the authors' local window for Fast KVzip at decode (METHOD.md §7), on every model: on a hybrid
+    # one a window of 8 recalled more and modelled held-out prose worse (METHOD.md §13.18)
+    decode_window = 128
 
     def __init__(self, gates, redundancy=0.0):
         # a path or a state dict: formats.gate_file loads one. TypeError, not kernels.ArgumentError:
@@ -325,15 +327,6 @@ class GateScorer(Scorer):
         layer 5's), so that one pool starves the lowest of them: ours, measured in
         benchmarks/decode-cpu/ablation-gemma3-270m (METHOD.md §7)."""
         return "global" if every_layer_compressed(cfg) else "calibrated"
-
-    @classmethod
-    def window_at_decode(cls, cfg):
-        """128 where every layer is compressed, as the authors run it; 8 on a hybrid model, whose
-        sliding-window layers hold the recent tokens already, so that the few compressed layers
-        spend their budget on older ones: ours, measured with the calibrated level in
-        benchmarks/decode-cpu/ablation-gemma3-270m (METHOD.md §7; on SmolLM2, where every layer is
-        compressed, a window of 8 loses both NLL and recall)."""
-        return cls.decode_window if every_layer_compressed(cfg) else 8
 
     @torch.no_grad()
     def score(self, li, hidden, q, k, pos):

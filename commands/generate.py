@@ -113,8 +113,8 @@ def parse_args(argv=None):
                    "layers, Gemma 3)")
     p.add_argument("--decode-window", type=int, default=None, metavar="N",
                    help="with --decode-tokens-per-head: the last N tokens decoding always keeps "
-                   "(default: the method's own: 8 for the baselines; 128 for fastkvzip, as the "
-                   "authors, and 8 on a model with sliding-window layers, Gemma 3)")
+                   "(default: the method's own, as the authors: 8 for the baselines, 128 for "
+                   "fastkvzip)")
     p.add_argument("--decode-redundancy", type=float, default=None, metavar="λ",
                    help="with --method fastkvzip and --decode-tokens-per-head: the exponent of our "
                    "decode-time redundancy factor on the gate's scores (0: the authors' gate; "

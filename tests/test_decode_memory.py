@@ -147,7 +147,7 @@ def test_decode_level_is_the_structure_at_decode_and_its_default_follows_the_mod
     keeps (the prefill evicts nothing here, so its level plays no part). make_cache's default: a
     level named applies at decode too, else the scorer's own on this model: the gate's one pool
     where every layer is compressed (Llama), calibrated beside sliding layers (Gemma 3); the
-    baselines per head. Its window likewise: the gate's 128, 8 beside sliding layers."""
+    baselines per head. Its window: the gate's 128, the baselines' 8."""
     cfg = tiny.config
     held = []
     for level, decode_level in (("global", "head"), ("head", None), ("global", None)):
@@ -170,8 +170,8 @@ def test_decode_level_is_the_structure_at_decode_and_its_default_follows_the_mod
     assert made("fastkvzip", level="layer").decode_level == "layer"
     assert made("fastkvzip", level="layer", decode_level="head").decode_level == "head"
     assert made("snapkv").decode_level == "head"
-    # the window: the gate's 128 where every layer is compressed, 8 beside sliding layers
-    assert made("fastkvzip").decode_window == (8 if hybrid else 128)
+    # the window: the gate's 128, as the authors', on every model
+    assert made("fastkvzip").decode_window == 128
     assert made("fastkvzip", decode_window=64).decode_window == 64
     assert made("snapkv").decode_window == 8
     req = dict(ids=list(range(10, 60)), n_protected=0, questions=[], budget=Budget(1.0),
@@ -274,12 +274,10 @@ def test_decode_baselines_keep_the_authors_rows(method):
 def test_budgets_the_protected_rows_fill_are_refused(tiny):
     """A budget of no more than the rows decode-time eviction always keeps (system prompt or first
     4, and the window) leaves nothing to the scorer: DecodeBudgetError naming the smallest that
-    does, for the gate (window 128; 8 beside sliding layers) and a baseline (window 8)."""
+    does, for the gate (window 128) and a baseline (window 8)."""
     cfg = tiny.config
     gates = random_gate_scorer(cfg).gates
-    gate_window = 8 if cfg.arch == "gemma3" else 128
-    for method, n_protected, least in [("fastkvzip", 29, 30 + gate_window),
-                                       ("fastkvzip", 0, 5 + gate_window),
+    for method, n_protected, least in [("fastkvzip", 29, 158), ("fastkvzip", 0, 133),
                                        ("streaming", 29, 38), ("snapkv", 2, 13)]:
         with pytest.raises(DecodeBudgetError, match=f"use at least {least}"):
             make_cache(method, tiny, n_protected, gates=gates, decode_tokens_per_head=least - 1)
