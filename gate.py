@@ -300,9 +300,7 @@ class GateScorer(Scorer):
     §6): gate scores are comparable across layers and heads because they are trained to the same
     targets."""
     level = "global"
-    # the authors' local window for Fast KVzip at decode (METHOD.md §7), on every model: on a hybrid
-    # one a window of 8 recalled more and modelled held-out prose worse (METHOD.md §13.18)
-    decode_window = 128
+    decode_window = 128  # the authors' local window at decode (METHOD.md §7; on Gemma 3 too: §13.18)
 
     def __init__(self, gates, redundancy=0.0):
         # a path or a state dict: formats.gate_file loads one. TypeError, not kernels.ArgumentError:

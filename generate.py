@@ -260,8 +260,7 @@ def prefill_request(model, req, compression=Compression(), seed=0):
                             "(Compression(teacher=KVzipTeacher(...)))")
     cache = make_cache(method, model, n_protected, level=how.level,
                        decode_tokens_per_head=how.decode_tokens_per_head, seed=seed,
-                       gates=how.gates, decode_level=how.decode_level,
-                       decode_window=how.decode_window,
+                       gates=how.gates, decode_level=how.decode_level, decode_window=how.decode_window,
                        decode_redundancy=None if keeps_all else how.decode_redundancy)
     if how.wrap_scorer is not None and getattr(cache, "scorer", None) is not None:
         cache.scorer = how.wrap_scorer(cache.scorer)
@@ -282,8 +281,7 @@ def load_request(model, req, compression, seed, load):
     if state.get("decode_tokens_per_head") is not None:
         scorer = make_cache(state["method"], model, state["n_protected"],
                             decode_tokens_per_head=state["decode_tokens_per_head"], seed=seed,
-                            gates=how.gates,
-                            decode_redundancy=state.get("decode_redundancy")).scorer
+                            gates=how.gates, decode_redundancy=state.get("decode_redundancy")).scorer
         scorer = how.wrap_scorer(scorer) if how.wrap_scorer else scorer
     cache, info = load(scorer)
     return Request(cache, req["questions"], req["max_new_tokens"], info["last_logits"],
@@ -428,10 +426,9 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
     gate.Gates: formats.gate_file.resolve_gate loads the bundled, a released or a given gate);
     random: scores seeded by seed; level: the eviction structure (default: the scorer's own);
     decode_level: decode-time eviction's (default: `level` if given, else the scorer's own on this
-    model, Scorer.level_at_decode); decode_window: the last tokens decoding always keeps (default:
-    the scorer's own on this model, Scorer.window_at_decode); decode_redundancy: fastkvzip's λ of
-    the decode-time redundancy factor (ours, gate.GateScorer.at_decode; default: the gate's own on
-    this model, GateScorer.make; 0: the authors' gate); decode_tokens_per_head: see EvictingCache."""
+    model, Scorer.level_at_decode); decode_window: the last tokens decoding always keeps (default: the
+    scorer's own on this model, Scorer.window_at_decode); decode_redundancy: the gate's λ at decode
+    (GateScorer.at_decode; default: GateScorer.make's; 0: none); decode_tokens_per_head: EvictingCache."""
     check_method(method, gates, decode_tokens_per_head, decode_redundancy)
     cfg, weight = model.config, model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
@@ -454,8 +451,7 @@ def make_cache(method, model, n_protected, gates=None, level=None, decode_tokens
 
 def check_method(method, gates, decode_tokens_per_head, decode_redundancy=None):
     """What make_cache needs, else an ArgumentError: a method, the gates fastkvzip scores with, no
-    decode-time eviction for KVzip, which scores the prompt only, a redundancy factor for the gate
-    only, λ >= 0 (the rest: EvictingCache)."""
+    decode-time eviction for KVzip (it scores the prompt only), λ for the gate only (the rest: EvictingCache)."""
     if method not in METHODS:
         raise ArgumentError(f"make_cache: method {method!r} is not one of {tuple(METHODS)}")
     if method == "fastkvzip" and not isinstance(gates, gate.Gates):
@@ -465,15 +461,11 @@ def check_method(method, gates, decode_tokens_per_head, decode_redundancy=None):
             and decode_tokens_per_head is not None:
         raise ArgumentError(f"make_cache: {method} scores the context once: it cannot evict during "
                             "decoding; give decode_tokens_per_head=None")
-    if decode_redundancy is not None:
-        if method != "fastkvzip":
-            raise ArgumentError(f"make_cache: decode_redundancy is the gate's (fastkvzip), not "
-                                f"{method}'s; give decode_redundancy=None")
-        lam = decode_redundancy
-        if not (isinstance(lam, numbers.Real) and not isinstance(lam, bool) and math.isfinite(lam)
-                and lam >= 0):
-            raise ArgumentError(f"make_cache: decode_redundancy must be a finite number >= 0 "
-                                f"(0: none), got {decode_redundancy!r}")
+    lam = decode_redundancy
+    if lam is not None and not (method == "fastkvzip" and isinstance(lam, numbers.Real)
+                                and not isinstance(lam, bool) and math.isfinite(lam) and lam >= 0):
+        raise ArgumentError(f"make_cache: decode_redundancy is fastkvzip's λ, a finite number >= 0 "
+                            f"(0: none), or None; got {lam!r} for {method}")
 
 
 # -------------------------------------------------------------------------------------------------

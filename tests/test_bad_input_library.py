@@ -178,11 +178,11 @@ def cases():
          ["level 'pair'"]),
         ("make_cache redundancy of a baseline",
          lambda: make_cache("snapkv", model, 0, decode_tokens_per_head=200, decode_redundancy=1),
-         ["decode_redundancy is the gate's (fastkvzip), not snapkv's"]),
+         ["decode_redundancy is fastkvzip's λ", "got 1 for snapkv"]),
         ("make_cache redundancy nan",
          lambda: make_cache("fastkvzip", model, 0, gates=gates, decode_tokens_per_head=200,
                             decode_redundancy=float("nan")),
-         ["decode_redundancy must be a finite number >= 0", "nan"]),
+         ["decode_redundancy", "a finite number >= 0", "got nan"]),
         ("make_cache decode window 0",  # [-0:] would keep every query: refused, not run
          lambda: make_cache("snapkv", model, 0, decode_tokens_per_head=200, decode_window=0),
          ["decode_window an integer >= 1", "got 0, 0 and 200"]),
