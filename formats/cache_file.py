@@ -316,9 +316,12 @@ def _int(x, low=None):
     return isinstance(x, int) and not isinstance(x, bool) and (low is None or x >= low)
 
 
+def _nonnegative(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
 def _fraction(x, low_open=True):
-    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-            and (0 < x if low_open else 0 <= x) and x <= 1)
+    return _nonnegative(x) and (x > 0 or not low_open) and x <= 1
 
 
 def _optional(check):
@@ -337,8 +340,7 @@ STATE = {  # every field of the state: what a valid value is
     "chunk_size": _optional(lambda x: _int(x, 1)), "window": _optional(lambda x: _int(x, 0)),
     "plan": _optional(lambda x: isinstance(x, dict) and set(x) == {"window", "segment_ratio"}
                       and _int(x["window"], 0) and _fraction(x["segment_ratio"], False)),
-    "prefill_seconds": _optional(lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
-                                 and math.isfinite(x) and x >= 0),
+    "prefill_seconds": _optional(_nonnegative),
 }
 EVICTING_STATE = {
     "level": lambda x: x in LEVELS, "decode_level": lambda x: x in LEVELS,
@@ -348,8 +350,7 @@ EVICTING_STATE = {
     "decode_sinks": lambda x: _int(x, 0),
     "scorer": _optional(lambda x: isinstance(x, str) and x.isidentifier()),
     "gate_sha256": _optional(lambda x: isinstance(x, str) and len(x) == 64),
-    "decode_redundancy": _optional(lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
-                                   and math.isfinite(x) and x >= 0),
+    "decode_redundancy": _optional(_nonnegative),
 }
 
 
