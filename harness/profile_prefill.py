@@ -23,6 +23,11 @@ included) and causal attention (q.k and p.v over the visible pairs only, a windo
 projections, MLP, norms, rotary, attention, cache writes, masks, the gate, the eviction; the rest is
 "other"), side by side. --ops adds torch's profiler's operator table.
 
+Each round also counts each prefill's minor page faults: fresh pages the kernel maps and zeroes
+when freed memory went back to it. --malloc keep (the default, as in our programs:
+cli.keep_freed_memory) keeps freed memory in the process for ours and transformers alike;
+--malloc default measures glibc's own behaviour.
+
 --json FILE keeps every measured round (written atomically after each) and resumes: a rerun with
 the same FILE skips the rounds it holds and the peaks it measured.
 """
@@ -30,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -95,11 +101,16 @@ def _seconds(fn):
     return time.perf_counter() - t0
 
 
-def _clocks(fn):
-    """-> (wall seconds, this process's CPU seconds) of fn()."""
+def _clocks(fn, faults=None):
+    """-> (wall seconds, this process's CPU seconds) of fn(); faults (a list): the minor page
+    faults it took (fresh pages the kernel had to map and zero) appended."""
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0, time.process_time() - c0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if faults is not None:
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return wall, cpu
 
 
 # ------------------------------------------------------------------------------------------ parts
@@ -254,8 +265,9 @@ def bench_model(args, name, data, error):
                     order = RUNS[r % 3:] + RUNS[:r % 3]  # rotate: each run leads in turn
                     times = {}
                     for run in order:
-                        fn = make(run, ids)
-                        times[run], times[f"{run} cpu"] = _clocks(fn)
+                        fn, faults = make(run, ids), []
+                        times[run], times[f"{run} cpu"] = _clocks(fn, faults)
+                        times[f"{run} faults"] = faults[0]
                     times["load"] = os.getloadavg()[0]
                     row["rounds"].append(times)
                     save_json(args.json, data)
@@ -316,6 +328,9 @@ def report(row, peak):
             frac = {run: scale * f["total"] / med[run] / top for run in ("ours", "transformers")}
             print(f"    fraction of the fp32 matmul peak ({top / 1e9:.1f} GFLOP/s): ours "
                   f"{frac['ours']:.1%}, transformers {frac['transformers']:.1%}")
+    if all("ours faults" in x for x in rounds):  # rounds measured before the harness counted them
+        print("  minor page faults per prefill (medians): " + ", ".join(
+            f"{run} {np.median([x[run + ' faults'] for x in rounds]):,.0f}" for run in RUNS))
     print(f"  FLOPs: linear {f['linear'] / 1e9:.1f} G, attention {f['attention'] / 1e9:.1f} G, "
           f"gate {f['gate'] / 1e9:.2f} G ({share:.2%} of linear + attention)")
 
@@ -358,12 +373,21 @@ def main():
                    help="no operator table: the default now (earlier runs' commands pass it)")
     p.add_argument("--rows", type=int, default=12, help="operators shown per --ops table")
     p.add_argument("--json", help="keep the rounds in this file and resume from it")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="keep: freed memory stays in the process, as in our programs "
+                   "(cli.keep_freed_memory), for ours and transformers alike; default: glibc's "
+                   "own behaviour (freed blocks go back to the kernel). One per --json file")
     args = p.parse_args()
     if (not 0 < args.budget <= 1 or min(args.repeats, args.chunk) < 1 or args.window < 0
             or not args.lengths or not args.threads):
         p.error("--budget must be in (0, 1]; --lengths, --threads, --repeats and --chunk >= 1; "
                 "--window >= 0")
     data = load_json(args.json)
+    # a file from before the flag was measured with glibc's default
+    if data.setdefault("malloc", "default" if data["rows"] else args.malloc) != args.malloc:
+        p.error(f"--json {args.json} holds rounds with --malloc {data['malloc']}: use another file")
+    if args.malloc == "keep" and not cli.keep_freed_memory():
+        print("note: not glibc: --malloc keep changes nothing here", flush=True)
     for threads in args.threads:  # the peak first: the machine's, not the models'
         if str(threads) not in data["peak_flops"]:
             data["peak_flops"][str(threads)] = matmul_peak(threads)
