@@ -47,10 +47,11 @@ def keep_freed_memory():
     """Let the memory that freed tensors return stay in this process for the next ones (glibc's
     malloc; elsewhere nothing changes) -> whether it was set. By default glibc maps every block
     above a threshold on its own and hands it back to the kernel when it is freed, so the next
-    tensor of that size faults in fresh zeroed pages: a CPU forward allocates and frees its
-    activations layer after layer, ~190,000 page faults (0.75 GB zeroed) in one 2K-token prefill of
-    SmolLM2-135M, none once this is set (benchmarks/prefill-vs-transformers-cpu/). The process
-    then keeps its peak for reuse; what the caches report (their tensors' bytes) is unchanged."""
+    tensor of that size faults in fresh zeroed pages. A CPU forward allocates and frees its
+    activations layer after layer: one 2K-token prefill of SmolLM2-135M faults in ~226,000 pages
+    (0.9 GB) in transformers, 7,000 in ours and 25,000 with Fast KVzip's evictions, 0 once this is
+    set (benchmarks/prefill-vs-transformers-cpu/). The process then keeps its peak for reuse; what
+    the caches report (their tensors' bytes) is unchanged."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # glibc: the option numbers below are its malloc.h's
