@@ -91,8 +91,8 @@ def matmul_peak(threads, n=2048, repeats=10):
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm up
     clocks = [_clocks(lambda: a @ b) for _ in range(repeats)]
-    return (2 * n ** 3 / min(w for w, _ in clocks),
-            2 * n ** 3 * threads / min(max(c, 1e-9) for _, c in clocks))
+    return (2 * n ** 3 / min(w for w, _, _ in clocks),
+            2 * n ** 3 * threads / min(max(c, 1e-9) for _, c, _ in clocks))
 
 
 def _seconds(fn):
@@ -101,16 +101,14 @@ def _seconds(fn):
     return time.perf_counter() - t0
 
 
-def _clocks(fn, faults=None):
-    """-> (wall seconds, this process's CPU seconds) of fn(); faults (a list): the minor page
-    faults it took (fresh pages the kernel had to map and zero) appended."""
+def _clocks(fn):
+    """-> (wall seconds, this process's CPU seconds, its minor page faults: fresh pages the kernel
+    had to map and zero) of fn()."""
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0, c0 = time.perf_counter(), time.process_time()
     fn()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    if faults is not None:
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-    return wall, cpu
+    return wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 # ------------------------------------------------------------------------------------------ parts
@@ -265,9 +263,8 @@ def bench_model(args, name, data, error):
                     order = RUNS[r % 3:] + RUNS[:r % 3]  # rotate: each run leads in turn
                     times = {}
                     for run in order:
-                        fn, faults = make(run, ids), []
-                        times[run], times[f"{run} cpu"] = _clocks(fn, faults)
-                        times[f"{run} faults"] = faults[0]
+                        fn = make(run, ids)
+                        times[run], times[f"{run} cpu"], times[f"{run} faults"] = _clocks(fn)
                     times["load"] = os.getloadavg()[0]
                     row["rounds"].append(times)
                     save_json(args.json, data)
