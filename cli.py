@@ -49,7 +49,7 @@ def keep_freed_memory():
     above a threshold on its own and hands it back to the kernel when it is freed, so the next
     tensor of that size faults in fresh zeroed pages. A CPU forward allocates and frees its
     activations layer after layer: one 2K-token prefill of SmolLM2-135M faults in ~226,000 pages
-    (0.9 GB) in transformers and up to 214,000 in ours (by what the process freed before), 0
+    (0.9 GB) in transformers and up to 218,000 in ours (by what the process freed before), 0
     once this is set, from the second prefill on (benchmarks/prefill-vs-transformers-cpu/). The
     process then keeps its peak for reuse; what the caches report (their tensors' bytes) is
     unchanged."""

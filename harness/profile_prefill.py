@@ -90,9 +90,9 @@ def matmul_peak(threads, n=2048, repeats=10):
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm up
-    clocks = [_clocks(lambda: a @ b) for _ in range(repeats)]
-    return (2 * n ** 3 / min(w for w, _, _ in clocks),
-            2 * n ** 3 * threads / min(max(c, 1e-9) for _, c, _ in clocks))
+    timed = [clocks(lambda: a @ b) for _ in range(repeats)]
+    return (2 * n ** 3 / min(w for w, _, _ in timed),
+            2 * n ** 3 * threads / min(max(c, 1e-9) for _, c, _ in timed))
 
 
 def _seconds(fn):
@@ -101,7 +101,7 @@ def _seconds(fn):
     return time.perf_counter() - t0
 
 
-def _clocks(fn):
+def clocks(fn):
     """-> (wall seconds, this process's CPU seconds, its minor page faults: fresh pages the kernel
     had to map and zero) of fn()."""
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -222,26 +222,37 @@ def save_json(path, data):
         os.replace(tmp, path)
 
 
-def bench_model(args, name, data, error):
+def load_run(name):
+    """-> (its folder, the fp32 model on the CPU, its bundled gate, the system prompt's ids, the
+    evaluation text's ids): what the prefills of `name` here read."""
     folder = resolve_model(name)
     tok, model = read_tokenizer(folder), load_checked(folder, "cpu", torch.float32)
+    gates = resolve_gate(None, model.config, name)
+    system = encode_prompt(tok, prompt_format(model.config, name).system)
+    return folder, model, gates, system, [t for _, d in load_docs(tok) for t in d]
+
+
+def our_prefill(run, model, gates, n_system, ids, budget=0.3, chunk=2048, window=512):
+    """-> our prefill of ids ("ours": the full cache; "fastkvzip": the gate at `budget`), ready to
+    call (the cache and the gate built before the clock). The defaults are main()'s."""
+    method, ratio = ("fastkvzip", budget) if run == "fastkvzip" else ("full", 1.0)
+    cache = generate.make_cache(method, model, n_system, gates if method == "fastkvzip" else None)
+    return lambda: generate.prefill(model, cache, ids, n_system, Budget(ratio, chunk, window))
+
+
+def bench_model(args, name, data, error):
+    folder, model, gates, system, text = load_run(name)
     peer = load_peer(folder)
     if peer is None:
         error("transformers is not installed (pip install -r requirements-test.txt)")
-    gates = resolve_gate(None, model.config, name)
-    system = encode_prompt(tok, prompt_format(model.config, name).system)
-    text = [t for _, d in load_docs(tok) for t in d]
     cfg = model.config
 
     def make(run, ids):
-        """-> a prefill of ids, ready to call (the cache and the gate built before the clock)."""
+        """-> a prefill of ids, ready to call."""
         if run == "transformers":
             return lambda: peer_prefill(peer, ids, args.chunk)
-        method, ratio = ("fastkvzip", args.budget) if run == "fastkvzip" else ("full", 1.0)
-        cache = generate.make_cache(method, model, len(system),
-                                    gates if method == "fastkvzip" else None)
-        return lambda: generate.prefill(model, cache, ids, len(system),
-                                        Budget(ratio, args.chunk, args.window))
+        return our_prefill(run, model, gates, len(system), ids, args.budget, args.chunk,
+                           args.window)
 
     with torch.no_grad():
         for threads in args.threads:
@@ -264,7 +275,7 @@ def bench_model(args, name, data, error):
                     times = {}
                     for run in order:
                         fn = make(run, ids)
-                        times[run], times[f"{run} cpu"], times[f"{run} faults"] = _clocks(fn)
+                        times[run], times[f"{run} cpu"], times[f"{run} faults"] = clocks(fn)
                     times["load"] = os.getloadavg()[0]
                     row["rounds"].append(times)
                     save_json(args.json, data)

@@ -1,9 +1,10 @@
 """
 Whether keeping freed memory in the process (cli.keep_freed_memory, which our programs call) helps
 or hurts our own prefill: fresh processes in alternation, glibc's default malloc and the setting,
-each timing our full prefill and Fast KVzip's (the bundled gate, 0.3) three times in turn, from the
-process's first prefill on (nothing else ran in it before, unlike in harness/profile_prefill.py,
-where the peak's matmul and transformers' prefills move glibc's thresholds first).
+each timing our full prefill and Fast KVzip's (the bundled gate, 0.3) three times in turn, as
+harness/profile_prefill.py runs them, but from the process's first prefill on (nothing ran in it
+before, where in the harness the peak's matmul and transformers' prefills move glibc's thresholds
+first).
 
     python -m benchmarks.prefill-vs-transformers-cpu.malloc_ab smollm2-135m-gguf 2048 1 4
 
@@ -12,43 +13,29 @@ root; one line per process: the setting, each run's median seconds of 3 and its 
 per prefill (fresh pages the kernel mapped and zeroed), then the means over the processes.
 """
 import json
-import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 import cli
-import generate
-from cache import Budget
-from formats.checkpoint import load_checked, read_tokenizer
-from formats.gate_file import resolve_gate
-from harness.quality import load_docs
-from prompts import encode_prompt, prompt_format
+from harness.profile_prefill import clocks, load_run, our_prefill
 
 
 def one_process(mode, name, n, threads):
-    """In this process: keep freed memory or not, then 3 x (full, fastkvzip) -> one JSON line."""
+    """In this process: keep freed memory or not, then 3 x (ours, fastkvzip) as
+    harness/profile_prefill.py runs them (budget 0.3, chunks of 2,048, window 512) -> one JSON line."""
     if mode == "keep":
         cli.keep_freed_memory()
     torch.set_num_threads(threads)
-    folder = cli.resolve_model(name)
-    tok, model = read_tokenizer(folder), load_checked(folder, "cpu", torch.float32)
-    gates = resolve_gate(None, model.config, name)
-    system = encode_prompt(tok, prompt_format(model.config, name).system)
-    ids = system + [t for _, doc in load_docs(tok) for t in doc][:n]
-    runs = {"full": [], "fastkvzip": []}
+    _, model, gates, system, text = load_run(name)
+    ids = system + text[:n]
+    runs = {"ours": [], "fastkvzip": []}
     with torch.no_grad():
-        for run in ["full", "fastkvzip"] * 3:
-            cache = generate.make_cache(run, model, len(system),
-                                        gates if run == "fastkvzip" else None)
-            budget = Budget(0.3 if run == "fastkvzip" else 1.0, 2048)
-            f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
-            generate.prefill(model, cache, ids, len(system), budget)
-            runs[run].append((time.perf_counter() - t0,
-                              resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0))
+        for run in ["ours", "fastkvzip"] * 3:
+            wall, _, faults = clocks(our_prefill(run, model, gates, len(system), ids))
+            runs[run].append((wall, faults))
     print(json.dumps(dict(mode=mode, runs=runs)))
 
 
