@@ -73,22 +73,26 @@ def prompt(t):
     return system + torch.randint(40, 200, (N_CONTEXT,), generator=g).tolist(), len(system)
 
 
-def decode_budget(method, n_protected, decode, cfg):
+def decode_budget(method, n_protected, decode, cfg, window=None):
     """DECODE as a decode_tokens_per_head: that many rows per head beyond the protected ones (the
-    window: make_cache's default on cfg's model)."""
+    window: make_cache's default on cfg's model, unless given)."""
     if decode is None:
         return None
-    window = (gate.GateScorer if method == "fastkvzip" else gate.Scorer).window_at_decode(cfg)
+    if window is None:
+        window = (gate.GateScorer if method == "fastkvzip" else gate.Scorer).window_at_decode(cfg)
     return decode_protected(n_protected, window) + decode
 
 
-def prefilled(t, method, name, ids, n_protected, budget, decode):
-    """make_cache, then the method's prefill (KVzip's with its teacher) -> (cache, the last logits)."""
+def prefilled(t, method, name, ids, n_protected, budget, decode, window=None, buffer=None):
+    """make_cache, then the method's prefill (KVzip's with its teacher) -> (cache, the last logits).
+    window, buffer: decode-time eviction's window and buffer (default: the method's, 128 each)."""
     model, plan = t["model"], Budget(budget, CHUNK, WINDOW)
     cache = make_cache(method, model, n_protected,
                        decode_tokens_per_head=decode_budget(method, n_protected, decode,
-                                                           model.config),
-                       gates=t["gates"])
+                                                           model.config, window),
+                       gates=t["gates"], decode_window=window)
+    if buffer is not None:
+        cache.decode_buffer = buffer  # tokens decoded between two decode-time evictions
     with torch.no_grad():
         if method == "kvzip":
             teacher = KVzipTeacher(model, t["tok"], t["fmt"])
@@ -292,19 +296,28 @@ def offline(request):
 @pytest.mark.parametrize("method, decode", [(m, None) for m in METHODS] + [("fastkvzip", DECODE)])
 def test_offline_models_answer_the_same_from_a_file(offline, tmp_path, method, decode):
     """The offline models at budget 0.3 (full: 1.0), every method, the gate also with decode-time
-    eviction (past its first 128 tokens): the file answers as the cache that was saved."""
+    eviction: the file answers as the cache that was saved. The eviction's window and buffer are
+    16 tokens, not 128, so that its evictions, which the file's settings must reproduce, come
+    within the 36 tokens answered (each one drops context rows: 30% of ~130 kept, beyond 16 + 4)."""
     t = offline
     text = "Emma Woodhouse lives at Hartfield with her father. " * 12
     ids, n_protected, [(_, q)] = build_inputs(t["tok"], t["fmt"], text, ["Where?"])
     budget = 1.0 if method == "full" else 0.3
-    cache, last = prefilled(t, method, t["name"], ids, n_protected, budget, decode)
+    window = buffer = DECODE if decode else None
+    cache, last = prefilled(t, method, t["name"], ids, n_protected, budget, decode, window, buffer)
     save_cache(tmp_path / "doc.kv", cache, t["model"], ids, last, n_protected=n_protected)
     scorer = getattr(cache, "scorer", None) if decode else None
     loaded, info = load_cache(tmp_path / "doc.kv", t["model"], scorer)
-    n = 132 if decode else 8
+    n = 2 * DECODE + 4 if decode else 8
+    held = lambda c: sum(int(c.layers[layer].lens.sum()) for layer in c.compressed)
+    before = held(cache) if decode else None
     want = greedy(t["model"], cache, last, n, q)
     got = greedy(t["model"], loaded, info["last_logits"], n, q)
     assert got[0] == want[0] and torch.equal(got[1], want[1])
+    if decode:  # the file kept the settings, and the answers crossed evictions that dropped rows
+        assert (loaded.decode_window, loaded.decode_buffer) == (DECODE, DECODE)
+        grown = (len(q) + n) * cache.cfg.num_key_value_heads * len(cache.compressed)
+        assert held(loaded) == held(cache) < before + grown
 
 
 # -- refusals: one line each, nothing loaded, nothing written half --------------------------------
