@@ -586,11 +586,11 @@ class RaggedKV:
                 slack = torch.zeros_like(need)
             caps = torch.maximum(self.caps, need + slack)
             self._relayout(0, self.lens, caps)
-        # the t new rows of each head into its slack (alike regions: a strided copy per tensor)
+        # new rows into each head's slack: a chunk into alike regions by a strided copy per tensor, a token by index
         score = (float("inf") if score is None
                  else score.to(self.device, torch.float32).reshape(H, t))
         new = (k.transpose(0, 1), v.transpose(0, 1), _head_pos(pos, H).view(H, t), score)
-        rows, alike = (self.starts + self.lens)[:, None] + torch.arange(t), self.uniform()  # (H, t)
+        rows, alike = (self.starts + self.lens)[:, None] + torch.arange(t), t > 1 and self.uniform()
         for x, y in zip((self.k, self.v, self.pos, self.score), new):
             if alike:
                 self.heads(x, alike[1])[:, alike[0]:alike[0] + t] = y
